@@ -1,0 +1,255 @@
+"""The vectorized engine: all clients stacked on a leading axis, one jitted function per round.
+
+Pieces, each a pure function:
+- ``ClientData``: padded per-client arrays ``x[N, M, ...]``, ``y[N, M]`` and real counts ``count[N]``.
+- ``epoch_permutation``: a per-client shuffle, real samples first, drawn inside jit.
+- ``LocalTrainer.run``: minibatch training of ONE client on its padded data; padded samples get weight 0.
+- ``map_clients``: run a one-client function over the client axis by strategy ``vmap`` | ``map`` | ``chunked``.
+- ``make_round`` / ``make_evaluate``: a whole round (cohort sampling, local updates, aggregation) and
+  per-client evaluation, built from an ``Algorithm``.
+
+Randomness: the key of client i in round t is ``fold_in(fold_in(fold_in(root, 0), t), i)``, so results do
+not depend on the strategy, the chunk size, the cohort or the device layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from .aggregation import broadcast_clients
+from .errors import check_choice
+
+PyTree = Any
+STRATEGIES = ("vmap", "map", "chunked")
+
+
+@flax.struct.dataclass
+class ClientData:
+    """Padded client datasets. Stacked: x [N, M, ...], y [N, M], count [N]; one client: x [M, ...], y [M], count []."""
+    x: jax.Array
+    y: jax.Array
+    count: jax.Array
+
+    @property
+    def num_clients(self) -> int:
+        return self.count.shape[0]
+
+    def sample_mask(self):
+        """1.0 for real samples, 0.0 for padding: [..., M]."""
+        m = self.y.shape[-1]
+        return (jnp.arange(m) < self.count[..., None]).astype(jnp.float32)
+
+    def take(self, ids) -> "ClientData":
+        """The rows ``ids`` of the client axis."""
+        return jax.tree_util.tree_map(lambda a: a[ids], self)
+
+
+class Algorithm(NamedTuple):
+    """A federated algorithm as four pure functions (the engine does the rest).
+
+    init(key, sample_x) -> (server_state, client_state)    client_state of ONE client; all start equal
+    local_update(server, client, data, key) -> (client, metrics)   ONE client; data is a ClientData row
+    aggregate(server, clients, weights) -> (server, clients)       clients stacked over the cohort
+    predict(server, client, x) -> logits                   evaluation-mode prediction of ONE client
+    """
+    name: str
+    init: Callable
+    local_update: Callable
+    aggregate: Callable
+    predict: Callable
+
+
+def normalizer(mean: float = 0.5, std: float = 0.5) -> Callable:
+    """uint8 images -> float32 (x / 255 - mean) / std; float inputs pass through unchanged."""
+    def preprocess(x):
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            return (x.astype(jnp.float32) / 255.0 - mean) / std
+        return x
+    return preprocess
+
+
+def epoch_permutation(key, count, m: int):
+    """A random order of the M padded positions with the ``count`` real samples first.
+
+    The priority of position j is uniform(fold_in(key, j)): it depends on j alone, so the order of the real
+    samples is the same however much padding follows them.
+    """
+    idx = jnp.arange(m)
+    prio = jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(idx)
+    return jnp.argsort(jnp.where(idx < count, prio, 2.0))
+
+
+def _select(flag, new, old):
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(flag, a, b), new, old)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTrainer:
+    """Minibatch optimisation of one client, as PyTorch's DataLoader(shuffle=True, drop_last=False) would.
+
+    Each epoch takes ``steps_per_epoch = ceil(max_count / batch_size)`` steps (the same for all clients so
+    they line up); a client with fewer samples skips its surplus steps (parameters, state and optimizer
+    state are kept), and its last batch is partial. ``unroll`` is passed to ``lax.scan`` over steps.
+    """
+    tx: optax.GradientTransformation
+    batch_size: int
+    epochs: int
+    steps_per_epoch: int
+    preprocess: Callable = normalizer()
+    unroll: int | bool = 1
+
+    def run(self, loss_fn, params, state, opt_state, data: ClientData, key):
+        """Train one client.
+
+        loss_fn(params, state, x, y, w, key) -> (loss, (new_state, logits)); w [B] is 1 for real samples.
+        Returns (params, state, opt_state, metrics) with metrics {"loss", "accuracy", "seen"}: means over
+        the real training samples seen this round.
+        """
+        b, m = self.batch_size, data.y.shape[0]
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def epoch(carry, e):
+            ekey = jax.random.fold_in(key, e)
+            perm = epoch_permutation(jax.random.fold_in(ekey, 0), data.count, m)
+
+            def step(carry, t):
+                params, state, opt_state, sums = carry
+                start = t * b
+                idx = jax.lax.dynamic_slice(perm, (start,), (b,))
+                w = ((start + jnp.arange(b)) < data.count).astype(jnp.float32)
+                x = self.preprocess(data.x[idx])
+                (loss, (new_state, logits)), grads = grad_fn(params, state, x, data.y[idx], w,
+                                                             jax.random.fold_in(ekey, t + 1))
+                updates, new_opt = self.tx.update(grads, opt_state, params)
+                new_params = optax.apply_updates(params, updates)
+                active = start < data.count
+                n = jnp.sum(w)
+                correct = jnp.sum(w * (jnp.argmax(logits, -1) == data.y[idx]))
+                sums = sums + jnp.stack([loss * n, correct, n])
+                return (_select(active, new_params, params), _select(active, new_state, state),
+                        _select(active, new_opt, opt_state), sums), None
+
+            carry, _ = jax.lax.scan(step, carry, jnp.arange(self.steps_per_epoch), unroll=self.unroll)
+            return carry, None
+
+        init = (params, state, opt_state, jnp.zeros(3, jnp.float32))
+        (params, state, opt_state, sums), _ = jax.lax.scan(epoch, init, jnp.arange(self.epochs))
+        seen = jnp.maximum(sums[2], 1.0)
+        return params, state, opt_state, {"loss": sums[0] / seen, "accuracy": sums[1] / seen,
+                                          "seen": sums[2]}
+
+
+def map_clients(fn: Callable, strategy: str = "vmap", chunk_size: int = 8) -> Callable:
+    """Apply a one-client function over the leading client axis of all its arguments.
+
+    vmap: all clients at once; map: one after another (``lax.map``) inside the same jit; chunked: vmap
+    over chunks of ``chunk_size`` clients, chunks one after another (bounded memory).
+    """
+    check_choice("client strategy", strategy, STRATEGIES)
+    if strategy == "vmap":
+        return jax.vmap(fn)
+    batch = None if strategy == "map" else chunk_size
+    return lambda *args: jax.lax.map(lambda a: fn(*a), args, batch_size=batch)
+
+
+def client_keys(root, round_idx, client_ids):
+    """Key of client i in round t: fold_in(fold_in(fold_in(root, 0), t), i)."""
+    rkey = jax.random.fold_in(jax.random.fold_in(root, 0), round_idx)
+    return jax.vmap(lambda i: jax.random.fold_in(rkey, i))(client_ids)
+
+
+def sample_cohort(root, round_idx, num_clients: int, cohort_size: int):
+    """Sorted ids of ``cohort_size`` clients drawn without replacement (all clients if cohort_size >= N)."""
+    if cohort_size >= num_clients:
+        return jnp.arange(num_clients)
+    key = jax.random.fold_in(jax.random.fold_in(root, 1), round_idx)
+    return jnp.sort(jax.random.choice(key, num_clients, (cohort_size,), replace=False))
+
+
+def tree_all_finite(tree):
+    """True iff every floating entry of the pytree is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def init_state(alg: Algorithm, key, sample_x, num_clients: int):
+    """(server_state, clients): every client starts from the same initial state."""
+    server, client = alg.init(key, sample_x)
+    clients = jax.tree_util.tree_map(jnp.array, broadcast_clients(client, num_clients))
+    return server, clients
+
+
+def make_round(alg: Algorithm, *, strategy="vmap", chunk_size=8, cohort_size=None,
+               weighting="samples") -> Callable:
+    """Build round(server, clients, data, round_idx, root) -> (server, clients, metrics).
+
+    metrics: per cohort client ``loss``, ``accuracy``, ``seen``, ``finite`` and ``client_id``.
+    Aggregation weights: sample counts (``samples``) or equal (``uniform``).
+    """
+    check_choice("weighting", weighting, ("samples", "uniform"))
+
+    def round_fn(server, clients, data: ClientData, round_idx, root):
+        n = data.num_clients
+        ids = sample_cohort(root, round_idx, n, cohort_size or n)
+        full = (cohort_size or n) >= n
+        c_clients = clients if full else jax.tree_util.tree_map(lambda a: a[ids], clients)
+        c_data = data if full else data.take(ids)
+        keys = client_keys(root, round_idx, ids)
+
+        def one(client, x, y, count, k):
+            new, metrics = alg.local_update(server, client, ClientData(x, y, count), k)
+            metrics = dict(metrics, finite=tree_all_finite(new) & jnp.isfinite(metrics["loss"]))
+            return new, metrics
+
+        new_c, metrics = map_clients(one, strategy, chunk_size)(c_clients, c_data.x, c_data.y,
+                                                                c_data.count, keys)
+        weights = (c_data.count.astype(jnp.float32) if weighting == "samples"
+                   else jnp.ones(ids.shape, jnp.float32))
+        server, new_c = alg.aggregate(server, new_c, weights)
+        clients = new_c if full else jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), clients, new_c)
+        return server, clients, dict(metrics, client_id=ids)
+
+    return round_fn
+
+
+def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_size=8,
+                  preprocess: Callable = normalizer()) -> Callable:
+    """Build evaluate(server, clients, data) -> {"loss", "accuracy", "count"} per client [N].
+
+    Each client predicts its own padded test set in batches (``lax.map``; M must be a multiple of
+    ``eval_batch_size``); padded samples count nowhere.
+    """
+    def one(client, x, y, count, server):
+        m = y.shape[0]
+        nb = m // eval_batch_size
+        w = (jnp.arange(m) < count).astype(jnp.float32)
+
+        def batch(args):
+            xb, yb, wb = args
+            logits = alg.predict(server, client, preprocess(xb))
+            logp = jax.nn.log_softmax(logits, -1)
+            nll = -jnp.take_along_axis(logp, yb[:, None], -1)[:, 0]
+            return jnp.stack([jnp.sum(wb * nll), jnp.sum(wb * (jnp.argmax(logits, -1) == yb))])
+
+        split = lambda a: a.reshape((nb, eval_batch_size) + a.shape[1:])
+        sums = jax.lax.map(batch, (split(x), split(y), split(w))).sum(0)
+        n = jnp.maximum(count.astype(jnp.float32), 1.0)
+        return {"loss": sums[0] / n, "accuracy": sums[1] / n, "count": count}
+
+    def evaluate(server, clients, data: ClientData):
+        fn = lambda c, x, y, cnt: one(c, x, y, cnt, server)
+        return map_clients(fn, strategy, chunk_size)(clients, data.x, data.y, data.count)
+
+    return evaluate
+
+
+def steps_per_epoch(max_count: int, batch_size: int) -> int:
+    """ceil(max_count / batch_size): the number of minibatches of the largest client."""
+    return max(1, math.ceil(max_count / batch_size))
