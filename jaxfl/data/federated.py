@@ -1,0 +1,216 @@
+"""Federated datasets: per-client train/test arrays, named presets, and stacking into padded ClientData."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ..engine import ClientData
+from ..errors import DataError, check_choice
+from . import partition as part
+from .embedded import load_embedded
+from .sources import data_dir, load_image_folder, load_npz, load_tfds
+from .transforms import prepare
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """What to load and how to split it. ``None`` means the preset's default."""
+    dataset: str = "default"
+    data_dir: str | None = None
+    num_clients: int | None = None          # label-skew presets (cifar10, mnist, tfds:*)
+    clients_per_domain: int = 1             # domain presets (default, digits, pacs, folder:*)
+    partition: str | None = None            # iid | dirichlet | shards
+    dirichlet_alpha: float = 0.5
+    classes_per_client: int = 2
+    samples_per_client: int | None = None   # training samples per client (cap)
+    test_per_client: int | None = None      # test samples per client (cap)
+    image_size: int | None = None
+    channels: int = 3
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class FederatedDataset:
+    """Per-client arrays (uint8 images, int labels) of a benchmark, before stacking."""
+    name: str
+    client_names: list[str]
+    train: list[tuple[np.ndarray, np.ndarray]]
+    test: list[tuple[np.ndarray, np.ndarray]]
+    num_classes: int
+    normalize: tuple[float, float] = (0.5, 0.5)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.train[0][0].shape[1:]
+
+    def train_counts(self) -> np.ndarray:
+        return np.array([len(y) for _, y in self.train])
+
+    def stacked(self, split: str, multiple: int = 1) -> ClientData:
+        """ClientData with M = max count rounded up to ``multiple``; padding is zeros with label 0."""
+        return stack_clients(self.train if split == "train" else self.test, multiple)
+
+
+def stack_clients(clients, multiple: int = 1) -> ClientData:
+    """[(x_i [n_i,...], y_i [n_i])] -> ClientData(x [N,M,...], y [N,M], count [N]), M a multiple of ``multiple``."""
+    counts = np.array([len(y) for _, y in clients], np.int32)
+    m = max(1, math.ceil(max(counts.max(), 1) / multiple)) * multiple
+    shape = clients[0][0].shape[1:]
+    x = np.zeros((len(clients), m) + shape, clients[0][0].dtype)
+    y = np.zeros((len(clients), m), np.int32)
+    for i, (xi, yi) in enumerate(clients):
+        if xi.shape[1:] != shape:
+            raise DataError(f"client {i} images have shape {xi.shape[1:]}, client 0 has {shape}")
+        x[i, : len(yi)], y[i, : len(yi)] = xi, yi
+    return ClientData(x=x, y=y, count=counts)
+
+
+def _cap(x, y, n, rng):
+    """The first n samples of a seeded permutation (all if n is None or larger)."""
+    idx = rng.permutation(len(y))[: len(y) if n is None else n]
+    return x[np.sort(idx)], y[np.sort(idx)]
+
+
+def _domain_clients(name, domains: dict, cfg: DataConfig, rng, num_classes, size, defaults=None):
+    """One client per domain (or ``clients_per_domain`` IID shares of it).
+
+    domains: {domain: (train_x, train_y, test_x, test_y)} already in the model's input format.
+    """
+    k = cfg.clients_per_domain
+    if k < 1:
+        raise DataError(f"clients_per_domain={k} must be at least 1")
+    spc = cfg.samples_per_client if cfg.samples_per_client is not None else (defaults or {}).get("spc")
+    names, train, test = [], [], []
+    for dom, (tx, ty, vx, vy) in domains.items():
+        tx, ty = _cap(tx, ty, None if spc is None else spc * k, rng)
+        for j, (ti, vi) in enumerate(zip(part.iid(ty, k, rng), part.iid(vy, k, rng))):
+            names.append(dom if k == 1 else f"{dom}-{j}")
+            train.append((tx[ti], ty[ti]))
+            test.append(_cap(vx[vi], vy[vi], cfg.test_per_client, rng))
+    return FederatedDataset(name, names, train, test, num_classes)
+
+
+def _label_skew_clients(name, train_xy, test_xy, cfg: DataConfig, rng, num_classes, default_partition):
+    """Split one source over ``num_clients`` by a label-skew partitioner; tests follow each train mix."""
+    (tx, ty), (vx, vy) = train_xy, test_xy
+    n = cfg.num_clients or 10
+    kind = cfg.partition or default_partition
+    parts = part.partition(kind, ty, n, rng, alpha=cfg.dirichlet_alpha,
+                           classes_per_client=cfg.classes_per_client)
+    if cfg.samples_per_client is not None:
+        parts = [np.sort(rng.permutation(p)[: cfg.samples_per_client]) for p in parts]
+    test_parts = part.split_like(parts, ty, vy, rng)
+    train = [(tx[p], ty[p]) for p in parts]
+    test = [_cap(vx[p], vy[p], cfg.test_per_client, rng) for p in test_parts]
+    return FederatedDataset(name, [f"client{i}" for i in range(n)], train, test, num_classes)
+
+
+def _split_fraction(x, y, rng, test_fraction=0.2):
+    idx = rng.permutation(len(y))
+    n_test = int(round(len(y) * test_fraction))
+    te, tr = np.sort(idx[:n_test]), np.sort(idx[n_test:])
+    return x[tr], y[tr], x[te], y[te]
+
+
+def _default(cfg, rng):
+    size = cfg.image_size or 32
+    doms = {d: _split_fraction(prepare(x, size, cfg.channels), y, rng)
+            for d, (x, y) in load_embedded(size).items()}
+    return _domain_clients("default", doms, cfg, rng, 10, size)
+
+
+DIGITS_DOMAINS = ("mnistm", "mnist", "usps")
+DIGITS_OPTIONAL = ("synth", "svhn")  # used when a user supplies {domain}_{train,test}.npz
+
+
+def _digits(cfg, rng):
+    root = data_dir(cfg.data_dir)
+    size = cfg.image_size or 32
+    found = [d for d in DIGITS_OPTIONAL if (root / "digits" / f"{d}_train.npz").is_file()]
+    doms = {}
+    for d in DIGITS_DOMAINS + tuple(found):
+        tx, ty = load_npz(root, "digits", d, "train")
+        vx, vy = load_npz(root, "digits", d, "test")
+        tx, ty = _cap(tx, ty, (cfg.samples_per_client or 1000) * cfg.clients_per_domain, rng)
+        doms[d] = (prepare(tx, size, cfg.channels), ty, prepare(vx, size, cfg.channels), vy)
+    return _domain_clients("digits", doms, cfg, rng, 10, size, {"spc": 1000})
+
+
+PACS_DOMAINS = ("art_painting", "cartoon", "photo", "sketch")
+
+
+def _pacs(cfg, rng):
+    root = data_dir(cfg.data_dir)
+    size = cfg.image_size or 32
+    doms = {}
+    for d in PACS_DOMAINS:
+        tx, ty = load_npz(root, "pacs", d, "train")
+        vx, vy = load_npz(root, "pacs", d, "val")
+        doms[d] = (prepare(tx, size, cfg.channels), ty, prepare(vx, size, cfg.channels), vy)
+    ds = _domain_clients("pacs", doms, cfg, rng, 7, size)
+    ds.normalize = (0.0, 1.0)  # FedBN's Office/DomainNet pipeline: ToTensor, no mean/std
+    return ds
+
+
+def _npz_label_skew(benchmark, domain, test_split, num_classes, default_size, default_partition):
+    def build(cfg, rng):
+        root = data_dir(cfg.data_dir)
+        size = cfg.image_size or default_size
+        tx, ty = load_npz(root, benchmark, domain, "train")
+        vx, vy = load_npz(root, benchmark, domain, test_split)
+        return _label_skew_clients(domain, (prepare(tx, size, cfg.channels), ty),
+                                   (prepare(vx, size, cfg.channels), vy), cfg, rng, num_classes,
+                                   default_partition)
+    return build
+
+
+def _tfds(cfg, rng, name):
+    size = cfg.image_size or 32
+    tx, ty = load_tfds(name, "train", cfg.data_dir)
+    vx, vy = load_tfds(name, "test", cfg.data_dir)
+    k = int(max(ty.max(), vy.max())) + 1
+    return _label_skew_clients(name, (prepare(tx, size, cfg.channels), ty),
+                               (prepare(vx, size, cfg.channels), vy), cfg, rng, k, "dirichlet")
+
+
+def _folder(cfg, rng, path):
+    size = cfg.image_size or 32
+    found = load_image_folder(path, size, cfg.channels)
+    doms = {d: _split_fraction(x, y, rng) for d, (x, y) in found.items()}
+    k = int(max(y.max() for _, y in found.values())) + 1
+    return _domain_clients(Path(path).name, doms, cfg, rng, k, size)
+
+
+PRESETS = {
+    "default": _default,
+    "digits": _digits,
+    "pacs": _pacs,
+    "cifar10": _npz_label_skew("cifar10", "cifar10", "test", 10, 32, "shards"),
+    "mnist": _npz_label_skew("digits", "mnist", "test", 10, 28, "dirichlet"),
+}
+PREFIXES = {"tfds:": _tfds, "folder:": _folder}
+TFDS_NAMES = ("mnist", "svhn_cropped", "cifar10", "cifar100", "domainnet")
+DATASET_NAMES = tuple(PRESETS) + tuple(f"{p}NAME" for p in PREFIXES)
+
+
+def load_dataset(cfg: DataConfig) -> FederatedDataset:
+    """Build a FederatedDataset from a preset name, ``tfds:NAME`` or ``folder:PATH``, seeded by cfg.seed."""
+    rng = np.random.default_rng(cfg.seed)
+    if cfg.channels not in (1, 3):
+        raise DataError(f"channels={cfg.channels}; allowed: 1 or 3")
+    for prefix, build in PREFIXES.items():
+        if cfg.dataset.startswith(prefix):
+            return _checked(build(cfg, rng, cfg.dataset[len(prefix):]))
+    check_choice("dataset", cfg.dataset, DATASET_NAMES)
+    return _checked(PRESETS[cfg.dataset](cfg, rng))
+
+
+def _checked(ds: FederatedDataset) -> FederatedDataset:
+    for name, (x, y), (_, vy) in zip(ds.client_names, ds.train, ds.test):
+        if len(y) == 0 or len(vy) == 0:
+            raise DataError(f"client {name!r} has {len(y)} training and {len(vy)} test samples; every "
+                            f"client needs at least one of each (use fewer clients)")
+    return ds

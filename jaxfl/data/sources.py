@@ -1,0 +1,90 @@
+"""Where images come from: the ``.npz`` directory format, an image-folder tree, tensorflow-datasets, and
+the embedded offline benchmark. Every loader returns ``(images uint8 [N, H, W, C], labels int64 [N])``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError
+
+DATA_DIR_ENV = "JAXFL_DATA_DIR"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
+
+
+def data_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """The data directory: ``explicit`` if given, else $JAXFL_DATA_DIR; DataError if neither is set."""
+    path = explicit or os.environ.get(DATA_DIR_ENV)
+    if not path:
+        raise DataError(f"no data directory: pass --data-dir or set {DATA_DIR_ENV} (for example "
+                        f"{DATA_DIR_ENV}=../shared/data), or use --dataset default, which needs no files")
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"data directory {str(path)!r} does not exist")
+    return path
+
+
+def load_npz(root: Path, benchmark: str, domain: str, split: str):
+    """Read ``root/benchmark/{domain}_{split}.npz`` with keys ``images`` [N,H,W,C] uint8, ``labels`` [N]."""
+    path = Path(root) / benchmark / f"{domain}_{split}.npz"
+    if not path.is_file():
+        raise DataError(f"missing data file {str(path)!r}; expected {benchmark}/{domain}_{split}.npz "
+                        f"under the data directory")
+    with np.load(path) as f:
+        if "images" not in f or "labels" not in f:
+            raise DataError(f"{str(path)!r} must hold arrays 'images' and 'labels', has {list(f.keys())}")
+        images, labels = f["images"], f["labels"].astype(np.int64)
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.ndim != 4 or len(images) != len(labels):
+        raise DataError(f"{str(path)!r}: images {images.shape} and labels {labels.shape} do not match "
+                        f"[N, H, W, C] and [N]")
+    return images.astype(np.uint8), labels
+
+
+def load_image_folder(root: str | os.PathLike, size: int, channels: int = 3) -> dict:
+    """Read ``root/<domain>/<class>/*.png|jpg`` -> {domain: (images [N,size,size,channels], labels)}.
+
+    Class ids follow the sorted class-folder names, taken from the union over domains so every domain
+    uses the same ids. For sets tfds lacks (Office-Caltech10, PACS).
+    """
+    from PIL import Image
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"image folder {str(root)!r} does not exist")
+    domains = sorted(d for d in root.iterdir() if d.is_dir())
+    classes = sorted({c.name for d in domains for c in d.iterdir() if c.is_dir()})
+    if not domains or not classes:
+        raise DataError(f"{str(root)!r} must contain <domain>/<class>/<image> folders")
+    mode = "L" if channels == 1 else "RGB"
+    out = {}
+    for d in domains:
+        images, labels = [], []
+        for label, cls in enumerate(classes):
+            for f in sorted((d / cls).glob("*")) if (d / cls).is_dir() else []:
+                if f.suffix.lower() in IMAGE_SUFFIXES:
+                    with Image.open(f) as im:
+                        im = im.convert(mode).resize((size, size), Image.BILINEAR)
+                        images.append(np.asarray(im, np.uint8).reshape(size, size, channels))
+                    labels.append(label)
+        if images:
+            out[d.name] = (np.stack(images), np.asarray(labels, np.int64))
+    return out
+
+
+def load_tfds(name: str, split: str, tfds_dir: str | None = None):
+    """Load a tensorflow-datasets split as numpy (needs the ``tfds`` extra and, the first time, network).
+
+    Never called by the tests: tfds retries downloads for minutes when offline.
+    """
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise DataError(f"dataset tfds:{name} needs tensorflow-datasets: pip install 'jaxfl[tfds]'") from e
+    ds = tfds.as_numpy(tfds.load(name, split=split, batch_size=-1, as_supervised=True, data_dir=tfds_dir))
+    images, labels = ds
+    if images.ndim == 3:
+        images = images[..., None]
+    return images.astype(np.uint8), labels.astype(np.int64)
