@@ -1,0 +1,57 @@
+"""Checkpoints of (server, clients) with orbax; a round's checkpoint is written only after it passed the
+non-finite check, and orbax writes to a temporary folder and renames, so the last good one stays intact.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from .errors import ConfigError
+
+# Fields that may change between a run and its resumption; any other change is refused.
+RESUMABLE_CHANGES = {"rounds", "resume", "out", "checkpoint_every", "eval_every", "strategy", "chunk_size"}
+
+
+class Checkpointer:
+    """Saves and restores the stacked state by round number (keeps the newest ``keep``)."""
+
+    def __init__(self, directory: Path, keep: int = 2):
+        self.directory = Path(directory).absolute()
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                                                 enable_async_checkpointing=False))
+
+    def latest_round(self):
+        return self.manager.latest_step()
+
+    def save(self, round_idx: int, server, clients) -> None:
+        self.manager.save(round_idx, args=ocp.args.StandardSave({"server": server, "clients": clients}))
+        self.manager.wait_until_finished()
+
+    def restore(self, round_idx: int, server, clients):
+        target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, {"server": server, "clients": clients})
+        state = self.manager.restore(round_idx, args=ocp.args.StandardRestore(target))
+        return state["server"], state["clients"]
+
+    def restore_latest(self, server, clients, cfg, metrics_path: Path):
+        """(server, clients, next_round, history) from the newest checkpoint; checks the config matches."""
+        step = self.latest_round()
+        if step is None:
+            raise ConfigError(f"--resume: no checkpoint in {str(self.directory)!r}")
+        saved_cfg = self.directory.parent / "config.json"
+        if saved_cfg.is_file():
+            old = json.loads(saved_cfg.read_text())
+            new = cfg.to_dict()
+            diff = sorted(k for k in new if k not in RESUMABLE_CHANGES and old.get(k) != new[k])
+            if diff:
+                raise ConfigError(f"--resume: config differs from the checkpointed run in {diff}; "
+                                  f"only {sorted(RESUMABLE_CHANGES)} may change")
+        server, clients = self.restore(step, server, clients)
+        history = []
+        if metrics_path.is_file():
+            history = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+            history = [h for h in history if h["round"] <= step]
+        return server, clients, step, history

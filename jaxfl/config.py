@@ -1,0 +1,100 @@
+"""Run configuration: one flat, frozen dataclass, loadable from TOML/JSON and overridable from the CLI."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+
+from .data.federated import DataConfig
+from .engine import STRATEGIES
+from .errors import ConfigError, check_choice, check_range
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run depends on. ``None`` means "the preset's / backend's default"."""
+    algorithm: str = "fedbn"
+    dataset: str = "default"
+    model: str | None = None
+    rounds: int = 10
+    local_epochs: int = 1
+    batch_size: int = 64
+    lr: float = 0.01
+    momentum: float = 0.5
+    seed: int = 0
+    # data
+    data_dir: str | None = None
+    num_clients: int | None = None
+    clients_per_domain: int = 1
+    partition: str | None = None
+    dirichlet_alpha: float = 0.5
+    classes_per_client: int = 2
+    samples_per_client: int | None = None
+    test_per_client: int | None = None
+    image_size: int | None = None
+    channels: int = 3
+    # engine
+    clients_per_round: int | None = None
+    participation: float | None = None
+    weighting: str = "samples"
+    strategy: str | None = None
+    chunk_size: int = 8
+    unroll: int = 1
+    eval_every: int = 1
+    eval_batch_size: int = 256
+    # output
+    out: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+
+    def data_config(self) -> DataConfig:
+        names = {f.name for f in dataclasses.fields(DataConfig)}
+        return DataConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+
+    def replace(self, **kw) -> "RunConfig":
+        return dataclasses.replace(self, **kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Raise ConfigError naming the first bad value; return cfg unchanged otherwise."""
+    from .algorithms import ALGORITHMS
+    from .models import MODELS
+    check_choice("algorithm", cfg.algorithm, ALGORITHMS)
+    if cfg.model is not None:
+        check_choice("model", cfg.model, MODELS)
+    if cfg.strategy is not None:
+        check_choice("strategy", cfg.strategy, STRATEGIES)
+    check_choice("weighting", cfg.weighting, ("samples", "uniform"))
+    for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "unroll", "eval_every",
+                 "eval_batch_size", "clients_per_domain"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
+    check_range("lr", cfg.lr, 0.0, float("inf"), lo_open=True)
+    check_range("momentum", cfg.momentum, 0.0, 1.0)
+    if cfg.participation is not None:
+        check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
+    if cfg.clients_per_round is not None and cfg.clients_per_round < 1:
+        raise ConfigError(f"clients_per_round={cfg.clients_per_round} must be at least 1")
+    if cfg.checkpoint_every < 0:
+        raise ConfigError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0")
+    if (cfg.resume or cfg.checkpoint_every) and not cfg.out:
+        raise ConfigError("checkpoints and --resume need an output directory (--out DIR)")
+    return cfg
+
+
+def load_config_file(path: str | Path) -> dict:
+    """Read a TOML or JSON config file into a dict of RunConfig fields (unknown keys are an error)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    bad = sorted(set(data) - known)
+    if bad:
+        raise ConfigError(f"unknown config keys {bad} in {str(path)!r}; valid: {', '.join(sorted(known))}")
+    return data
