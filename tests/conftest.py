@@ -1,0 +1,45 @@
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxfl.engine import ClientData, LocalTrainer, steps_per_epoch
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def make_data(counts, m=None, shape=(8, 8, 3), seed=0, classes=4):
+    """Random uint8 client data padded to m (default: max count), labels in [0, classes)."""
+    rng = np.random.default_rng(seed)
+    m = m or max(counts)
+    x = rng.integers(0, 256, (len(counts), m) + shape, dtype=np.uint8)
+    y = rng.integers(0, classes, (len(counts), m)).astype(np.int32)
+    for i, c in enumerate(counts):  # padding is zeros, as stack_clients writes it
+        x[i, c:] = 0
+        y[i, c:] = 0
+    return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(np.array(counts, np.int32)))
+
+
+def make_trainer(batch_size=8, epochs=1, max_count=24, lr=0.05, momentum=0.5):
+    return LocalTrainer(optax.sgd(lr, momentum=momentum), batch_size, epochs,
+                        steps_per_epoch(max_count, batch_size))
+
+
+def assert_trees_close(a, b, atol=1e-5, rtol=1e-5):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
+
+
+@pytest.fixture(scope="session")
+def data_dir():
+    """The shared benchmark data; CI sets JAXFL_DATA_DIR. These tests must run, never skip, in CI."""
+    path = os.environ.get("JAXFL_DATA_DIR") or (str(SHARED_DATA) if SHARED_DATA.is_dir() else None)
+    if path is None:
+        if os.environ.get("CI"):
+            raise RuntimeError("CI must set JAXFL_DATA_DIR to the shared benchmark data")
+        pytest.skip("no benchmark data: set JAXFL_DATA_DIR")
+    return path

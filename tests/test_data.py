@@ -1,0 +1,167 @@
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxfl.data import (DataConfig, dirichlet, iid, load_dataset, load_image_folder, load_npz, shards,
+                        split_like, stack_clients, to_channels, resize_images)
+from jaxfl.errors import ConfigError, DataError
+
+LABELS = np.repeat(np.arange(10), 50)  # 500 samples, 50 per class
+
+
+def _covers_once(parts, n):
+    allidx = np.concatenate(parts)
+    return len(allidx) == n and len(np.unique(allidx)) == n
+
+
+def test_iid_counts_and_seeding():
+    p = iid(LABELS, 7, np.random.default_rng(0))
+    assert _covers_once(p, 500) and max(map(len, p)) - min(map(len, p)) <= 1
+    q = iid(LABELS, 7, np.random.default_rng(0))
+    assert all(np.array_equal(a, b) for a, b in zip(p, q))
+    assert not all(np.array_equal(a, b) for a, b in zip(p, iid(LABELS, 7, np.random.default_rng(1))))
+
+
+def test_dirichlet_counts_skew_and_seeding():
+    p = dirichlet(LABELS, 20, 0.1, np.random.default_rng(0))
+    assert _covers_once(p, 500) and min(map(len, p)) >= 1
+    # small alpha -> few classes per client; large alpha -> nearly all
+    few = np.mean([len(np.unique(LABELS[i])) for i in p])
+    many = np.mean([len(np.unique(LABELS[i])) for i in dirichlet(LABELS, 20, 100.0, np.random.default_rng(0))])
+    assert few < 5 < many
+    assert all(np.array_equal(a, b) for a, b in zip(p, dirichlet(LABELS, 20, 0.1, np.random.default_rng(0))))
+
+
+def test_dirichlet_scales_to_1000_clients():
+    labels = np.random.default_rng(0).integers(0, 10, 60000)
+    p = dirichlet(labels, 1000, 0.5, np.random.default_rng(0))
+    assert _covers_once(p, 60000) and len(p) == 1000
+
+
+def test_dirichlet_impossible_gives_clear_error():
+    with pytest.raises(DataError, match="alpha=0.001.*min_size=20.*draws"):
+        dirichlet(LABELS, 20, 0.001, np.random.default_rng(0), min_size=20, max_retries=5)
+    with pytest.raises(ConfigError, match="dirichlet_alpha=0"):
+        dirichlet(LABELS, 20, 0.0, np.random.default_rng(0))
+
+
+def test_shards_exact_classes_per_client():
+    p = shards(LABELS, 15, 2, np.random.default_rng(0))
+    assert _covers_once(p, 500)
+    assert all(len(np.unique(LABELS[i])) == 2 for i in p)
+    with pytest.raises(DataError, match="classes_per_client=11 must be in \\[1, 10\\]"):
+        shards(LABELS, 5, 11, np.random.default_rng(0))
+
+
+def test_more_clients_than_samples():
+    with pytest.raises(DataError, match="num_clients=501 is more than the 500 samples"):
+        iid(LABELS, 501, np.random.default_rng(0))
+
+
+def test_split_like_follows_train_mix():
+    rng = np.random.default_rng(0)
+    p = shards(LABELS, 10, 2, rng)
+    test_labels = np.repeat(np.arange(10), 20)
+    t = split_like(p, LABELS, test_labels, rng)
+    assert _covers_once(t, 200)
+    for tr, te in zip(p, t):
+        assert set(np.unique(test_labels[te])) <= set(np.unique(LABELS[tr]))
+
+
+def test_stack_clients_pads_to_multiple():
+    clients = [(np.ones((5, 2, 2, 1), np.uint8), np.arange(5)), (np.ones((3, 2, 2, 1), np.uint8), np.arange(3))]
+    d = stack_clients(clients, multiple=4)
+    assert d.x.shape == (2, 8, 2, 2, 1) and list(d.count) == [5, 3]
+    assert d.x[1, 3:].sum() == 0
+    with pytest.raises(DataError, match="shape"):
+        stack_clients([clients[0], (np.ones((3, 4, 4, 1), np.uint8), np.arange(3))])
+
+
+def test_channel_and_size_conversion():
+    grey = np.random.default_rng(0).integers(0, 256, (3, 16, 16, 1), dtype=np.uint8)
+    rgb = to_channels(grey, 3)
+    assert rgb.shape == (3, 16, 16, 3) and np.array_equal(rgb[..., 2], grey[..., 0])
+    np.testing.assert_array_equal(to_channels(rgb, 1), grey)  # luma of a grey pixel is itself
+    assert resize_images(grey, 32).shape == (3, 32, 32, 1)
+    with pytest.raises(DataError, match="4 channels"):
+        to_channels(np.zeros((1, 2, 2, 4), np.uint8), 3)
+
+
+def test_embedded_default_needs_no_files(monkeypatch):
+    monkeypatch.delenv("JAXFL_DATA_DIR", raising=False)
+    ds = load_dataset(DataConfig("default", image_size=16))
+    assert ds.client_names == ["sk-digits", "sk-digits-photo", "font-digits"]
+    assert ds.input_shape == (16, 16, 3) and ds.num_classes == 10
+    for (x, y), (_, ty) in zip(ds.train, ds.test):
+        assert x.dtype == np.uint8 and len(y) > 100 and set(np.unique(y)) == set(range(10)) and len(ty) > 20
+    # domains really differ: the photo domain is colourful, sk-digits is grey
+    x0, x1 = ds.train[0][0].astype(int), ds.train[1][0].astype(int)
+    assert np.abs(x0[..., 0] - x0[..., 1]).max() == 0 and np.abs(x1[..., 0] - x1[..., 1]).mean() > 5
+    ds2 = load_dataset(DataConfig("default", image_size=16, clients_per_domain=2))
+    assert len(ds2.client_names) == 6
+
+
+def test_digits_preset_reads_real_npz(data_dir):
+    ds = load_dataset(DataConfig("digits", data_dir=data_dir, samples_per_client=200, test_per_client=100))
+    assert ds.client_names == ["mnistm", "mnist", "usps"]
+    assert list(ds.train_counts()) == [200, 200, 200]
+    assert ds.input_shape == (32, 32, 3)
+    assert [len(y) for _, y in ds.test] == [100, 100, 100]
+    # seeded: the same seed picks the same subset, another seed another one
+    again = load_dataset(DataConfig("digits", data_dir=data_dir, samples_per_client=200, test_per_client=100))
+    other = load_dataset(DataConfig("digits", data_dir=data_dir, samples_per_client=200, test_per_client=100, seed=1))
+    assert np.array_equal(ds.train[1][1], again.train[1][1]) and not np.array_equal(ds.train[1][1], other.train[1][1])
+
+
+def test_cifar10_and_pacs_presets(data_dir):
+    ds = load_dataset(DataConfig("cifar10", data_dir=data_dir, num_clients=10, samples_per_client=50))
+    assert list(ds.train_counts()) == [50] * 10
+    assert all(len(np.unique(y)) <= 2 for _, y in ds.train)
+    pacs = load_dataset(DataConfig("pacs", data_dir=data_dir, image_size=16))
+    assert pacs.client_names == ["art_painting", "cartoon", "photo", "sketch"] and pacs.num_classes == 7
+    assert list(pacs.train_counts()) == [1840, 2107, 1499, 3531]
+
+
+def test_npz_and_data_dir_errors(tmp_path, monkeypatch):
+    with pytest.raises(DataError, match="missing data file .*digits/mnist_train.npz"):
+        load_npz(tmp_path, "digits", "mnist", "train")
+    monkeypatch.delenv("JAXFL_DATA_DIR", raising=False)
+    with pytest.raises(DataError, match="no data directory: pass --data-dir or set JAXFL_DATA_DIR"):
+        load_dataset(DataConfig("digits"))
+    with pytest.raises(DataError, match="does not exist"):
+        load_dataset(DataConfig("digits", data_dir=str(tmp_path / "nope")))
+    with pytest.raises(ConfigError, match="unknown dataset 'mnist-m'; valid: default, digits"):
+        load_dataset(DataConfig("mnist-m"))
+    (tmp_path / "digits").mkdir()
+    np.savez(tmp_path / "digits" / "bad_train.npz", images=np.zeros((3, 4, 4), np.uint8), labels=np.zeros(2))
+    with pytest.raises(DataError, match="do not match"):
+        load_npz(tmp_path, "digits", "bad", "train")
+
+
+def test_image_folder_reader(tmp_path):
+    rng = np.random.default_rng(0)
+    for dom in ("art", "photo"):
+        for cls in ("cat", "dog"):
+            (tmp_path / dom / cls).mkdir(parents=True)
+            for k in range(5):
+                Image.fromarray(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)).save(tmp_path / dom / cls / f"{k}.png")
+    out = load_image_folder(tmp_path, size=8)
+    assert sorted(out) == ["art", "photo"]
+    x, y = out["art"]
+    assert x.shape == (10, 8, 8, 3) and list(np.bincount(y)) == [5, 5]
+    ds = load_dataset(DataConfig(f"folder:{tmp_path}", image_size=8))
+    assert ds.client_names == ["art", "photo"] and ds.num_classes == 2
+    assert sum(map(len, (y for _, y in ds.train))) + sum(map(len, (y for _, y in ds.test))) == 20
+
+
+def test_tfds_missing_is_a_clear_error(monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name.startswith("tensorflow_datasets"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(DataError, match=r"pip install 'jaxfl\[tfds\]'"):
+        load_dataset(DataConfig("tfds:mnist"))

@@ -1,0 +1,159 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_trees_close, make_data, make_trainer
+from jaxfl import build_algorithm, init_state, make_evaluate, make_round
+from jaxfl.algorithms import is_batchnorm, path_mask
+from jaxfl.engine import ClientData, client_keys, epoch_permutation, map_clients, sample_cohort
+from jaxfl.errors import ConfigError
+from jaxfl.models import small_cnn
+
+ROOT = jax.random.key(7)
+
+
+def setup(name="fedbn", counts=(24, 17, 9), m=None, **trainer_kw):
+    data = make_data(list(counts), m=m)
+    alg = build_algorithm(name, small_cnn(num_classes=4, width=4), make_trainer(max_count=max(counts), **trainer_kw))
+    server, clients = init_state(alg, jax.random.key(0), data.x[0], len(counts))
+    return alg, data, server, clients
+
+
+def run_rounds(alg, data, server, clients, rounds=2, **kw):
+    fn = jax.jit(make_round(alg, **kw))
+    for r in range(rounds):
+        server, clients, metrics = fn(server, clients, data, r, ROOT)
+    return server, clients, metrics
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedbn", "local"])
+def test_strategies_give_same_numbers(name):
+    alg, data, server, clients = setup(name)
+    ref = run_rounds(alg, data, server, clients, strategy="vmap")
+    for strategy, chunk in [("map", 8), ("chunked", 2), ("chunked", 3)]:
+        out = run_rounds(alg, data, server, clients, strategy=strategy, chunk_size=chunk)
+        assert_trees_close(ref[:2], out[:2])
+        np.testing.assert_allclose(ref[2]["loss"], out[2]["loss"], rtol=1e-5)
+
+
+def test_one_client_alone_equals_same_client_in_stack():
+    alg, data, server, clients = setup("local")
+    _, stacked, _ = run_rounds(alg, data, server, clients)
+    # Client 1 alone: a stack of one, but it must keep its client id (its PRNG stream) -> run its
+    # local_update directly with the key the engine gives client 1.
+    one = jax.tree_util.tree_map(lambda a: a[1], clients)
+    row = data.take(1)
+    update = jax.jit(alg.local_update)
+    for r in range(2):
+        one, _ = update(server, one, row, client_keys(ROOT, r, jnp.array([1]))[0])
+    assert_trees_close(jax.tree_util.tree_map(lambda a: a[1], stacked), one, atol=1e-6)
+
+
+def test_padding_changes_nothing():
+    counts = (24, 17, 9)
+    alg, data, server, clients = setup("fedbn", counts)
+    # Same real samples, 16 more padded rows, and every padded position filled with garbage (255, label
+    # 3): loss, gradients, BN statistics and metrics must ignore all of it.
+    x = np.full((3, 40) + data.x.shape[2:], 255, np.uint8)
+    y = np.full((3, 40), 3, np.int32)
+    for i, c in enumerate(counts):
+        x[i, :c], y[i, :c] = data.x[i, :c], data.y[i, :c]
+    padded = ClientData(jnp.asarray(x), jnp.asarray(y), data.count)
+    a = run_rounds(alg, data, server, clients)
+    b = run_rounds(alg, padded, server, clients)
+    assert_trees_close(a[:2], b[:2], atol=1e-6)
+    np.testing.assert_allclose(a[2]["loss"], b[2]["loss"], rtol=1e-6)
+    ea = jax.jit(make_evaluate(alg, eval_batch_size=8))(a[0], a[1], data)
+    eb = jax.jit(make_evaluate(alg, eval_batch_size=8))(b[0], b[1], padded)
+    np.testing.assert_allclose(ea["accuracy"], eb["accuracy"])
+    np.testing.assert_allclose(ea["loss"], eb["loss"], rtol=1e-5)
+
+
+def test_fedavg_one_client_equals_local():
+    alg_avg, data, server, clients = setup("fedavg", counts=(20,))
+    alg_loc = build_algorithm("local", small_cnn(num_classes=4, width=4), make_trainer(max_count=20))
+    a = run_rounds(alg_avg, data, server, clients, rounds=3)
+    s, c = init_state(alg_loc, jax.random.key(0), data.x[0], 1)
+    b = run_rounds(alg_loc, data, s, c, rounds=3)
+    # FedAvg's model of the single client = its own params after each round (averaging one client is exact)
+    assert_trees_close(a[0]["params"], jax.tree_util.tree_map(lambda x: x[0], b[1]["params"]), atol=0, rtol=0)
+
+
+def test_fedbn_keeps_batchnorm_per_client_and_averages_the_rest():
+    alg, data, server, clients = setup("fedbn")
+    s, c, _ = run_rounds(alg, data, server, clients, rounds=1)
+    ev_params = jax.vmap(lambda cl: jax.tree_util.tree_map(
+        lambda sv, cv, shared: sv if shared else cv, s["params"], cl["params"],
+        path_mask(s["params"], lambda p: not is_batchnorm(p))))(c)
+    flat = jax.tree_util.tree_flatten_with_path(ev_params)[0]
+    saw_bn = saw_shared = False
+    for path, leaf in flat:
+        names = [str(getattr(k, "key", k)) for k in path]
+        differs = not np.allclose(leaf[0], leaf[1])
+        if is_batchnorm(tuple(names)):
+            saw_bn = True
+            assert differs, f"BN leaf {names} should differ between clients"
+        else:
+            saw_shared = True
+            assert not differs, f"shared leaf {names} should be identical"
+    assert saw_bn and saw_shared
+    # Running statistics are never averaged: the server keeps its initial ones.
+    assert_trees_close(s["batch_stats"], server["batch_stats"], atol=0, rtol=0)
+    assert not np.allclose(c["batch_stats"]["encoder"]["bn1"]["mean"][0], c["batch_stats"]["encoder"]["bn1"]["mean"][1])
+
+
+def test_fedavg_server_is_sample_weighted_mean_of_clients():
+    alg, data, server, clients = setup("fedavg")
+    # One round of local training without aggregation = the 'local' algorithm's client rows.
+    loc = build_algorithm("local", small_cnn(num_classes=4, width=4), make_trainer(max_count=24))
+    _, c_local, _ = run_rounds(loc, data, *init_state(loc, jax.random.key(0), data.x[0], 3), rounds=1)
+    s, _, _ = run_rounds(alg, data, server, clients, rounds=1)
+    w = np.array([24, 17, 9], np.float32) / 50
+    expected = jax.tree_util.tree_map(lambda x: np.tensordot(w, np.asarray(x), 1), c_local["params"])
+    assert_trees_close(s["params"], expected, atol=1e-6)
+
+
+def test_partial_participation_trains_only_the_cohort():
+    alg, data, server, clients = setup("local", counts=(24, 17, 9, 12, 20))
+    fn = jax.jit(make_round(alg, cohort_size=2))
+    _, c, m = fn(server, clients, data, 0, ROOT)
+    ids = np.asarray(m["client_id"])
+    assert len(ids) == 2 and len(set(ids.tolist())) == 2
+    for i in range(5):
+        same = np.allclose(c["params"]["head"]["fc1"]["linear"]["kernel"][i],
+                           clients["params"]["head"]["fc1"]["linear"]["kernel"][i])
+        assert same == (i not in ids)
+    np.testing.assert_array_equal(ids, sample_cohort(ROOT, 0, 5, 2))
+    assert not np.array_equal(sample_cohort(ROOT, 0, 5, 2), sample_cohort(ROOT, 1, 5, 2)) or \
+        not np.array_equal(sample_cohort(ROOT, 2, 5, 2), sample_cohort(ROOT, 3, 5, 2))
+
+
+def test_client_keys_depend_on_id_not_position():
+    k_all = client_keys(ROOT, 3, jnp.arange(5))
+    k_sub = client_keys(ROOT, 3, jnp.array([1, 4]))
+    np.testing.assert_array_equal(jax.random.key_data(k_all[jnp.array([1, 4])]), jax.random.key_data(k_sub))
+
+
+def test_epoch_permutation_real_first_and_padding_invariant():
+    key = jax.random.key(3)
+    p1 = np.asarray(epoch_permutation(key, 10, 16))
+    p2 = np.asarray(epoch_permutation(key, 10, 64))
+    assert sorted(p1[:10]) == list(range(10))
+    np.testing.assert_array_equal(p1[:10], p2[:10])
+    assert not np.array_equal(p1[:10], np.asarray(epoch_permutation(jax.random.key(4), 10, 16))[:10])
+
+
+def test_clients_beyond_their_data_skip_steps():
+    # Client 1 has 9 samples: with batch 8 it takes 2 steps; the stack's third step must not move it.
+    alg, data, server, clients = setup("local", counts=(24, 9))
+    alg_alone = build_algorithm("local", small_cnn(num_classes=4, width=4), make_trainer(max_count=9))
+    one, row, key = jax.tree_util.tree_map(lambda a: a[1], clients), data.take(1), jax.random.key(5)
+    in_stack, _ = jax.jit(alg.local_update)(server, one, row, key)
+    alone, _ = jax.jit(alg_alone.local_update)(server, one, row, key)
+    assert_trees_close(in_stack, alone, atol=1e-6)
+
+
+def test_map_clients_rejects_unknown_strategy():
+    with pytest.raises(ConfigError, match="valid: vmap, map, chunked"):
+        map_clients(lambda x: x, "pmap")

@@ -1,0 +1,101 @@
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import assert_trees_close
+from jaxfl.cli import main
+from jaxfl.config import RunConfig
+from jaxfl.errors import ConfigError, NonFiniteError
+from jaxfl.runner import Experiment, summarize
+
+TINY = dict(dataset="default", model="small_cnn", image_size=12, samples_per_client=40, test_per_client=30,
+            batch_size=16, eval_batch_size=32, lr=0.05)
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    full = Experiment(RunConfig(algorithm="fedbn", rounds=4, **TINY)).run()
+    first = Experiment(RunConfig(algorithm="fedbn", rounds=2, out=str(tmp_path), checkpoint_every=1, **TINY)).run()
+    assert len(first.history) == 2
+    resumed = Experiment(RunConfig(algorithm="fedbn", rounds=4, out=str(tmp_path), checkpoint_every=1, resume=True,
+                                   **TINY)).run()
+    assert_trees_close(full.server, resumed.server, atol=0, rtol=0)
+    assert_trees_close(full.clients, resumed.clients, atol=0, rtol=0)
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [l["round"] for l in lines] == [1, 2, 3, 4]
+    np.testing.assert_allclose(lines[-1]["test_accuracy"], full.history[-1]["test_accuracy"])
+    assert (tmp_path / "accuracy.png").stat().st_size > 1000
+    # resuming with a different algorithm is refused
+    with pytest.raises(ConfigError, match="config differs.*algorithm"):
+        Experiment(RunConfig(algorithm="fedavg", rounds=5, out=str(tmp_path), resume=True, **TINY)).run()
+
+
+def test_existing_checkpoints_need_resume(tmp_path):
+    Experiment(RunConfig(rounds=1, out=str(tmp_path), checkpoint_every=1, **TINY)).run()
+    with pytest.raises(ConfigError, match="already holds checkpoints; pass --resume"):
+        Experiment(RunConfig(rounds=2, out=str(tmp_path), checkpoint_every=1, **TINY)).run()
+
+
+def test_nan_stops_with_round_and_client_and_keeps_last_checkpoint(tmp_path):
+    cfg = RunConfig(algorithm="local", rounds=5, out=str(tmp_path), checkpoint_every=1, **TINY)
+    exp = Experiment(cfg)
+    clean_round = exp.round_fn
+
+    def poisoned_round(server, clients, data, r, root):
+        if r == 2:  # before round 3, client 1's state turns NaN (as a diverging client's would)
+            clients = jax.tree_util.tree_map(
+                lambda a: a.at[1].set(np.nan) if np.issubdtype(a.dtype, np.floating) else a, clients)
+        return clean_round(server, clients, data, r, root)
+    exp.round_fn = poisoned_round
+    with pytest.raises(NonFiniteError, match=r"in round 3 on client\(s\) sk-digits-photo;.*last good checkpoint: round 2"):
+        exp.run()
+    kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept[-1] == 2
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    # the last good checkpoint restores and holds finite numbers
+    from jaxfl.checkpoint import Checkpointer
+    server, clients = Checkpointer(tmp_path / "checkpoints").restore(2, *exp.init())
+    assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves((server, clients)))
+
+
+def test_huge_learning_rate_is_caught():
+    with pytest.raises(NonFiniteError, match=r"non-finite loss or parameters in round 1 on client\(s\)"):
+        Experiment(RunConfig(rounds=3, **dict(TINY, lr=1e8))).run()
+
+
+def test_summary_names_last_best_mean_and_per_client_best():
+    hist = [{"round": 1, "test_accuracy": [0.5, 0.9], "mean_accuracy": 0.7, "weighted_accuracy": 0.8},
+            {"round": 2, "test_accuracy": [0.8, 0.7], "mean_accuracy": 0.75, "weighted_accuracy": 0.72},
+            {"round": 3, "test_accuracy": [0.6, 0.6], "mean_accuracy": 0.6, "weighted_accuracy": 0.6}]
+    s = summarize(hist, ["a", "b"])
+    assert s["last"]["round"] == 3 and s["best_mean_round"]["round"] == 2
+    assert s["best_per_client"]["accuracy"] == [0.8, 0.9]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'; valid: local, fedavg, fedbn"),
+    (["--dataset", "svhn"], "unknown dataset 'svhn'; valid: default, digits, pacs"),
+    (["--momentum", "1.5"], "momentum=1.5 is outside [0.0, 1.0]"),
+    (["--participation", "0"], "participation=0.0 is outside (0.0, 1.0]"),
+    (["--clients-per-round", "9"], "clients_per_round=9 exceeds the 3 clients"),
+    (["--resume"], "need an output directory"),
+])
+def test_cli_bad_input_is_one_clear_line(args, message, capsys):
+    code = main(["run", "--quiet", "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "20"] + args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0] and "Traceback" not in err[0]
+
+
+def test_cli_run_writes_outputs(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('algorithm = "fedavg"\nrounds = 3\nmodel = "small_cnn"\nimage_size = 12\n'
+                   'samples_per_client = 40\nbatch_size = 16\n')
+    code = main(["run", "--config", str(cfg), "--rounds", "2", "--out", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "sk-digits-photo" in out and "best-mean (r" in out and "weighted" in out
+    lines = (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[-1])["round"] == 2  # --rounds overrode the file
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["algorithm"] == "fedavg"
+    assert (tmp_path / "o" / "accuracy.png").is_file()
