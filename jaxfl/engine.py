@@ -24,6 +24,7 @@ import optax
 
 from .aggregation import broadcast_clients
 from .errors import check_choice
+from .losses import correct_count, cross_entropy
 
 PyTree = Any
 STRATEGIES = ("vmap", "map", "chunked")
@@ -130,7 +131,7 @@ class LocalTrainer:
                 new_params = optax.apply_updates(params, updates)
                 active = start < data.count
                 n = jnp.sum(w)
-                correct = jnp.sum(w * (jnp.argmax(logits, -1) == data.y[idx]))
+                correct = correct_count(logits, data.y[idx], w)
                 sums = sums + jnp.stack([loss * n, correct, n])
                 return (_select(active, new_params, params), _select(active, new_state, state),
                         _select(active, new_opt, opt_state), sums), None
@@ -234,9 +235,7 @@ def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk
         def batch(args):
             xb, yb, wb = args
             logits = alg.predict(server, client, preprocess(xb))
-            logp = jax.nn.log_softmax(logits, -1)
-            nll = -jnp.take_along_axis(logp, yb[:, None], -1)[:, 0]
-            return jnp.stack([jnp.sum(wb * nll), jnp.sum(wb * (jnp.argmax(logits, -1) == yb))])
+            return jnp.stack([jnp.sum(wb * cross_entropy(logits, yb)), correct_count(logits, yb, wb)])
 
         split = lambda a: a.reshape((nb, eval_batch_size) + a.shape[1:])
         sums = jax.lax.map(batch, (split(x), split(y), split(w))).sum(0)
