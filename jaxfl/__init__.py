@@ -1,7 +1,11 @@
-"""jaxfl: vectorized personalized federated learning in JAX."""
-from . import aggregation, losses, models
-from .aggregation import masked_mean, tree_masked_mean, tree_weighted_mean, weighted_mean
+"""jaxfl: vectorized personalized federated learning in JAX.
+
+Pure building blocks (masks, aggregation, hypernetwork, evidential losses, metrics) live in
+``jaxfl.blocks`` and are re-exported here.
+"""
+from . import aggregation, blocks, evidential, hypernet, losses, masks, metrics, models
 from .algorithms import ALGORITHMS, build_algorithm
+from .blocks import *  # noqa: F401,F403  (the documented pure-function API)
 from .engine import (Algorithm, ClientData, LocalTrainer, make_evaluate, make_round, map_clients,
                      init_state)
 from .errors import ConfigError, DataError, JaxflError, NonFiniteError

@@ -55,6 +55,23 @@ def masked_mean(x, weights, mask, previous):
     return jnp.where(total > 0, _contract_clients(ones, p * x), previous)
 
 
+def recovered_mean(x, weights, mask, previous):
+    """Heterogeneous aggregation with recovery (DapperFL Eq. 6-7): pruned entries are filled from ``previous``
+    before a weighted mean, i.e.
+
+        out = sum_i p_i (m_i x_i + (1 - m_i) W) = W + sum_i p_i m_i (x_i - W),   p_i = w_i / sum_j w_j.
+
+    Unlike ``masked_mean`` the weights are not renormalised over the clients that keep an entry; an entry
+    no client keeps stays W exactly, and the values of x_i where m_i = 0 never matter.
+    x: [N, ...]; weights [N]; mask broadcastable to x; previous [...].
+    """
+    w = weights.astype(x.dtype)
+    total = jnp.sum(w)
+    p = w / jnp.where(total > 0, total, 1.0)
+    delta = jnp.where(jnp.asarray(mask, bool), x - previous, 0.0)
+    return previous + _contract_clients(p, jnp.broadcast_to(delta, x.shape))
+
+
 def tree_weighted_mean(tree, weights):
     """``weighted_mean`` on every leaf of a stacked pytree."""
     return jax.tree_util.tree_map(lambda x: weighted_mean(x, weights), tree)

@@ -12,7 +12,7 @@ from .config import RunConfig, load_config_file
 from .errors import JaxflError
 
 HELP = {
-    "algorithm": "local | fedavg | fedbn",
+    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto",
     "dataset": "default (embedded, offline) | digits | pacs | cifar10 | mnist | tfds:NAME | folder:PATH",
     "model": "digits_cnn | small_cnn (default: per dataset)",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
@@ -21,6 +21,11 @@ HELP = {
     "out": "output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/",
     "checkpoint_every": "save a checkpoint every N rounds (0: never)",
     "resume": "continue from the newest checkpoint in --out",
+    "prox_mu": "fedprox: weight of mu/2 ||w - w_global||^2",
+    "ditto_lambda": "ditto: weight of lambda/2 ||v - w_global||^2 on the personal model",
+    "head_epochs": "fedrep: head-only epochs before the body epochs (--local-epochs)",
+    "warmup_rounds": "lg_fedavg: rounds of full averaging before the body goes personal",
+    "local_bn": "fedprox/fedper/fedrep/lg_fedavg: keep BatchNorm per client",
 }
 
 

@@ -23,6 +23,12 @@ class RunConfig:
     lr: float = 0.01
     momentum: float = 0.5
     seed: int = 0
+    # algorithm options (each algorithm reads the ones it takes; see jaxfl.algorithms)
+    prox_mu: float = 0.01
+    ditto_lambda: float = 0.1
+    head_epochs: int = 4
+    warmup_rounds: int = 0
+    local_bn: bool = False
     # data
     data_dir: str | None = None
     num_clients: int | None = None
@@ -75,6 +81,9 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
     check_range("lr", cfg.lr, 0.0, float("inf"), lo_open=True)
     check_range("momentum", cfg.momentum, 0.0, 1.0)
+    for name in ("prox_mu", "ditto_lambda", "head_epochs", "warmup_rounds"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 0")
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
     if cfg.clients_per_round is not None and cfg.clients_per_round < 1:

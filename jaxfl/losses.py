@@ -20,3 +20,38 @@ def weighted_mean_loss(per_sample, weights):
 def correct_count(logits, labels, weights):
     """Number of real samples whose argmax prediction equals the label."""
     return jnp.sum(weights * (jnp.argmax(logits, -1) == labels))
+
+
+def kl_divergence(logits_p, logits_q):
+    """KL(p || q) = sum_c p_c (log p_c - log q_c), p = softmax(logits_p), q = softmax(logits_q); [..., C] -> [...]."""
+    lp, lq = jax.nn.log_softmax(logits_p, -1), jax.nn.log_softmax(logits_q, -1)
+    return jnp.sum(jnp.exp(lp) * (lp - lq), -1)
+
+
+def symmetric_kl(logits_a, logits_b):
+    """KL(a || b) + KL(b || a) at temperature 1 (FedPick's L_dis); symmetric, >= 0, 0 iff equal. Per sample.
+
+    Gradients flow into both arguments (mutual distillation, no stop-gradient).
+    """
+    return kl_divergence(logits_a, logits_b) + kl_divergence(logits_b, logits_a)
+
+
+def negative_entropy(logits):
+    """sum_c p_c log p_c, p = softmax(logits): -log C for uniform p, 0 for one-hot. Per sample.
+
+    Minimising it maximises entropy (FedPick's L_ent on the irrelevant head).
+    """
+    logp = jax.nn.log_softmax(logits, -1)
+    return jnp.sum(jnp.exp(logp) * logp, -1)
+
+
+def feature_norm(z, squared=False):
+    """DapperFL's domain-adaptive regulariser per sample: ||z||_2 (code) or ||z||_2^2 (paper Eq. 3); [B, d] -> [B].
+
+    d||z||/dz = z / ||z|| (0 at z = 0); d||z||^2/dz = 2z.
+    """
+    sq = jnp.sum(jnp.square(z), -1)
+    if squared:
+        return sq
+    safe = jnp.where(sq > 0, sq, 1.0)  # sqrt has an infinite derivative at 0
+    return jnp.where(sq > 0, jnp.sqrt(safe), 0.0)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 
-from .algorithms import build_algorithm
+from .algorithms import algorithm_options, build_algorithm
 from .config import RunConfig, validate
 from .data import load_dataset
 from .engine import (LocalTrainer, init_state, make_evaluate, make_round, normalizer, steps_per_epoch)
@@ -83,7 +83,8 @@ class Experiment:
         self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs,
                                     steps_per_epoch(int(ds.train_counts().max()), cfg.batch_size),
                                     preprocess, cfg.unroll)
-        self.algorithm = build_algorithm(cfg.algorithm, self.model, self.trainer)
+        self.algorithm = build_algorithm(cfg.algorithm, self.model, self.trainer,
+                                         **algorithm_options(cfg.algorithm, cfg))
         self.cohort = cohort_size(cfg, n)
         strategy = cfg.strategy or default_strategy()
         self.strategy = strategy
@@ -151,7 +152,7 @@ class Experiment:
                                 acc=f"{rec.get('mean_accuracy', float('nan')):.3f}")
             if log:
                 log(rec)
-        result = RunResult(cfg, names, history, server, clients, count_params(server))
+        result = RunResult(cfg, names, history, server, clients, count_params(server["params"]))
         if out:
             (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
             if history:

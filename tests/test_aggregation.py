@@ -45,3 +45,26 @@ class WeightedMeanTest(chex.TestCase):
         out = tree_masked_mean(tree, jnp.array([1.0, 1.0]), {"a": True, "b": False}, prev)
         np.testing.assert_array_equal(out["a"], [2.0])
         np.testing.assert_array_equal(out["b"], [-1.0])
+
+
+class RecoveredMeanTest(chex.TestCase):
+    """DapperFL heterogeneous aggregation: W + sum_i p_i m_i (x_i - W), weights not renormalised per entry."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_identities(self):
+        from jaxfl.aggregation import recovered_mean
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
+        prev = jnp.asarray(rng.normal(size=5), jnp.float32)
+        w = jnp.array([1.0, 2.0, 5.0])
+        m = jnp.asarray(rng.random((3, 5)) < 0.5).at[:, 0].set(False).at[:, 1].set(True)
+        fn = self.variant(recovered_mean)
+        out = fn(x, w, m, prev)
+        p = np.asarray(w) / 8
+        expected = np.asarray(prev) + (p[:, None] * np.asarray(m) * (np.asarray(x) - np.asarray(prev))).sum(0)
+        np.testing.assert_allclose(out, expected, rtol=1e-6)
+        assert out[0] == prev[0]  # nobody kept the entry
+        np.testing.assert_allclose(out[1], (p[:, None] * np.asarray(x)).sum(0)[1], rtol=1e-6)  # all kept
+        np.testing.assert_allclose(fn(jnp.broadcast_to(prev, x.shape), w, m, prev), prev, rtol=1e-6)
+        garbage = jnp.where(m, x, 1e6)  # values where m = 0 never matter
+        np.testing.assert_allclose(fn(garbage, w, m, prev), out, rtol=1e-6)

@@ -1,10 +1,39 @@
-"""Algorithm registry: name -> factory(model, trainer, **options) -> Algorithm."""
+"""Algorithm registry: name -> factory(model, trainer, **options) -> Algorithm.
+
+Options are keyword arguments of the factory; ``algorithm_options`` picks them from a RunConfig by name.
+"""
 from __future__ import annotations
 
-from ..errors import check_choice
-from .fedavg import fedavg, fedbn, is_batchnorm, local, masked_averaging, path_mask
+import inspect
 
-ALGORITHMS = {"local": local, "fedavg": fedavg, "fedbn": fedbn}
+from ..errors import check_choice
+from .ditto import ditto
+from .fedavg import fedavg, fedbn, in_part, is_batchnorm, local, masked_averaging, path_mask
+from .fedper import fedper
+from .fedprox import fedprox
+from .fedrep import fedrep
+from .lg_fedavg import lg_fedavg
+
+ALGORITHMS = {"local": local, "fedavg": fedavg, "fedbn": fedbn, "fedprox": fedprox, "fedper": fedper,
+              "fedrep": fedrep, "lg_fedavg": lg_fedavg, "ditto": ditto}
+
+# What each algorithm shares with the server and keeps on the client (README's table is built from this).
+SHARING = {
+    "local": ("nothing", "everything"),
+    "fedavg": ("all parameters and BN statistics", "nothing"),
+    "fedbn": ("all but BatchNorm", "BatchNorm scale/bias and statistics"),
+    "fedprox": ("as FedAvg; local loss + mu/2 ||w - w_global||^2", "nothing"),
+    "fedper": ("encoder (body)", "head"),
+    "fedrep": ("encoder (body), trained after head_epochs of head-only training", "head"),
+    "lg_fedavg": ("head (after warmup_rounds of full averaging)", "encoder (body)"),
+    "ditto": ("a global FedAvg model", "a personal model trained toward it (lambda/2 ||v - w||^2)"),
+}
+
+
+def algorithm_options(name: str, config) -> dict:
+    """The factory's keyword options that ``config`` (any object with attributes) provides, by name."""
+    params = inspect.signature(ALGORITHMS[name]).parameters
+    return {k: getattr(config, k) for k, p in params.items() if p.default is not p.empty and hasattr(config, k)}
 
 
 def build_algorithm(name: str, model, trainer, **options):
@@ -13,5 +42,6 @@ def build_algorithm(name: str, model, trainer, **options):
     return ALGORITHMS[name](model, trainer, **options)
 
 
-__all__ = ["ALGORITHMS", "build_algorithm", "fedavg", "fedbn", "local", "masked_averaging", "path_mask",
-           "is_batchnorm"]
+__all__ = ["ALGORITHMS", "SHARING", "algorithm_options", "build_algorithm", "ditto", "fedavg", "fedbn",
+           "fedper", "fedprox", "fedrep", "in_part", "is_batchnorm", "lg_fedavg", "local",
+           "masked_averaging", "path_mask"]

@@ -9,19 +9,25 @@ its own for the rest.
   whole state dict).
 - ``fedbn``: BatchNorm scale/bias and running statistics stay local (Li et al., ICLR 2021).
 - ``local`` (SingleSet): nothing is shared; no communication.
+
+``masked_averaging`` is the family's constructor; FedProx, FedPer, FedRep and LG-FedAvg are instances of it
+with other masks, a proximal term, a phased local trainer, or warm-up rounds.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from ..aggregation import tree_masked_mean, tree_where
 from ..engine import Algorithm, ClientData, LocalTrainer
 from ..losses import cross_entropy, weighted_mean_loss
 
+PathPredicate = Callable[[tuple[str, ...]], bool]
 
-def path_mask(tree, predicate: Callable[[tuple[str, ...]], bool]):
+
+def path_mask(tree, predicate: PathPredicate):
     """A tree of Python bools: predicate(path) for each leaf, path = tuple of dict keys."""
     def key_name(k):
         return str(getattr(k, "key", getattr(k, "name", k)))
@@ -33,46 +39,87 @@ def is_batchnorm(path: tuple[str, ...]) -> bool:
     return any(k.startswith("bn") or k.startswith("BatchNorm") for k in path)
 
 
-def masked_averaging(name: str, model, trainer: LocalTrainer, *,
-                     share_param: Callable[[tuple[str, ...]], bool],
-                     share_stats: bool, reset_optimizer: bool = True) -> Algorithm:
-    """An Algorithm that averages the parameters selected by ``share_param(path)`` (and all BatchNorm
-    statistics if ``share_stats``) and keeps everything else per client.
+def in_part(*parts: str) -> PathPredicate:
+    """Predicate: the leaf's top-level key (e.g. "encoder", "head") is one of ``parts``."""
+    return lambda path: path[0] in parts
 
-    ``reset_optimizer``: start each round with a fresh optimizer state (FedBN's code rebuilds its
-    optimizers every round).
+
+def keep_bn_local(share: PathPredicate, local_bn: bool) -> PathPredicate:
+    """``share`` with BatchNorm leaves made personal when ``local_bn`` (FedBN-style variants)."""
+    return (lambda p: share(p) and not is_batchnorm(p)) if local_bn else share
+
+
+def ce_loss(model, prox_mu: float = 0.0):
+    """loss_fn(params, stats, x, y, w, key, anchor) = weighted CE + prox_mu/2 ||params - anchor||^2.
+
+    Returns (loss, (new_batch_stats, logits)), the LocalTrainer contract; ``anchor`` (the parameters the
+    client started the round from) enters only when prox_mu != 0.
     """
-    def masks(variables):
-        return {"params": path_mask(variables["params"], share_param),
-                "batch_stats": path_mask(variables["batch_stats"], lambda _: share_stats)}
+    def loss_fn(params, stats, x, y, w, key, anchor=None):
+        logits, updated = model.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
+                                      mutable=["batch_stats"])
+        loss = weighted_mean_loss(cross_entropy(logits, y), w)
+        if prox_mu:
+            sq = jax.tree_util.tree_map(lambda p, a: jnp.sum(jnp.square(p - a)), params, anchor)
+            loss = loss + 0.5 * prox_mu * sum(jax.tree_util.tree_leaves(sq))
+        return loss, (updated["batch_stats"], logits)
+    return loss_fn
 
-    def split(variables):
-        return {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
+
+def split_variables(variables):
+    return {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
+
+
+def masked_averaging(name: str, model, trainer: LocalTrainer, *,
+                     share_param: PathPredicate, share_stats: bool | PathPredicate,
+                     reset_optimizer: bool = True, prox_mu: float = 0.0, train: Callable | None = None,
+                     warmup_rounds: int = 0) -> Algorithm:
+    """An Algorithm that averages the parameters selected by ``share_param(path)`` and the BatchNorm
+    statistics selected by ``share_stats`` (a bool or a path predicate), keeping everything else per client.
+
+    reset_optimizer: fresh optimizer state each round (FedBN's code rebuilds its optimizers every round).
+    prox_mu: FedProx's proximal weight (0: plain CE).
+    train(trainer, loss_fn, params, stats, opt_state, data, key) -> (params, stats, opt_state, metrics):
+        replaces ``trainer.run`` (FedRep's head-then-body epochs).
+    warmup_rounds: the first rounds share every leaf (LG-FedAvg); the server then counts rounds.
+    """
+    stats_pred = share_stats if callable(share_stats) else (lambda _: share_stats)
+    loss_fn = ce_loss(model, prox_mu)
+
+    def masks(server):
+        m = {"params": path_mask(server["params"], share_param),
+             "batch_stats": path_mask(server["batch_stats"], stats_pred)}
+        if warmup_rounds:
+            warm = server["round"] < warmup_rounds  # traced: every leaf is shared while warming up
+            m = jax.tree_util.tree_map(lambda s: True if s else warm, m)
+        return m
 
     def init(key, sample_x):
-        variables = split(model.init(key, trainer.preprocess(sample_x[:1]), train=False))
+        variables = split_variables(model.init(key, trainer.preprocess(sample_x[:1]), train=False))
         client = dict(variables, opt_state=trainer.tx.init(variables["params"]))
-        return variables, client
+        server = dict(variables, round=jnp.zeros((), jnp.int32)) if warmup_rounds else variables
+        return server, client
 
     def merged(server, client):
         # Shared leaves come from the server, the rest from the client's own row.
-        return tree_where(masks(server), server, {k: client[k] for k in server})
-
-    def loss_fn(params, stats, x, y, w, key):
-        logits, updated = model.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
-                                      mutable=["batch_stats"])
-        return weighted_mean_loss(cross_entropy(logits, y), w), (updated["batch_stats"], logits)
+        return tree_where(masks(server), {k: server[k] for k in ("params", "batch_stats")},
+                          {k: client[k] for k in ("params", "batch_stats")})
 
     def local_update(server, client, data: ClientData, key):
         v = merged(server, client)
         opt_state = trainer.tx.init(v["params"]) if reset_optimizer else client["opt_state"]
-        params, stats, opt_state, metrics = trainer.run(loss_fn, v["params"], v["batch_stats"], opt_state,
-                                                        data, key)
+        anchor = jax.lax.stop_gradient(v["params"])
+        fn = lambda p, s, x, y, w, k: loss_fn(p, s, x, y, w, k, anchor)
+        params, stats, opt_state, metrics = (train or LocalTrainer.run)(
+            trainer, fn, v["params"], v["batch_stats"], opt_state, data, key)
         return {"params": params, "batch_stats": stats, "opt_state": opt_state}, metrics
 
     def aggregate(server, clients, weights):
-        shared = {k: clients[k] for k in server}
-        return tree_masked_mean(shared, weights, masks(server), server), clients
+        keys = ("params", "batch_stats")
+        new = tree_masked_mean({k: clients[k] for k in keys}, weights, masks(server), {k: server[k] for k in keys})
+        if warmup_rounds:
+            new["round"] = server["round"] + 1
+        return new, clients
 
     def predict(server, client, x):
         return model.apply(merged(server, client), x, train=False)

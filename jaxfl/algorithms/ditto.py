@@ -1,0 +1,47 @@
+"""Ditto (Li et al., ICML 2021): a global FedAvg model plus a personal model pulled toward it.
+
+Per round, client i
+1. trains the global model w from the server's w^t with CE (FedAvg's local update), and
+2. trains its personal model v_i on  CE_i(v) + lambda/2 ||v - w^t||^2  (w^t: the global model it received).
+The server averages the global copies (every parameter and BN statistic, sample weights); v_i never leaves
+its client and is what the client predicts with. lambda = 0 gives purely local personal models; large
+lambda ties them to the global model.
+"""
+from __future__ import annotations
+
+import jax
+
+from ..aggregation import tree_weighted_mean
+from ..engine import Algorithm, ClientData, LocalTrainer
+from .fedavg import ce_loss, split_variables
+
+
+def ditto(model, trainer: LocalTrainer, ditto_lambda: float = 0.1) -> Algorithm:
+    """Ditto with personal regularisation ``ditto_lambda``."""
+    global_loss, personal_loss = ce_loss(model), ce_loss(model, prox_mu=ditto_lambda)
+
+    def init(key, sample_x):
+        variables = split_variables(model.init(key, trainer.preprocess(sample_x[:1]), train=False))
+        client = dict(variables, opt_state=trainer.tx.init(variables["params"]), personal=variables)
+        return variables, client
+
+    def local_update(server, client, data: ClientData, key):
+        anchor = jax.lax.stop_gradient(server["params"])
+        # Personal model first, on the client's own key stream, so lambda = 0 is exactly local training.
+        pv = client["personal"]
+        p_params, p_stats, _, metrics = trainer.run(
+            lambda p, s, x, y, w, k: personal_loss(p, s, x, y, w, k, anchor),
+            pv["params"], pv["batch_stats"], trainer.tx.init(pv["params"]), data, key)
+        g_params, g_stats, opt_state, _ = trainer.run(
+            global_loss, server["params"], server["batch_stats"], trainer.tx.init(server["params"]), data,
+            jax.random.fold_in(key, 1))
+        return {"params": g_params, "batch_stats": g_stats, "opt_state": opt_state,
+                "personal": {"params": p_params, "batch_stats": p_stats}}, metrics
+
+    def aggregate(server, clients, weights):
+        return tree_weighted_mean({k: clients[k] for k in server}, weights), clients
+
+    def predict(server, client, x):
+        return model.apply(client["personal"], x, train=False)
+
+    return Algorithm("ditto", init, local_update, aggregate, predict)

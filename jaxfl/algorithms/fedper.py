@@ -1,0 +1,16 @@
+"""FedPer (Arivazhagan et al. 2019): a shared body and a personal head.
+
+The encoder (the body: every leaf under ``encoder``, BatchNorm included unless ``local_bn``) is averaged
+with sample weights; the head (every leaf under ``head``) never leaves its client. Local training updates
+both, jointly, with CE.
+"""
+from __future__ import annotations
+
+from ..engine import Algorithm
+from .fedavg import in_part, keep_bn_local, masked_averaging
+
+
+def fedper(model, trainer, local_bn: bool = False, **kw) -> Algorithm:
+    """FedPer: share ``encoder``, keep ``head`` personal; ``local_bn`` also keeps BatchNorm personal."""
+    share = keep_bn_local(in_part("encoder"), local_bn)
+    return masked_averaging("fedper", model, trainer, share_param=share, share_stats=share, **kw)

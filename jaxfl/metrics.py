@@ -1,0 +1,141 @@
+"""Metrics and diagnostics as pure functions: calibration, OOD separation, feature sparsity, Fisher score,
+mask overlap, and parameter / FLOP counts of masked models.
+
+``weights`` [N] (0 for padded samples) makes every per-sample average an average over real samples.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def _weights(n, weights, dtype=jnp.float32):
+    return jnp.ones((n,), dtype) if weights is None else jnp.asarray(weights, dtype)
+
+
+def expected_calibration_error(confidence, correct, n_bins: int = 15, weights=None):
+    """ECE = sum_b (n_b / n) |acc_b - conf_b| over ``n_bins`` equal-width bins (lo, hi] of the confidence.
+
+    confidence [N] in [0, 1] (e.g. max softmax prob or max_k alpha_k / S); correct [N] bool/0-1.
+    A confidence of exactly 0 falls in the first bin.
+    """
+    conf = jnp.asarray(confidence, jnp.float32)
+    w = _weights(conf.shape[0], weights)
+    bins = jnp.clip(jnp.ceil(conf * n_bins).astype(jnp.int32) - 1, 0, n_bins - 1)
+    n_b = jax.ops.segment_sum(w, bins, n_bins)
+    acc_b = jax.ops.segment_sum(w * jnp.asarray(correct, jnp.float32), bins, n_bins)
+    conf_b = jax.ops.segment_sum(w * conf, bins, n_bins)
+    return jnp.sum(jnp.abs(acc_b - conf_b)) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def auroc(scores_positive, scores_negative):
+    """Area under the ROC curve for separating positives (higher score) from negatives:
+    P(s+ > s-) + 0.5 P(s+ = s-) (Mann-Whitney U / (n+ n-), ties counted half)."""
+    pos = jnp.ravel(jnp.asarray(scores_positive, jnp.float32))
+    neg = jnp.ravel(jnp.asarray(scores_negative, jnp.float32))
+    allv = jnp.sort(jnp.concatenate([pos, neg]))
+    lo = jnp.searchsorted(allv, pos, side="left")
+    hi = jnp.searchsorted(allv, pos, side="right")
+    rank = (lo + hi + 1) / 2.0  # 1-based average rank among all scores
+    n_p, n_n = pos.size, neg.size
+    return (jnp.sum(rank) - n_p * (n_p + 1) / 2.0) / (n_p * n_n)
+
+
+def sparsity_ratio(z, eps: float = 1e-5, weights=None):
+    """FedPick's feature sparsity: mean over samples of (1/d) #{k : |z_k| / ||z||_2 <= eps}; z [N, d].
+
+    Scale-invariant per sample; a vector with k zeros among d entries gives k/d (an all-zero vector gives 1).
+    """
+    norm = jnp.linalg.norm(z, axis=-1, keepdims=True)
+    zbar = jnp.abs(z) / jnp.where(norm > 0, norm, 1.0)
+    per_sample = jnp.mean(zbar <= eps, -1)
+    w = _weights(z.shape[0], weights)
+    return jnp.sum(w * per_sample) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def fisher_score(z, labels, num_classes: int, weights=None, eps: float = 1e-12):
+    """Per-feature Fisher score F_k = sum_j m_j (mu_kj - mu_k)^2 / (sum_j m_j sigma_kj^2 + eps).
+
+    m_j: class counts; mu_kj, sigma_kj^2: within-class mean and population variance of feature k;
+    mu_k: mean over all samples. z [N, d], labels int [N] -> [d]. 0 where both terms are 0.
+    Invariant (up to eps) to per-feature affine maps a z + b with a != 0.
+    """
+    w = _weights(z.shape[0], weights)
+    onehot = jax.nn.one_hot(labels, num_classes, dtype=z.dtype) * w[:, None]  # [N, C]
+    m = jnp.sum(onehot, 0)  # [C]
+    mu_class = (onehot.T @ z) / jnp.maximum(m, 1.0)[:, None]  # [C, d]
+    mu = (w @ z) / jnp.maximum(jnp.sum(w), 1.0)  # [d]
+    between = m @ jnp.square(mu_class - mu)  # [d]
+    within = jnp.sum(w[:, None] * jnp.square(z - mu_class[labels]), 0)  # [d]
+    return between / (within + eps)
+
+
+def overlap_ratio(a, b):
+    """Jaccard overlap |A n B| / |A u B| of two boolean sets (1 for identical, 0 for disjoint; 1 if both empty)."""
+    a, b = jnp.asarray(a, bool), jnp.asarray(b, bool)
+    union = jnp.sum(a | b)
+    return jnp.where(union > 0, jnp.sum(a & b) / jnp.maximum(union, 1), 1.0)
+
+
+def selection_ratio(mask, weights=None):
+    """Mean of a per-sample feature mask [N, d] over its entries and real samples (FedPick Fig. 7)."""
+    w = _weights(mask.shape[0], weights)
+    return jnp.sum(w * jnp.mean(mask, -1)) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def _flat(tree):
+    """{path tuple: leaf}, Python bools treated as leaves."""
+    return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p): v
+            for p, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda m: isinstance(m, bool))[0]}
+
+
+def _kept(leaf, mask):
+    """Entries of ``leaf`` a mask keeps: all (True / None), none (False), or the nonzeros of a broadcast mask."""
+    shape = tuple(getattr(leaf, "shape", ()))  # arrays and jax.ShapeDtypeStruct alike
+    if mask is None or mask is True:
+        return math.prod(shape)
+    if mask is False:
+        return 0
+    return jnp.sum(jnp.broadcast_to(jnp.asarray(mask) != 0, shape))
+
+
+def count_params(params, masks=None):
+    """Number of parameters: all entries, or with a mask pytree of params' structure (array or Python-bool
+    leaves) the entries the masks keep."""
+    m = {} if masks is None else _flat(masks)
+    return sum(_kept(leaf, m.get(path)) for path, leaf in _flat(params).items())
+
+
+def layer_positions(model, variables, x, **kwargs):
+    """Output positions per sample of every module that owns a ``kernel`` (1 for Dense, H_out*W_out for Conv).
+
+    Returns {kernel path tuple: positions}. Uses ``jax.eval_shape``: nothing is computed.
+    """
+    def run(v, x):
+        _, state = model.apply(v, x, capture_intermediates=True, mutable=["intermediates"], **kwargs)
+        return state["intermediates"]
+    inter = jax.eval_shape(run, variables, x)
+    out = {}
+    for keys in _flat(variables["params"]):
+        if keys[-1] != "kernel":
+            continue
+        node = inter
+        for k in keys[:-1]:
+            node = node.get(k, {}) if isinstance(node, dict) else {}
+        call = node.get("__call__") if isinstance(node, dict) else None
+        if call:
+            shape = call[0].shape
+            out[keys] = math.prod(shape[1:-1])
+    return out
+
+
+def masked_flops(params, positions, masks=None):
+    """FLOPs per sample of the kernels' multiply-adds: sum_layers 2 * positions * nnz(kernel * mask).
+
+    positions from ``layer_positions``; masks: params' structure (array or bool leaves) or None.
+    Biases, norms and activations are not counted.
+    """
+    flat, m = _flat(params), ({} if masks is None else _flat(masks))
+    return sum(2 * pos * _kept(flat[path], m.get(path)) for path, pos in positions.items())

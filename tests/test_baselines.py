@@ -1,0 +1,163 @@
+"""Baselines: each one's defining property (what is shared, what stays personal, its reductions)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_trees_close, make_data, make_trainer
+from jaxfl import build_algorithm, init_state, make_evaluate, make_round
+from jaxfl.algorithms import ALGORITHMS, SHARING
+from jaxfl.algorithms.fedrep import head_then_body
+from jaxfl.algorithms.fedavg import ce_loss
+from jaxfl.models import small_cnn
+
+ROOT = jax.random.key(3)
+COUNTS = (24, 17, 9)
+
+
+def model():
+    return small_cnn(num_classes=4, width=4, hidden=(8,))  # a BatchNorm in the head too
+
+
+def setup(name, **opts):
+    data = make_data(list(COUNTS))
+    alg = build_algorithm(name, model(), make_trainer(max_count=max(COUNTS)), **opts)
+    server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
+    return alg, data, server, clients
+
+
+def run(alg, data, server, clients, rounds=2):
+    fn = jax.jit(make_round(alg, strategy="vmap"))
+    for r in range(rounds):
+        server, clients, metrics = fn(server, clients, data, r, ROOT)
+    return server, clients, metrics
+
+
+def rows_equal(leaf):
+    return all(np.array_equal(leaf[0], leaf[i]) for i in range(1, leaf.shape[0]))
+
+
+def assert_personal(trained, initial):
+    """Every leaf differs across clients, except leaves training never moves (a bias feeding a BatchNorm
+    has zero gradient); at least one leaf must differ."""
+    differ = 0
+    for leaf, init in zip(jax.tree_util.tree_leaves(trained), jax.tree_util.tree_leaves(initial)):
+        if rows_equal(leaf):
+            np.testing.assert_array_equal(leaf[0], init)
+        else:
+            differ += 1
+    assert differ > 0
+
+
+def effective(alg, server, clients):
+    """Each client's evaluation model: what predict uses (shared leaves from the server)."""
+    x = make_data(list(COUNTS), seed=5).x[:, :8]
+    return jax.vmap(lambda c, xx: alg.predict(server, c, xx / 255.0))(clients, x)
+
+
+def test_every_algorithm_is_listed_with_its_sharing():
+    assert set(SHARING) == set(ALGORITHMS)
+
+
+def test_fedprox_with_mu_zero_equals_fedavg():
+    a = run(*setup("fedavg"))
+    b = run(*setup("fedprox", prox_mu=0.0))
+    assert_trees_close(a[:2], b[:2], atol=0, rtol=0)
+
+
+def test_fedprox_term_pulls_toward_the_round_start():
+    alg0, data, server, clients = setup("fedprox", prox_mu=0.0)
+    alg1, *_ = setup("fedprox", prox_mu=10.0)
+    start = server["params"]
+    dist = lambda s: sum(float(jnp.sum((a - b) ** 2)) for a, b in
+                         zip(jax.tree_util.tree_leaves(s["params"]), jax.tree_util.tree_leaves(start)))
+    d0 = dist(run(alg0, data, server, clients, rounds=1)[0])
+    d1 = dist(run(alg1, data, server, clients, rounds=1)[0])
+    assert d1 < 0.9 * d0
+    # the loss is CE + mu/2 ||w - anchor||^2: check the formula on one batch
+    p = jax.tree_util.tree_map(lambda x: x + 0.1, start)
+    x, y, w = data.x[0, :8] / 255.0, data.y[0, :8], jnp.ones(8)
+    l0 = ce_loss(model())(p, server["batch_stats"], x, y, w, None)[0]
+    l1 = ce_loss(model(), 3.0)(p, server["batch_stats"], x, y, w, None, start)[0]
+    n = sum(a.size for a in jax.tree_util.tree_leaves(start))
+    np.testing.assert_allclose(l1 - l0, 1.5 * n * 0.01, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["fedper", "fedrep"])
+def test_personal_head_is_never_averaged(name):
+    alg, data, server, clients = setup(name)
+    s, c, _ = run(alg, data, server, clients)
+    assert_personal(c["params"]["head"], server["params"]["head"])
+    # the server's encoder is the weighted mean of the clients' trained encoders
+    w = np.array(COUNTS, float) / sum(COUNTS)
+    for sv, cl in zip(jax.tree_util.tree_leaves(s["params"]["encoder"]),
+                      jax.tree_util.tree_leaves(c["params"]["encoder"])):
+        np.testing.assert_allclose(sv, np.tensordot(w, cl, 1), rtol=1e-5, atol=1e-6)
+    # the server's head is the untouched initial head: heads never reach it
+    assert_trees_close(s["params"]["head"], server["params"]["head"], atol=0, rtol=0)
+
+
+def test_fedrep_phases_freeze_the_other_part():
+    alg, data, server, clients = setup("fedrep")
+    trainer = make_trainer(max_count=max(COUNTS))
+    one = jax.tree_util.tree_map(lambda a: a[0], clients)
+    row = data.take(0)
+    loss = ce_loss(model())
+    for head_epochs, body_epochs, moved, frozen in [(2, 0, "head", "encoder"), (0, 1, "encoder", "head")]:
+        import dataclasses
+        t = dataclasses.replace(trainer, epochs=body_epochs)
+        p, *_ = head_then_body(head_epochs)(t, loss, one["params"], one["batch_stats"], one["opt_state"], row,
+                                            jax.random.key(0))
+        assert_trees_close(p[frozen], one["params"][frozen], atol=0, rtol=0)
+        assert not np.allclose(jax.tree_util.tree_leaves(p[moved])[0], jax.tree_util.tree_leaves(one["params"][moved])[0])
+
+
+def test_lg_fedavg_never_averages_the_body_after_warmup():
+    alg, data, server, clients = setup("lg_fedavg")
+    s, c, _ = run(alg, data, server, clients)
+    assert_personal(c["params"]["encoder"], server["params"]["encoder"])
+    assert_trees_close(s["params"]["encoder"], server["params"]["encoder"], atol=0, rtol=0)
+    w = np.array(COUNTS, float) / sum(COUNTS)
+    for sv, cl in zip(jax.tree_util.tree_leaves(s["params"]["head"]), jax.tree_util.tree_leaves(c["params"]["head"])):
+        np.testing.assert_allclose(sv, np.tensordot(w, cl, 1), rtol=1e-5, atol=1e-6)
+
+
+def test_lg_fedavg_warmup_rounds_are_fedavg():
+    warm = run(*setup("lg_fedavg", warmup_rounds=2))
+    avg = run(*setup("fedavg"))
+    assert_trees_close(warm[0]["params"], avg[0]["params"], atol=1e-6)
+    assert int(warm[0]["round"]) == 2
+    # a third round is LG: the body stays personal, so the server body no longer moves
+    alg, data, *_ = setup("lg_fedavg", warmup_rounds=2)
+    s3, _, _ = jax.jit(make_round(alg, strategy="vmap"))(warm[0], warm[1], data, 2, ROOT)
+    assert_trees_close(s3["params"]["encoder"], warm[0]["params"]["encoder"], atol=0, rtol=0)
+
+
+def test_ditto_with_lambda_zero_has_purely_local_personal_models():
+    alg, data, server, clients = setup("ditto", ditto_lambda=0.0)
+    s, c, _ = run(alg, data, server, clients)
+    loc = run(*setup("local"))
+    assert_trees_close(c["personal"]["params"], loc[1]["params"], atol=0, rtol=0)
+    # its global model is FedAvg's (the global phase runs on another key stream, so compare structure only)
+    assert jax.tree_util.tree_structure(s["params"]) == jax.tree_util.tree_structure(server["params"])
+
+
+def test_ditto_large_lambda_ties_personal_models_to_the_global_one():
+    far = run(*setup("ditto", ditto_lambda=0.0))
+    near = run(*setup("ditto", ditto_lambda=5.0))  # lr * lambda < 1: stable
+    gap = lambda out: sum(float(jnp.sum((p - g[None]) ** 2)) for p, g in zip(
+        jax.tree_util.tree_leaves(out[1]["personal"]["params"]), jax.tree_util.tree_leaves(out[0]["params"])))
+    assert gap(near) < 0.5 * gap(far)
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_algorithm_runs_evaluates_and_matches_under_map(name):
+    alg, data, server, clients = setup(name)
+    a = run(alg, data, server, clients)
+    fn = jax.jit(make_round(alg, strategy="map"))
+    s, c = server, clients
+    for r in range(2):
+        s, c, m = fn(s, c, data, r, ROOT)
+    assert_trees_close(a[:2], (s, c), atol=1e-5)
+    ev = jax.jit(make_evaluate(alg, eval_batch_size=8))(s, c, make_data(list(COUNTS), m=24, seed=1))
+    assert np.all(np.isfinite(ev["loss"])) and ev["accuracy"].shape == (3,)
