@@ -14,7 +14,7 @@ from .errors import JaxflError
 HELP = {
     "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto",
     "dataset": "default (embedded, offline) | digits | pacs | cifar10 | mnist | tfds:NAME | folder:PATH",
-    "model": "digits_cnn | small_cnn (default: per dataset)",
+    "model": "digits_cnn | alexnet_bn | resnet10 | resnet18 | vit_small | small_cnn (default: per dataset)",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
     "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU)",
     "participation": "fraction of clients sampled per round",

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .errors import check_choice
 
@@ -66,12 +67,14 @@ class Conv(nn.Module):
     stride: int = 1
     padding: int = 0
     impl: str = "matmul"
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x):
         ci = x.shape[-1]
         k = self.param("kernel", torch_kernel_init, (self.kernel, self.kernel, ci, self.features))
-        b = self.param("bias", torch_bias_init(ci * self.kernel * self.kernel), (self.features,))
+        b = (self.param("bias", torch_bias_init(ci * self.kernel * self.kernel), (self.features,))
+             if self.use_bias else 0.0)
         if self.impl == "matmul":
             y = conv2d_matmul(x, k, self.stride, self.padding)
         else:
@@ -131,6 +134,35 @@ def max_pool2(x):
     return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
 
 
+def max_pool(x, window: int, stride: int, padding: int = 0):
+    """Max-pool (NHWC) as the max of window^2 strided slices; padding with -inf (PyTorch semantics)."""
+    if padding:
+        x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)), constant_values=-jnp.inf)
+    ho = (x.shape[1] - window) // stride + 1
+    wo = (x.shape[2] - window) // stride + 1
+    out = None
+    for i in range(window):
+        for j in range(window):
+            s = x[:, i:i + stride * (ho - 1) + 1:stride, j:j + stride * (wo - 1) + 1:stride, :]
+            out = s if out is None else jnp.maximum(out, s)
+    return out
+
+
+def adaptive_pool_matrix(n_in: int, n_out: int):
+    """P [n_out, n_in]: row i averages PyTorch's adaptive window [floor(i n_in / n_out), ceil((i+1) n_in / n_out))."""
+    p = np.zeros((n_out, n_in), np.float32)
+    for i in range(n_out):
+        lo, hi = (i * n_in) // n_out, -((-(i + 1) * n_in) // n_out)
+        p[i, lo:hi] = 1.0 / (hi - lo)
+    return jnp.asarray(p)
+
+
+def adaptive_avg_pool(x, size: int):
+    """PyTorch's AdaptiveAvgPool2d((size, size)) on NHWC, as two small matmuls (7 -> 6 is a 2x2 stride-1 pool)."""
+    ph, pw = adaptive_pool_matrix(x.shape[1], size), adaptive_pool_matrix(x.shape[2], size)
+    return jnp.einsum("bhwc,ih,jw->bijc", x, ph, pw)
+
+
 class MLPHead(nn.Module):
     """Dense(h1)-BN-ReLU-...-Dense(num_classes); with ``hidden=()`` a single linear layer."""
     hidden: Sequence[int]
@@ -172,19 +204,149 @@ class SmallEncoder(nn.Module):
         return max_pool2(x).reshape(x.shape[0], -1)
 
 
+class AlexNetEncoder(nn.Module):
+    """FedBN's AlexNet with BatchNorm after every conv and dense layer, up to the 4096-d feature (d = 4096).
+
+    conv11x11/s4/p2(64)-BN-ReLU-maxpool3/s2 | conv5x5/p2(192)-BN-ReLU-maxpool3/s2 | conv3x3/p1(384)-BN-ReLU |
+    conv3x3/p1(256)-BN-ReLU | conv3x3/p1(256)-BN-ReLU-maxpool3/s2 | adaptive-avgpool 6x6 | flatten (9216) |
+    Dense(4096)-BN-ReLU | Dense(4096)-BN-ReLU. On 256x256 input: 63 -> 31 -> 15 -> 7 -> 6.
+    """
+    hidden: Sequence[int] = (4096, 4096)
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None):
+        for i, (w, k, s, p, pool) in enumerate([(64, 11, 4, 2, True), (192, 5, 1, 2, True), (384, 3, 1, 1, False),
+                                                (256, 3, 1, 1, False), (256, 3, 1, 1, True)]):
+            x = Conv(w, k, stride=s, padding=p, name=f"conv{i + 1}")(x)
+            x = nn.relu(BatchNorm(name=f"bn{i + 1}")(x, train, mask))
+            if pool:
+                x = max_pool(x, 3, 2)
+        x = adaptive_avg_pool(x, 6).reshape(x.shape[0], -1)
+        for j, h in enumerate(self.hidden):
+            x = Dense(h, name=f"fc{j + 1}")(x)
+            x = nn.relu(BatchNorm(name=f"bn{6 + j}")(x, train, mask))
+        return x
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: conv3x3-BN-ReLU-conv3x3-BN + shortcut (1x1 conv + BN when shape changes), ReLU."""
+    features: int
+    stride: int = 1
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None):
+        y = Conv(self.features, 3, self.stride, 1, use_bias=False, name="conv1")(x)
+        y = nn.relu(BatchNorm(name="bn1")(y, train, mask))
+        y = Conv(self.features, 3, 1, 1, use_bias=False, name="conv2")(y)
+        y = BatchNorm(name="bn2")(y, train, mask)
+        if self.stride != 1 or x.shape[-1] != self.features:
+            x = Conv(self.features, 1, self.stride, 0, use_bias=False, name="conv_shortcut")(x)
+            x = BatchNorm(name="bn_shortcut")(x, train, mask)
+        return nn.relu(x + y)
+
+
+class ResNetEncoder(nn.Module):
+    """ResNet body up to global average pooling (z in R^512).
+
+    stem="cifar": conv3x3(64, s1) - BN - ReLU (no max-pool; DapperFL's backbone).
+    stem="imagenet": conv7x7(64, s2, p3) - BN - ReLU - maxpool3/s2/p1 (torchvision).
+    Stages of BasicBlocks, widths 64/128/256/512, strides 1/2/2/2; convs have no bias.
+    """
+    blocks: Sequence[int] = (2, 2, 2, 2)
+    stem: str = "cifar"
+    widths: Sequence[int] = (64, 128, 256, 512)
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None):
+        if self.stem == "cifar":
+            x = Conv(self.widths[0], 3, 1, 1, use_bias=False, name="conv_stem")(x)
+            x = nn.relu(BatchNorm(name="bn_stem")(x, train, mask))
+        else:
+            x = Conv(self.widths[0], 7, 2, 3, use_bias=False, name="conv_stem")(x)
+            x = nn.relu(BatchNorm(name="bn_stem")(x, train, mask))
+            x = max_pool(x, 3, 2, 1)
+        for s, (n, w) in enumerate(zip(self.blocks, self.widths)):
+            for b in range(n):
+                x = BasicBlock(w, (1 if s == 0 else 2) if b == 0 else 1, name=f"layer{s + 1}_{b}")(x, train, mask)
+        return jnp.mean(x, axis=(1, 2))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a bias-free fused projection W_qkv [D, 3 * heads * dim_head].
+
+    ``qkv`` supplies W_qkv from outside (FedTP's hypernetwork); otherwise it is this module's parameter.
+    softmax(q k^T / sqrt(dim_head)) v, heads concatenated, then Dense(D) and dropout.
+    """
+    heads: int = 8
+    dim_head: int = 64
+    dropout: float = 0.1
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, qkv=None):
+        b, n, d = x.shape
+        inner = self.heads * self.dim_head
+        w = qkv if qkv is not None else self.param("qkv", nn.initializers.xavier_uniform(), (d, 3 * inner))
+        q, k, v = jnp.split(x @ w, 3, axis=-1)
+        split = lambda t: t.reshape(b, n, self.heads, self.dim_head)
+        att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) * self.dim_head ** -0.5, -1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", att, split(v)).reshape(b, n, inner)
+        out = Dense(d, name="out")(out)
+        return nn.Dropout(self.dropout, deterministic=not train)(out)
+
+
+class ViTEncoder(nn.Module):
+    """Small pre-norm ViT (FedTP): patches -> Dense(dim) + CLS + learned positions -> depth x
+    [x + Attn(LN(x)); x + FF(LN(x))] -> LN(CLS token). Returns [B, dim].
+
+    ``qkv``: optional [depth, dim, 3 * heads * dim_head] attention projections supplied from outside; when
+    given, the blocks have no ``qkv`` parameter of their own (``qkv_shape`` gives the shape to generate).
+    """
+    patch: int = 4
+    dim: int = 128
+    depth: int = 8
+    heads: int = 8
+    dim_head: int = 64
+    mlp_dim: int = 256
+    dropout: float = 0.1
+
+    def qkv_shape(self):
+        return (self.depth, self.dim, 3 * self.heads * self.dim_head)
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None, qkv=None):
+        b, h, w, c = x.shape
+        p = self.patch
+        x = x.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, -1, p * p * c)
+        x = Dense(self.dim, name="patch_embed")(x)
+        cls = self.param("cls", nn.initializers.normal(1.0), (1, 1, self.dim))
+        pos = self.param("pos", nn.initializers.normal(1.0), (1, x.shape[1] + 1, self.dim))
+        x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.dim)), x], 1) + pos
+        x = nn.Dropout(self.dropout, deterministic=not train)(x)
+        drop = lambda t: nn.Dropout(self.dropout, deterministic=not train)(t)
+        for layer in range(self.depth):
+            y = nn.LayerNorm(epsilon=1e-5, name=f"ln_attn{layer}")(x)
+            x = x + Attention(self.heads, self.dim_head, self.dropout, name=f"attn{layer}")(
+                y, train, None if qkv is None else qkv[layer])
+            y = nn.LayerNorm(epsilon=1e-5, name=f"ln_ff{layer}")(x)
+            y = drop(nn.gelu(Dense(self.mlp_dim, name=f"ff{layer}_1")(y), approximate=False))
+            x = x + drop(Dense(self.dim, name=f"ff{layer}_2")(y))
+        return nn.LayerNorm(epsilon=1e-5, name="ln_out")(x[:, 0])
+
+
 class Classifier(nn.Module):
     """An encoder followed by a head: params {"encoder": ..., "head": ...}.
 
-    ``features`` returns the encoder output z; ``__call__`` returns the head's logits on z.
+    ``features`` returns the encoder output z; ``__call__`` returns the head's logits on z. Extra keyword
+    arguments (e.g. a ViT's ``qkv``) go to the encoder.
     """
     encoder: nn.Module
     head: nn.Module
 
-    def features(self, x, train: bool = False, mask=None):
-        return self.encoder(x, train, mask)
+    def features(self, x, train: bool = False, mask=None, **kw):
+        return self.encoder(x, train, mask, **kw)
 
-    def __call__(self, x, train: bool = False, mask=None):
-        return self.head(self.encoder(x, train, mask), train, mask)
+    def __call__(self, x, train: bool = False, mask=None, **kw):
+        return self.head(self.encoder(x, train, mask, **kw), train, mask)
 
 
 def digits_cnn(num_classes: int = 10) -> Classifier:
@@ -197,7 +359,28 @@ def small_cnn(num_classes: int = 10, width: int = 8, hidden: Sequence[int] = ())
     return Classifier(encoder=SmallEncoder(width), head=MLPHead(tuple(hidden), num_classes))
 
 
-MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn}
+def alexnet_bn(num_classes: int = 10) -> Classifier:
+    """FedBN's AlexNet-BN: AlexNetEncoder (d = 4096) + Dense(C). 57,063,498 parameters at C = 10."""
+    return Classifier(encoder=AlexNetEncoder(), head=MLPHead((), num_classes))
+
+
+def resnet10(num_classes: int = 10, stem: str = "cifar") -> Classifier:
+    """ResNet-10 ([1, 1, 1, 1] basic blocks) + Dense(C): 4,903,242 parameters at C = 10 (cifar stem)."""
+    return Classifier(encoder=ResNetEncoder((1, 1, 1, 1), stem), head=MLPHead((), num_classes))
+
+
+def resnet18(num_classes: int = 10, stem: str = "cifar") -> Classifier:
+    """ResNet-18 ([2, 2, 2, 2]) + Dense(C): 11,173,962 parameters (cifar stem), 11,181,642 (imagenet stem)."""
+    return Classifier(encoder=ResNetEncoder((2, 2, 2, 2), stem), head=MLPHead((), num_classes))
+
+
+def vit_small(num_classes: int = 10, depth: int = 8, **kw) -> Classifier:
+    """FedTP's ViT for 32x32 images: patch 4, dim 128, 8 heads x 64, MLP 256, ``depth`` pre-norm blocks."""
+    return Classifier(encoder=ViTEncoder(depth=depth, **kw), head=MLPHead((), num_classes))
+
+
+MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "alexnet_bn": alexnet_bn, "resnet10": resnet10,
+          "resnet18": resnet18, "vit_small": vit_small}
 
 
 def build_model(name: str, num_classes: int) -> Classifier:

@@ -68,3 +68,70 @@ def test_digits_cnn_matches_fedbn_digit_model():
 def test_unknown_model_lists_valid():
     with pytest.raises(ConfigError, match="unknown model 'resnet99'; valid: digits_cnn, small_cnn"):
         build_model("resnet99", 10)
+
+
+# --- backbones for the paper comparisons -----------------------------------------------------------------
+from jaxfl.metrics import count_params as count_kept  # noqa: E402
+from jaxfl.models import (adaptive_avg_pool, alexnet_bn, max_pool, resnet10, resnet18, vit_small)  # noqa: E402
+
+
+@pytest.mark.parametrize("factory,shape,expected", [
+    (alexnet_bn, (1, 256, 256, 3), 57_063_498),       # rfeddis spec: encoder 2,469,696 + 2,304 BN + head
+    (resnet10, (1, 32, 32, 3), 4_903_242),            # dapperfl spec
+    (resnet18, (1, 32, 32, 3), 11_173_962),           # dapperfl spec
+    (lambda: resnet18(stem="imagenet"), (1, 224, 224, 3), 11_181_642),  # torchvision resnet18, 10 classes
+    (vit_small, (1, 32, 32, 3), 2_645_898),           # fedtp spec: ~2.65M at depth 8
+])
+def test_parameter_counts(factory, shape, expected):
+    model = factory()
+    v = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(shape))
+    assert count_kept(v["params"]) == expected
+    assert jax.eval_shape(model.apply, v, jnp.zeros(shape)).shape == (1, 10)
+
+
+def test_pools_match_reference_windows():
+    x = jax.random.normal(jax.random.key(0), (2, 7, 7, 3))
+    ref = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "VALID")
+    np.testing.assert_array_equal(max_pool(x, 3, 2), ref)
+    ref = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), ((0, 0), (1, 1), (1, 1), (0, 0)))
+    np.testing.assert_array_equal(max_pool(x, 3, 2, 1), ref)
+    # adaptive 7 -> 6 is exactly a 2x2 stride-1 average pool; 6 -> 6 is the identity
+    ref = jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 1, 1, 1), "VALID") / 4
+    np.testing.assert_allclose(adaptive_avg_pool(x, 6), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(adaptive_avg_pool(x[:, :6, :6], 6), x[:, :6, :6], rtol=1e-6)
+
+
+def test_resnet_forward_under_vmap_over_clients():
+    model = resnet10(num_classes=5)
+    x = jax.random.normal(jax.random.key(1), (3, 2, 16, 16, 3))  # 3 clients x 2 images
+    v = model.init(jax.random.key(0), x[0])
+    stacked = jax.tree_util.tree_map(lambda a: jnp.stack([a, a * 1.01, a * 0.99]), v)
+    out, upd = jax.vmap(lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"]))(stacked, x)
+    assert out.shape == (3, 2, 5)
+    one, _ = model.apply(jax.tree_util.tree_map(lambda a: a[2], stacked), x[2], train=True, mutable=["batch_stats"])
+    np.testing.assert_allclose(out[2], one, rtol=1e-4, atol=1e-5)
+    v18 = jax.eval_shape(resnet18().init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    stacked18 = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((4,) + a.shape, a.dtype), v18)
+    shapes = jax.eval_shape(jax.vmap(resnet18().apply), stacked18, jnp.zeros((4, 2, 32, 32, 3)))
+    assert shapes.shape == (4, 2, 10)
+
+
+def test_vit_external_qkv_replaces_its_own_projections():
+    model = vit_small(num_classes=3, depth=2)
+    x = jax.random.normal(jax.random.key(2), (2, 32, 32, 3))
+    v = model.init(jax.random.key(0), x)
+    assert v["params"]["encoder"]["attn0"]["qkv"].shape == (128, 1536)
+    shape = model.encoder.qkv_shape()
+    assert shape == (2, 128, 1536)
+    ext = model.init(jax.random.key(0), x, qkv=jnp.zeros(shape))
+    assert "qkv" not in ext["params"]["encoder"]["attn0"]  # the shared part has no attention projections
+    own = jnp.stack([v["params"]["encoder"][f"attn{i}"]["qkv"] for i in range(2)])
+    np.testing.assert_allclose(model.apply(ext, x, qkv=own), model.apply(v, x), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(model.apply(ext, x, qkv=own * 3), model.apply(ext, x, qkv=own))
+    # vmapped over clients with per-client qkv
+    out = jax.vmap(lambda q, x: model.apply(ext, x, qkv=q))(jnp.stack([own, own * 2]), jnp.stack([x, x]))
+    assert out.shape == (2, 2, 3)
+    # dropout is active only in training and follows the key
+    a = model.apply(v, x, train=True, rngs={"dropout": jax.random.key(1)})
+    b = model.apply(v, x, train=True, rngs={"dropout": jax.random.key(2)})
+    assert not np.allclose(a, b)

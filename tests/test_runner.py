@@ -99,3 +99,24 @@ def test_cli_run_writes_outputs(tmp_path, capsys):
     assert len(lines) == 2 and json.loads(lines[-1])["round"] == 2  # --rounds overrode the file
     assert json.loads((tmp_path / "o" / "config.json").read_text())["algorithm"] == "fedavg"
     assert (tmp_path / "o" / "accuracy.png").is_file()
+
+
+def test_algorithm_options_come_from_the_config_by_name():
+    from jaxfl.algorithms import algorithm_options
+    cfg = RunConfig(prox_mu=0.3, head_epochs=2, warmup_rounds=5, ditto_lambda=0.7, local_bn=True)
+    assert algorithm_options("fedavg", cfg) == {}
+    assert algorithm_options("fedprox", cfg) == {"prox_mu": 0.3, "local_bn": True}
+    assert algorithm_options("fedrep", cfg) == {"head_epochs": 2, "local_bn": True}
+    assert algorithm_options("lg_fedavg", cfg) == {"warmup_rounds": 5, "local_bn": True}
+    assert algorithm_options("ditto", cfg) == {"ditto_lambda": 0.7}
+
+
+def test_cli_runs_a_personalized_baseline_with_its_option(tmp_path, capsys):
+    code = main(["run", "--quiet", "--algorithm", "lg_fedavg", "--warmup-rounds", "1", "--rounds", "2",
+                 "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size", "16",
+                 "--out", str(tmp_path / "o")])
+    assert code == 0
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert cfg["algorithm"] == "lg_fedavg" and cfg["warmup_rounds"] == 1
+    with pytest.raises(ConfigError, match="prox_mu=-1.0 must be >= 0"):
+        Experiment(RunConfig(algorithm="fedprox", prox_mu=-1.0, **TINY))

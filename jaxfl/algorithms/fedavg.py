@@ -53,11 +53,11 @@ def ce_loss(model, prox_mu: float = 0.0):
     """loss_fn(params, stats, x, y, w, key, anchor) = weighted CE + prox_mu/2 ||params - anchor||^2.
 
     Returns (loss, (new_batch_stats, logits)), the LocalTrainer contract; ``anchor`` (the parameters the
-    client started the round from) enters only when prox_mu != 0.
+    client started the round from) enters only when prox_mu != 0; ``key`` drives dropout, if the model has any.
     """
     def loss_fn(params, stats, x, y, w, key, anchor=None):
         logits, updated = model.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
-                                      mutable=["batch_stats"])
+                                      mutable=["batch_stats"], rngs=None if key is None else {"dropout": key})
         loss = weighted_mean_loss(cross_entropy(logits, y), w)
         if prox_mu:
             sq = jax.tree_util.tree_map(lambda p, a: jnp.sum(jnp.square(p - a)), params, anchor)
