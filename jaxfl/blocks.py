@@ -20,7 +20,7 @@ Evidential learning (RFedDis)      evidence, dirichlet_alpha, opinion, uncertain
 Losses                             cross_entropy, weighted_mean_loss, correct_count, kl_divergence,
                                    symmetric_kl, negative_entropy, feature_norm
 Metrics                            expected_calibration_error, auroc, sparsity_ratio, fisher_score,
-                                   overlap_ratio, selection_ratio, count_params, layer_positions,
+                                   overlap_ratio, selection_ratio, sparsity_per_sample, count_params, layer_positions,
                                    masked_flops
 """
 from .aggregation import (broadcast_clients, masked_mean, recovered_mean, tree_masked_mean,
@@ -37,7 +37,7 @@ from .masks import (channel_mask, channel_scores, descending_rank, grow_mask, gu
                     relaxed_mask, split_features, straight_through, topk_mask, tree_count, tree_density,
                     tree_grow_mask, tree_size)
 from .metrics import (auroc, count_params, expected_calibration_error, fisher_score, layer_positions,
-                      masked_flops, overlap_ratio, selection_ratio, sparsity_ratio)
+                      masked_flops, overlap_ratio, selection_ratio, sparsity_per_sample, sparsity_ratio)
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in {
     "aggregation", "evidential", "hypernet", "losses", "masks", "metrics"}]

@@ -12,7 +12,7 @@ from .config import RunConfig, load_config_file
 from .errors import JaxflError
 
 HELP = {
-    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto",
+    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick",
     "dataset": "default (embedded, offline) | digits | pacs | cifar10 | mnist | tfds:NAME | folder:PATH",
     "model": "digits_cnn | alexnet_bn | resnet10 | resnet18 | vit_small | small_cnn (default: per dataset)",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
@@ -26,6 +26,16 @@ HELP = {
     "head_epochs": "fedrep: head-only epochs before the body epochs (--local-epochs)",
     "warmup_rounds": "lg_fedavg: rounds of full averaging before the body goes personal",
     "local_bn": "fedprox/fedper/fedrep/lg_fedavg: keep BatchNorm per client",
+    "tau": "fedpick: Gumbel-sigmoid temperature (default: 10 digits, 1 otherwise)",
+    "lam_lce": "fedpick: weight of the personal head's CE (default: 10 digits, 1 otherwise)",
+    "lam_ent": "fedpick: weight of the irrelevant head's negative entropy (default: 0.001)",
+    "lam_dis": "fedpick: weight of the symmetric KL between global and personal predictions (10 / 1)",
+    "use_pfsm": "fedpick: --no-use-pfsm drops the PFSM (the FedBN ablation)",
+    "soft_mask": "fedpick ablation: use the soft mask m_s, no threshold",
+    "no_ensemble": "fedpick ablation: predict with the global head only",
+    "share_bn": "fedpick ablation: average BatchNorm too",
+    "share_pfsm": "fedpick ablation: average the PFSM too",
+    "pfsm_head": "fedpick: same (copy the global head) | linear",
 }
 
 
@@ -50,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         default = f"default: {f.default}" if f.default is not None else ""
         text = "; ".join(s for s in (HELP.get(f.name, ""), default) if s)
         if tp is bool:
-            run.add_argument(flag, dest=f.name, action="store_true", help=text)
+            run.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=text)
         else:
             run.add_argument(flag, dest=f.name, type=tp, help=text)
     return parser

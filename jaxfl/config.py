@@ -29,6 +29,17 @@ class RunConfig:
     head_epochs: int = 4
     warmup_rounds: int = 0
     local_bn: bool = False
+    # fedpick (None: the paper's value for the dataset)
+    tau: float | None = None
+    lam_lce: float | None = None
+    lam_ent: float | None = None
+    lam_dis: float | None = None
+    use_pfsm: bool = True
+    soft_mask: bool = False
+    no_ensemble: bool = False
+    share_bn: bool = False
+    share_pfsm: bool = False
+    pfsm_head: str = "same"
     # data
     data_dir: str | None = None
     num_clients: int | None = None
@@ -75,14 +86,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.strategy is not None:
         check_choice("strategy", cfg.strategy, STRATEGIES)
     check_choice("weighting", cfg.weighting, ("samples", "uniform"))
+    check_choice("pfsm_head", cfg.pfsm_head, ("same", "linear"))
+    if cfg.tau is not None and cfg.tau <= 0:
+        raise ConfigError(f"tau={cfg.tau} must be > 0")
     for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "unroll", "eval_every",
                  "eval_batch_size", "clients_per_domain"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
     check_range("lr", cfg.lr, 0.0, float("inf"), lo_open=True)
     check_range("momentum", cfg.momentum, 0.0, 1.0)
-    for name in ("prox_mu", "ditto_lambda", "head_epochs", "warmup_rounds"):
-        if getattr(cfg, name) < 0:
+    for name in ("prox_mu", "ditto_lambda", "head_epochs", "warmup_rounds", "lam_lce", "lam_ent", "lam_dis"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 0")
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)

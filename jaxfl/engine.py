@@ -222,10 +222,11 @@ def make_round(alg: Algorithm, *, strategy="vmap", chunk_size=8, cohort_size=Non
 
 def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_size=8,
                   preprocess: Callable = normalizer()) -> Callable:
-    """Build evaluate(server, clients, data) -> {"loss", "accuracy", "count"} per client [N].
+    """Build evaluate(server, clients, data) -> {"loss", "accuracy", "count", ...} per client [N].
 
     Each client predicts its own padded test set in batches (``lax.map``; M must be a multiple of
-    ``eval_batch_size``); padded samples count nowhere.
+    ``eval_batch_size``); padded samples count nowhere. If ``alg.predict`` returns (logits, {name: [B]}),
+    each diagnostic is averaged over the client's real test samples and reported under its name.
     """
     def one(client, x, y, count, server):
         m = y.shape[0]
@@ -234,13 +235,15 @@ def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk
 
         def batch(args):
             xb, yb, wb = args
-            logits = alg.predict(server, client, preprocess(xb))
-            return jnp.stack([jnp.sum(wb * cross_entropy(logits, yb)), correct_count(logits, yb, wb)])
+            out = alg.predict(server, client, preprocess(xb))
+            logits, extra = out if isinstance(out, tuple) else (out, {})
+            sums = {"loss": jnp.sum(wb * cross_entropy(logits, yb)), "accuracy": correct_count(logits, yb, wb)}
+            return dict(sums, **{k: jnp.sum(wb * v) for k, v in extra.items()})
 
         split = lambda a: a.reshape((nb, eval_batch_size) + a.shape[1:])
-        sums = jax.lax.map(batch, (split(x), split(y), split(w))).sum(0)
+        sums = jax.tree_util.tree_map(lambda s: s.sum(0), jax.lax.map(batch, (split(x), split(y), split(w))))
         n = jnp.maximum(count.astype(jnp.float32), 1.0)
-        return {"loss": sums[0] / n, "accuracy": sums[1] / n, "count": count}
+        return dict({k: v / n for k, v in sums.items()}, count=count)
 
     def evaluate(server, clients, data: ClientData):
         fn = lambda c, x, y, cnt: one(c, x, y, cnt, server)

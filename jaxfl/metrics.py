@@ -43,14 +43,18 @@ def auroc(scores_positive, scores_negative):
     return (jnp.sum(rank) - n_p * (n_p + 1) / 2.0) / (n_p * n_n)
 
 
-def sparsity_ratio(z, eps: float = 1e-5, weights=None):
-    """FedPick's feature sparsity: mean over samples of (1/d) #{k : |z_k| / ||z||_2 <= eps}; z [N, d].
-
-    Scale-invariant per sample; a vector with k zeros among d entries gives k/d (an all-zero vector gives 1).
-    """
+def sparsity_per_sample(z, eps: float = 1e-5):
+    """(1/d) #{k : |z_k| / ||z||_2 <= eps} for each row of z [..., d] (an all-zero row gives 1)."""
     norm = jnp.linalg.norm(z, axis=-1, keepdims=True)
-    zbar = jnp.abs(z) / jnp.where(norm > 0, norm, 1.0)
-    per_sample = jnp.mean(zbar <= eps, -1)
+    return jnp.mean(jnp.abs(z) / jnp.where(norm > 0, norm, 1.0) <= eps, -1)
+
+
+def sparsity_ratio(z, eps: float = 1e-5, weights=None):
+    """FedPick's feature sparsity: mean over samples of ``sparsity_per_sample``; z [N, d].
+
+    Scale-invariant per sample; a vector with k zeros among d entries gives k/d.
+    """
+    per_sample = sparsity_per_sample(z, eps)
     w = _weights(z.shape[0], weights)
     return jnp.sum(w * per_sample) / jnp.maximum(jnp.sum(w), 1.0)
 

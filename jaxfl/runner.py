@@ -84,7 +84,7 @@ class Experiment:
                                     steps_per_epoch(int(ds.train_counts().max()), cfg.batch_size),
                                     preprocess, cfg.unroll)
         self.algorithm = build_algorithm(cfg.algorithm, self.model, self.trainer,
-                                         **algorithm_options(cfg.algorithm, cfg))
+                                         **algorithm_options(cfg.algorithm, cfg, cfg.dataset))
         self.cohort = cohort_size(cfg, n)
         strategy = cfg.strategy or default_strategy()
         self.strategy = strategy
@@ -102,8 +102,11 @@ class Experiment:
     def evaluate(self, server, clients) -> dict:
         m = jax.device_get(self.eval_fn(server, clients, self.test))
         acc, cnt = np.asarray(m["accuracy"], float), np.asarray(m["count"], float)
+        extra = {f"test_{k}": np.asarray(v, float).tolist() for k, v in m.items()
+                 if k not in ("accuracy", "loss", "count")}
         return {"test_accuracy": acc.tolist(), "test_loss": np.asarray(m["loss"], float).tolist(),
-                "mean_accuracy": float(acc.mean()), "weighted_accuracy": float((acc * cnt).sum() / cnt.sum())}
+                "mean_accuracy": float(acc.mean()), "weighted_accuracy": float((acc * cnt).sum() / cnt.sum()),
+                **extra}
 
     def run(self, progress: bool = False, log=None) -> RunResult:
         cfg, names = self.cfg, self.dataset.client_names

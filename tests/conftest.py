@@ -43,3 +43,21 @@ def data_dir():
             raise RuntimeError("CI must set JAXFL_DATA_DIR to the shared benchmark data")
         pytest.skip("no benchmark data: set JAXFL_DATA_DIR")
     return path
+
+
+def setup_algorithm(name, model, counts, **opts):
+    """(alg, data, server, clients) for ``name`` on random client data with the given sample counts."""
+    from jaxfl import build_algorithm, init_state
+    data = make_data(list(counts))
+    alg = build_algorithm(name, model, make_trainer(max_count=max(counts)), **opts)
+    server, clients = init_state(alg, jax.random.key(0), data.x[0], len(counts))
+    return alg, data, server, clients
+
+
+def run_rounds(alg, data, server, clients, root, rounds=1, strategy="vmap"):
+    """``rounds`` jitted rounds; returns (server, clients, metrics of the last round)."""
+    from jaxfl import make_round
+    fn = jax.jit(make_round(alg, strategy=strategy))
+    for r in range(rounds):
+        server, clients, metrics = fn(server, clients, data, r, root)
+    return server, clients, metrics

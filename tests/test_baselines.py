@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_trees_close, make_data, make_trainer
-from jaxfl import build_algorithm, init_state, make_evaluate, make_round
+from conftest import assert_trees_close, make_data, make_trainer, run_rounds, setup_algorithm
+from jaxfl import make_evaluate, make_round
 from jaxfl.algorithms import ALGORITHMS, SHARING
 from jaxfl.algorithms.fedrep import head_then_body
 from jaxfl.algorithms.fedavg import ce_loss
@@ -20,17 +20,11 @@ def model():
 
 
 def setup(name, **opts):
-    data = make_data(list(COUNTS))
-    alg = build_algorithm(name, model(), make_trainer(max_count=max(COUNTS)), **opts)
-    server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
-    return alg, data, server, clients
+    return setup_algorithm(name, model(), COUNTS, **opts)
 
 
 def run(alg, data, server, clients, rounds=2):
-    fn = jax.jit(make_round(alg, strategy="vmap"))
-    for r in range(rounds):
-        server, clients, metrics = fn(server, clients, data, r, ROOT)
-    return server, clients, metrics
+    return run_rounds(alg, data, server, clients, ROOT, rounds)
 
 
 def rows_equal(leaf):

@@ -10,12 +10,13 @@ from ..errors import check_choice
 from .ditto import ditto
 from .fedavg import fedavg, fedbn, in_part, is_batchnorm, local, masked_averaging, path_mask
 from .fedper import fedper
+from .fedpick import fedpick, fedpick_defaults
 from .fedprox import fedprox
 from .fedrep import fedrep
 from .lg_fedavg import lg_fedavg
 
 ALGORITHMS = {"local": local, "fedavg": fedavg, "fedbn": fedbn, "fedprox": fedprox, "fedper": fedper,
-              "fedrep": fedrep, "lg_fedavg": lg_fedavg, "ditto": ditto}
+              "fedrep": fedrep, "lg_fedavg": lg_fedavg, "ditto": ditto, "fedpick": fedpick}
 
 # What each algorithm shares with the server and keeps on the client (README's table is built from this).
 SHARING = {
@@ -27,13 +28,22 @@ SHARING = {
     "fedrep": ("encoder (body), trained after head_epochs of head-only training", "head"),
     "lg_fedavg": ("head (after warmup_rounds of full averaging)", "encoder (body)"),
     "ditto": ("a global FedAvg model", "a personal model trained toward it (lambda/2 ||v - w||^2)"),
+    "fedpick": ("encoder and global head, without BatchNorm", "BatchNorm, the PFSM (mask net, personal and irrelevant heads)"),
 }
 
 
-def algorithm_options(name: str, config) -> dict:
-    """The factory's keyword options that ``config`` (any object with attributes) provides, by name."""
+# Per-dataset defaults of options a config leaves as None (FedPick's table, fedpick spec section 3).
+DATASET_DEFAULTS = {"fedpick": fedpick_defaults}
+
+
+def algorithm_options(name: str, config, dataset: str | None = None) -> dict:
+    """The factory's keyword options that ``config`` (any object with attributes) provides, by name; options
+    left as None take the algorithm's default for ``dataset`` (or the factory's default)."""
     params = inspect.signature(ALGORITHMS[name]).parameters
-    return {k: getattr(config, k) for k, p in params.items() if p.default is not p.empty and hasattr(config, k)}
+    given = {k: getattr(config, k) for k, p in params.items() if p.default is not p.empty and hasattr(config, k)}
+    defaults = DATASET_DEFAULTS[name](dataset) if name in DATASET_DEFAULTS else {}
+    return {k: (defaults.get(k) if v is None else v) for k, v in given.items()
+            if v is not None or defaults.get(k) is not None}
 
 
 def build_algorithm(name: str, model, trainer, **options):
@@ -43,5 +53,5 @@ def build_algorithm(name: str, model, trainer, **options):
 
 
 __all__ = ["ALGORITHMS", "SHARING", "algorithm_options", "build_algorithm", "ditto", "fedavg", "fedbn",
-           "fedper", "fedprox", "fedrep", "in_part", "is_batchnorm", "lg_fedavg", "local",
+           "fedper", "fedpick", "fedprox", "fedrep", "in_part", "is_batchnorm", "lg_fedavg", "local",
            "masked_averaging", "path_mask"]

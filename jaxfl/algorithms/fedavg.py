@@ -73,7 +73,8 @@ def split_variables(variables):
 def masked_averaging(name: str, model, trainer: LocalTrainer, *,
                      share_param: PathPredicate, share_stats: bool | PathPredicate,
                      reset_optimizer: bool = True, prox_mu: float = 0.0, train: Callable | None = None,
-                     warmup_rounds: int = 0) -> Algorithm:
+                     warmup_rounds: int = 0, loss: Callable | None = None,
+                     predict: Callable | None = None) -> Algorithm:
     """An Algorithm that averages the parameters selected by ``share_param(path)`` and the BatchNorm
     statistics selected by ``share_stats`` (a bool or a path predicate), keeping everything else per client.
 
@@ -82,9 +83,12 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
     train(trainer, loss_fn, params, stats, opt_state, data, key) -> (params, stats, opt_state, metrics):
         replaces ``trainer.run`` (FedRep's head-then-body epochs).
     warmup_rounds: the first rounds share every leaf (LG-FedAvg); the server then counts rounds.
+    loss: replaces ``ce_loss(model, prox_mu)`` (same signature); predict(variables, x): replaces
+        ``model.apply(variables, x, train=False)`` and may return (logits, per-sample diagnostics).
     """
     stats_pred = share_stats if callable(share_stats) else (lambda _: share_stats)
-    loss_fn = ce_loss(model, prox_mu)
+    loss_fn = loss or ce_loss(model, prox_mu)
+    apply_eval = predict or (lambda variables, x: model.apply(variables, x, train=False))
 
     def masks(server):
         m = {"params": path_mask(server["params"], share_param),
@@ -121,10 +125,10 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
             new["round"] = server["round"] + 1
         return new, clients
 
-    def predict(server, client, x):
-        return model.apply(merged(server, client), x, train=False)
+    def predict_fn(server, client, x):
+        return apply_eval(merged(server, client), x)
 
-    return Algorithm(name, init, local_update, aggregate, predict)
+    return Algorithm(name, init, local_update, aggregate, predict_fn)
 
 
 def fedavg(model, trainer, **kw) -> Algorithm:

@@ -1,0 +1,117 @@
+"""FedPick (Zhu et al., TNNLS 2024): personalized feature selection with a per-client PFSM.
+
+Per sample, the client's mask network phi (Dense(d, d/2)-ReLU-Dense(d/2, d), no BN) turns the shared
+encoder's features z_g into mask logits z_l; m = ST(1[sigmoid((z_l + L)/tau) >= 0.5]) with logistic noise L
+in training only (``blocks.relaxed_mask``). z_p = z_g * m feeds the personal head h_p, z_u = z_g * (1 - m)
+the "irrelevant" head h_u. With a_* the logits of h_g(z_g), h_p(z_p), h_u(z_u):
+
+    L = CE(a_g, y) + lam_lce CE(a_p, y) + lam_ent sum_c p_u log p_u + lam_dis [KL(p_p||p_g) + KL(p_g||p_p)]
+
+(batch means over real samples). Prediction: argmax(a_g + a_p) (ensemble) or a_g (``no_ensemble``). The
+server averages, weighted by sample counts, the encoder and the global head without BatchNorm; BN (params
+and statistics) and the PFSM stay on the client. ``use_pfsm=False`` is exactly FedBN.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from ..engine import Algorithm
+from ..losses import cross_entropy, negative_entropy, symmetric_kl, weighted_mean_loss
+from ..masks import relaxed_mask, split_features
+from ..metrics import sparsity_per_sample
+from ..models import Dense, MLPHead
+from .fedavg import is_batchnorm, masked_averaging
+
+# fedpick spec section 3: (tau, lam_lce, lam_ent, lam_dis) per dataset.
+DIGITS = {"tau": 10.0, "lam_lce": 10.0, "lam_ent": 0.001, "lam_dis": 10.0}
+OFFICE = {"tau": 1.0, "lam_lce": 1.0, "lam_ent": 0.001, "lam_dis": 1.0}
+
+
+def fedpick_defaults(dataset: str | None) -> dict:
+    """The paper's hyperparameters: Digits values for digit benchmarks, Office/DomainNet values otherwise."""
+    return dict(DIGITS if dataset in (None, "default", "digits", "mnist") else OFFICE)
+
+
+class PFSM(nn.Module):
+    """Personalized feature selection module: mask network phi, personal head, irrelevant head.
+
+    Returns (a_p, a_u, m) for features z [B, d]; the Gumbel noise comes from the ``gumbel`` rng stream
+    (training only).
+    """
+    head_p: nn.Module
+    head_u: nn.Module
+    tau: float = 1.0
+    hard: bool = True
+
+    @nn.compact
+    def __call__(self, z, train: bool = False, mask=None):
+        d = z.shape[-1]
+        logits = Dense(d, name="phi2")(nn.relu(Dense(d // 2, name="phi1")(z)))
+        m = relaxed_mask(logits, self.make_rng("gumbel") if train else None, self.tau, self.hard)
+        z_p, z_u = split_features(z, m)
+        return self.head_p(z_p, train, mask), self.head_u(z_u, train, mask), m
+
+
+class FedPickNet(nn.Module):
+    """Encoder + global head (named ``encoder``/``head`` as in ``Classifier``, so without a PFSM it is the
+    same network with the same init) + optional ``pfsm``. Returns {a_g, a_p, a_u, mask, z}."""
+    encoder: nn.Module
+    head: nn.Module
+    pfsm: nn.Module | None = None
+
+    def __call__(self, x, train: bool = False, mask=None):
+        z = self.encoder(x, train, mask)
+        out = {"a_g": self.head(z, train, mask), "z": z}
+        if self.pfsm is not None:
+            out["a_p"], out["a_u"], out["mask"] = self.pfsm(z, train, mask)
+        return out
+
+
+def fedpick(model, trainer, tau: float = 10.0, lam_lce: float = 10.0, lam_ent: float = 0.001,
+            lam_dis: float = 10.0, use_pfsm: bool = True, soft_mask: bool = False, no_ensemble: bool = False,
+            share_bn: bool = False, share_pfsm: bool = False, pfsm_head: str = "same") -> Algorithm:
+    """FedPick on a ``Classifier`` (its encoder and head become the shared encoder and global head).
+
+    pfsm_head: "same" (h_p, h_u copy the global head's architecture) or "linear". Ablations: use_pfsm=False
+    (FedBN), soft_mask (m = m_s, no threshold), no_ensemble (predict a_g), share_bn, share_pfsm, lam_* = 0.
+    """
+    if pfsm_head not in ("same", "linear"):
+        raise ValueError(f"pfsm_head must be 'same' or 'linear', got {pfsm_head!r}")
+    classes = model.head.num_classes
+    head_like = lambda name: MLPHead(() if pfsm_head == "linear" else tuple(model.head.hidden), classes, name=name)
+    pfsm = PFSM(head_like("head_p"), head_like("head_u"), tau, not soft_mask) if use_pfsm else None
+    net = FedPickNet(model.encoder, model.head, pfsm)
+
+    def loss(params, stats, x, y, w, key, anchor=None):
+        out, updated = net.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
+                                 mutable=["batch_stats"], rngs=None if key is None else {"gumbel": key,
+                                                                                          "dropout": key})
+        mean = lambda v: weighted_mean_loss(v, w)
+        total = mean(cross_entropy(out["a_g"], y))
+        logits = out["a_g"]
+        if use_pfsm:
+            total = (total + lam_lce * mean(cross_entropy(out["a_p"], y))
+                     + lam_ent * mean(negative_entropy(out["a_u"]))
+                     + lam_dis * mean(symmetric_kl(out["a_p"], out["a_g"])))
+            logits = logits if no_ensemble else logits + out["a_p"]
+        return total, (updated["batch_stats"], logits)
+
+    def predict(variables, x):
+        out = net.apply(variables, x, train=False)
+        if not use_pfsm:
+            return out["a_g"]
+        logits = out["a_g"] if no_ensemble else out["a_g"] + out["a_p"]
+        return logits, {"selection_ratio": jnp.mean(out["mask"], -1),
+                        "sparsity_ratio": sparsity_per_sample(out["z"])}
+
+    def share_param(path):
+        if path[0] == "pfsm":
+            return share_pfsm
+        return share_bn or not is_batchnorm(path)
+
+    def share_stats(path):
+        return share_pfsm if path[0] == "pfsm" else share_bn
+
+    return masked_averaging("fedpick", net, trainer, share_param=share_param, share_stats=share_stats,
+                            loss=loss, predict=predict)
