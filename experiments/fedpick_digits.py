@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="runs/fedpick_digits")
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
-    results, names = {}, None
+    results = {}
     for name in args.algorithms.split(","):
         results[name] = run_one(name, args)
         print(name, [round(a, 4) for a in results[name][-1].get("test_accuracy", [])], flush=True)

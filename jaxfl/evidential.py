@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import digamma, gammaln
 
+from .losses import weighted_mean_loss
+
 
 def evidence(logits):
     """e = softplus(z) >= 0."""
@@ -110,10 +112,7 @@ def softmax_kl_mean(h_p, h_q, weights=None):
     """
     lp, lq = jax.nn.log_softmax(h_p, -1), jax.nn.log_softmax(h_q, -1)
     per_sample = jnp.mean(jnp.exp(lp) * (lp - lq), -1)
-    if weights is None:
-        return jnp.mean(per_sample)
-    w = weights.astype(per_sample.dtype)
-    return jnp.sum(w * per_sample) / jnp.maximum(jnp.sum(w), 1.0)
+    return jnp.mean(per_sample) if weights is None else weighted_mean_loss(per_sample, weights)
 
 
 def disentangle_loss(h_global, h_local, weights=None):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .metrics import count_params
+
 
 # --------------------------------------------------------------------------------------------------
 # Relaxed Bernoulli masks: Gumbel-sigmoid + straight-through estimator
@@ -162,8 +164,8 @@ def tree_count(mask_tree):
 
 
 def tree_size(tree):
-    """Total number of entries over all leaves (a Python int)."""
-    return sum(int(jnp.size(x)) for x in jax.tree_util.tree_leaves(tree))
+    """Total number of entries over all leaves (a Python int): ``metrics.count_params`` without masks."""
+    return count_params(tree)
 
 
 def tree_density(mask_tree):

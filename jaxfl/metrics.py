@@ -10,6 +10,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from .losses import weighted_mean_loss
+
 
 def _weights(n, weights, dtype=jnp.float32):
     return jnp.ones((n,), dtype) if weights is None else jnp.asarray(weights, dtype)
@@ -54,9 +56,7 @@ def sparsity_ratio(z, eps: float = 1e-5, weights=None):
 
     Scale-invariant per sample; a vector with k zeros among d entries gives k/d.
     """
-    per_sample = sparsity_per_sample(z, eps)
-    w = _weights(z.shape[0], weights)
-    return jnp.sum(w * per_sample) / jnp.maximum(jnp.sum(w), 1.0)
+    return weighted_mean_loss(sparsity_per_sample(z, eps), _weights(z.shape[0], weights))
 
 
 def fisher_score(z, labels, num_classes: int, weights=None, eps: float = 1e-12):
@@ -85,8 +85,7 @@ def overlap_ratio(a, b):
 
 def selection_ratio(mask, weights=None):
     """Mean of a per-sample feature mask [N, d] over its entries and real samples (FedPick Fig. 7)."""
-    w = _weights(mask.shape[0], weights)
-    return jnp.sum(w * jnp.mean(mask, -1)) / jnp.maximum(jnp.sum(w), 1.0)
+    return weighted_mean_loss(jnp.mean(mask, -1), _weights(mask.shape[0], weights))
 
 
 def _flat(tree):

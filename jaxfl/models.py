@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import check_choice
+from .metrics import count_params  # noqa: F401  (re-exported: models' parameter counts)
 
 
 def torch_kernel_init(key, shape, dtype=jnp.float32):
@@ -387,8 +388,3 @@ def build_model(name: str, num_classes: int) -> Classifier:
     """Look up a model by name; unknown names list the valid ones."""
     check_choice("model", name, MODELS)
     return MODELS[name](num_classes=num_classes)
-
-
-def count_params(tree) -> int:
-    """Number of scalar entries in a pytree."""
-    return int(sum(x.size for x in jax.tree_util.tree_leaves(tree)))

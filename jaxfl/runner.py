@@ -16,7 +16,8 @@ from .config import RunConfig, validate
 from .data import load_dataset
 from .engine import (LocalTrainer, init_state, make_evaluate, make_round, normalizer, steps_per_epoch)
 from .errors import ConfigError, NonFiniteError
-from .models import build_model, count_params
+from .metrics import count_params
+from .models import build_model
 
 DEFAULT_MODEL = {"default": "digits_cnn", "digits": "digits_cnn", "pacs": "digits_cnn"}
 # Measured on a 2-core CPU (README, "Client strategies"): vmap of convolutions over per-client kernels

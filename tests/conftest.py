@@ -45,19 +45,21 @@ def data_dir():
     return path
 
 
-def setup_algorithm(name, model, counts, **opts):
-    """(alg, data, server, clients) for ``name`` on random client data with the given sample counts."""
+def setup_algorithm(name, model, counts, m=None, **trainer_kw):
+    """(alg, data, server, clients) for ``name`` on random client data with the given sample counts
+    (padded to ``m``); ``trainer_kw`` go to ``make_trainer``."""
     from jaxfl import build_algorithm, init_state
-    data = make_data(list(counts))
-    alg = build_algorithm(name, model, make_trainer(max_count=max(counts)), **opts)
+    data = make_data(list(counts), m=m)
+    opts = trainer_kw.pop("options", {})
+    alg = build_algorithm(name, model, make_trainer(max_count=max(counts), **trainer_kw), **opts)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(counts))
     return alg, data, server, clients
 
 
-def run_rounds(alg, data, server, clients, root, rounds=1, strategy="vmap"):
-    """``rounds`` jitted rounds; returns (server, clients, metrics of the last round)."""
+def run_rounds(alg, data, server, clients, root, rounds=1, **round_kw):
+    """``rounds`` jitted rounds of ``make_round(alg, **round_kw)``; returns (server, clients, last metrics)."""
     from jaxfl import make_round
-    fn = jax.jit(make_round(alg, strategy=strategy))
+    fn = jax.jit(make_round(alg, **round_kw))
     for r in range(rounds):
         server, clients, metrics = fn(server, clients, data, r, root)
     return server, clients, metrics

@@ -20,7 +20,7 @@ def model():
 
 
 def setup(name, **opts):
-    return setup_algorithm(name, model(), COUNTS, **opts)
+    return setup_algorithm(name, model(), COUNTS, options=opts)
 
 
 def run(alg, data, server, clients, rounds=2):

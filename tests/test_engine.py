@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_trees_close, make_data, make_trainer
+import conftest
+from conftest import assert_trees_close, make_trainer, setup_algorithm
 from jaxfl import build_algorithm, init_state, make_evaluate, make_round
 from jaxfl.algorithms import is_batchnorm, path_mask
 from jaxfl.engine import ClientData, client_keys, epoch_permutation, map_clients, sample_cohort
@@ -14,17 +15,11 @@ ROOT = jax.random.key(7)
 
 
 def setup(name="fedbn", counts=(24, 17, 9), m=None, **trainer_kw):
-    data = make_data(list(counts), m=m)
-    alg = build_algorithm(name, small_cnn(num_classes=4, width=4), make_trainer(max_count=max(counts), **trainer_kw))
-    server, clients = init_state(alg, jax.random.key(0), data.x[0], len(counts))
-    return alg, data, server, clients
+    return setup_algorithm(name, small_cnn(num_classes=4, width=4), counts, m, **trainer_kw)
 
 
 def run_rounds(alg, data, server, clients, rounds=2, **kw):
-    fn = jax.jit(make_round(alg, **kw))
-    for r in range(rounds):
-        server, clients, metrics = fn(server, clients, data, r, ROOT)
-    return server, clients, metrics
+    return conftest.run_rounds(alg, data, server, clients, ROOT, rounds, **kw)
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedbn", "local"])

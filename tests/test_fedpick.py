@@ -16,7 +16,7 @@ W = np.array(COUNTS, float) / sum(COUNTS)
 
 def setup(name="fedpick", **opts):
     opts = dict(dict(tau=1.0), **opts) if name == "fedpick" else opts
-    return setup_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), COUNTS, **opts)
+    return setup_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), COUNTS, options=opts)
 
 
 def run(alg, data, server, clients, rounds=1):

@@ -13,7 +13,7 @@ import jax
 
 from ..aggregation import tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer
-from .fedavg import ce_loss, split_variables
+from .fedavg import ce_loss, init_variables
 
 
 def ditto(model, trainer: LocalTrainer, ditto_lambda: float = 0.1) -> Algorithm:
@@ -21,7 +21,7 @@ def ditto(model, trainer: LocalTrainer, ditto_lambda: float = 0.1) -> Algorithm:
     global_loss, personal_loss = ce_loss(model), ce_loss(model, prox_mu=ditto_lambda)
 
     def init(key, sample_x):
-        variables = split_variables(model.init(key, trainer.preprocess(sample_x[:1]), train=False))
+        variables = init_variables(model, trainer, key, sample_x)
         client = dict(variables, opt_state=trainer.tx.init(variables["params"]), personal=variables)
         return variables, client
 

@@ -66,7 +66,9 @@ def ce_loss(model, prox_mu: float = 0.0):
     return loss_fn
 
 
-def split_variables(variables):
+def init_variables(model, trainer: LocalTrainer, key, sample_x):
+    """{"params", "batch_stats"} of ``model`` initialised on one preprocessed sample (batch_stats {} if none)."""
+    variables = model.init(key, trainer.preprocess(sample_x[:1]), train=False)
     return {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
 
 
@@ -99,7 +101,7 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
         return m
 
     def init(key, sample_x):
-        variables = split_variables(model.init(key, trainer.preprocess(sample_x[:1]), train=False))
+        variables = init_variables(model, trainer, key, sample_x)
         client = dict(variables, opt_state=trainer.tx.init(variables["params"]))
         server = dict(variables, round=jnp.zeros((), jnp.int32)) if warmup_rounds else variables
         return server, client

@@ -83,27 +83,28 @@ def fedpick(model, trainer, tau: float = 10.0, lam_lce: float = 10.0, lam_ent: f
     pfsm = PFSM(head_like("head_p"), head_like("head_u"), tau, not soft_mask) if use_pfsm else None
     net = FedPickNet(model.encoder, model.head, pfsm)
 
+    def prediction(out):
+        """Logits the client predicts with: a_g + a_p (ensemble), or a_g alone."""
+        return out["a_g"] if no_ensemble or not use_pfsm else out["a_g"] + out["a_p"]
+
     def loss(params, stats, x, y, w, key, anchor=None):
         out, updated = net.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
                                  mutable=["batch_stats"], rngs=None if key is None else {"gumbel": key,
                                                                                           "dropout": key})
         mean = lambda v: weighted_mean_loss(v, w)
         total = mean(cross_entropy(out["a_g"], y))
-        logits = out["a_g"]
         if use_pfsm:
             total = (total + lam_lce * mean(cross_entropy(out["a_p"], y))
                      + lam_ent * mean(negative_entropy(out["a_u"]))
                      + lam_dis * mean(symmetric_kl(out["a_p"], out["a_g"])))
-            logits = logits if no_ensemble else logits + out["a_p"]
-        return total, (updated["batch_stats"], logits)
+        return total, (updated["batch_stats"], prediction(out))
 
     def predict(variables, x):
         out = net.apply(variables, x, train=False)
         if not use_pfsm:
             return out["a_g"]
-        logits = out["a_g"] if no_ensemble else out["a_g"] + out["a_p"]
-        return logits, {"selection_ratio": jnp.mean(out["mask"], -1),
-                        "sparsity_ratio": sparsity_per_sample(out["z"])}
+        return prediction(out), {"selection_ratio": jnp.mean(out["mask"], -1),
+                                 "sparsity_ratio": sparsity_per_sample(out["z"])}
 
     def share_param(path):
         if path[0] == "pfsm":
