@@ -12,7 +12,7 @@ from .config import RunConfig, load_config_file
 from .errors import JaxflError
 
 HELP = {
-    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick",
+    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick | rfeddis",
     "dataset": "default (embedded, offline) | digits | pacs | cifar10 | mnist | tfds:NAME | folder:PATH",
     "model": "digits_cnn | alexnet_bn | resnet10 | resnet18 | vit_small | small_cnn (default: per dataset)",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
@@ -36,6 +36,13 @@ HELP = {
     "share_bn": "fedpick ablation: average BatchNorm too",
     "share_pfsm": "fedpick ablation: average the PFSM too",
     "pfsm_head": "fedpick: same (copy the global head) | linear",
+    "share_global_head": "rfeddis: average the global head (--no-...: the released Office/DomainNet code)",
+    "use_local_head": "rfeddis: --no-use-local-head keeps only the global evidential head",
+    "use_dis": "rfeddis: the annealed disentangling loss exp(-symmetric KL)",
+    "head_ce": "rfeddis: the softmax CE terms on both heads",
+    "fusion": "rfeddis: ds (Dempster-Shafer on evidence) | sum (summed logits, the ablation)",
+    "kl_reduction": "rfeddis: mean_all (official code) | batchmean (KL summed over features)",
+    "dis_feature": "rfeddis: head tap used as the disentangling feature: relu1 | fc1 | relu2 | fc2 ...",
 }
 
 

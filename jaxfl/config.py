@@ -40,6 +40,14 @@ class RunConfig:
     share_bn: bool = False
     share_pfsm: bool = False
     pfsm_head: str = "same"
+    # rfeddis (the annealing horizon is ``rounds``)
+    share_global_head: bool = True
+    use_local_head: bool = True
+    use_dis: bool = True
+    head_ce: bool = True
+    fusion: str = "ds"
+    kl_reduction: str = "mean_all"
+    dis_feature: str = "relu1"
     # data
     data_dir: str | None = None
     num_clients: int | None = None
@@ -87,6 +95,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         check_choice("strategy", cfg.strategy, STRATEGIES)
     check_choice("weighting", cfg.weighting, ("samples", "uniform"))
     check_choice("pfsm_head", cfg.pfsm_head, ("same", "linear"))
+    check_choice("fusion", cfg.fusion, ("ds", "sum"))
+    check_choice("kl_reduction", cfg.kl_reduction, ("mean_all", "batchmean"))
     if cfg.tau is not None and cfg.tau <= 0:
         raise ConfigError(f"tau={cfg.tau} must be > 0")
     for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "unroll", "eval_every",

@@ -220,34 +220,60 @@ def make_round(alg: Algorithm, *, strategy="vmap", chunk_size=8, cohort_size=Non
     return round_fn
 
 
+def split_output(out):
+    """(logits, diagnostics) from ``Algorithm.predict``'s output, which may be logits alone."""
+    return out if isinstance(out, tuple) else (out, {})
+
+
+def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_size=8,
+                 preprocess: Callable = normalizer(), transform: Callable | None = None) -> Callable:
+    """Build predict_all(server, clients, data, key=None) -> (logits [N, M, K], {name: [N, M]}).
+
+    Every client predicts its own padded inputs in evaluation mode, in batches of ``eval_batch_size``
+    (``lax.map``; M must be a multiple of it); rows past ``data.count`` are padding (mask them with
+    ``data.sample_mask()``). ``transform(x, key)`` changes each preprocessed batch (e.g. input noise); batch j
+    of client i gets ``fold_in(fold_in(key, i), j)``.
+    """
+    def one(client, x, cid, server, key):
+        nb = x.shape[0] // eval_batch_size
+
+        def batch(args):
+            xb, j = args
+            xb = preprocess(xb)
+            if transform is not None:
+                xb = transform(xb, jax.random.fold_in(jax.random.fold_in(key, cid), j))
+            return split_output(alg.predict(server, client, xb))
+
+        xs = x.reshape((nb, eval_batch_size) + x.shape[1:])
+        out = jax.lax.map(batch, (xs, jnp.arange(nb)))
+        return jax.tree_util.tree_map(lambda a: a.reshape((nb * eval_batch_size,) + a.shape[2:]), out)
+
+    def predict_all(server, clients, data: ClientData, key=None):
+        key = jax.random.key(0) if key is None else key
+        fn = lambda c, x, i: one(c, x, i, server, key)
+        return map_clients(fn, strategy, chunk_size)(clients, data.x, jnp.arange(data.num_clients))
+
+    return predict_all
+
+
 def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_size=8,
                   preprocess: Callable = normalizer()) -> Callable:
     """Build evaluate(server, clients, data) -> {"loss", "accuracy", "count", ...} per client [N].
 
-    Each client predicts its own padded test set in batches (``lax.map``; M must be a multiple of
-    ``eval_batch_size``); padded samples count nowhere. If ``alg.predict`` returns (logits, {name: [B]}),
-    each diagnostic is averaged over the client's real test samples and reported under its name.
+    Means over each client's real test samples (padding counts nowhere) of CE and accuracy; if
+    ``alg.predict`` returns (logits, {name: [B]}), each diagnostic is averaged the same way under its name.
     """
-    def one(client, x, y, count, server):
-        m = y.shape[0]
-        nb = m // eval_batch_size
-        w = (jnp.arange(m) < count).astype(jnp.float32)
-
-        def batch(args):
-            xb, yb, wb = args
-            out = alg.predict(server, client, preprocess(xb))
-            logits, extra = out if isinstance(out, tuple) else (out, {})
-            sums = {"loss": jnp.sum(wb * cross_entropy(logits, yb)), "accuracy": correct_count(logits, yb, wb)}
-            return dict(sums, **{k: jnp.sum(wb * v) for k, v in extra.items()})
-
-        split = lambda a: a.reshape((nb, eval_batch_size) + a.shape[1:])
-        sums = jax.tree_util.tree_map(lambda s: s.sum(0), jax.lax.map(batch, (split(x), split(y), split(w))))
-        n = jnp.maximum(count.astype(jnp.float32), 1.0)
-        return dict({k: v / n for k, v in sums.items()}, count=count)
+    predict_all = make_predict(alg, eval_batch_size=eval_batch_size, strategy=strategy, chunk_size=chunk_size,
+                               preprocess=preprocess)
 
     def evaluate(server, clients, data: ClientData):
-        fn = lambda c, x, y, cnt: one(c, x, y, cnt, server)
-        return map_clients(fn, strategy, chunk_size)(clients, data.x, data.y, data.count)
+        logits, extra = predict_all(server, clients, data)
+        w = data.sample_mask()
+        n = jnp.maximum(data.count.astype(jnp.float32), 1.0)
+        sums = {"loss": jnp.sum(w * cross_entropy(logits, data.y), -1),
+                "accuracy": jax.vmap(correct_count)(logits, data.y, w)}
+        sums.update({k: jnp.sum(w * v, -1) for k, v in extra.items()})
+        return dict({k: v / n for k, v in sums.items()}, count=data.count)
 
     return evaluate
 

@@ -115,9 +115,15 @@ def softmax_kl_mean(h_p, h_q, weights=None):
     return jnp.mean(per_sample) if weights is None else weighted_mean_loss(per_sample, weights)
 
 
-def disentangle_loss(h_global, h_local, weights=None):
+def disentangle_loss(h_global, h_local, weights=None, reduction: str = "mean_all"):
     """RFedDis L_Dis = exp(-(KLm(P_G || P_L) + KLm(P_L || P_G))) in (0, 1]; 1 iff the feature distributions agree.
 
     Minimising it pushes the two heads' hidden features apart. h: [B, D]; weights [B] for padding.
+    reduction: "mean_all" averages the KL over all B*D elements (the official code); "batchmean" sums it over
+    the D features and averages over samples (D times larger, a much stronger term; a variant only).
     """
-    return jnp.exp(-(softmax_kl_mean(h_global, h_local, weights) + softmax_kl_mean(h_local, h_global, weights)))
+    if reduction not in ("mean_all", "batchmean"):
+        raise ValueError(f"reduction must be 'mean_all' or 'batchmean', got {reduction!r}")
+    scale = 1.0 if reduction == "mean_all" else h_global.shape[-1]
+    kl = softmax_kl_mean(h_global, h_local, weights) + softmax_kl_mean(h_local, h_global, weights)
+    return jnp.exp(-scale * kl)

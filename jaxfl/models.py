@@ -165,16 +165,22 @@ def adaptive_avg_pool(x, size: int):
 
 
 class MLPHead(nn.Module):
-    """Dense(h1)-BN-ReLU-...-Dense(num_classes); with ``hidden=()`` a single linear layer."""
+    """Dense(h1)-BN-ReLU-...-Dense(num_classes); with ``hidden=()`` a single linear layer.
+
+    With ``taps=True`` it returns (logits, {"fc<i>": pre-BN activation, "relu<i>": post-ReLU activation})
+    of every hidden layer i (RFedDis reads its disentangling features there).
+    """
     hidden: Sequence[int]
     num_classes: int
 
     @nn.compact
-    def __call__(self, z, train: bool = False, mask=None):
+    def __call__(self, z, train: bool = False, mask=None, taps: bool = False):
+        seen = {}
         for i, h in enumerate(self.hidden):
-            z = Dense(h, name=f"fc{i + 1}")(z)
-            z = nn.relu(BatchNorm(name=f"bn{i + 1}")(z, train, mask))
-        return Dense(self.num_classes, name=f"fc{len(self.hidden) + 1}")(z)
+            z = seen[f"fc{i + 1}"] = Dense(h, name=f"fc{i + 1}")(z)
+            z = seen[f"relu{i + 1}"] = nn.relu(BatchNorm(name=f"bn{i + 1}")(z, train, mask))
+        logits = Dense(self.num_classes, name=f"fc{len(self.hidden) + 1}")(z)
+        return (logits, seen) if taps else logits
 
 
 class DigitsEncoder(nn.Module):

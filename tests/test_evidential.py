@@ -5,6 +5,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from scipy.special import digamma  # scipy ships with scikit-learn
 
 from jaxfl import blocks as B
@@ -104,5 +105,10 @@ class EvidentialTest(chex.TestCase):
         w = jnp.array([1.0, 1.0, 1.0, 1.0, 0.0])
         pad1, pad2 = jnp.concatenate([h1, 9 * h2[:1]]), jnp.concatenate([h2, -9 * h1[:1]])
         np.testing.assert_allclose(B.disentangle_loss(pad1, pad2, w), l12, rtol=1e-6)
+        # "batchmean" sums the KL over the D features: exp(-D * symmetric mean-all KL)
+        sym = float(B.softmax_kl_mean(h1, h2) + B.softmax_kl_mean(h2, h1))
+        np.testing.assert_allclose(B.disentangle_loss(h1, h2, reduction="batchmean"), np.exp(-16 * sym), rtol=1e-5)
+        with pytest.raises(ValueError, match="reduction"):
+            B.disentangle_loss(h1, h2, reduction="sum")
         batched = jax.vmap(B.disentangle_loss)(jnp.stack([h1, h2]), jnp.stack([h2, h1]))
         np.testing.assert_allclose(batched, [l12, l12], rtol=1e-6)

@@ -29,6 +29,12 @@ def test_resume_equals_uninterrupted(tmp_path):
     # resuming with a different algorithm is refused
     with pytest.raises(ConfigError, match="config differs.*algorithm"):
         Experiment(RunConfig(algorithm="fedavg", rounds=5, out=str(tmp_path), resume=True, **TINY)).run()
+    # a run saved before a config field existed resumes when the field keeps its default
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["fusion"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    more = Experiment(RunConfig(algorithm="fedbn", rounds=5, out=str(tmp_path), resume=True, **TINY)).run()
+    assert [h["round"] for h in more.history] == [1, 2, 3, 4, 5]
 
 
 def test_existing_checkpoints_need_resume(tmp_path):

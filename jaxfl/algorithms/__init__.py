@@ -14,9 +14,11 @@ from .fedpick import fedpick, fedpick_defaults
 from .fedprox import fedprox
 from .fedrep import fedrep
 from .lg_fedavg import lg_fedavg
+from .rfeddis import rfeddis
 
 ALGORITHMS = {"local": local, "fedavg": fedavg, "fedbn": fedbn, "fedprox": fedprox, "fedper": fedper,
-              "fedrep": fedrep, "lg_fedavg": lg_fedavg, "ditto": ditto, "fedpick": fedpick}
+              "fedrep": fedrep, "lg_fedavg": lg_fedavg, "ditto": ditto, "fedpick": fedpick,
+              "rfeddis": rfeddis}
 
 # What each algorithm shares with the server and keeps on the client (README's table is built from this).
 SHARING = {
@@ -29,6 +31,7 @@ SHARING = {
     "lg_fedavg": ("head (after warmup_rounds of full averaging)", "encoder (body)"),
     "ditto": ("a global FedAvg model", "a personal model trained toward it (lambda/2 ||v - w||^2)"),
     "fedpick": ("encoder and global head, without BatchNorm", "BatchNorm, the PFSM (mask net, personal and irrelevant heads)"),
+    "rfeddis": ("encoder and global evidential head, without BatchNorm", "BatchNorm, the local evidential head"),
 }
 
 
@@ -54,4 +57,4 @@ def build_algorithm(name: str, model, trainer, **options):
 
 __all__ = ["ALGORITHMS", "SHARING", "algorithm_options", "build_algorithm", "ditto", "fedavg", "fedbn",
            "fedper", "fedpick", "fedprox", "fedrep", "in_part", "is_batchnorm", "lg_fedavg", "local",
-           "masked_averaging", "path_mask"]
+           "masked_averaging", "path_mask", "rfeddis"]

@@ -75,7 +75,7 @@ def init_variables(model, trainer: LocalTrainer, key, sample_x):
 def masked_averaging(name: str, model, trainer: LocalTrainer, *,
                      share_param: PathPredicate, share_stats: bool | PathPredicate,
                      reset_optimizer: bool = True, prox_mu: float = 0.0, train: Callable | None = None,
-                     warmup_rounds: int = 0, loss: Callable | None = None,
+                     warmup_rounds: int = 0, count_rounds: bool = False, loss: Callable | None = None,
                      predict: Callable | None = None) -> Algorithm:
     """An Algorithm that averages the parameters selected by ``share_param(path)`` and the BatchNorm
     statistics selected by ``share_stats`` (a bool or a path predicate), keeping everything else per client.
@@ -85,10 +85,12 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
     train(trainer, loss_fn, params, stats, opt_state, data, key) -> (params, stats, opt_state, metrics):
         replaces ``trainer.run`` (FedRep's head-then-body epochs).
     warmup_rounds: the first rounds share every leaf (LG-FedAvg); the server then counts rounds.
+    count_rounds: the server counts rounds (0-based) and ``loss`` gets the keyword ``round_idx`` (schedules).
     loss: replaces ``ce_loss(model, prox_mu)`` (same signature); predict(variables, x): replaces
         ``model.apply(variables, x, train=False)`` and may return (logits, per-sample diagnostics).
     """
     stats_pred = share_stats if callable(share_stats) else (lambda _: share_stats)
+    counting = bool(warmup_rounds or count_rounds)
     loss_fn = loss or ce_loss(model, prox_mu)
     apply_eval = predict or (lambda variables, x: model.apply(variables, x, train=False))
 
@@ -103,7 +105,7 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
     def init(key, sample_x):
         variables = init_variables(model, trainer, key, sample_x)
         client = dict(variables, opt_state=trainer.tx.init(variables["params"]))
-        server = dict(variables, round=jnp.zeros((), jnp.int32)) if warmup_rounds else variables
+        server = dict(variables, round=jnp.zeros((), jnp.int32)) if counting else variables
         return server, client
 
     def merged(server, client):
@@ -115,7 +117,8 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
         v = merged(server, client)
         opt_state = trainer.tx.init(v["params"]) if reset_optimizer else client["opt_state"]
         anchor = jax.lax.stop_gradient(v["params"])
-        fn = lambda p, s, x, y, w, k: loss_fn(p, s, x, y, w, k, anchor)
+        extra = {"round_idx": server["round"]} if count_rounds else {}
+        fn = lambda p, s, x, y, w, k: loss_fn(p, s, x, y, w, k, anchor, **extra)
         params, stats, opt_state, metrics = (train or LocalTrainer.run)(
             trainer, fn, v["params"], v["batch_stats"], opt_state, data, key)
         return {"params": params, "batch_stats": stats, "opt_state": opt_state}, metrics
@@ -123,7 +126,7 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
     def aggregate(server, clients, weights):
         keys = ("params", "batch_stats")
         new = tree_masked_mean({k: clients[k] for k in keys}, weights, masks(server), {k: server[k] for k in keys})
-        if warmup_rounds:
+        if counting:
             new["round"] = server["round"] + 1
         return new, clients
 

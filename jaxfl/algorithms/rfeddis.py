@@ -1,0 +1,114 @@
+"""RFedDis (Wang et al. 2023): disentangled global/local heads with Dirichlet evidence fused by Dempster-Shafer.
+
+A shared encoder feeds two heads of the same architecture: the global head ``head`` (averaged) and the local
+head ``local_head`` (kept). Each head's logits z_v give evidence e_v = softplus(z_v), alpha_v = e_v + 1; the
+two opinions are fused in closed form, alpha_F = 1 + e_G + e_L + e_G e_L / K (``blocks.ds_combine``). With h_v
+a head's hidden feature (``dis_feature``) and lam(t) = min(1, t/T) for the 0-based round t of T:
+
+    L = CE(z_G, y) + CE(z_L, y) + sum_{v in G, L, F} [psi(S_v) - psi(alpha_v,y) + lam KL(Dir(alpha~_v) || Dir(1))]
+        + lam exp(-(KLm(P_G || P_L) + KLm(P_L || P_G)))                       (rfeddis spec sections 2-3)
+
+(batch means over real samples). Prediction: argmax alpha_F, with probability alpha_F / S_F and uncertainty
+u_F = K / S_F. The server averages the encoder and the global head without BatchNorm (sample weights); BN
+everywhere and the whole local head stay on the client.
+
+Switches: share_global_head=False (the released Office/DomainNet code, whose filter misses the global head);
+use_local_head=False with use_dis=False (FedBN with an evidential head); fusion="sum" (the ablation that sums
+the logits: CE(z_G + z_L) + lam L_Dis); head_ce=False (drops the two CE terms); kl_reduction="batchmean".
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from ..engine import Algorithm
+from ..evidential import (annealing_coefficient, dirichlet_alpha, disentangle_loss, ds_combine, edl_loss,
+                          expected_probability, uncertainty)
+from ..losses import cross_entropy, weighted_mean_loss
+from ..models import MLPHead
+from .fedavg import is_batchnorm, masked_averaging
+
+FUSIONS = ("ds", "sum")
+
+
+class RFedDisNet(nn.Module):
+    """Encoder + global head ``head`` + optional ``local_head`` (same architecture, own weights).
+
+    Returns {"z_g", "h_g"} and, with a local head, {"z_l", "h_l"}: logits and the hidden feature named by
+    ``dis_feature`` (an ``MLPHead`` tap such as "relu1", the Digits model's post-ReLU 2048-d feature).
+    """
+    encoder: nn.Module
+    head: nn.Module
+    local_head: nn.Module | None = None
+    dis_feature: str = "relu1"
+
+    def __call__(self, x, train: bool = False, mask=None):
+        z = self.encoder(x, train, mask)
+        z_g, taps_g = self.head(z, train, mask, taps=True)
+        out = {"z_g": z_g, "h_g": taps_g.get(self.dis_feature, z)}
+        if self.local_head is not None:
+            z_l, taps_l = self.local_head(z, train, mask, taps=True)
+            out.update(z_l=z_l, h_l=taps_l.get(self.dis_feature, z))
+        return out
+
+
+def fused_alpha(out, fusion: str = "ds"):
+    """Dirichlet parameters of the prediction: alpha_F = ds_combine(alpha_G, alpha_L), or alpha_G alone
+    without a local head; for ``fusion="sum"``, alpha of the summed logits z_G + z_L."""
+    if "z_l" not in out:
+        return dirichlet_alpha(out["z_g"])
+    if fusion == "sum":
+        return dirichlet_alpha(out["z_g"] + out["z_l"])
+    return ds_combine(dirichlet_alpha(out["z_g"]), dirichlet_alpha(out["z_l"]))
+
+
+def rfeddis(model, trainer, rounds: int = 100, share_global_head: bool = True, use_local_head: bool = True,
+            use_dis: bool = True, head_ce: bool = True, fusion: str = "ds", kl_reduction: str = "mean_all",
+            dis_feature: str = "relu1") -> Algorithm:
+    """RFedDis on a ``Classifier`` whose head is an ``MLPHead``; both heads copy its architecture (a linear
+    head gets one hidden layer of 512 so that there is a hidden feature to disentangle).
+
+    rounds: T of the annealing lam(t) = min(1, t/T) (the run's round count).
+    """
+    if fusion not in FUSIONS:
+        raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
+    if kl_reduction not in ("mean_all", "batchmean"):
+        raise ValueError(f"kl_reduction must be 'mean_all' or 'batchmean', got {kl_reduction!r}")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be at least 1")
+    hidden = tuple(model.head.hidden) or (512,)
+    classes = model.head.num_classes
+    net = RFedDisNet(model.encoder, MLPHead(hidden, classes),
+                     MLPHead(hidden, classes) if use_local_head else None, dis_feature)
+
+    def loss(params, stats, x, y, w, key, anchor=None, round_idx=0):
+        out, updated = net.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
+                                 mutable=["batch_stats"], rngs=None if key is None else {"dropout": key})
+        lam = annealing_coefficient(round_idx, rounds)
+        mean = lambda v: weighted_mean_loss(v, w)
+        alpha_f = fused_alpha(out, fusion)
+        if use_local_head and fusion == "sum":
+            total = mean(cross_entropy(out["z_g"] + out["z_l"], y))
+        else:
+            heads = [out["z_g"]] + ([out["z_l"]] if use_local_head else [])
+            alphas = [dirichlet_alpha(z) for z in heads] + ([alpha_f] if use_local_head else [])
+            per_sample = sum(edl_loss(a, y, lam) for a in alphas)
+            if head_ce:
+                per_sample = per_sample + sum(cross_entropy(z, y) for z in heads)
+            total = mean(per_sample)
+        if use_local_head and use_dis:
+            total = total + lam * disentangle_loss(out["h_g"], out["h_l"], w, kl_reduction)
+        return total, (updated["batch_stats"], jnp.log(expected_probability(alpha_f)))
+
+    def predict(variables, x):
+        alpha = fused_alpha(net.apply(variables, x, train=False), fusion)
+        # log of the expected probability: argmax is argmax alpha_F, and the engine's CE is its NLL.
+        return jnp.log(expected_probability(alpha)), {"uncertainty": uncertainty(alpha)}
+
+    def share_param(path):
+        if is_batchnorm(path):
+            return False
+        return path[0] == "encoder" or (path[0] == "head" and share_global_head)
+
+    return masked_averaging("rfeddis", net, trainer, share_param=share_param, share_stats=False,
+                            count_rounds=True, loss=loss, predict=predict)

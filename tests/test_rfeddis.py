@@ -1,0 +1,151 @@
+"""RFedDis: model size, what is shared, reduction to FedBN with an evidential head, annealing, prediction and
+reliability reporting."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_trees_close, make_data, make_trainer, run_rounds, setup_algorithm
+from jaxfl import blocks as B
+from jaxfl import init_state, make_evaluate, predict_proba, reliability_report
+from jaxfl.algorithms.fedavg import is_batchnorm, masked_averaging
+from jaxfl.algorithms.rfeddis import RFedDisNet, fused_alpha, rfeddis
+from jaxfl.metrics import count_params
+from jaxfl.models import MLPHead, digits_cnn, small_cnn
+
+ROOT = jax.random.key(5)
+COUNTS = (24, 17, 9)
+W = np.array(COUNTS, float) / sum(COUNTS)
+
+
+def model():
+    return small_cnn(num_classes=4, width=4, hidden=(8,))
+
+
+def setup(**opts):
+    return setup_algorithm("rfeddis", model(), COUNTS, options=dict(dict(rounds=4), **opts))
+
+
+def paths(tree):
+    return [(tuple(str(getattr(k, "key", k)) for k in p), v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def test_digits_model_has_the_spec_parameter_count():
+    m = digits_cnn(10)
+    net = RFedDisNet(m.encoder, MLPHead((2048, 512), 10), MLPHead((2048, 512), 10))
+    variables = jax.eval_shape(lambda: net.init(jax.random.key(0), jnp.zeros((1, 28, 28, 3))))
+    assert count_params(variables["params"]) == 28_125_652  # rfeddis spec 2.1, 28x28x3 input
+    out = jax.eval_shape(lambda: net.apply(net.init(jax.random.key(0), jnp.zeros((1, 28, 28, 3))),
+                                           jnp.zeros((2, 28, 28, 3))))
+    assert out["h_g"].shape == (2, 2048) and out["z_l"].shape == (2, 10)
+
+
+@pytest.mark.parametrize("share_global_head", [True, False])
+def test_encoder_and_global_head_are_averaged_bn_and_local_head_never(share_global_head):
+    alg, data, server, clients = setup(share_global_head=share_global_head)
+    s, c, m = run_rounds(alg, data, server, clients, ROOT)
+    assert np.all(np.isfinite(m["loss"]))
+    shared = lambda p: not is_batchnorm(p) and (p[0] == "encoder" or (p[0] == "head" and share_global_head))
+    for (path, before), (_, after), (_, rows) in zip(paths(server["params"]), paths(s["params"]), paths(c["params"])):
+        if shared(path):
+            np.testing.assert_allclose(after, np.tensordot(W, rows, 1), rtol=1e-5, atol=1e-6, err_msg=str(path))
+        else:
+            np.testing.assert_array_equal(after, before, err_msg=str(path))
+    assert_trees_close(s["batch_stats"], server["batch_stats"], atol=0, rtol=0)
+    local = c["params"]["local_head"]["fc1"]["linear"]["kernel"]
+    assert not np.allclose(local[0], local[1])
+    assert int(s["round"]) == 1
+
+
+def test_without_local_head_and_dis_it_is_fedbn_with_an_evidential_head():
+    """Reference written from the formula: L = CE(z) + psi(S) - psi(alpha_y) + lam(t) KL(alpha~), FedBN masks."""
+    net = model()
+    rounds = 3
+
+    def evidential_loss(params, stats, x, y, w, key, anchor=None, round_idx=0):
+        z, updated = net.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
+                               mutable=["batch_stats"])
+        lam = jnp.minimum(1.0, round_idx / rounds)
+        alpha = jax.nn.softplus(z) + 1.0
+        per = B.cross_entropy(z, y) + B.dirichlet_ce(alpha, y) + lam * B.kl_to_uniform(
+            B.remove_true_evidence(alpha, y))
+        return jnp.sum(w * per) / jnp.maximum(jnp.sum(w), 1.0), (updated["batch_stats"], z)
+
+    trainer = make_trainer(max_count=max(COUNTS))
+    ref = masked_averaging("fedbn_edl", net, trainer, share_param=lambda p: not is_batchnorm(p),
+                           share_stats=False, count_rounds=True, loss=evidential_loss)
+    ours = rfeddis(net, trainer, rounds=rounds, use_local_head=False, use_dis=False)
+    data = make_data(list(COUNTS))
+    outs = []
+    for alg in (ref, ours):
+        server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
+        outs.append(run_rounds(alg, data, server, clients, ROOT, rounds))
+    assert_trees_close(outs[0][0], outs[1][0], atol=1e-6)
+    assert_trees_close(outs[0][1]["params"], outs[1][1]["params"], atol=1e-6)
+    np.testing.assert_allclose(outs[0][2]["loss"], outs[1][2]["loss"], rtol=1e-5)
+
+
+def test_annealing_enters_only_after_the_first_round():
+    """In round 0 lam = 0: the KL and L_Dis terms are off, so use_dis makes no difference; later it does."""
+    runs = [run_rounds(*setup(use_dis=flag), ROOT, rounds=1) for flag in (True, False)]
+    assert_trees_close(runs[0][1]["params"], runs[1][1]["params"], atol=0, rtol=0)
+    runs = [run_rounds(*setup(use_dis=flag), ROOT, rounds=2) for flag in (True, False)]
+    assert not np.allclose(runs[0][2]["loss"], runs[1][2]["loss"])
+
+
+def test_fusion_sum_and_head_ce_switches_change_the_loss():
+    base = run_rounds(*setup(), ROOT, rounds=1)[2]["loss"]
+    for opts in (dict(fusion="sum"), dict(head_ce=False)):
+        assert not np.allclose(run_rounds(*setup(**opts), ROOT, rounds=1)[2]["loss"], base), opts
+    with pytest.raises(ValueError, match="fusion"):
+        setup(fusion="product")
+
+
+def test_fused_alpha_is_dempster_shafer_or_summed_logits():
+    z_g, z_l = jax.random.normal(jax.random.key(1), (2, 5, 4))
+    out = {"z_g": z_g, "z_l": z_l}
+    np.testing.assert_allclose(fused_alpha(out), B.ds_combine(B.dirichlet_alpha(z_g), B.dirichlet_alpha(z_l)))
+    np.testing.assert_allclose(fused_alpha(out, "sum"), B.dirichlet_alpha(z_g + z_l))
+    np.testing.assert_allclose(fused_alpha({"z_g": z_g}), B.dirichlet_alpha(z_g))
+
+
+def test_prediction_reports_fused_probability_and_uncertainty():
+    alg, data, server, clients = setup()
+    s, c, _ = run_rounds(alg, data, server, clients, ROOT, rounds=2)
+    x = data.x[1, :5]
+    probs, u = predict_proba(alg, s, c, 1, x)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+    # by hand: alpha_F from client 1's merged variables
+    client = jax.tree_util.tree_map(lambda a: a[1], c)
+    variables = {k: jax.tree_util.tree_map(lambda sv, cv, m: sv if m else cv, s[k], client[k],
+                                           alg_masks(s)[k]) for k in ("params", "batch_stats")}
+    net = RFedDisNet(model().encoder, MLPHead((8,), 4), MLPHead((8,), 4))
+    from jaxfl.engine import normalizer
+    alpha = fused_alpha(net.apply(variables, normalizer()(x), train=False))
+    np.testing.assert_allclose(u, 4.0 / alpha.sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(probs, alpha / alpha.sum(-1, keepdims=True), rtol=1e-5)
+    ev = jax.jit(make_evaluate(alg, eval_batch_size=8))(s, c, make_data(list(COUNTS), m=24, seed=1))
+    assert np.all((ev["uncertainty"] > 0) & (ev["uncertainty"] <= 1))
+
+
+def alg_masks(server):
+    from jaxfl.algorithms.fedavg import path_mask
+    share = lambda p: not is_batchnorm(p) and p[0] in ("encoder", "head")
+    return {"params": path_mask(server["params"], share), "batch_stats": path_mask(server["batch_stats"], lambda p: False)}
+
+
+def test_reliability_report_with_no_noise_and_no_shift_is_chance_level_separation():
+    alg, data, server, clients = setup()
+    s, c, _ = run_rounds(alg, data, server, clients, ROOT, rounds=2)
+    test = make_data(list(COUNTS), m=24, seed=1)
+    rep = reliability_report(alg, s, c, test, jax.random.key(0), noise_sigma=0.0, ood_shift=3, eval_batch_size=8)
+    np.testing.assert_allclose(rep["auroc_noisy"], 0.5)  # identical inputs: every pair ties
+    np.testing.assert_allclose(rep["auroc_other"], 0.5)  # shift by N: each client sees its own inputs
+    np.testing.assert_allclose(rep["uncertainty_noisy"], rep["uncertainty"], rtol=1e-6)
+    ev = jax.jit(make_evaluate(alg, eval_batch_size=8))(s, c, test)
+    np.testing.assert_allclose(rep["accuracy"], ev["accuracy"], rtol=1e-6)
+    np.testing.assert_allclose(rep["uncertainty"], ev["uncertainty"], rtol=1e-5)
+    assert [len(u) for u in rep["u_clean"]] == list(COUNTS)
+    assert all(0 <= e <= 1 for e in rep["ece"])
+    noisy = reliability_report(alg, s, c, test, jax.random.key(0), noise_sigma=5.0, eval_batch_size=8)
+    assert not np.allclose(noisy["uncertainty_noisy"], noisy["uncertainty"])
