@@ -36,9 +36,10 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 
 
 def run_variant(spec: str, base: RunConfig, out_root: str | Path, progress: bool = False,
-                keep_state: bool = False) -> tuple[list[dict], RunResult | None]:
-    """(history, result) of one variant; ``result`` (with the final states) is None for a reused run unless
-    ``keep_state``, which then restores the final checkpoint instead of retraining."""
+                keep_state: bool = False) -> tuple[list[dict], Experiment | None, RunResult | None]:
+    """(history, experiment, result) of one variant. A finished run with a matching config is reused: then
+    experiment and result are None, unless ``keep_state``, which rebuilds the experiment and restores the final
+    checkpoint (no retraining) so that the final states can be inspected."""
     name, opts = parse_variant(spec)
     out = Path(out_root) / spec.replace(":", "_").replace("=", "")
     cfg = base.replace(algorithm=name, out=str(out), checkpoint_every=1, **opts)
@@ -46,9 +47,10 @@ def run_variant(spec: str, base: RunConfig, out_root: str | Path, progress: bool
     same = lambda d: {k: d.get(k, v) for k, v in default.items() if k != "resume"}  # later fields: defaults
     done = (out / "summary.json").is_file() and same(json.loads((out / "config.json").read_text())) == same(cfg.to_dict())
     if done and not keep_state:
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], None
-    result = Experiment(cfg.replace(resume=(out / "checkpoints").is_dir())).run(progress=progress)
-    return result.history, result
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], None, None
+    experiment = Experiment(cfg.replace(resume=(out / "checkpoints").is_dir()))
+    result = experiment.run(progress=progress)
+    return result.history, experiment, result
 
 
 def table(results: dict, names: list[str], paper: dict) -> str:

@@ -40,7 +40,7 @@ def main(argv=None) -> None:
                      eval_every=args.eval_every)
     results = {}
     for spec in args.algorithms.split(","):
-        results[spec], _ = run_variant(spec, base, args.out, args.progress)
+        results[spec], _, _ = run_variant(spec, base, args.out, args.progress)
         print(spec, [round(a, 4) for a in results[spec][-1].get("test_accuracy", [])], flush=True)
     names = ["MNIST-M", "MNIST", "USPS"]
     out = Path(args.out)

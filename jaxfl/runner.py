@@ -77,7 +77,7 @@ class Experiment:
         n = len(ds.client_names)
         self.model = build_model(cfg.model or DEFAULT_MODEL.get(cfg.dataset, "small_cnn"), ds.num_classes)
         self.train = jax.device_put(ds.stacked("train", cfg.batch_size))
-        eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
+        self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
         self.test = jax.device_put(ds.stacked("test", eval_bs))
         tx = optax.sgd(cfg.lr, momentum=cfg.momentum or None)
         preprocess = normalizer(*ds.normalize)
@@ -108,6 +108,12 @@ class Experiment:
         return {"test_accuracy": acc.tolist(), "test_loss": np.asarray(m["loss"], float).tolist(),
                 "mean_accuracy": float(acc.mean()), "weighted_accuracy": float((acc * cnt).sum() / cnt.sum()),
                 **extra}
+
+    def reliability(self, server, clients, key, **kw) -> dict:
+        """``reliability.reliability_report`` of these states on this run's test sets (kw: noise_sigma, ...)."""
+        from .reliability import reliability_report
+        return reliability_report(self.algorithm, server, clients, self.test, key, preprocess=self.trainer.preprocess,
+                                  eval_batch_size=self.eval_batch_size, strategy=self.strategy, **kw)
 
     def run(self, progress: bool = False, log=None) -> RunResult:
         cfg, names = self.cfg, self.dataset.client_names
