@@ -12,7 +12,7 @@ from .config import RunConfig, load_config_file
 from .errors import JaxflError
 
 HELP = {
-    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick | rfeddis",
+    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick | rfeddis | fedselect",
     "dataset": "default (embedded, offline) | digits | pacs | cifar10 | mnist | tfds:NAME | folder:PATH",
     "model": "digits_cnn | alexnet_bn | resnet10 | resnet18 | vit_small | small_cnn (default: per dataset)",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
@@ -42,6 +42,12 @@ HELP = {
     "head_ce": "rfeddis: the softmax CE terms on both heads",
     "fusion": "rfeddis: ds (Dempster-Shafer on evidence) | sum (summed logits, the ablation)",
     "kl_reduction": "rfeddis: mean_all (official code) | batchmean (KL summed over features)",
+    "alpha": "fedselect: personalization limit per tensor (grows while personal fraction <= alpha; 0: never)",
+    "grow_rate": "fedselect: fraction p of a tensor's global entries made personal per growth",
+    "grow_every": "fedselect: K, rounds between mask growths (rounds r % K == 0, r > 0)",
+    "la_epochs": "fedselect: E, LocalAlt alternations (personal pass + global pass) per round",
+    "delta_ref": "fedselect: snapshot (|W - W at last growth|, official code) | round_start (paper)",
+    "weight_by_n": "fedselect: weight the per-entry mean by sample counts (default unweighted)",
     "dis_feature": "rfeddis: head tap used as the disentangling feature: relu1 | fc1 | relu2 | fc2 ...",
 }
 

@@ -48,6 +48,13 @@ class RunConfig:
     fusion: str = "ds"
     kl_reduction: str = "mean_all"
     dis_feature: str = "relu1"
+    # fedselect (T of "no aggregation in the last round" is ``rounds``)
+    alpha: float = 0.8
+    grow_rate: float = 0.25
+    grow_every: int = 3
+    la_epochs: int = 1
+    delta_ref: str = "snapshot"
+    weight_by_n: bool = False
     # data
     data_dir: str | None = None
     num_clients: int | None = None
@@ -97,10 +104,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_choice("pfsm_head", cfg.pfsm_head, ("same", "linear"))
     check_choice("fusion", cfg.fusion, ("ds", "sum"))
     check_choice("kl_reduction", cfg.kl_reduction, ("mean_all", "batchmean"))
+    check_choice("delta_ref", cfg.delta_ref, ("snapshot", "round_start"))
+    check_range("alpha", cfg.alpha, 0.0, 1.0)
+    check_range("grow_rate", cfg.grow_rate, 0.0, 1.0)
     if cfg.tau is not None and cfg.tau <= 0:
         raise ConfigError(f"tau={cfg.tau} must be > 0")
     for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "unroll", "eval_every",
-                 "eval_batch_size", "clients_per_domain"):
+                 "eval_batch_size", "clients_per_domain", "grow_every", "la_epochs"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
     check_range("lr", cfg.lr, 0.0, float("inf"), lo_open=True)

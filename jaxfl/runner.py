@@ -147,7 +147,10 @@ class Experiment:
                                      f"{', '.join(bad)}; lower --lr or check the data{kept}")
             rec = {"round": r + 1, "clients_trained": [names[i] for i in ids],
                    "train_loss": np.asarray(m["loss"], float).tolist(),
-                   "train_accuracy": np.asarray(m["accuracy"], float).tolist()}
+                   "train_accuracy": np.asarray(m["accuracy"], float).tolist(),
+                   # algorithm-specific per-client metrics (e.g. FedSelect's personal_fraction)
+                   **{f"train_{k}": np.asarray(v, float).tolist() for k, v in m.items()
+                      if k not in ("loss", "accuracy", "seen", "finite", "client_id")}}
             if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
                 rec.update(self.evaluate(server, clients))
             rec["time_s"] = time.perf_counter() - t0

@@ -13,12 +13,13 @@ from .fedper import fedper
 from .fedpick import fedpick, fedpick_defaults
 from .fedprox import fedprox
 from .fedrep import fedrep
+from .fedselect import fedselect
 from .lg_fedavg import lg_fedavg
 from .rfeddis import rfeddis
 
 ALGORITHMS = {"local": local, "fedavg": fedavg, "fedbn": fedbn, "fedprox": fedprox, "fedper": fedper,
               "fedrep": fedrep, "lg_fedavg": lg_fedavg, "ditto": ditto, "fedpick": fedpick,
-              "rfeddis": rfeddis}
+              "rfeddis": rfeddis, "fedselect": fedselect}
 
 # What each algorithm shares with the server and keeps on the client (README's table is built from this).
 SHARING = {
@@ -31,6 +32,8 @@ SHARING = {
     "lg_fedavg": ("head (after warmup_rounds of full averaging)", "encoder (body)"),
     "ditto": ("a global FedAvg model", "a personal model trained toward it (lambda/2 ||v - w||^2)"),
     "fedpick": ("encoder and global head, without BatchNorm", "BatchNorm, the PFSM (mask net, personal and irrelevant heads)"),
+    "fedselect": ("each entry while it is global for the client (unweighted per-entry mean)",
+                  "entries grown into the personal mask by update size; BN statistics"),
     "rfeddis": ("encoder and global evidential head, without BatchNorm", "BatchNorm, the local evidential head"),
 }
 
@@ -56,5 +59,5 @@ def build_algorithm(name: str, model, trainer, **options):
 
 
 __all__ = ["ALGORITHMS", "SHARING", "algorithm_options", "build_algorithm", "ditto", "fedavg", "fedbn",
-           "fedper", "fedpick", "fedprox", "fedrep", "in_part", "is_batchnorm", "lg_fedavg", "local",
+           "fedper", "fedpick", "fedselect", "fedprox", "fedrep", "in_part", "is_batchnorm", "lg_fedavg", "local",
            "masked_averaging", "path_mask", "rfeddis"]

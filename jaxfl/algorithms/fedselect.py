@@ -1,0 +1,132 @@
+"""FedSelect (Tamirisa et al., CVPR 2024): per-client masks of personal parameter entries, grown by update size.
+
+Each client holds the full model and a bool mask of the same shape (True = personal), all False at first.
+Local training is LocalAlt: ``la_epochs`` times, one pass updating only the personal entries
+(theta -= lr g * m) and one pass updating only the global ones (theta -= lr g * (1 - m)). In rounds r with
+r % K == 0 and r > 0 (``grow_every`` = K), per maskable tensor W (kernels and BatchNorm scales; biases are
+always global): if frac_personal(W) <= alpha, the top ``rate`` fraction of the still-global entries by
+|W_now - W_ref| become personal (``blocks.grow_mask``; ``grow_rate`` = p); W_ref is the client's parameters at its previous
+mask update (``delta_ref="snapshot"``, the official code) or at the start of the round ("round_start", the
+paper). Personal entries never revert.
+
+The server averages each entry over the clients for which it is global, unweighted (``weight_by_n`` for
+sample weights), with the mask the client trained with (a newly promoted entry takes the average one last
+time), and writes the average into those clients' global entries; personal entries are never read. BN
+statistics stay local. The last round (``rounds`` - 1) aggregates nothing, so the final evaluation sees the
+personalized models right after local training, as the paper reports them. Evaluation after earlier rounds
+sees the models after the broadcast (the official code logs them before it).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from ..aggregation import masked_mean
+from ..engine import Algorithm, ClientData, LocalTrainer
+from ..masks import grow_mask
+from .fedavg import ce_loss, init_variables, path_mask
+
+DELTA_REFS = ("snapshot", "round_start")
+
+
+def is_maskable(path: tuple[str, ...]) -> bool:
+    """FedSelect's maskable tensors: every kernel and BatchNorm scale (torch names containing "weight")."""
+    return path[-1] in ("kernel", "scale")
+
+
+def mask_updates(mask) -> optax.GradientTransformation:
+    """Multiply the updates by a 0/1 (or bool) pytree: entries where mask is 0 do not move."""
+    def update(updates, state, params=None):
+        return jax.tree_util.tree_map(lambda u, m: u * m.astype(u.dtype), updates, mask), state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def local_alt(trainer: LocalTrainer, loss_fn, params, stats, mask, data: ClientData, key, la_epochs: int):
+    """LocalAlt: ``la_epochs`` times a personal pass (mask) then a global pass (~mask), one epoch each, with a
+    fresh optimizer per pass. Returns (params, stats, metrics of the last alternation: mean of its passes)."""
+    one_epoch = dataclasses.replace(trainer, epochs=1)
+    global_mask = jax.tree_util.tree_map(jnp.logical_not, mask)
+
+    def run_pass(params, stats, phase_mask, k):
+        tx = optax.chain(trainer.tx, mask_updates(phase_mask))
+        t = dataclasses.replace(one_epoch, tx=tx)
+        params, stats, _, metrics = t.run(loss_fn, params, stats, tx.init(params), data, k)
+        return params, stats, metrics
+
+    def alternation(carry, e):
+        params, stats = carry
+        params, stats, m_p = run_pass(params, stats, mask, jax.random.fold_in(key, 2 * e + 1))
+        # the global pass of alternation 0 uses ``key`` itself: with an all-zero mask and la_epochs = 1
+        # its minibatches are those of a one-epoch FedAvg client with the same key
+        k_g = jnp.where(e == 0, jax.random.key_data(key), jax.random.key_data(jax.random.fold_in(key, 2 * e + 2)))
+        params, stats, m_g = run_pass(params, stats, global_mask, jax.random.wrap_key_data(k_g))
+        metrics = jax.tree_util.tree_map(lambda a, b: (a + b) / 2, m_p, m_g)
+        return (params, stats), metrics
+
+    (params, stats), metrics = jax.lax.scan(alternation, (params, stats), jnp.arange(la_epochs))
+    return params, stats, jax.tree_util.tree_map(lambda a: a[-1], metrics)
+
+
+def fedselect(model: nn.Module, trainer: LocalTrainer, rounds: int = 100, alpha: float = 0.8, grow_rate: float = 0.25,
+              grow_every: int = 3, la_epochs: int = 1, delta_ref: str = "snapshot",
+              weight_by_n: bool = False) -> Algorithm:
+    """FedSelect. alpha: personalization limit per tensor (0: never grow, which is FedAvg with LocalAlt);
+    grow_rate: fraction p of a tensor's global entries promoted per growth; grow_every: K; la_epochs: E;
+    rounds: T (the last round does not aggregate)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha} must be in [0, 1]")
+    if not 0.0 <= grow_rate <= 1.0:
+        raise ValueError(f"grow_rate={grow_rate} must be in [0, 1]")
+    if grow_every < 1 or la_epochs < 1 or rounds < 1:
+        raise ValueError(f"grow_every={grow_every}, la_epochs={la_epochs} and rounds={rounds} must be >= 1")
+    if delta_ref not in DELTA_REFS:
+        raise ValueError(f"delta_ref must be one of {DELTA_REFS}, got {delta_ref!r}")
+    loss_fn = ce_loss(model)
+
+    def init(key, sample_x):
+        v = init_variables(model, trainer, key, sample_x)
+        mask = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, bool), v["params"])
+        server = {"params": v["params"], "round": jnp.zeros((), jnp.int32)}
+        client = dict(v, mask=mask, pending=mask, ref=v["params"])
+        return server, client
+
+    def local_update(server, client, data: ClientData, key):
+        mask = client["mask"]
+        # Global entries come from the server (a no-op under full participation, where the broadcast already
+        # wrote them; a client sampled after a pause catches up here).
+        start = jax.tree_util.tree_map(lambda m, c, s: jnp.where(m, c, s), mask, client["params"], server["params"])
+        params, stats, metrics = local_alt(trainer, loss_fn, start, client["batch_stats"], mask, data, key, la_epochs)
+        r = server["round"]
+        grow_now = (r % grow_every == 0) & (r > 0)
+        ref = client["ref"] if delta_ref == "snapshot" else start
+        eligible = path_mask(params, is_maskable)
+        grown = jax.tree_util.tree_map(lambda e, m, p, q: grow_mask(m, p - q, grow_rate, alpha) if e else m,
+                                       eligible, mask, params, ref)
+        pending = jax.tree_util.tree_map(lambda g, m: jnp.where(grow_now, g, m), grown, mask)
+        new_ref = jax.tree_util.tree_map(lambda p, q: jnp.where(grow_now, p, q), params, client["ref"])
+        n_entries = sum(m.size for m in jax.tree_util.tree_leaves(mask))
+        personal = sum(jnp.sum(m) for m in jax.tree_util.tree_leaves(pending))
+        metrics = dict(metrics, personal_fraction=personal / n_entries,
+                       uploaded=n_entries - sum(jnp.sum(m) for m in jax.tree_util.tree_leaves(mask)))
+        return dict(client, params=params, batch_stats=stats, pending=pending, ref=new_ref), metrics
+
+    def aggregate(server, clients, weights):
+        w = weights if weight_by_n else jnp.ones_like(weights)
+        final = server["round"] >= rounds - 1
+        avg = jax.tree_util.tree_map(lambda x, m, prev: masked_mean(x, w, ~m, prev),
+                                     clients["params"], clients["mask"], server["params"])
+        # Broadcast into each client's global entries (old mask); the final round keeps the trained models.
+        params = jax.tree_util.tree_map(lambda x, m, a: jnp.where(m | final, x, a[None]),
+                                        clients["params"], clients["mask"], avg)
+        server_params = jax.tree_util.tree_map(lambda a, prev: jnp.where(final, prev, a), avg, server["params"])
+        clients = dict(clients, params=params, mask=clients["pending"])
+        return {"params": server_params, "round": server["round"] + 1}, clients
+
+    def predict(server, client, x):
+        return model.apply({"params": client["params"], "batch_stats": client["batch_stats"]}, x, train=False)
+
+    return Algorithm("fedselect", init, local_update, aggregate, predict)
