@@ -159,6 +159,52 @@ def map_clients(fn: Callable, strategy: str = "vmap", chunk_size: int = 8) -> Ca
     return lambda *args: jax.lax.map(lambda a: fn(*a), args, batch_size=batch)
 
 
+CLIENT_AXIS = "clients"
+
+
+def client_mesh(num_devices: int | None = None, devices=None):
+    """A 1-D ``jax.sharding.Mesh`` named "clients" over the first ``num_devices`` devices (default: all,
+    across every host after ``jax.distributed.initialize``)."""
+    devices = list(devices if devices is not None else jax.devices())
+    n = num_devices or len(devices)
+    if not 1 <= n <= len(devices):
+        raise ValueError(f"num_devices={n} must be between 1 and the {len(devices)} available devices")
+    return jax.sharding.Mesh(devices[:n], (CLIENT_AXIS,))
+
+
+def shard_clients(tree, mesh):
+    """Place every leaf of a stacked pytree with its leading (client) axis split over ``mesh``."""
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(CLIENT_AXIS))
+    return jax.device_put(tree, spec)
+
+
+def replicate(tree, mesh):
+    """Place every leaf of a pytree (the server state) in full on every device of ``mesh``."""
+    return jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def over_clients(fn: Callable, strategy: str, chunk_size: int, mesh=None) -> Callable:
+    """fn(shared, *stacked) -> stacked outputs, one client per row. Without a mesh: ``map_clients``; with
+    one, every device applies ``map_clients`` to its own block of clients (``jax.shard_map``) and
+    ``shared`` (e.g. the server state) is replicated. The number of clients must divide evenly."""
+    def local(shared, *stacked):
+        return map_clients(lambda *a: fn(shared, *a), strategy, chunk_size)(*stacked)
+    if mesh is None:
+        return local
+    P = jax.sharding.PartitionSpec
+
+    def sharded(shared, *stacked):
+        n, d = jax.tree_util.tree_leaves(stacked)[0].shape[0], mesh.devices.size
+        if n % d:
+            raise ValueError(f"{n} clients per round cannot be split evenly over {d} devices; "
+                             f"choose a cohort size that is a multiple of {d}")
+        in_specs = (P(),) + (P(CLIENT_AXIS),) * len(stacked)
+        # check_vma=False: scans inside local updates carry per-client values that start from replicated ones
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(CLIENT_AXIS),
+                             check_vma=False)(shared, *stacked)
+    return sharded
+
+
 def client_keys(root, round_idx, client_ids):
     """Key of client i in round t: fold_in(fold_in(fold_in(root, 0), t), i)."""
     rkey = jax.random.fold_in(jax.random.fold_in(root, 0), round_idx)
@@ -188,11 +234,12 @@ def init_state(alg: Algorithm, key, sample_x, num_clients: int):
 
 
 def make_round(alg: Algorithm, *, strategy="vmap", chunk_size=8, cohort_size=None,
-               weighting="samples") -> Callable:
+               weighting="samples", mesh=None) -> Callable:
     """Build round(server, clients, data, round_idx, root) -> (server, clients, metrics).
 
     metrics: per cohort client ``loss``, ``accuracy``, ``seen``, ``finite`` and ``client_id``.
-    Aggregation weights: sample counts (``samples``) or equal (``uniform``).
+    Aggregation weights: sample counts (``samples``) or equal (``uniform``). ``mesh`` (see ``client_mesh``)
+    splits the cohort over devices; the aggregation's reductions over clients then become all-reduces.
     """
     check_choice("weighting", weighting, ("samples", "uniform"))
 
@@ -204,13 +251,13 @@ def make_round(alg: Algorithm, *, strategy="vmap", chunk_size=8, cohort_size=Non
         c_data = data if full else data.take(ids)
         keys = client_keys(root, round_idx, ids)
 
-        def one(client, x, y, count, k):
-            new, metrics = alg.local_update(server, client, ClientData(x, y, count), k)
+        def one(srv, client, x, y, count, k):
+            new, metrics = alg.local_update(srv, client, ClientData(x, y, count), k)
             metrics = dict(metrics, finite=tree_all_finite(new) & jnp.isfinite(metrics["loss"]))
             return new, metrics
 
-        new_c, metrics = map_clients(one, strategy, chunk_size)(c_clients, c_data.x, c_data.y,
-                                                                c_data.count, keys)
+        new_c, metrics = over_clients(one, strategy, chunk_size, mesh)(server, c_clients, c_data.x, c_data.y,
+                                                                       c_data.count, keys)
         weights = (c_data.count.astype(jnp.float32) if weighting == "samples"
                    else jnp.ones(ids.shape, jnp.float32))
         server, new_c = alg.aggregate(server, new_c, weights)
@@ -226,7 +273,7 @@ def split_output(out):
 
 
 def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_size=8,
-                 preprocess: Callable = normalizer(), transform: Callable | None = None) -> Callable:
+                 preprocess: Callable = normalizer(), transform: Callable | None = None, mesh=None) -> Callable:
     """Build predict_all(server, clients, data, key=None) -> (logits [N, M, K], {name: [N, M]}).
 
     Every client predicts its own padded inputs in evaluation mode, in batches of ``eval_batch_size``
@@ -234,7 +281,8 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_
     ``data.sample_mask()``). ``transform(x, key)`` changes each preprocessed batch (e.g. input noise); batch j
     of client i gets ``fold_in(fold_in(key, i), j)``.
     """
-    def one(client, x, cid, server, key):
+    def one(shared, client, x, cid):
+        server, key = shared
         nb = x.shape[0] // eval_batch_size
 
         def batch(args):
@@ -250,21 +298,21 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_
 
     def predict_all(server, clients, data: ClientData, key=None):
         key = jax.random.key(0) if key is None else key
-        fn = lambda c, x, i: one(c, x, i, server, key)
-        return map_clients(fn, strategy, chunk_size)(clients, data.x, jnp.arange(data.num_clients))
+        return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x,
+                                                             jnp.arange(data.num_clients))
 
     return predict_all
 
 
 def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_size=8,
-                  preprocess: Callable = normalizer()) -> Callable:
+                  preprocess: Callable = normalizer(), mesh=None) -> Callable:
     """Build evaluate(server, clients, data) -> {"loss", "accuracy", "count", ...} per client [N].
 
     Means over each client's real test samples (padding counts nowhere) of CE and accuracy; if
     ``alg.predict`` returns (logits, {name: [B]}), each diagnostic is averaged the same way under its name.
     """
     predict_all = make_predict(alg, eval_batch_size=eval_batch_size, strategy=strategy, chunk_size=chunk_size,
-                               preprocess=preprocess)
+                               preprocess=preprocess, mesh=mesh)
 
     def evaluate(server, clients, data: ClientData):
         logits, extra = predict_all(server, clients, data)

@@ -1,0 +1,53 @@
+"""Run by test_sharding.py in a fresh process with 4 virtual CPU devices: rounds and evaluation with the client
+axis sharded over 1, 2 and 4 devices must equal the unsharded run. Prints one line per case; exits 1 on a
+mismatch."""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import make_data, make_trainer  # noqa: E402
+from jaxfl import build_algorithm, init_state, make_evaluate, make_round  # noqa: E402
+from jaxfl.engine import client_mesh, replicate, shard_clients  # noqa: E402
+from jaxfl.models import small_cnn  # noqa: E402
+
+COUNTS = [24, 17, 9, 20]
+assert jax.device_count() == 4, jax.devices()
+
+
+def run(name, strategy, mesh=None, rounds=2, cohort=None):
+    data = make_data(COUNTS)
+    alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(max_count=24),
+                          **({"rounds": rounds} if name in ("fedselect", "rfeddis") else {}))
+    server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
+    if mesh is not None:
+        server, clients, data = replicate(server, mesh), shard_clients(clients, mesh), shard_clients(data, mesh)
+    fn = jax.jit(make_round(alg, strategy=strategy, mesh=mesh, cohort_size=cohort))
+    for r in range(rounds):
+        server, clients, metrics = fn(server, clients, data, r, jax.random.key(1))
+    ev = jax.jit(make_evaluate(alg, eval_batch_size=8, strategy=strategy, mesh=mesh))(server, clients, data)
+    if mesh is not None:  # the client rows really live on the mesh's devices
+        leaf = jax.tree_util.tree_leaves(clients)[0]
+        assert len(leaf.sharding.device_set) == mesh.devices.size, leaf.sharding
+    return jax.device_get((server, clients, metrics["loss"], ev["accuracy"]))
+
+
+failed = False
+for name, strategy in (("fedavg", "vmap"), ("fedavg", "map"), ("fedbn", "map"), ("fedselect", "map")):
+    ref = run(name, strategy)
+    for n in (1, 2, 4):
+        out = run(name, strategy, client_mesh(n))
+        ok = all(np.allclose(a, b, atol=1e-5, rtol=1e-5)
+                 for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
+        failed |= not ok
+        print(f"{name} {strategy} devices={n}: {'equal' if ok else 'DIFFERENT'}", flush=True)
+# partial participation: a cohort of 2 of the 4 clients, split over 2 devices
+ref, out = run("fedavg", "map", cohort=2), run("fedavg", "map", client_mesh(2), cohort=2)
+ok = all(np.allclose(a, b, atol=1e-5) for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
+failed |= not ok
+print(f"fedavg cohort=2 devices=2: {'equal' if ok else 'DIFFERENT'}")
+sys.exit(1 if failed else 0)
