@@ -17,6 +17,7 @@ HELP = {
     "model": "digits_cnn | alexnet_bn | resnet10 | resnet18 | vit_small | small_cnn (default: per dataset)",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
     "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU)",
+    "devices": "split the clients over this many devices (0: all; clients per round must divide evenly)",
     "participation": "fraction of clients sampled per round",
     "out": "output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/",
     "checkpoint_every": "save a checkpoint every N rounds (0: never)",

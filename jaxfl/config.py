@@ -72,6 +72,7 @@ class RunConfig:
     weighting: str = "samples"
     strategy: str | None = None
     chunk_size: int = 8
+    devices: int = 1
     unroll: int = 1
     eval_every: int = 1
     eval_batch_size: int = 256
@@ -122,6 +123,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
     if cfg.clients_per_round is not None and cfg.clients_per_round < 1:
         raise ConfigError(f"clients_per_round={cfg.clients_per_round} must be at least 1")
+    if cfg.devices < 0:
+        raise ConfigError(f"devices={cfg.devices} must be >= 0 (0: all devices, 1: no sharding)")
     if cfg.checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0")
     if (cfg.resume or cfg.checkpoint_every) and not cfg.out:

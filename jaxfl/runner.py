@@ -14,7 +14,8 @@ import optax
 from .algorithms import algorithm_options, build_algorithm
 from .config import RunConfig, validate
 from .data import load_dataset
-from .engine import (LocalTrainer, init_state, make_evaluate, make_round, normalizer, steps_per_epoch)
+from .engine import (LocalTrainer, client_mesh, init_state, make_evaluate, make_round, normalizer, replicate,
+                     shard_clients, steps_per_epoch)
 from .errors import ConfigError, NonFiniteError
 from .metrics import count_params
 from .models import build_model
@@ -76,9 +77,15 @@ class Experiment:
         self.dataset = ds = load_dataset(cfg.data_config())
         n = len(ds.client_names)
         self.model = build_model(cfg.model or DEFAULT_MODEL.get(cfg.dataset, "small_cnn"), ds.num_classes)
-        self.train = jax.device_put(ds.stacked("train", cfg.batch_size))
+        # devices != 1: the client axis is split over a mesh of that many devices (0: all of them)
+        self.mesh = None if cfg.devices == 1 else client_mesh(cfg.devices or None)
+        if self.mesh is not None and (n % self.mesh.devices.size or cohort_size(cfg, n) % self.mesh.devices.size):
+            raise ConfigError(f"{n} clients ({cohort_size(cfg, n)} per round) cannot be split evenly over "
+                              f"devices={self.mesh.devices.size}; both must be multiples of it")
+        place = jax.device_put if self.mesh is None else (lambda t: shard_clients(t, self.mesh))
+        self.train = place(ds.stacked("train", cfg.batch_size))
         self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
-        self.test = jax.device_put(ds.stacked("test", eval_bs))
+        self.test = place(ds.stacked("test", eval_bs))
         tx = optax.sgd(cfg.lr, momentum=cfg.momentum or None)
         preprocess = normalizer(*ds.normalize)
         self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs,
@@ -90,15 +97,18 @@ class Experiment:
         strategy = cfg.strategy or default_strategy()
         self.strategy = strategy
         self.round_fn = jax.jit(make_round(self.algorithm, strategy=strategy, chunk_size=cfg.chunk_size,
-                                           cohort_size=self.cohort, weighting=cfg.weighting),
+                                           cohort_size=self.cohort, weighting=cfg.weighting, mesh=self.mesh),
                                 donate_argnums=(0, 1))
         self.eval_fn = jax.jit(make_evaluate(self.algorithm, eval_batch_size=eval_bs, strategy=strategy,
-                                             chunk_size=cfg.chunk_size, preprocess=preprocess))
+                                             chunk_size=cfg.chunk_size, preprocess=preprocess, mesh=self.mesh))
         self.root = jax.random.key(cfg.seed)
 
     def init(self):
-        return init_state(self.algorithm, jax.random.fold_in(self.root, 2), self.train.x[0],
-                          self.train.num_clients)
+        server, clients = init_state(self.algorithm, jax.random.fold_in(self.root, 2), self.train.x[0],
+                                     self.train.num_clients)
+        if self.mesh is not None:
+            server, clients = replicate(server, self.mesh), shard_clients(clients, self.mesh)
+        return server, clients
 
     def evaluate(self, server, clients) -> dict:
         m = jax.device_get(self.eval_fn(server, clients, self.test))

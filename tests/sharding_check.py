@@ -50,4 +50,14 @@ ref, out = run("fedavg", "map", cohort=2), run("fedavg", "map", client_mesh(2), 
 ok = all(np.allclose(a, b, atol=1e-5) for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
 failed |= not ok
 print(f"fedavg cohort=2 devices=2: {'equal' if ok else 'DIFFERENT'}")
+# the runner with --devices 2 (mesh over 2 devices) equals the unsharded runner
+from jaxfl.config import RunConfig  # noqa: E402
+from jaxfl.runner import Experiment  # noqa: E402
+tiny = dict(algorithm="fedbn", rounds=2, model="small_cnn", samples_per_client=40, test_per_client=20, clients_per_domain=2,
+            batch_size=16)
+a, b = Experiment(RunConfig(**tiny)).run(), Experiment(RunConfig(devices=2, **tiny)).run()
+ok = np.allclose(a.history[-1]["test_accuracy"], b.history[-1]["test_accuracy"]) and all(
+    np.allclose(x, y, atol=1e-5) for x, y in zip(jax.tree_util.tree_leaves(a.clients), jax.tree_util.tree_leaves(b.clients)))
+failed |= not ok
+print(f"runner devices=2: {'equal' if ok else 'DIFFERENT'}")
 sys.exit(1 if failed else 0)
