@@ -22,8 +22,8 @@ def ditto(model, trainer: LocalTrainer, ditto_lambda: float = 0.1) -> Algorithm:
 
     def init(key, sample_x):
         variables = init_variables(model, trainer, key, sample_x)
-        client = dict(variables, opt_state=trainer.tx.init(variables["params"]), personal=variables)
-        return variables, client
+        # Clients store only their personal model: the global model's rows exist within a round only.
+        return variables, {"personal": variables}
 
     def local_update(server, client, data: ClientData, key):
         anchor = jax.lax.stop_gradient(server["params"])
@@ -32,14 +32,14 @@ def ditto(model, trainer: LocalTrainer, ditto_lambda: float = 0.1) -> Algorithm:
         p_params, p_stats, _, metrics = trainer.run(
             lambda p, s, x, y, w, k: personal_loss(p, s, x, y, w, k, anchor),
             pv["params"], pv["batch_stats"], trainer.tx.init(pv["params"]), data, key)
-        g_params, g_stats, opt_state, _ = trainer.run(
+        g_params, g_stats, _, _ = trainer.run(
             global_loss, server["params"], server["batch_stats"], trainer.tx.init(server["params"]), data,
             jax.random.fold_in(key, 1))
-        return {"params": g_params, "batch_stats": g_stats, "opt_state": opt_state,
+        return {"params": g_params, "batch_stats": g_stats,
                 "personal": {"params": p_params, "batch_stats": p_stats}}, metrics
 
     def aggregate(server, clients, weights):
-        return tree_weighted_mean({k: clients[k] for k in server}, weights), clients
+        return tree_weighted_mean({k: clients[k] for k in server}, weights), {"personal": clients["personal"]}
 
     def predict(server, client, x):
         return model.apply(client["personal"], x, train=False)
