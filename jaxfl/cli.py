@@ -12,9 +12,9 @@ from .config import RunConfig, load_config_file
 from .errors import JaxflError
 
 HELP = {
-    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick | rfeddis | fedselect",
+    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick | rfeddis | fedselect | fedtp",
     "dataset": "default (embedded, offline) | digits | pacs | cifar10 | mnist | tfds:NAME | folder:PATH",
-    "model": "digits_cnn | alexnet_bn | resnet10 | resnet18 | vit_small | small_cnn (default: per dataset)",
+    "model": "digits_cnn | alexnet_bn | resnet10 | resnet18 | vit_small | vit_tiny | fedavg_cnn | pfl_cnn | small_cnn (default: per dataset)",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
     "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU)",
     "devices": "split the clients over this many devices (0: all; clients per round must divide evenly)",
@@ -49,6 +49,14 @@ HELP = {
     "la_epochs": "fedselect: E, LocalAlt alternations (personal pass + global pass) per round",
     "delta_ref": "fedselect: snapshot (|W - W at last growth|, official code) | round_start (paper)",
     "weight_by_n": "fedselect: weight the per-entry mean by sample counts (default unweighted)",
+    "fedtp_variant": "fedtp: hypernet (server hypernetwork generates Q/K/V) | vanilla (each client keeps its own)",
+    "personalize": "fedtp vanilla: --no-personalize averages Q/K/V too (FedAvg on the ViT)",
+    "embed_dim": "fedtp: client embedding size",
+    "hyper_hidden": "fedtp: hypernetwork trunk width",
+    "hyper_layers": "fedtp: hidden layers of the hypernetwork trunk after the first",
+    "hyper_lr": "fedtp: hypernetwork SGD learning rate",
+    "hyper_momentum": "fedtp: hypernetwork SGD momentum",
+    "hyper_decay": "fedtp: hypernetwork weight decay",
     "dis_feature": "rfeddis: head tap used as the disentangling feature: relu1 | fc1 | relu2 | fc2 ...",
 }
 

@@ -55,6 +55,15 @@ class RunConfig:
     la_epochs: int = 1
     delta_ref: str = "snapshot"
     weight_by_n: bool = False
+    # fedtp (the embedding table has one row per client of the dataset)
+    fedtp_variant: str = "hypernet"
+    personalize: bool = True
+    embed_dim: int = 128
+    hyper_hidden: int = 150
+    hyper_layers: int = 3
+    hyper_lr: float = 0.01
+    hyper_momentum: float = 0.9
+    hyper_decay: float = 1e-3
     # data
     data_dir: str | None = None
     num_clients: int | None = None
@@ -106,6 +115,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_choice("fusion", cfg.fusion, ("ds", "sum"))
     check_choice("kl_reduction", cfg.kl_reduction, ("mean_all", "batchmean"))
     check_choice("delta_ref", cfg.delta_ref, ("snapshot", "round_start"))
+    check_choice("fedtp_variant", cfg.fedtp_variant, ("hypernet", "vanilla"))
     check_range("alpha", cfg.alpha, 0.0, 1.0)
     check_range("grow_rate", cfg.grow_rate, 0.0, 1.0)
     if cfg.tau is not None and cfg.tau <= 0:

@@ -54,7 +54,8 @@ class ClientData:
 class Algorithm(NamedTuple):
     """A federated algorithm as four pure functions (the engine does the rest).
 
-    init(key, sample_x) -> (server_state, client_state)    client_state of ONE client; all start equal
+    init(key, sample_x) -> (server_state, client_state)    client_state of ONE client; all start equal,
+                                                           except a "client_id" entry, set to the row index
     local_update(server, client, data, key) -> (client, metrics)   ONE client; data is a ClientData row
     aggregate(server, clients, weights) -> (server, clients)       clients stacked over the cohort
     predict(server, client, x) -> logits                   evaluation-mode prediction of ONE client
@@ -230,6 +231,8 @@ def init_state(alg: Algorithm, key, sample_x, num_clients: int):
     """(server_state, clients): every client starts from the same initial state."""
     server, client = alg.init(key, sample_x)
     clients = jax.tree_util.tree_map(jnp.array, broadcast_clients(client, num_clients))
+    if isinstance(clients, dict) and "client_id" in clients:  # a client that needs its row index gets it
+        clients["client_id"] = jnp.arange(num_clients, dtype=clients["client_id"].dtype)
     return server, clients
 
 

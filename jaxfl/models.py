@@ -418,8 +418,13 @@ def vit_small(num_classes: int = 10, depth: int = 8, **kw) -> Classifier:
     return Classifier(encoder=ViTEncoder(depth=depth, **kw), head=MLPHead((), num_classes))
 
 
+def vit_tiny(num_classes: int = 10) -> Classifier:
+    """A CPU-sized FedTP ViT: depth 4, dim 64, 4 heads x 32, MLP 128 (same architecture as ``vit_small``)."""
+    return vit_small(num_classes, depth=4, dim=64, heads=4, dim_head=32, mlp_dim=128)
+
+
 MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg_cnn, "pfl_cnn": pfl_cnn, "alexnet_bn": alexnet_bn, "resnet10": resnet10,
-          "resnet18": resnet18, "vit_small": vit_small}
+          "resnet18": resnet18, "vit_small": vit_small, "vit_tiny": vit_tiny}
 
 
 def build_model(name: str, num_classes: int) -> Classifier:

@@ -92,7 +92,7 @@ class Experiment:
                                     steps_per_epoch(int(ds.train_counts().max()), cfg.batch_size),
                                     preprocess, cfg.unroll)
         self.algorithm = build_algorithm(cfg.algorithm, self.model, self.trainer,
-                                         **algorithm_options(cfg.algorithm, cfg, cfg.dataset))
+                                         **algorithm_options(cfg.algorithm, cfg, cfg.dataset, n))
         self.cohort = cohort_size(cfg, n)
         strategy = cfg.strategy or default_strategy()
         self.strategy = strategy

@@ -19,7 +19,17 @@ def model():
     return small_cnn(num_classes=4, width=4, hidden=(8,))  # a BatchNorm in the head too
 
 
+def tiny_vit():
+    from jaxfl.models import vit_small
+    return vit_small(num_classes=4, depth=2, dim=16, heads=2, dim_head=8, mlp_dim=32)
+
+
+TINY_HYPERNET = dict(num_clients=len(COUNTS), embed_dim=4, hyper_hidden=8, hyper_layers=1)
+
+
 def setup(name, **opts):
+    if name == "fedtp":  # a ViT algorithm
+        return setup_algorithm(name, tiny_vit(), COUNTS, options=dict(TINY_HYPERNET, **opts))
     return setup_algorithm(name, model(), COUNTS, options=opts)
 
 

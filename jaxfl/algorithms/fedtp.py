@@ -1,0 +1,133 @@
+"""FedTP (Li et al., TNNLS): a ViT whose self-attention projections W_qkv are personal; everything else is FedAvg.
+
+Shared xi: every ViT parameter but the W_qkv of each block (patch embedding, CLS, positions, LayerNorms,
+attention output projections, feed-forward, head), averaged over the round's clients with sample weights.
+Personal W = {W_qkv^l} [depth, D, 3 heads dim_head]:
+
+- ``fedtp_variant="hypernet"`` (learn-to-personalize): the server holds a hypernetwork h(phi; z) and a client
+  embedding table Z [N, E]. Client i receives W_i^0 = h(phi; Z[i]) and trains (xi, W) locally; the server
+  then takes one optimizer step on (phi, Z) along
+
+      g_phi, g_Z = VJP of (phi, Z) -> [h(phi; Z[i])]_{i in cohort} with cotangent p_i (W_i^0 - W_i^K)
+
+  (``blocks.hypernet_grads``; the official code's sign, i.e. gradient descent on
+  0.5 sum_i p_i ||h(phi; z_i) - W_i^K||^2). Rows of Z of unsampled clients get zero gradient (weight decay and
+  momentum still act on the whole table, as the code's optimizer does). The hypernetwork exists once, on the
+  server.
+- ``fedtp_variant="vanilla"``: each client keeps its own W (its state row) and trains it locally;
+  ``personalize=False`` averages W too, which is FedAvg on the same ViT.
+
+Clients store their row index (``client_id``) and, for ``vanilla``, their W only.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ..aggregation import tree_weighted_mean
+from ..engine import Algorithm, ClientData, LocalTrainer
+from ..hypernet import generate, hypernet_grads, hypernetwork, init_embeddings
+from ..losses import cross_entropy, weighted_mean_loss
+
+VARIANTS = ("hypernet", "vanilla")
+
+
+def split_qkv(params, depth: int):
+    """(xi, W): the ViT params without any ``attn<l>/qkv`` leaf, and those leaves stacked [depth, D, 3I]."""
+    enc = dict(params["encoder"])
+    w = jnp.stack([enc[f"attn{l}"]["qkv"] for l in range(depth)])
+    for l in range(depth):
+        enc[f"attn{l}"] = {k: v for k, v in enc[f"attn{l}"].items() if k != "qkv"}
+    return dict(params, encoder=enc), w
+
+
+def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, fedtp_variant: str = "hypernet",
+          personalize: bool = True, embed_dim: int = 128, hyper_hidden: int = 150, hyper_layers: int = 3,
+          hyper_lr: float = 0.01, hyper_momentum: float = 0.9, hyper_decay: float = 1e-3) -> Algorithm:
+    """FedTP on a ViT ``Classifier`` (``models.vit_small``). num_clients: N, the size of the embedding table
+    (the run's client count). Hypernetwork: trunk of 1 + ``hyper_layers`` Linear(``hyper_hidden``) layers, one
+    head per block; optimizer SGD(``hyper_lr``, momentum) with weight decay ``hyper_decay`` (official code)."""
+    variant = fedtp_variant
+    if variant not in VARIANTS:
+        raise ValueError(f"fedtp_variant must be one of {VARIANTS}, got {variant!r}")
+    if not hasattr(model.encoder, "qkv_shape"):
+        raise ValueError(f"fedtp needs a ViT (--model vit_small), got a {type(model.encoder).__name__} encoder")
+    depth = model.encoder.depth
+    shape = model.encoder.qkv_shape()
+    hnet = hypernetwork({f"qkv{l}": shape[1:] for l in range(depth)}, embed_dim, hyper_hidden, hyper_layers)
+    hyper_tx = optax.chain(optax.add_decayed_weights(hyper_decay), optax.sgd(hyper_lr, momentum=hyper_momentum))
+    stack = lambda out: jnp.stack([out[f"qkv{l}"] for l in range(depth)], -3)  # {qkv<l>: [.., D, 3I]} -> [.., L, D, 3I]
+
+    def client_qkv(server, client):
+        if variant == "vanilla":
+            return client["qkv"] if personalize else server["qkv"]
+        return stack(hnet.apply(server["hnet"], server["embeddings"][client["client_id"]]))
+
+    def loss_fn(params, stats, x, y, w, key):
+        logits = model.apply({"params": params["xi"]}, x, train=True, qkv=params["qkv"],
+                             rngs=None if key is None else {"dropout": key})
+        return weighted_mean_loss(cross_entropy(logits, y), w), (stats, logits)
+
+    def init(key, sample_x):
+        # the ViT from ``key`` itself, as FedAvg initialises it (so FedAvg-T and FedTP start from the same xi)
+        k_hnet, k_emb = jax.random.split(jax.random.fold_in(key, 1))
+        x = trainer.preprocess(sample_x[:1])
+        xi, w = split_qkv(model.init(key, x, train=False)["params"], depth)
+        server = {"xi": xi}
+        client = {"client_id": jnp.zeros((), jnp.int32)}
+        if variant == "hypernet":
+            hp = hnet.init(k_hnet)
+            z = init_embeddings(k_emb, num_clients, embed_dim)
+            server.update(hnet=hp, embeddings=z, hyper_opt=hyper_tx.init((hp, z)))
+        elif personalize:
+            client["qkv"] = w
+        else:
+            server["qkv"] = w
+        return server, client
+
+    def local_update(server, client, data: ClientData, key):
+        params = {"xi": server["xi"], "qkv": client_qkv(server, client)}
+        params, _, _, metrics = trainer.run(loss_fn, params, {}, trainer.tx.init(params), data, key)
+        return dict(client, xi=params["xi"], trained_qkv=params["qkv"]), metrics
+
+    def aggregate(server, clients, weights):
+        new = dict(server, xi=tree_weighted_mean(clients["xi"], weights))
+        kept = {k: v for k, v in clients.items() if k in ("client_id", "qkv")}
+        if variant == "vanilla":
+            if personalize:
+                kept["qkv"] = clients["trained_qkv"]
+            else:
+                new["qkv"] = tree_weighted_mean(clients["trained_qkv"], weights)
+            return new, kept
+        ids = clients["client_id"]
+        sent = generate(hnet.apply, server["hnet"], server["embeddings"], ids)
+        trained = {f"qkv{l}": clients["trained_qkv"][:, l] for l in range(depth)}
+        grads = hypernet_grads(hnet.apply, server["hnet"], server["embeddings"], ids, sent, trained, weights)
+        updates, new["hyper_opt"] = hyper_tx.update(grads, server["hyper_opt"], (server["hnet"], server["embeddings"]))
+        new["hnet"], new["embeddings"] = optax.apply_updates((server["hnet"], server["embeddings"]), updates)
+        return new, kept
+
+    def predict(server, client, x):
+        return model.apply({"params": server["xi"]}, x, train=False, qkv=client_qkv(server, client))
+
+    return Algorithm(f"fedtp_{variant}" if personalize else "fedtp_shared", init, local_update, aggregate, predict)
+
+
+def adapt_new_client(alg_model, trainer: LocalTrainer, server, data: ClientData, key, embed_dim: int = 128,
+                     hyper_hidden: int = 150, hyper_layers: int = 3):
+    """Held-out client: learn only an embedding z for an unseen client (xi and the hypernetwork frozen) by
+    ``trainer`` on its data; returns (z, metrics). The hypernetwork options must be those of the run."""
+    depth = alg_model.encoder.depth
+    shape = alg_model.encoder.qkv_shape()
+    hnet = hypernetwork({f"qkv{l}": shape[1:] for l in range(depth)}, embed_dim, hyper_hidden, hyper_layers)
+
+    def loss_fn(params, stats, x, y, w, k):
+        out = hnet.apply(server["hnet"], params["z"])
+        qkv = jnp.stack([out[f"qkv{l}"] for l in range(depth)])
+        logits = alg_model.apply({"params": server["xi"]}, x, train=True, qkv=qkv, rngs={"dropout": k})
+        return weighted_mean_loss(cross_entropy(logits, y), w), (stats, logits)
+
+    z0 = {"z": jnp.mean(server["embeddings"], 0)}  # start from the mean embedding of the known clients
+    params, _, _, metrics = trainer.run(loss_fn, z0, {}, trainer.tx.init(z0), data, key)
+    return params["z"], metrics

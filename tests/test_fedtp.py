@@ -1,0 +1,98 @@
+"""FedTP: generated projection shapes, hypernetwork step = VJP of the weight changes, unsampled embeddings,
+vanilla without personalization = FedAvg on the same ViT, new-client embedding."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_trees_close, make_data, make_trainer, run_rounds
+from jaxfl import build_algorithm, init_state, make_round
+from jaxfl.algorithms.fedtp import adapt_new_client, fedtp, split_qkv
+from jaxfl.hypernet import generate, hypernet_grads, hypernetwork
+from jaxfl.models import small_cnn, vit_small
+
+ROOT = jax.random.key(4)
+COUNTS = (24, 17, 9, 12)
+HYPER = dict(embed_dim=4, hyper_hidden=8, hyper_layers=1)
+
+
+def vit():
+    return vit_small(num_classes=4, depth=2, dim=16, heads=2, dim_head=8, mlp_dim=32)
+
+
+def setup(**opts):
+    data = make_data(list(COUNTS))
+    trainer = make_trainer(max_count=max(COUNTS), lr=0.05, momentum=0.5)
+    alg = fedtp(vit(), trainer, num_clients=len(COUNTS), **dict(HYPER, **opts))
+    server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
+    return alg, data, server, clients, trainer
+
+
+def test_generated_projections_have_every_layers_shape_and_clients_know_their_row():
+    alg, data, server, clients, _ = setup()
+    np.testing.assert_array_equal(clients["client_id"], np.arange(len(COUNTS)))
+    hnet = hypernetwork({f"qkv{l}": (16, 48) for l in range(2)}, 4, 8, 1)
+    out = generate(hnet.apply, server["hnet"], server["embeddings"], jnp.arange(len(COUNTS)))
+    assert {k: v.shape for k, v in out.items()} == {"qkv0": (4, 16, 48), "qkv1": (4, 16, 48)}
+    same = generate(hnet.apply, server["hnet"], jnp.stack([server["embeddings"][0]] * 2), jnp.arange(2))
+    np.testing.assert_array_equal(same["qkv0"][0], same["qkv0"][1])  # identical embeddings, identical weights
+    assert "qkv" not in server["xi"]["encoder"]["attn0"]  # the projections are never part of xi
+
+
+def test_server_step_is_sgd_on_the_vjp_of_the_weight_changes_and_skips_unsampled_rows():
+    alg, data, server, clients, trainer = setup(hyper_momentum=0.0)
+    ids = jnp.array([1, 3])  # a cohort of two
+    cohort = jax.tree_util.tree_map(lambda a: a[ids], clients)
+    keys = [jax.random.key(7), jax.random.key(8)]
+    trained = [alg.local_update(server, jax.tree_util.tree_map(lambda a: a[j], cohort), data.take(int(i)), k)[0]
+               for j, (i, k) in enumerate(zip(ids, keys))]
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *trained)
+    weights = data.count[ids].astype(jnp.float32)
+    new, kept = alg.aggregate(server, stacked, weights)
+    hnet = hypernetwork({f"qkv{l}": (16, 48) for l in range(2)}, 4, 8, 1)
+    sent = generate(hnet.apply, server["hnet"], server["embeddings"], ids)
+    w_k = {f"qkv{l}": stacked["trained_qkv"][:, l] for l in range(2)}
+    g_phi, g_z = hypernet_grads(hnet.apply, server["hnet"], server["embeddings"], ids, sent, w_k, weights)
+    lr, wd = 0.01, 1e-3
+    expect = jax.tree_util.tree_map(lambda p, g: p - lr * (g + wd * p), server["hnet"], g_phi)
+    assert_trees_close(new["hnet"], expect, atol=1e-6)
+    np.testing.assert_allclose(new["embeddings"], server["embeddings"] - lr * (g_z + wd * server["embeddings"]),
+                               atol=1e-6)
+    for row in (0, 2):  # unsampled: zero gradient, only the table-wide weight decay
+        np.testing.assert_array_equal(g_z[row], 0.0)
+    assert float(jnp.abs(g_z[1]).sum()) > 0
+    assert sorted(kept) == ["client_id"]  # nothing but the row index is stored per client
+
+
+def test_vanilla_without_personalization_is_fedavg_on_the_same_vit():
+    data = make_data(list(COUNTS))
+    trainer = make_trainer(max_count=max(COUNTS), lr=0.05, momentum=0.5)
+    ours = fedtp(vit(), trainer, fedtp_variant="vanilla", personalize=False)
+    avg = build_algorithm("fedavg", vit(), trainer)
+    outs = []
+    for alg in (ours, avg):
+        server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
+        outs.append(run_rounds(alg, data, server, clients, ROOT, rounds=2))
+    xi, w = split_qkv(outs[1][0]["params"], 2)
+    assert_trees_close(outs[0][0]["xi"], xi, atol=1e-6)
+    np.testing.assert_allclose(outs[0][0]["qkv"], w, atol=1e-6)
+    np.testing.assert_allclose(outs[0][2]["loss"], outs[1][2]["loss"], rtol=1e-5)
+
+
+def test_vanilla_keeps_each_clients_projections():
+    alg, data, server, clients, _ = setup(fedtp_variant="vanilla")
+    s, c, m = run_rounds(alg, data, server, clients, ROOT, rounds=1)
+    assert np.all(np.isfinite(m["loss"])) and not np.allclose(c["qkv"][0], c["qkv"][1])
+
+
+def test_new_client_learns_only_an_embedding():
+    alg, data, server, clients, trainer = setup()
+    s, _, _ = run_rounds(alg, data, server, clients, ROOT, rounds=1)
+    z, metrics = adapt_new_client(vit(), trainer, s, data.take(0), jax.random.key(5), **HYPER)
+    assert z.shape == (4,) and np.isfinite(float(metrics["loss"]))
+    assert not np.allclose(z, s["embeddings"].mean(0))
+
+
+def test_needs_a_vit():
+    with pytest.raises(ValueError, match="ViT"):
+        fedtp(small_cnn(4), make_trainer())
