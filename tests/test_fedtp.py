@@ -36,7 +36,7 @@ def test_generated_projections_have_every_layers_shape_and_clients_know_their_ro
     assert {k: v.shape for k, v in out.items()} == {"qkv0": (4, 16, 48), "qkv1": (4, 16, 48)}
     same = generate(hnet.apply, server["hnet"], jnp.stack([server["embeddings"][0]] * 2), jnp.arange(2))
     np.testing.assert_array_equal(same["qkv0"][0], same["qkv0"][1])  # identical embeddings, identical weights
-    assert "qkv" not in server["xi"]["encoder"]["attn0"]  # the projections are never part of xi
+    assert "qkv" not in server["params"]["encoder"]["attn0"]  # the projections are never part of xi
 
 
 def test_server_step_is_sgd_on_the_vjp_of_the_weight_changes_and_skips_unsampled_rows():
@@ -74,7 +74,7 @@ def test_vanilla_without_personalization_is_fedavg_on_the_same_vit():
         server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
         outs.append(run_rounds(alg, data, server, clients, ROOT, rounds=2))
     xi, w = split_qkv(outs[1][0]["params"], 2)
-    assert_trees_close(outs[0][0]["xi"], xi, atol=1e-6)
+    assert_trees_close(outs[0][0]["params"], xi, atol=1e-6)
     np.testing.assert_allclose(outs[0][0]["qkv"], w, atol=1e-6)
     np.testing.assert_allclose(outs[0][2]["loss"], outs[1][2]["loss"], rtol=1e-5)
 

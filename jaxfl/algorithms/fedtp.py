@@ -17,7 +17,7 @@ Personal W = {W_qkv^l} [depth, D, 3 heads dim_head]:
 - ``fedtp_variant="vanilla"``: each client keeps its own W (its state row) and trains it locally;
   ``personalize=False`` averages W too, which is FedAvg on the same ViT.
 
-Clients store their row index (``client_id``) and, for ``vanilla``, their W only.
+The server state holds xi as "params". Clients store their row index (``client_id``) and, for ``vanilla``, their W only.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, fedtp_variant: str
         k_hnet, k_emb = jax.random.split(jax.random.fold_in(key, 1))
         x = trainer.preprocess(sample_x[:1])
         xi, w = split_qkv(model.init(key, x, train=False)["params"], depth)
-        server = {"xi": xi}
+        server = {"params": xi}
         client = {"client_id": jnp.zeros((), jnp.int32)}
         if variant == "hypernet":
             hp = hnet.init(k_hnet)
@@ -87,12 +87,12 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, fedtp_variant: str
         return server, client
 
     def local_update(server, client, data: ClientData, key):
-        params = {"xi": server["xi"], "qkv": client_qkv(server, client)}
+        params = {"xi": server["params"], "qkv": client_qkv(server, client)}
         params, _, _, metrics = trainer.run(loss_fn, params, {}, trainer.tx.init(params), data, key)
         return dict(client, xi=params["xi"], trained_qkv=params["qkv"]), metrics
 
     def aggregate(server, clients, weights):
-        new = dict(server, xi=tree_weighted_mean(clients["xi"], weights))
+        new = dict(server, params=tree_weighted_mean(clients["xi"], weights))
         kept = {k: v for k, v in clients.items() if k in ("client_id", "qkv")}
         if variant == "vanilla":
             if personalize:
@@ -109,7 +109,7 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, fedtp_variant: str
         return new, kept
 
     def predict(server, client, x):
-        return model.apply({"params": server["xi"]}, x, train=False, qkv=client_qkv(server, client))
+        return model.apply({"params": server["params"]}, x, train=False, qkv=client_qkv(server, client))
 
     return Algorithm(f"fedtp_{variant}" if personalize else "fedtp_shared", init, local_update, aggregate, predict)
 
@@ -125,7 +125,7 @@ def adapt_new_client(alg_model, trainer: LocalTrainer, server, data: ClientData,
     def loss_fn(params, stats, x, y, w, k):
         out = hnet.apply(server["hnet"], params["z"])
         qkv = jnp.stack([out[f"qkv{l}"] for l in range(depth)])
-        logits = alg_model.apply({"params": server["xi"]}, x, train=True, qkv=qkv, rngs={"dropout": k})
+        logits = alg_model.apply({"params": server["params"]}, x, train=True, qkv=qkv, rngs={"dropout": k})
         return weighted_mean_loss(cross_entropy(logits, y), w), (stats, logits)
 
     z0 = {"z": jnp.mean(server["embeddings"], 0)}  # start from the mean embedding of the known clients
