@@ -20,6 +20,7 @@ Evidential learning (RFedDis)      evidence, dirichlet_alpha, opinion, uncertain
 Losses                             cross_entropy, weighted_mean_loss, correct_count, kl_divergence,
                                    symmetric_kl, negative_entropy, feature_norm
 Metrics                            expected_calibration_error, auroc, sparsity_ratio, fisher_score,
+                                   fisher_selection_probe, knn_predict,
                                    overlap_ratio, selection_ratio, sparsity_per_sample, count_params, layer_positions,
                                    masked_flops
 """
@@ -36,7 +37,8 @@ from .masks import (channel_mask, channel_scores, descending_rank, grow_mask, gu
                     in_out_channel_mask, keep_largest, leaf_density, logistic_noise, magnitude_mask, num_pruned,
                     relaxed_mask, split_features, straight_through, topk_mask, tree_count, tree_density,
                     tree_grow_mask, tree_size)
-from .metrics import (auroc, count_params, expected_calibration_error, fisher_score, layer_positions,
+from .metrics import (auroc, count_params, expected_calibration_error, fisher_score, fisher_selection_probe,
+                      knn_predict, layer_positions,
                       masked_flops, overlap_ratio, selection_ratio, sparsity_per_sample, sparsity_ratio)
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in {

@@ -76,6 +76,31 @@ def fisher_score(z, labels, num_classes: int, weights=None, eps: float = 1e-12):
     return between / (within + eps)
 
 
+def knn_predict(train_z, train_y, test_z, num_classes: int, k: int = 10):
+    """k-nearest-neighbour labels (Euclidean): the most frequent label among the k closest training rows
+    (ties: the smallest label). train_z [N, d], train_y int [N], test_z [M, d] -> int [M]."""
+    d2 = (jnp.sum(jnp.square(test_z), -1)[:, None] - 2.0 * test_z @ train_z.T
+          + jnp.sum(jnp.square(train_z), -1)[None, :])  # [M, N] squared distances
+    _, nearest = jax.lax.top_k(-d2, k)
+    votes = jnp.sum(jax.nn.one_hot(train_y[nearest], num_classes), 1)  # [M, C]
+    return jnp.argmax(votes, -1)
+
+
+def fisher_selection_probe(train_z, train_y, test_z, test_y, num_classes: int, ratios=(0.1, 0.25, 0.5, 0.75, 1.0),
+                           k: int = 10):
+    """FedPick's vanilla selection probe (section IV, Fig. 1): keep the top fraction r of feature dimensions by
+    Fisher score on the training features (threshold at the (1 - r) quantile), zero the rest, and report the
+    k-NN (k = 10) test accuracy on the masked features z * m, one per r. Returns [len(ratios)].
+    """
+    f = fisher_score(train_z, train_y, num_classes)
+    accs = []
+    for r in ratios:
+        keep = (f >= jnp.quantile(f, 1.0 - r)).astype(train_z.dtype)
+        pred = knn_predict(train_z * keep, train_y, test_z * keep, num_classes, k)
+        accs.append(jnp.mean(pred == test_y))
+    return jnp.stack(accs)
+
+
 def overlap_ratio(a, b):
     """Jaccard overlap |A n B| / |A u B| of two boolean sets (1 for identical, 0 for disjoint; 1 if both empty)."""
     a, b = jnp.asarray(a, bool), jnp.asarray(b, bool)

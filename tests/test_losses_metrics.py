@@ -103,3 +103,20 @@ class MetricsTest(chex.TestCase):
         big = digits_cnn()
         shapes = jax.eval_shape(big.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
         assert B.count_params(shapes["params"]) == 18151370
+
+
+def test_knn_predict_and_fisher_selection_probe():
+    from jaxfl import blocks as B
+    train = jnp.array([[0.0, 0.0], [0.1, 0.0], [5.0, 5.0], [5.1, 5.0]])
+    labels = jnp.array([0, 0, 1, 1])
+    np.testing.assert_array_equal(B.knn_predict(train, labels, jnp.array([[0.2, 0.1], [4.0, 4.5]]), 2, k=1), [0, 1])
+    # ties between two classes go to the smaller label
+    np.testing.assert_array_equal(B.knn_predict(train, labels, jnp.array([[2.5, 2.5]]), 2, k=4), [0])
+    # feature 0 carries the label, features 1..7 are noise of a much larger scale: keeping only the top
+    # Fisher-score dimension beats keeping all of them
+    key = jax.random.key(0)
+    y = jax.random.randint(key, (400,), 0, 2)
+    z = jnp.concatenate([y[:, None] * 1.0 + 0.1 * jax.random.normal(jax.random.key(1), (400, 1)),
+                         5.0 * jax.random.normal(jax.random.key(2), (400, 7))], 1)
+    accs = B.fisher_selection_probe(z[:300], y[:300], z[300:], y[300:], 2, ratios=(0.125, 1.0), k=10)
+    assert float(accs[0]) > 0.95 and float(accs[0]) > float(accs[1]) + 0.1
