@@ -12,7 +12,7 @@ from .config import RunConfig, load_config_file
 from .errors import JaxflError
 
 HELP = {
-    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick | rfeddis | fedselect | fedtp",
+    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick | rfeddis | fedselect | fedtp | dapperfl",
     "dataset": "default (embedded, offline) | digits | pacs | cifar10 | mnist | tfds:NAME | folder:PATH",
     "model": "digits_cnn | alexnet_bn | resnet10 | resnet18 | vit_small | vit_tiny | fedavg_cnn | pfl_cnn | small_cnn (default: per dataset)",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
@@ -57,6 +57,14 @@ HELP = {
     "hyper_lr": "fedtp: hypernetwork SGD learning rate",
     "hyper_momentum": "fedtp: hypernetwork SGD momentum",
     "hyper_decay": "fedtp: hypernetwork weight decay",
+    "device_ratios": "dapperfl: pruning ratio per device level, comma-separated; client i gets level i mod len",
+    "gamma": "dapperfl: weight of the DAR term ||z||",
+    "use_fusion": "dapperfl: fuse local and global weights before pruning (--no-use-fusion: released code)",
+    "recover_mode": "dapperfl: global (pruned entries keep W, paper) | zero (averaged as zeros, released code)",
+    "dar_norm": "dapperfl: l2 (||z||, code) | sq_l2 (||z||^2, paper)",
+    "alpha0": "dapperfl: initial fusion weight of the global model",
+    "alpha_min": "dapperfl: floor of the fusion weight",
+    "fusion_eps": "dapperfl: decay of the fusion weight per round",
     "dis_feature": "rfeddis: head tap used as the disentangling feature: relu1 | fc1 | relu2 | fc2 ...",
 }
 
@@ -83,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         text = "; ".join(s for s in (HELP.get(f.name, ""), default) if s)
         if tp is bool:
             run.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=text)
+        elif tp is tuple:  # comma-separated numbers, e.g. --device-ratios 0,0.2,0.4
+            run.add_argument(flag, dest=f.name, type=lambda v: tuple(float(x) for x in v.split(",")), help=text)
         else:
             run.add_argument(flag, dest=f.name, type=tp, help=text)
     return parser

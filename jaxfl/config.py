@@ -64,6 +64,15 @@ class RunConfig:
     hyper_lr: float = 0.01
     hyper_momentum: float = 0.9
     hyper_decay: float = 1e-3
+    # dapperfl (E = local_epochs: 1 dense + E - 1 masked)
+    device_ratios: tuple = (0.0, 0.2, 0.4, 0.6, 0.8)
+    gamma: float = 0.01
+    use_fusion: bool = True
+    recover_mode: str = "global"
+    dar_norm: str = "l2"
+    alpha0: float = 0.9
+    alpha_min: float = 0.1
+    fusion_eps: float = 0.2
     # data
     data_dir: str | None = None
     num_clients: int | None = None
@@ -98,7 +107,8 @@ class RunConfig:
         return dataclasses.replace(self, **kw)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain JSON types (tuples as lists, so a saved config compares equal after loading)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -116,6 +126,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_choice("kl_reduction", cfg.kl_reduction, ("mean_all", "batchmean"))
     check_choice("delta_ref", cfg.delta_ref, ("snapshot", "round_start"))
     check_choice("fedtp_variant", cfg.fedtp_variant, ("hypernet", "vanilla"))
+    check_choice("recover_mode", cfg.recover_mode, ("global", "zero"))
+    check_choice("dar_norm", cfg.dar_norm, ("l2", "sq_l2"))
+    for r in cfg.device_ratios:
+        check_range("device_ratios entry", r, 0.0, 1.0)
     check_range("alpha", cfg.alpha, 0.0, 1.0)
     check_range("grow_rate", cfg.grow_rate, 0.0, 1.0)
     if cfg.tau is not None and cfg.tau <= 0:

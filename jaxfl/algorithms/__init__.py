@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 
 from ..errors import check_choice
+from .dapperfl import dapperfl, dapperfl_masks
 from .ditto import ditto
 from .fedavg import fedavg, fedbn, in_part, is_batchnorm, local, masked_averaging, path_mask
 from .fedper import fedper
@@ -21,7 +22,7 @@ from .rfeddis import rfeddis
 ALGORITHMS = {"local": local, "fedavg": fedavg, "fedbn": fedbn, "fedprox": fedprox, "fedper": fedper,
               "fedrep": fedrep, "lg_fedavg": lg_fedavg, "ditto": ditto, "fedpick": fedpick,
               "rfeddis": rfeddis, "fedselect": fedselect,
-              "fedtp": fedtp}
+              "fedtp": fedtp, "dapperfl": dapperfl}
 
 # What each algorithm shares with the server and keeps on the client (README's table is built from this).
 SHARING = {
@@ -36,6 +37,8 @@ SHARING = {
     "fedpick": ("encoder and global head, without BatchNorm", "BatchNorm, the PFSM (mask net, personal and irrelevant heads)"),
     "fedselect": ("each entry while it is global for the client (unweighted per-entry mean)",
                   "entries grown into the personal mask by update size; BN statistics"),
+    "dapperfl": ("everything (global model), each client's update masked by its pruning mask; pruned entries "
+                 "keep the previous global value", "its pruning ratio (device level) and mask"),
     "fedtp": ("every ViT parameter but the attention Q/K/V projections; a server hypernetwork generates those",
               "its Q/K/V projections (vanilla) or its embedding row on the server (hypernet)"),
     "rfeddis": ("encoder and global evidential head, without BatchNorm", "BatchNorm, the local evidential head"),
@@ -65,6 +68,6 @@ def build_algorithm(name: str, model, trainer, **options):
     return ALGORITHMS[name](model, trainer, **options)
 
 
-__all__ = ["ALGORITHMS", "SHARING", "algorithm_options", "build_algorithm", "ditto", "fedavg", "fedbn",
+__all__ = ["ALGORITHMS", "SHARING", "algorithm_options", "build_algorithm", "dapperfl", "dapperfl_masks", "ditto", "fedavg", "fedbn",
            "fedper", "fedpick", "fedselect", "fedtp", "fedprox", "fedrep", "in_part", "is_batchnorm", "lg_fedavg", "local",
            "masked_averaging", "path_mask", "rfeddis"]

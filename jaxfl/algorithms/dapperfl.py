@@ -1,0 +1,147 @@
+"""DapperFL (Jia et al., NeurIPS 2024): model fusion pruning, domain-adaptive regularisation, heterogeneous
+aggregation with recovery.
+
+Client i has a pruning ratio rho_i (its device level: ``ratios[client_id % len(ratios)]``). In round t
+(0-based r = t - 1) it loads the global model W (params and BN statistics) and:
+1. trains one dense epoch with L = CE + gamma R(z), R(z) = ||z||_2 of the penultimate feature (``dar_norm``
+   "l2", the code) or ||z||_2^2 ("sq_l2", the paper);
+2. fuses w = a_t W + (1 - a_t) w_hat, a_t = max((1 - eps)^r alpha0, alpha_min), skipped when r = 0 (W is then
+   the random init) or when ``use_fusion`` is off (the released code never fuses);
+3. builds its mask M_i from the fused weights at ratio rho_i (``dapperfl_masks``: the spec's per-layer rules);
+4. trains E - 1 more epochs of the masked model (the forward pass always uses w * M; momentum carries over).
+The server recovers and averages in one masked reduction (``blocks.recovered_mean``):
+
+    W <- W + sum_i p_i M_i (w_i - W),  p_i = n_i / sum_j n_j            (``recover_mode="global"``, Eq. 6-7)
+
+or, as the released code does, averages the pruned entries as zeros: W <- sum_i p_i M_i w_i ("zero").
+BN running statistics are averaged with p_i, unmasked. The ``reference_code`` preset of ``fedavg``-style
+options is ``use_fusion=False, recover_mode="zero"``. Everything is evaluated with the global model.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..aggregation import recovered_mean, tree_weighted_mean
+from ..engine import Algorithm, ClientData, LocalTrainer
+from ..losses import cross_entropy, feature_norm, weighted_mean_loss
+from ..masks import channel_mask, in_out_channel_mask, magnitude_mask
+from .fedavg import init_variables
+
+RECOVER_MODES = ("global", "zero")
+DEVICE_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8)  # capability levels C1..C5 (paper section 4)
+
+
+def fusion_coefficient(round_idx, alpha0: float = 0.9, alpha_min: float = 0.1, eps: float = 0.2):
+    """a = max((1 - eps)^r alpha0, alpha_min) for the 0-based round r (0.9, 0.72, 0.576, ... then 0.1)."""
+    return jnp.maximum((1.0 - eps) ** jnp.asarray(round_idx, jnp.float32) * alpha0, alpha_min)
+
+
+def _paths(tree):
+    return [tuple(str(getattr(k, "key", k)) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def dapperfl_masks(params, ratio):
+    """The spec's per-layer pruning masks (0/1 floats of params' structure) at ``ratio`` (may be traced):
+
+    - stem conv and stem BN (paths with "stem"), biases: never pruned;
+    - the first block's first conv (``layer1_0/conv1``) and the first shortcut conv: output channels only
+      (L1 norm over the other axes);
+    - every other conv kernel: input mask x output mask, each at ``ratio``, scored independently (L1);
+    - BN scales (not the stem's): unstructured, the round(ratio C) smallest |gamma| are zeroed;
+    - the final Dense kernel [in, K] of the head: input rows by their L2 norm over the outputs.
+    Kept per group: n - round(ratio n) (half to even), the largest scores; ties keep the lower index.
+    """
+    paths = _paths(params)
+    first_shortcut = next((p for p in paths if p[-2:] == ("conv_shortcut", "kernel")), None)
+    head_kernels = [p for p in paths if p[0] == "head" and p[-1] == "kernel"]
+    last_head = head_kernels[-1] if head_kernels else None
+
+    def rule(path, leaf):
+        name = path[-1]
+        if name == "bias" or any("stem" in k for k in path):
+            return jnp.ones_like(leaf)
+        if name == "scale":
+            return magnitude_mask(leaf, ratio)
+        if name != "kernel":
+            return jnp.ones_like(leaf)
+        if path == last_head:
+            return channel_mask(leaf, ratio, axis=0, ord=2)
+        if path[-2:] == ("conv1", "kernel") and "layer1_0" in path or path == first_shortcut:
+            return channel_mask(leaf, ratio, axis=-1, ord=1)
+        return in_out_channel_mask(leaf, ratio, ord=1)
+
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    return jax.tree_util.tree_unflatten(treedef, [rule(p, x) for p, x in zip(paths, leaves)])
+
+
+def dapperfl(model, trainer: LocalTrainer, device_ratios: tuple = DEVICE_RATIOS, gamma: float = 0.01,
+             use_fusion: bool = True, recover_mode: str = "global", dar_norm: str = "l2", alpha0: float = 0.9,
+             alpha_min: float = 0.1, fusion_eps: float = 0.2) -> Algorithm:
+    """DapperFL on a ``Classifier`` (encoder features z = the DAR input). ``trainer.epochs`` = E: 1 dense epoch,
+    then E - 1 masked ones. ``device_ratios``: rho per capability level, client i gets level i mod len."""
+    if recover_mode not in RECOVER_MODES:
+        raise ValueError(f"recover_mode must be one of {RECOVER_MODES}, got {recover_mode!r}")
+    if dar_norm not in ("l2", "sq_l2"):
+        raise ValueError(f"dar_norm must be 'l2' or 'sq_l2', got {dar_norm!r}")
+    bad = [r for r in device_ratios if not 0.0 <= r <= 1.0]
+    if bad or not device_ratios:
+        raise ValueError(f"device_ratios must be non-empty values in [0, 1], got {tuple(device_ratios)}")
+    ratios = jnp.asarray(device_ratios, jnp.float32)
+    dense = dataclasses.replace(trainer, epochs=1)
+    masked = dataclasses.replace(trainer, epochs=max(trainer.epochs - 1, 1))
+
+    def forward(module, x, train, mask):
+        z = module.encoder(x, train, mask)
+        return module.head(z, train, mask), z
+
+    def loss_with(mask):
+        def loss(params, stats, x, y, w, key):
+            eff = jax.tree_util.tree_map(jnp.multiply, params, mask)  # the pruned model w * M
+            (logits, z), upd = model.apply({"params": eff, "batch_stats": stats}, x, True, w, method=forward,
+                                           mutable=["batch_stats"])
+            reg = feature_norm(z, squared=dar_norm == "sq_l2")
+            return weighted_mean_loss(cross_entropy(logits, y) + gamma * reg, w), (upd["batch_stats"], logits)
+        return loss
+
+    def init(key, sample_x):
+        v = init_variables(model, trainer, key, sample_x)
+        return dict(v, round=jnp.zeros((), jnp.int32)), {"client_id": jnp.zeros((), jnp.int32)}
+
+    def local_update(server, client, data: ClientData, key):
+        rho = ratios[client["client_id"] % ratios.shape[0]]
+        ones = jax.tree_util.tree_map(jnp.ones_like, server["params"])
+        opt = trainer.tx.init(server["params"])
+        params, stats, opt, m_dense = dense.run(loss_with(ones), server["params"], server["batch_stats"], opt,
+                                                data, key)  # as FedAvg's first epoch
+        if use_fusion:
+            a = jnp.where(server["round"] > 0, fusion_coefficient(server["round"], alpha0, alpha_min, fusion_eps), 0.0)
+            params = jax.tree_util.tree_map(lambda g, w: a * g + (1.0 - a) * w, server["params"], params)
+        mask = dapperfl_masks(params, rho)
+        params = jax.tree_util.tree_map(jnp.multiply, params, mask)
+        metrics = m_dense
+        if trainer.epochs > 1:
+            params, stats, opt, metrics = masked.run(loss_with(mask), params, stats, opt, data,
+                                                     jax.random.fold_in(key, 1))
+        n = sum(m.size for m in jax.tree_util.tree_leaves(mask))
+        kept = sum(jnp.sum(m) for m in jax.tree_util.tree_leaves(mask))
+        metrics = dict(metrics, ratio=rho, kept_params=kept, kept_fraction=kept / n)
+        return dict(client, params=params, batch_stats=stats, mask=mask), metrics
+
+    def aggregate(server, clients, weights):
+        if recover_mode == "global":
+            params = jax.tree_util.tree_map(lambda x, m, g: recovered_mean(x, weights, m, g),
+                                            clients["params"], clients["mask"], server["params"])
+        else:
+            params = tree_weighted_mean(jax.tree_util.tree_map(jnp.multiply, clients["params"], clients["mask"]),
+                                        weights)
+        new = {"params": params, "batch_stats": tree_weighted_mean(clients["batch_stats"], weights),
+               "round": server["round"] + 1}
+        return new, {"client_id": clients["client_id"]}
+
+    def predict(server, client, x):
+        return model.apply({"params": server["params"], "batch_stats": server["batch_stats"]}, x, train=False)
+
+    return Algorithm("dapperfl", init, local_update, aggregate, predict)

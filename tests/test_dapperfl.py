@@ -1,0 +1,111 @@
+"""DapperFL: masks per the spec's layer rules and kept-channel table, fusion schedule, recovery aggregation,
+reduction to FedAvg, footprint counts."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_trees_close, make_data, make_trainer, run_rounds
+from jaxfl import build_algorithm, init_state
+from jaxfl.algorithms.dapperfl import dapperfl, dapperfl_masks, fusion_coefficient
+from jaxfl.metrics import count_params
+from jaxfl.models import resnet10, small_cnn
+
+ROOT = jax.random.key(6)
+COUNTS = (24, 17, 9)
+KEPT = {64: (51, 38, 26, 13), 128: (102, 77, 51, 26), 256: (205, 154, 102, 51), 512: (410, 307, 205, 102)}
+
+
+@pytest.fixture(scope="module")
+def resnet_params():
+    m = resnet10(10)
+    return m.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)["params"]
+
+
+@pytest.mark.parametrize("j,rho", list(enumerate((0.2, 0.4, 0.6, 0.8))))
+def test_kept_channel_counts_match_the_spec_table(resnet_params, j, rho):
+    masks = jax.jit(dapperfl_masks)(resnet_params, rho)
+    enc = masks["encoder"]
+    out_only = np.asarray(enc["layer1_0"]["conv1"]["kernel"])  # output channels only
+    assert out_only[0, 0, 0].sum() == KEPT[64][j] and np.all(out_only == out_only[:1, :1, :1])
+    short = np.asarray(enc["layer2_0"]["conv_shortcut"]["kernel"])  # first shortcut: output only
+    assert short[0, 0, 0].sum() == KEPT[128][j] and short[0, 0, :, 0].min() == short[0, 0, :, 0].max()
+    for layer, width in (("layer2_0", 128), ("layer3_0", 256), ("layer4_0", 512)):
+        k = np.asarray(enc[layer]["conv2"]["kernel"])[0, 0]  # in x out
+        assert (k.sum(0) > 0).sum() == KEPT[width][j] and (k.sum(1) > 0).sum() == KEPT[width][j]
+        assert k.sum() == KEPT[width][j] ** 2
+        assert np.asarray(enc[layer]["bn1"]["scale"]).sum() == KEPT[width][j]  # unstructured on gamma
+        assert np.all(np.asarray(enc[layer]["bn1"]["bias"]) == 1)
+    shortcut = np.asarray(enc["layer3_0"]["conv_shortcut"]["kernel"])[0, 0]  # later shortcuts: in x out
+    assert shortcut.sum() == KEPT[128][j] * KEPT[256][j]
+    fc = np.asarray(masks["head"]["fc1"]["linear"]["kernel"])  # input rows by L2 norm
+    assert fc.sum() == KEPT[512][j] * 10 and np.all(fc == fc[:, :1])
+    assert np.all(np.asarray(enc["conv_stem"]["kernel"]) == 1) and np.all(np.asarray(enc["bn_stem"]["scale"]) == 1)
+    # output-only layers' kept parameter counts are exactly (1 - rho) x dense when rho n is whole
+    n_out = 64
+    assert count_params(resnet_params["encoder"]["layer1_0"]["conv1"], masks["encoder"]["layer1_0"]["conv1"]) == \
+        out_only.size // n_out * KEPT[64][j]
+
+
+def test_ratio_zero_keeps_everything_and_scores_pick_the_largest(resnet_params):
+    masks = dapperfl_masks(resnet_params, 0.0)
+    assert all(bool(jnp.all(m == 1)) for m in jax.tree_util.tree_leaves(masks))
+    k = resnet_params["encoder"]["layer1_0"]["conv1"]["kernel"]
+    m = dapperfl_masks(resnet_params, 0.5)["encoder"]["layer1_0"]["conv1"]["kernel"][0, 0, 0]
+    l1 = np.abs(np.asarray(k)).sum((0, 1, 2))
+    assert l1[np.asarray(m) == 1].min() >= l1[np.asarray(m) == 0].max()
+
+
+def test_fusion_schedule():
+    np.testing.assert_allclose([fusion_coefficient(r) for r in range(11)],
+                               [0.9, 0.72, 0.576, 0.4608, 0.36864, 0.294912, 0.2359296, 0.18874368,
+                                0.150994944, 0.1207959552, 0.1], rtol=1e-5)
+
+
+def setup(**opts):
+    data = make_data(list(COUNTS))
+    trainer = make_trainer(max_count=max(COUNTS), epochs=opts.pop("epochs", 1))
+    alg = dapperfl(small_cnn(num_classes=4, width=4, hidden=(8,)), trainer, **opts)
+    server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
+    return alg, data, server, clients, trainer
+
+
+def test_ratio_zero_gamma_zero_without_fusion_is_fedavg():
+    alg, data, server, clients, trainer = setup(device_ratios=(0.0,), gamma=0.0, use_fusion=False)
+    avg = build_algorithm("fedavg", small_cnn(num_classes=4, width=4, hidden=(8,)), trainer)
+    s_avg, c_avg = init_state(avg, jax.random.key(0), data.x[0], len(COUNTS))
+    a = run_rounds(alg, data, server, clients, ROOT, rounds=2)
+    b = run_rounds(avg, data, s_avg, c_avg, ROOT, rounds=2)
+    assert_trees_close(a[0]["params"], b[0]["params"], atol=1e-6)
+    assert_trees_close(a[0]["batch_stats"], b[0]["batch_stats"], atol=1e-6)
+
+
+def test_positions_pruned_everywhere_keep_the_previous_global_value():
+    alg, data, server, clients, _ = setup()
+    g = {"w": jnp.array([1.0, 2.0, 3.0])}
+    x = jnp.array([[5.0, 6.0, 7.0], [9.0, 10.0, 11.0]])
+    mask = jnp.array([[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    srv = {"params": g, "batch_stats": {}, "round": jnp.array(0)}
+    cl = {"params": {"w": x}, "mask": {"w": mask}, "batch_stats": {}, "client_id": jnp.arange(2)}
+    new, _ = alg.aggregate(srv, cl, jnp.array([1.0, 3.0]))
+    # entry 0: kept by both -> W + .25 (5 - 1) + .75 (9 - 1); entry 1: pruned by all -> 2; entry 2: only
+    # client 0 keeps it -> W + .25 (7 - 3), not renormalised
+    np.testing.assert_allclose(new["params"]["w"], [1 + 1 + 6, 2, 3 + 1])
+    zero_alg = dapperfl(small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), recover_mode="zero")
+    new0, _ = zero_alg.aggregate(srv, cl, jnp.array([1.0, 3.0]))
+    np.testing.assert_allclose(new0["params"]["w"], [0.25 * 5 + 0.75 * 9, 0.0, 0.25 * 7])
+
+
+def test_clients_train_heterogeneous_masks_in_one_jit():
+    alg, data, server, clients, _ = setup(epochs=2)
+    s, c, m = run_rounds(alg, data, server, clients, ROOT, rounds=2)
+    np.testing.assert_allclose(m["ratio"], [0.0, 0.2, 0.4])
+    assert m["kept_fraction"][0] == 1.0 and m["kept_fraction"][0] > m["kept_fraction"][1] > m["kept_fraction"][2]
+    assert np.all(np.isfinite(m["loss"])) and int(s["round"]) == 2
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="device_ratios"):
+        dapperfl(small_cnn(4), make_trainer(), device_ratios=(0.2, 1.5))
+    with pytest.raises(ValueError, match="recover_mode"):
+        dapperfl(small_cnn(4), make_trainer(), recover_mode="mean")
