@@ -39,7 +39,7 @@ def run(name, strategy, mesh=None, rounds=2, cohort=None):
 failed = False
 for name, strategy in (("fedavg", "vmap"), ("fedavg", "map"), ("fedbn", "map"), ("fedselect", "map")):
     ref = run(name, strategy)
-    for n in (1, 2, 4):
+    for n in (2, 4):
         out = run(name, strategy, client_mesh(n))
         ok = all(np.allclose(a, b, atol=1e-5, rtol=1e-5)
                  for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
