@@ -28,7 +28,7 @@ from ..aggregation import recovered_mean, tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer
 from ..losses import cross_entropy, feature_norm, weighted_mean_loss
 from ..masks import channel_mask, in_out_channel_mask, magnitude_mask
-from .fedavg import init_variables
+from .fedavg import init_variables, leaf_paths
 
 RECOVER_MODES = ("global", "zero")
 DEVICE_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8)  # capability levels C1..C5 (paper section 4)
@@ -37,10 +37,6 @@ DEVICE_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8)  # capability levels C1..C5 (paper sec
 def fusion_coefficient(round_idx, alpha0: float = 0.9, alpha_min: float = 0.1, eps: float = 0.2):
     """a = max((1 - eps)^r alpha0, alpha_min) for the 0-based round r (0.9, 0.72, 0.576, ... then 0.1)."""
     return jnp.maximum((1.0 - eps) ** jnp.asarray(round_idx, jnp.float32) * alpha0, alpha_min)
-
-
-def _paths(tree):
-    return [tuple(str(getattr(k, "key", k)) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def dapperfl_masks(params, ratio):
@@ -54,7 +50,7 @@ def dapperfl_masks(params, ratio):
     - the final Dense kernel [in, K] of the head: input rows by their L2 norm over the outputs.
     Kept per group: n - round(ratio n) (half to even), the largest scores; ties keep the lower index.
     """
-    paths = _paths(params)
+    paths = leaf_paths(params)
     first_shortcut = next((p for p in paths if p[-2:] == ("conv_shortcut", "kernel")), None)
     head_kernels = [p for p in paths if p[0] == "head" and p[-1] == "kernel"]
     last_head = head_kernels[-1] if head_kernels else None

@@ -27,11 +27,18 @@ from ..losses import cross_entropy, weighted_mean_loss
 PathPredicate = Callable[[tuple[str, ...]], bool]
 
 
+def _key_name(k):
+    return str(getattr(k, "key", getattr(k, "name", k)))
+
+
+def leaf_paths(tree) -> list[tuple[str, ...]]:
+    """Every leaf's path as a tuple of dict keys, in ``tree_leaves`` order."""
+    return [tuple(map(_key_name, p)) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def path_mask(tree, predicate: PathPredicate):
     """A tree of Python bools: predicate(path) for each leaf, path = tuple of dict keys."""
-    def key_name(k):
-        return str(getattr(k, "key", getattr(k, "name", k)))
-    return jax.tree_util.tree_map_with_path(lambda p, _: bool(predicate(tuple(map(key_name, p)))), tree)
+    return jax.tree_util.tree_map_with_path(lambda p, _: bool(predicate(tuple(map(_key_name, p)))), tree)
 
 
 def is_batchnorm(path: tuple[str, ...]) -> bool:

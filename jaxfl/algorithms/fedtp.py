@@ -42,6 +42,14 @@ def split_qkv(params, depth: int):
     return dict(params, encoder=enc), w
 
 
+def qkv_hypernetwork(model, embed_dim: int, hidden: int, layers: int):
+    """(hnet, stack): the hypernetwork with one head per ViT block ({"qkv<l>": [D, 3I]}) and the function that
+    stacks its output into W [..., depth, D, 3I]."""
+    depth, shape = model.encoder.depth, model.encoder.qkv_shape()
+    hnet = hypernetwork({f"qkv{l}": shape[1:] for l in range(depth)}, embed_dim, hidden, layers)
+    return hnet, lambda out: jnp.stack([out[f"qkv{l}"] for l in range(depth)], -3)
+
+
 def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, fedtp_variant: str = "hypernet",
           personalize: bool = True, embed_dim: int = 128, hyper_hidden: int = 150, hyper_layers: int = 3,
           hyper_lr: float = 0.01, hyper_momentum: float = 0.9, hyper_decay: float = 1e-3) -> Algorithm:
@@ -54,10 +62,8 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, fedtp_variant: str
     if not hasattr(model.encoder, "qkv_shape"):
         raise ValueError(f"fedtp needs a ViT (--model vit_small), got a {type(model.encoder).__name__} encoder")
     depth = model.encoder.depth
-    shape = model.encoder.qkv_shape()
-    hnet = hypernetwork({f"qkv{l}": shape[1:] for l in range(depth)}, embed_dim, hyper_hidden, hyper_layers)
+    hnet, stack = qkv_hypernetwork(model, embed_dim, hyper_hidden, hyper_layers)
     hyper_tx = optax.chain(optax.add_decayed_weights(hyper_decay), optax.sgd(hyper_lr, momentum=hyper_momentum))
-    stack = lambda out: jnp.stack([out[f"qkv{l}"] for l in range(depth)], -3)  # {qkv<l>: [.., D, 3I]} -> [.., L, D, 3I]
 
     def client_qkv(server, client):
         if variant == "vanilla":
@@ -118,13 +124,10 @@ def adapt_new_client(alg_model, trainer: LocalTrainer, server, data: ClientData,
                      hyper_hidden: int = 150, hyper_layers: int = 3):
     """Held-out client: learn only an embedding z for an unseen client (xi and the hypernetwork frozen) by
     ``trainer`` on its data; returns (z, metrics). The hypernetwork options must be those of the run."""
-    depth = alg_model.encoder.depth
-    shape = alg_model.encoder.qkv_shape()
-    hnet = hypernetwork({f"qkv{l}": shape[1:] for l in range(depth)}, embed_dim, hyper_hidden, hyper_layers)
+    hnet, stack = qkv_hypernetwork(alg_model, embed_dim, hyper_hidden, hyper_layers)
 
     def loss_fn(params, stats, x, y, w, k):
-        out = hnet.apply(server["hnet"], params["z"])
-        qkv = jnp.stack([out[f"qkv{l}"] for l in range(depth)])
+        qkv = stack(hnet.apply(server["hnet"], params["z"]))
         logits = alg_model.apply({"params": server["params"]}, x, train=True, qkv=qkv, rngs={"dropout": k})
         return weighted_mean_loss(cross_entropy(logits, y), w), (stats, logits)
 
