@@ -14,7 +14,7 @@ from .errors import JaxflError
 HELP = {
     "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick | rfeddis | fedselect | fedtp | dapperfl",
     "dataset": "default (embedded, offline) | digits | pacs | cifar10 | mnist | tfds:NAME | folder:PATH",
-    "model": "digits_cnn | alexnet_bn | resnet10 | resnet18 | vit_small | vit_tiny | fedavg_cnn | pfl_cnn | small_cnn (default: per dataset)",
+    "model": "digits_cnn | alexnet_bn | resnet10 | resnet10_slim | resnet18 | vit_small | vit_tiny | fedavg_cnn | pfl_cnn | small_cnn (default: per dataset)",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
     "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU)",
     "devices": "split the clients over this many devices (0: all; clients per round must divide evenly)",
@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                          argument_default=argparse.SUPPRESS)
     run.add_argument("--config", help="TOML or JSON file of options; flags override it")
     run.add_argument("--quiet", action="store_true", help="no progress bar or table")
+    launch = run.add_argument_group("multi-process launch (one process per host; see README, Scale-out)")
+    launch.add_argument("--coordinator-address", help="host:port of process 0, the same for every process")
+    launch.add_argument("--num-processes", type=int, help="processes in the run (default 1)")
+    launch.add_argument("--process-id", type=int, help="this process's index in [0, num_processes)")
     for f in dataclasses.fields(RunConfig):
         flag = "--" + f.name.replace("_", "-")
         tp = _arg_type(f.type)
@@ -113,11 +117,21 @@ def format_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
+def jax_process_index() -> int:
+    import jax
+    return jax.process_index()
+
+
 def main(argv=None) -> int:
     args = vars(build_parser().parse_args(argv))
     args.pop("command")
     quiet = args.pop("quiet", False)
+    launch = {k: args.pop(k) for k in ("coordinator_address", "num_processes", "process_id") if k in args}
     try:
+        if launch.get("num_processes", 1) > 1:
+            from .distributed import initialize
+            initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))
+            quiet = quiet or jax_process_index() > 0  # one process prints
         values = load_config_file(args.pop("config")) if "config" in args else {}
         values.update(args)
         cfg = RunConfig(**values)
@@ -132,7 +146,7 @@ def main(argv=None) -> int:
         print(f"jaxfl: error: {e}", file=sys.stderr)
         return 2
     summary = result.summary()
-    if summary:
+    if summary and jax_process_index() == 0:
         print(format_table(summary) if not quiet else json.dumps(summary["last"]))
     if cfg.out and not quiet:
         print(f"wrote {cfg.out}/metrics.jsonl, summary.json, accuracy.png", file=sys.stderr)

@@ -408,6 +408,13 @@ def resnet10(num_classes: int = 10, stem: str = "cifar") -> Classifier:
     return Classifier(encoder=ResNetEncoder((1, 1, 1, 1), stem), head=MLPHead((), num_classes))
 
 
+def resnet10_slim(num_classes: int = 10, stem: str = "cifar") -> Classifier:
+    """ResNet-10 at a quarter width (16/32/64/128, z in R^128) + Dense(C): a CPU-sized stand-in with the same
+    block structure, so DapperFL's pruning rules apply unchanged. 308,826 parameters at C = 10."""
+    return Classifier(encoder=ResNetEncoder((1, 1, 1, 1), stem, widths=(16, 32, 64, 128)),
+                      head=MLPHead((), num_classes))
+
+
 def resnet18(num_classes: int = 10, stem: str = "cifar") -> Classifier:
     """ResNet-18 ([2, 2, 2, 2]) + Dense(C): 11,173,962 parameters (cifar stem), 11,181,642 (imagenet stem)."""
     return Classifier(encoder=ResNetEncoder((2, 2, 2, 2), stem), head=MLPHead((), num_classes))
@@ -423,8 +430,9 @@ def vit_tiny(num_classes: int = 10) -> Classifier:
     return vit_small(num_classes, depth=4, dim=64, heads=4, dim_head=32, mlp_dim=128)
 
 
-MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg_cnn, "pfl_cnn": pfl_cnn, "alexnet_bn": alexnet_bn, "resnet10": resnet10,
-          "resnet18": resnet18, "vit_small": vit_small, "vit_tiny": vit_tiny}
+MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg_cnn, "pfl_cnn": pfl_cnn,
+          "alexnet_bn": alexnet_bn, "resnet10": resnet10, "resnet10_slim": resnet10_slim, "resnet18": resnet18,
+          "vit_small": vit_small, "vit_tiny": vit_tiny}
 
 
 def build_model(name: str, num_classes: int) -> Classifier:

@@ -14,6 +14,7 @@ import optax
 from .algorithms import algorithm_options, build_algorithm
 from .config import RunConfig, validate
 from .data import load_dataset
+from .distributed import fetch, from_process_rows, is_primary, process_rows
 from .engine import (LocalTrainer, client_mesh, init_state, make_evaluate, make_round, normalizer, replicate,
                      shard_clients, steps_per_epoch)
 from .errors import ConfigError, NonFiniteError
@@ -77,15 +78,25 @@ class Experiment:
         self.dataset = ds = load_dataset(cfg.data_config())
         n = len(ds.client_names)
         self.model = build_model(cfg.model or DEFAULT_MODEL.get(cfg.dataset, "small_cnn"), ds.num_classes)
-        # devices != 1: the client axis is split over a mesh of that many devices (0: all of them)
+        # devices != 1: the client axis is split over a mesh of that many devices (0: all of them); a
+        # multi-process run (jaxfl.distributed.initialize) always uses every device of every process
+        if jax.process_count() > 1 and cfg.devices not in (0, jax.device_count()):
+            raise ConfigError(f"devices={cfg.devices}: a run over {jax.process_count()} processes splits the "
+                              f"clients over all {jax.device_count()} devices; use devices=0")
         self.mesh = None if cfg.devices == 1 else client_mesh(cfg.devices or None)
         if self.mesh is not None and (n % self.mesh.devices.size or cohort_size(cfg, n) % self.mesh.devices.size):
             raise ConfigError(f"{n} clients ({cohort_size(cfg, n)} per round) cannot be split evenly over "
                               f"devices={self.mesh.devices.size}; both must be multiples of it")
-        place = jax.device_put if self.mesh is None else (lambda t: shard_clients(t, self.mesh))
-        self.train = place(ds.stacked("train", cfg.batch_size))
         self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
-        self.test = place(ds.stacked("test", eval_bs))
+        if self.mesh is None:
+            self.train, self.test = jax.device_put((ds.stacked("train", cfg.batch_size), ds.stacked("test", eval_bs)))
+            self.sample_x = ds.train[0][0][:1]
+        else:  # each process stacks only the clients whose rows live on its devices
+            rows = process_rows(self.mesh, n)
+            local = ds.stacked("train", cfg.batch_size, rows)
+            self.sample_x = local.x[0, :1]
+            self.train = from_process_rows(local, self.mesh, n)
+            self.test = from_process_rows(ds.stacked("test", eval_bs, rows), self.mesh, n)
         tx = optax.sgd(cfg.lr, momentum=cfg.momentum or None)
         preprocess = normalizer(*ds.normalize)
         self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs,
@@ -104,14 +115,14 @@ class Experiment:
         self.root = jax.random.key(cfg.seed)
 
     def init(self):
-        server, clients = init_state(self.algorithm, jax.random.fold_in(self.root, 2), self.train.x[0],
-                                     self.train.num_clients)
+        server, clients = init_state(self.algorithm, jax.random.fold_in(self.root, 2), self.sample_x,
+                                     len(self.dataset.client_names))
         if self.mesh is not None:
             server, clients = replicate(server, self.mesh), shard_clients(clients, self.mesh)
         return server, clients
 
     def evaluate(self, server, clients) -> dict:
-        m = jax.device_get(self.eval_fn(server, clients, self.test))
+        m = fetch(self.eval_fn(server, clients, self.test))
         acc, cnt = np.asarray(m["accuracy"], float), np.asarray(m["count"], float)
         extra = {f"test_{k}": np.asarray(v, float).tolist() for k, v in m.items()
                  if k not in ("accuracy", "loss", "count")}
@@ -128,7 +139,7 @@ class Experiment:
     def run(self, progress: bool = False, log=None) -> RunResult:
         cfg, names = self.cfg, self.dataset.client_names
         out = Path(cfg.out) if cfg.out else None
-        ckpt = None
+        ckpt, write = None, out is not None and is_primary()  # every process checkpoints its rows; one logs
         server, clients = self.init()
         start, history = 0, []
         if out:
@@ -141,13 +152,14 @@ class Experiment:
             elif ckpt.latest_round() is not None:
                 raise ConfigError(f"{str(out)!r} already holds checkpoints; pass --resume to continue "
                                   f"or choose another --out")
-            (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-            _rewrite_jsonl(out / "metrics.jsonl", history)
+            if write:
+                (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+                _rewrite_jsonl(out / "metrics.jsonl", history)
         bar = _progress(range(start, cfg.rounds), progress, start, cfg.rounds)
         for r in bar:
             t0 = time.perf_counter()
             server, clients, m = self.round_fn(server, clients, self.train, r, self.root)
-            m = jax.device_get(m)
+            m = fetch(m)
             ids = np.asarray(m["client_id"])
             bad = [names[i] for i, ok in zip(ids, np.asarray(m["finite"])) if not ok]
             if bad:
@@ -165,7 +177,7 @@ class Experiment:
                 rec.update(self.evaluate(server, clients))
             rec["time_s"] = time.perf_counter() - t0
             history.append(rec)
-            if out:
+            if write:
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(rec) + "\n")
             if ckpt and cfg.checkpoint_every and ((r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds):
@@ -176,7 +188,7 @@ class Experiment:
             if log:
                 log(rec)
         result = RunResult(cfg, names, history, server, clients, count_params(server["params"]))
-        if out:
+        if write:
             (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
             if history:
                 plot_accuracy(history, names, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}")

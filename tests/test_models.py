@@ -72,12 +72,14 @@ def test_unknown_model_lists_valid():
 
 # --- backbones for the paper comparisons -----------------------------------------------------------------
 from jaxfl.metrics import count_params as count_kept  # noqa: E402
-from jaxfl.models import (adaptive_avg_pool, alexnet_bn, max_pool, resnet10, resnet18, vit_small)  # noqa: E402
+from jaxfl.models import (adaptive_avg_pool, alexnet_bn, max_pool, resnet10, resnet10_slim, resnet18,
+                          vit_small)  # noqa: E402
 
 
 @pytest.mark.parametrize("factory,shape,expected", [
     (alexnet_bn, (1, 256, 256, 3), 57_063_498),       # rfeddis spec: encoder 2,469,696 + 2,304 BN + head
     (resnet10, (1, 32, 32, 3), 4_903_242),            # dapperfl spec
+    (resnet10_slim, (1, 32, 32, 3), 308_826),         # stem 464, stages 4,672 + 14,528 + 57,728 + 230,144, head 1,290
     (resnet18, (1, 32, 32, 3), 11_173_962),           # dapperfl spec
     (lambda: resnet18(stem="imagenet"), (1, 224, 224, 3), 11_181_642),  # torchvision resnet18, 10 classes
     (vit_small, (1, 32, 32, 3), 2_645_898),           # fedtp spec: ~2.65M at depth 8

@@ -49,23 +49,27 @@ class FederatedDataset:
     def train_counts(self) -> np.ndarray:
         return np.array([len(y) for _, y in self.train])
 
-    def stacked(self, split: str, multiple: int = 1) -> ClientData:
-        """ClientData with M = max count rounded up to ``multiple``; padding is zeros with label 0."""
-        return stack_clients(self.train if split == "train" else self.test, multiple)
+    def stacked(self, split: str, multiple: int = 1, rows=None) -> ClientData:
+        """ClientData with M = max count rounded up to ``multiple``; padding is zeros with label 0.
+        ``rows``: stack only these clients (M still from all clients, so every process agrees on it)."""
+        return stack_clients(self.train if split == "train" else self.test, multiple, rows)
 
 
-def stack_clients(clients, multiple: int = 1) -> ClientData:
-    """[(x_i [n_i,...], y_i [n_i])] -> ClientData(x [N,M,...], y [N,M], count [N]), M a multiple of ``multiple``."""
+def stack_clients(clients, multiple: int = 1, rows=None) -> ClientData:
+    """[(x_i [n_i,...], y_i [n_i])] -> ClientData(x [N,M,...], y [N,M], count [N]), M a multiple of ``multiple``
+    and of the largest n_i over all clients; ``rows`` selects which clients are stacked (default all)."""
     counts = np.array([len(y) for _, y in clients], np.int32)
     m = max(1, math.ceil(max(counts.max(), 1) / multiple)) * multiple
+    rows = np.arange(len(clients)) if rows is None else np.asarray(rows)
     shape = clients[0][0].shape[1:]
-    x = np.zeros((len(clients), m) + shape, clients[0][0].dtype)
-    y = np.zeros((len(clients), m), np.int32)
-    for i, (xi, yi) in enumerate(clients):
+    x = np.zeros((len(rows), m) + shape, clients[0][0].dtype)
+    y = np.zeros((len(rows), m), np.int32)
+    for j, i in enumerate(rows):
+        xi, yi = clients[i]
         if xi.shape[1:] != shape:
             raise DataError(f"client {i} images have shape {xi.shape[1:]}, client 0 has {shape}")
-        x[i, : len(yi)], y[i, : len(yi)] = xi, yi
-    return ClientData(x=x, y=y, count=counts)
+        x[j, : len(yi)], y[j, : len(yi)] = xi, yi
+    return ClientData(x=x, y=y, count=counts[rows])
 
 
 def _cap(x, y, n, rng):

@@ -1,0 +1,65 @@
+"""Multi-process (multi-host) runs: one process per host, the client axis sharded over every device of every
+process (a 1-D ``engine.client_mesh`` over ``jax.devices()``, which lists the devices process by process).
+
+Each process stacks and places only the rows of its own clients (``process_rows``, ``from_process_rows``);
+the server state is replicated; aggregation's reductions over clients become cross-process all-reduces
+inside the one jitted round. Per-client metrics are gathered to every process (``fetch``) for logging.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from .engine import CLIENT_AXIS
+from .errors import ConfigError
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Join a run of ``num_processes`` processes (``jax.distributed.initialize``); call before any jax work.
+
+    ``coordinator_address`` is "host:port" of process 0, the same for every process; ``process_id`` in
+    [0, num_processes). On CPU, cross-process collectives use gloo. ``num_processes == 1`` does nothing.
+    """
+    if num_processes < 1:
+        raise ConfigError(f"num_processes={num_processes} must be >= 1")
+    if not 0 <= process_id < num_processes:
+        raise ConfigError(f"process_id={process_id} must be in [0, {num_processes})")
+    if num_processes == 1:
+        return
+    if not coordinator_address or ":" not in coordinator_address:
+        raise ConfigError(f"coordinator_address={coordinator_address!r} must be 'host:port' of process 0")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+
+
+def client_sharding(mesh):
+    """Rows of the leading (client) axis split over ``mesh``'s "clients" axis."""
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(CLIENT_AXIS))
+
+
+def process_rows(mesh, num_rows: int) -> np.ndarray:
+    """Sorted indices of the client rows that live on this process's devices (all rows in one process)."""
+    index_map = client_sharding(mesh).addressable_devices_indices_map((num_rows,))
+    return np.array(sorted({i for idx in index_map.values() for i in range(*idx[0].indices(num_rows))}), np.int64)
+
+
+def from_process_rows(tree, mesh, num_rows: int):
+    """Global arrays of leading size ``num_rows`` split over ``mesh``, built from this process's rows only
+    (the leaves of ``tree`` hold the rows ``process_rows(mesh, num_rows)``, in order)."""
+    sharding = client_sharding(mesh)
+    return jax.tree_util.tree_map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x), (num_rows,) + x.shape[1:]), tree)
+
+
+def fetch(tree):
+    """A host (numpy) copy of a pytree of arrays; arrays split over processes are gathered from all of them
+    (every process must call it)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def is_primary() -> bool:
+    """True in the process that writes logs, plots and summaries (process 0)."""
+    return jax.process_index() == 0
