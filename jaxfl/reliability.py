@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .distributed import fetch
 from .engine import ClientData, make_predict, normalizer, split_output
 from .metrics import auroc, expected_calibration_error
 
@@ -51,9 +52,9 @@ def reliability_report(alg, server, clients, test: ClientData, key, *, preproces
             "other": (clean_fn(server, clients, other), other)}
     report = {k: [] for k in ("accuracy", "ece", "uncertainty", "uncertainty_noisy", "uncertainty_other",
                               "auroc_noisy", "auroc_other", "u_clean", "u_noisy", "u_other")}
-    per_run = {name: (jax.device_get(probabilities_and_uncertainty(*out)), np.asarray(d.count))
-               for name, (out, d) in runs.items()}
-    labels = np.asarray(test.y)
+    # fetch: gathered from every process when the clients are split over several (jaxfl.distributed)
+    per_run = {name: fetch((probabilities_and_uncertainty(*out), d.count)) for name, (out, d) in runs.items()}
+    labels = fetch(test.y)
     for i in range(test.num_clients):
         u = {name: np.asarray(pu[1][i][:counts[i]]) for name, (pu, counts) in per_run.items()}
         n = u["clean"].shape[0]

@@ -24,7 +24,11 @@ TINY = dict(rounds=2, model="small_cnn", samples_per_client=40, test_per_client=
 arrays = {}
 for name, extra in (("fedbn", {}), ("fedavg", {"clients_per_round": 2})):
     run_dir = os.path.join(out, f"{name}_{nproc}")
-    result = Experiment(RunConfig(algorithm=name, out=run_dir, checkpoint_every=1, **TINY, **extra)).run()
+    experiment = Experiment(RunConfig(algorithm=name, out=run_dir, checkpoint_every=1, **TINY, **extra))
+    result = experiment.run()
+    report = experiment.reliability(result.server, result.clients, jax.random.key(3))
+    for key in ("accuracy", "ece", "uncertainty_noisy", "auroc_noisy", "auroc_other"):
+        arrays[f"{name}/reliability_{key}"] = np.array(report[key])
     if nproc > 1:  # this process holds only its own clients' rows
         rows = distributed.process_rows(Experiment(RunConfig(algorithm=name, **TINY, **extra)).mesh, 4)
         assert len(jax.tree_util.tree_leaves(result.clients)[0].addressable_shards) == 1
