@@ -3,9 +3,10 @@ and on `pacs` (one client per domain, the feature-shift case), plus the alpha sw
 
 Settings (fedselect spec sections 4 and 6): plain SGD lr 0.05 without momentum, batch 32, K = 3 rounds between
 mask growths, p = 0.25, alpha = 0.8, last-round accuracy of each client's personalized model on its own test
-split (same classes as its training shards). ``--model`` defaults to the paper's ResNet-18; on this 2-core
-CPU we ran the smaller FedAvg CNN (``--model fedavg_cnn``), and fewer rounds and LocalAlt alternations than the
-paper, so the numbers are a scaled-down check of the ordering, not a reproduction. Writes, under --out/<dataset>/:
+split (same classes as its training shards). ``--model`` defaults to the ResNet-18 the official code runs
+(torchvision's, ImageNet stem, on 32x32 inputs: ``resnet18_imagenet``); ``--model fedavg_cnn`` is a smaller
+CNN. Fewer rounds and LocalAlt alternations than the paper: a scaled-down check of the ordering, not a
+reproduction. Writes, under --out/<dataset>/:
   <variant>/...     each run (reused when its config matches)
   table.md          per-client mean accuracy, best over rounds (last round), with the paper's Table 1
   accuracy.png      mean test accuracy per round; masks.png: FedSelect's personal fraction per round
@@ -69,7 +70,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--la-epochs", type=int, default=1)
-    p.add_argument("--model", default="resnet18")
+    p.add_argument("--model", default="resnet18_imagenet")
     p.add_argument("--eval-every", type=int, default=1)
     p.add_argument("--test-per-client", type=int, default=200)
     p.add_argument("--pacs-samples", type=int, default=500)

@@ -14,7 +14,7 @@ from .errors import JaxflError
 HELP = {
     "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick | rfeddis | fedselect | fedtp | dapperfl",
     "dataset": "default (embedded, offline) | digits | pacs | cifar10 | mnist | tfds:NAME | folder:PATH",
-    "model": "digits_cnn | alexnet_bn | resnet10 | resnet10_slim | resnet18 | vit_small | vit_tiny | fedavg_cnn | pfl_cnn | small_cnn (default: per dataset)",
+    "model": "digits_cnn | alexnet_bn | resnet10 | resnet10_slim | resnet18 | resnet18_imagenet | vit_small | vit_tiny | fedavg_cnn | pfl_cnn | small_cnn (default: per dataset)",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
     "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU)",
     "devices": "split the clients over this many devices (0: all; clients per round must divide evenly)",

@@ -420,6 +420,11 @@ def resnet18(num_classes: int = 10, stem: str = "cifar") -> Classifier:
     return Classifier(encoder=ResNetEncoder((2, 2, 2, 2), stem), head=MLPHead((), num_classes))
 
 
+def resnet18_imagenet(num_classes: int = 10) -> Classifier:
+    """torchvision's ResNet-18 as FedSelect's code runs it on 32x32 inputs: ``resnet18(stem="imagenet")``."""
+    return resnet18(num_classes, stem="imagenet")
+
+
 def vit_small(num_classes: int = 10, depth: int = 8, **kw) -> Classifier:
     """FedTP's ViT for 32x32 images: patch 4, dim 128, 8 heads x 64, MLP 256, ``depth`` pre-norm blocks."""
     return Classifier(encoder=ViTEncoder(depth=depth, **kw), head=MLPHead((), num_classes))
@@ -432,7 +437,7 @@ def vit_tiny(num_classes: int = 10) -> Classifier:
 
 MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg_cnn, "pfl_cnn": pfl_cnn,
           "alexnet_bn": alexnet_bn, "resnet10": resnet10, "resnet10_slim": resnet10_slim, "resnet18": resnet18,
-          "vit_small": vit_small, "vit_tiny": vit_tiny}
+          "resnet18_imagenet": resnet18_imagenet, "vit_small": vit_small, "vit_tiny": vit_tiny}
 
 
 def build_model(name: str, num_classes: int) -> Classifier:

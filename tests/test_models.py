@@ -82,6 +82,7 @@ from jaxfl.models import (adaptive_avg_pool, alexnet_bn, max_pool, resnet10, res
     (resnet10_slim, (1, 32, 32, 3), 308_826),         # stem 464, stages 4,672 + 14,528 + 57,728 + 230,144, head 1,290
     (resnet18, (1, 32, 32, 3), 11_173_962),           # dapperfl spec
     (lambda: resnet18(stem="imagenet"), (1, 224, 224, 3), 11_181_642),  # torchvision resnet18, 10 classes
+    (lambda: build_model("resnet18_imagenet", 10), (1, 32, 32, 3), 11_181_642),  # the same, FedSelect's inputs
     (vit_small, (1, 32, 32, 3), 2_645_898),           # fedtp spec: ~2.65M at depth 8
 ])
 def test_parameter_counts(factory, shape, expected):
