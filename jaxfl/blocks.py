@@ -5,7 +5,7 @@ docstring with its formula and shapes and works under ``jit``, ``vmap`` and ``gr
 
 Relaxed masks (FedPick)            logistic_noise, gumbel_sigmoid, hard_threshold, straight_through,
                                    relaxed_mask, split_features
-Masks over parameters              topk_mask, descending_rank, grow_mask, tree_grow_mask (FedSelect);
+Masks over parameters              topk_mask, descending_rank, kth_smallest_nonneg, grow_mask, tree_grow_mask (FedSelect);
                                    channel_scores, channel_mask, in_out_channel_mask, magnitude_mask,
                                    keep_largest, num_pruned (DapperFL); tree_count, tree_size,
                                    tree_density, leaf_density
@@ -34,7 +34,7 @@ from .hypernet import (Hypernet, generate, hypernet_grads, hypernet_surrogate_lo
 from .losses import (correct_count, cross_entropy, feature_norm, kl_divergence, negative_entropy,
                      symmetric_kl, weighted_mean_loss)
 from .masks import (channel_mask, channel_scores, descending_rank, grow_mask, gumbel_sigmoid, hard_threshold,
-                    in_out_channel_mask, keep_largest, leaf_density, logistic_noise, magnitude_mask, num_pruned,
+                    in_out_channel_mask, keep_largest, kth_smallest_nonneg, leaf_density, logistic_noise, magnitude_mask, num_pruned,
                     relaxed_mask, split_features, straight_through, topk_mask, tree_count, tree_density,
                     tree_grow_mask, tree_size)
 from .metrics import (auroc, count_params, expected_calibration_error, fisher_score, fisher_selection_probe,

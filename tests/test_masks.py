@@ -91,6 +91,39 @@ class TopkAndGrowthTest(chex.TestCase):
         assert np.abs(delta)[added].min() >= np.abs(delta)[glob & ~added].max()
         assert np.all(np.asarray(new)[np.asarray(mask)])  # monotone: personal never reverts
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_kth_smallest_equals_sorting(self):
+        rng = np.random.default_rng(1)
+        v = np.abs(rng.standard_normal(300)).astype(np.float32)
+        v[:20] = v[20:40]  # ties
+        v[40:45] = 0.0
+        v[45] = np.inf
+        valid = rng.random(300) < 0.6
+        ref = np.sort(v[valid])
+        fn = self.variant(B.kth_smallest_nonneg)
+        for k in (0, 1, 7, 100, valid.sum() - 1):
+            assert fn(jnp.asarray(v), jnp.asarray(valid), k) == ref[k], k
+
+    def test_kth_smallest_vmaps_with_per_client_k(self):
+        v = jax.random.uniform(jax.random.key(0), (4, 50))
+        valid = jax.random.uniform(jax.random.key(1), (4, 50)) < 0.5
+        k = jnp.array([0, 3, 5, 10])
+        got = jax.vmap(B.kth_smallest_nonneg)(v, valid, k)
+        want = [np.sort(np.asarray(v[i])[np.asarray(valid[i])])[int(k[i])] for i in range(4)]
+        np.testing.assert_array_equal(got, want)
+
+    def test_grow_equals_the_sort_rule(self):
+        # the cut of the formula: sort(where(personal, -inf, |delta|))[n_p + round((1 - p) n_g)]
+        rng = np.random.default_rng(2)
+        for trial in range(6):  # personal fraction 0 .. ~1, past the limit 0.8
+            mask = rng.random(200) < 0.2 * trial
+            delta = np.round(rng.standard_normal(200), 1).astype(np.float32)  # many ties
+            n_p, n_g = mask.sum(), (~mask).sum()
+            idx = int(np.round(0.75 * n_g))
+            cut = np.sort(np.where(mask, -np.inf, np.abs(delta)))[min(n_p + idx, 199)]
+            want = mask | ((n_p <= 0.8 * 200) & (idx < n_g) & ~mask & (np.abs(delta) >= cut))
+            np.testing.assert_array_equal(B.grow_mask(jnp.asarray(mask), jnp.asarray(delta), 0.25, 0.8), want)
+
     def test_grow_limit_and_edge_cases(self):
         mask = jnp.array([True] * 9 + [False])
         d = jnp.arange(10.0)
