@@ -1,6 +1,6 @@
 """DapperFL against FedAvg and FedProx on `digits` (3 clients per domain over MNIST-M, MNIST, USPS; device
-levels rho = 0, .2, .4, .6, .8 by client index) with the ablations (no fusion, no DAR, both), the released-code
-preset (no fusion, pruned entries averaged as zeros) and the same-ratio sweep.
+levels rho = 0, .2, .4, .6, .8 by client index) with the ablations (no fusion, no DAR, both) and the released-code
+preset (no fusion, pruned entries averaged as zeros).
 
 Settings (dapperfl spec section 4): ResNet-10, SGD lr 0.01 momentum 0.9, batch 64, E = 5 local epochs (1 dense
 + 4 masked), gamma 0.01, alpha0 0.9, alpha_min 0.1, eps 0.2, sample-size weights, global model evaluated on each
