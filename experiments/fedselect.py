@@ -58,7 +58,7 @@ def plot_masks(results: dict, path: Path) -> None:
     for spec, hist in results.items():
         if spec.startswith("fedselect") and hist and "train_personal_fraction" in hist[0]:
             ax.plot([h["round"] for h in hist], [np.mean(h["train_personal_fraction"]) for h in hist], label=spec)
-    ax.set(xlabel="round", ylabel="personal fraction of all parameters (mean over clients)")
+    ax.set(xlabel="round", ylabel="personal fraction of parameters", title="FedSelect masks, mean over clients")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
