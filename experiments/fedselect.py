@@ -10,6 +10,8 @@ reproduction. Writes, under --out/<dataset>/:
   <variant>/...     each run (reused when its config matches)
   table.md          per-client mean accuracy, best over rounds (last round), with the paper's Table 1
   accuracy.png      mean test accuracy per round; masks.png: FedSelect's personal fraction per round
+  masks_by_layer.md FedSelect's final personal fraction per weight tensor (mean, min, max over clients, and
+                    the clients' mutual overlap) and per client (all entries), from the final checkpoint
 
     JAXFL_DATA_DIR=../shared/data python experiments/fedselect.py --model fedavg_cnn --rounds 20
 """
@@ -19,9 +21,12 @@ import argparse
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from common import plot_mean_accuracy, run_variant
+from jaxfl.algorithms.fedavg import leaf_paths
+from jaxfl.blocks import overlap_ratio
 from jaxfl.config import RunConfig
 
 ALGORITHMS = ["fedselect", "local", "fedavg", "fedper", "fedrep", "lg_fedavg", "ditto"]
@@ -66,6 +71,24 @@ def plot_masks(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def layer_density_table(masks, names: list[str]) -> str:
+    """Markdown: personal fraction of each mask leaf [clients, ...] (mean / min / max over clients), then of
+    every entry per client. Equal fractions per tensor are by design (each growth takes p of every tensor's
+    global entries); the overlap shows how much the clients' choices of entries differ."""
+    leaves = [np.asarray(m, bool) for m in jax.tree_util.tree_leaves(masks)]
+    rows = ["| tensor | entries | personal fraction: mean | min | max over clients | mean pairwise Jaccard "
+            "overlap of the clients' personal entries (1: both empty) |", "|---|---|---|---|---|---|"]
+    for path, m in zip(leaf_paths(masks), leaves):
+        per_client = m.reshape(m.shape[0], -1).mean(1)
+        pairs = [float(overlap_ratio(m[i], m[j])) for i in range(len(m)) for j in range(i + 1, len(m))]
+        rows.append(f"| {'/'.join(path)} | {m[0].size:,} | {per_client.mean():.3f} | {per_client.min():.3f} | "
+                    f"{per_client.max():.3f} | {np.mean(pairs):.3f} |")
+    total = sum(m.reshape(m.shape[0], -1).sum(1) for m in leaves) / sum(m[0].size for m in leaves)
+    rows += ["", "| client | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|",
+             "| personal fraction | " + " | ".join(f"{t:.3f}" for t in total) + " |"]
+    return "\n".join(rows) + "\n"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=20)
@@ -95,6 +118,10 @@ def main(argv=None) -> None:
         (out / "results.json").write_text(json.dumps({k: v[-1] for k, v in results.items()}, indent=1))
         plot_mean_accuracy(results, out / "accuracy.png", dataset, highlight="fedselect")
         plot_masks(results, out / "masks.png")
+        if "fedselect" in results:  # the final masks, restored from the run's last checkpoint
+            _, experiment, result = run_variant("fedselect", base_config(dataset, args), out, keep_state=True)
+            (out / "masks_by_layer.md").write_text(
+                layer_density_table(result.clients["mask"], experiment.dataset.client_names))
         print(text, flush=True)
 
 
