@@ -4,8 +4,7 @@
 Scale: this 2-core CPU runs ``vit_tiny`` (depth 4, dim 64, 4 heads x 32; 206,794 parameters) instead of the
 paper's depth-8 ViT (2.65M), on our 10,000-image CIFAR-10 subset (200 training images per client),
 --local-epochs full passes per round (paper 5) and --rounds rounds (paper 1500). Local SGD lr 0.01
-momentum 0.9, batch 64; hypernetwork SGD 0.01,
-momentum 0.9, weight decay 1e-3 (official code). Metric: accuracy over all clients' test samples (micro
+momentum 0.9, batch 64; hypernetwork SGD 0.01, momentum 0.9, weight decay 1e-3 (official code). Metric: accuracy over all clients' test samples (micro
 average, the paper's), each client with its own personalized model. Writes, under --out/<split>/:
   <variant>/...   each run (reused when its config matches); table.md; accuracy.png
 
