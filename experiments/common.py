@@ -1,6 +1,7 @@
 """Shared plumbing of the paper-comparison scripts: run (or reuse) one algorithm variant, tables, plots.
 
-A variant is ``name`` or ``name:key=value:key=value`` (RunConfig fields, e.g. ``fedpick:lam_lce=1:lam_dis=1``);
+A variant is ``name`` or ``name:key=value:key=value`` (RunConfig fields, e.g. ``fedpick:lam_lce=1:lam_dis=1``;
+tuples joined by "+", e.g. ``dapperfl:device_ratios=0+0.8``);
 its runs live in ``<out>/<variant>/``. A finished run whose config matches is reused, an interrupted one
 resumes from its last checkpoint, so rerunning a script only does the missing work.
 """
@@ -24,7 +25,9 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         if key not in types:
             raise SystemExit(f"unknown option {key!r} in {spec!r}; valid: {', '.join(sorted(types))}")
         t = types[key]
-        if "bool" in t:
+        if "tuple" in t:  # e.g. device_ratios=0+0.2 ("," separates variants)
+            opts[key] = tuple(float(x) for x in value.split("+"))
+        elif "bool" in t:
             opts[key] = value.lower() in ("1", "true", "yes")
         elif "int" in t:
             opts[key] = int(value)
