@@ -51,7 +51,8 @@ def run_variant(spec: str, base: RunConfig, out_root: str | Path, progress: bool
     done = (out / "summary.json").is_file() and same(json.loads((out / "config.json").read_text())) == same(cfg.to_dict())
     if done and not keep_state:
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], None, None
-    experiment = Experiment(cfg.replace(resume=(out / "checkpoints").is_dir()))
+    ckpts = out / "checkpoints"  # resume only from a saved round (a run killed before its first has none)
+    experiment = Experiment(cfg.replace(resume=ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())))
     result = experiment.run(progress=progress)
     return result.history, experiment, result
 
