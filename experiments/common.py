@@ -11,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from jaxfl.checkpoint import Checkpointer
 from jaxfl.config import RunConfig
 from jaxfl.runner import Experiment, RunResult
 
@@ -52,7 +53,7 @@ def run_variant(spec: str, base: RunConfig, out_root: str | Path, progress: bool
     if done and not keep_state:
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], None, None
     ckpts = out / "checkpoints"  # resume only from a saved round (a run killed before its first has none)
-    experiment = Experiment(cfg.replace(resume=ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())))
+    experiment = Experiment(cfg.replace(resume=ckpts.is_dir() and Checkpointer(ckpts).latest_round() is not None))
     result = experiment.run(progress=progress)
     return result.history, experiment, result
 

@@ -39,9 +39,7 @@ MODELS = {"digits": "resnet10", "pacs": "resnet18"}
 def reestimated_bn(experiment, server, momentum: float = 0.1):
     """The global model's BatchNorm statistics on all clients' real training images pooled: one train-mode
     forward pass updates running <- (1 - m) running + m batch, so batch = (new - (1 - m) old) / m exactly."""
-    data = experiment.train
-    counts = np.asarray(data.count)
-    x = np.concatenate([np.asarray(data.x[i, :counts[i]]) for i in range(len(counts))])
+    x = np.concatenate([xi for xi, _ in experiment.dataset.train])  # real images only, no padding
     variables = {"params": server["params"], "batch_stats": server["batch_stats"]}
     _, updated = experiment.model.apply(variables, experiment.trainer.preprocess(jnp.asarray(x)), True,
                                         mutable=["batch_stats"])

@@ -117,21 +117,16 @@ def format_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
-def jax_process_index() -> int:
-    import jax
-    return jax.process_index()
-
-
 def main(argv=None) -> int:
     args = vars(build_parser().parse_args(argv))
     args.pop("command")
     quiet = args.pop("quiet", False)
     launch = {k: args.pop(k) for k in ("coordinator_address", "num_processes", "process_id") if k in args}
+    from .distributed import initialize, is_primary  # imports jax: kept out of `jaxfl --help`'s start-up
     try:
         if launch.get("num_processes", 1) > 1:
-            from .distributed import initialize
             initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))
-            quiet = quiet or jax_process_index() > 0  # one process prints
+            quiet = quiet or not is_primary()  # one process prints
         values = load_config_file(args.pop("config")) if "config" in args else {}
         values.update(args)
         cfg = RunConfig(**values)
@@ -146,7 +141,7 @@ def main(argv=None) -> int:
         print(f"jaxfl: error: {e}", file=sys.stderr)
         return 2
     summary = result.summary()
-    if summary and jax_process_index() == 0:
+    if summary and is_primary():
         print(format_table(summary) if not quiet else json.dumps(summary["last"]))
     if cfg.out and not quiet:
         print(f"wrote {cfg.out}/metrics.jsonl, summary.json, accuracy.png", file=sys.stderr)

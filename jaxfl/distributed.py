@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .engine import CLIENT_AXIS
+from .engine import client_sharding
 from .errors import ConfigError
 
 
@@ -30,11 +30,6 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int) ->
         raise ConfigError(f"coordinator_address={coordinator_address!r} must be 'host:port' of process 0")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
-
-
-def client_sharding(mesh):
-    """Rows of the leading (client) axis split over ``mesh``'s "clients" axis."""
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(CLIENT_AXIS))
 
 
 def process_rows(mesh, num_rows: int) -> np.ndarray:

@@ -173,10 +173,14 @@ def client_mesh(num_devices: int | None = None, devices=None):
     return jax.sharding.Mesh(devices[:n], (CLIENT_AXIS,))
 
 
+def client_sharding(mesh):
+    """Rows of the leading (client) axis split over ``mesh``'s "clients" axis."""
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(CLIENT_AXIS))
+
+
 def shard_clients(tree, mesh):
     """Place every leaf of a stacked pytree with its leading (client) axis split over ``mesh``."""
-    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(CLIENT_AXIS))
-    return jax.device_put(tree, spec)
+    return jax.device_put(tree, client_sharding(mesh))
 
 
 def replicate(tree, mesh):

@@ -90,12 +90,9 @@ class Experiment:
         self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
         if self.mesh is None:
             self.train, self.test = jax.device_put((ds.stacked("train", cfg.batch_size), ds.stacked("test", eval_bs)))
-            self.sample_x = ds.train[0][0][:1]
         else:  # each process stacks only the clients whose rows live on its devices
             rows = process_rows(self.mesh, n)
-            local = ds.stacked("train", cfg.batch_size, rows)
-            self.sample_x = local.x[0, :1]
-            self.train = from_process_rows(local, self.mesh, n)
+            self.train = from_process_rows(ds.stacked("train", cfg.batch_size, rows), self.mesh, n)
             self.test = from_process_rows(ds.stacked("test", eval_bs, rows), self.mesh, n)
         tx = optax.sgd(cfg.lr, momentum=cfg.momentum or None)
         preprocess = normalizer(*ds.normalize)
@@ -115,7 +112,8 @@ class Experiment:
         self.root = jax.random.key(cfg.seed)
 
     def init(self):
-        server, clients = init_state(self.algorithm, jax.random.fold_in(self.root, 2), self.sample_x,
+        # the init needs only an input's shape: the first client's first image (every process has it)
+        server, clients = init_state(self.algorithm, jax.random.fold_in(self.root, 2), self.dataset.train[0][0][:1],
                                      len(self.dataset.client_names))
         if self.mesh is not None:
             server, clients = replicate(server, self.mesh), shard_clients(clients, self.mesh)
