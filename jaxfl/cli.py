@@ -49,6 +49,8 @@ HELP = {
     "la_epochs": "fedselect: E, LocalAlt alternations (personal pass + global pass) per round",
     "delta_ref": "fedselect: snapshot (|W - W at last growth|, official code) | round_start (paper)",
     "weight_by_n": "fedselect: weight the per-entry mean by sample counts (default unweighted)",
+    "mask_biases": "fedselect: biases can become personal too (default: always global, the code)",
+    "aggregate_batch_stats": "fedselect: average BatchNorm statistics over the round's clients (default local)",
     "fedtp_variant": "fedtp: hypernet (server hypernetwork generates Q/K/V) | vanilla (each client keeps its own)",
     "personalize": "fedtp vanilla: --no-personalize averages Q/K/V too (FedAvg on the ViT)",
     "embed_dim": "fedtp: client embedding size",

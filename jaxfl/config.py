@@ -55,6 +55,8 @@ class RunConfig:
     la_epochs: int = 1
     delta_ref: str = "snapshot"
     weight_by_n: bool = False
+    mask_biases: bool = False
+    aggregate_batch_stats: bool = False
     # fedtp (the embedding table has one row per client of the dataset)
     fedtp_variant: str = "hypernet"
     personalize: bool = True

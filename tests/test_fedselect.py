@@ -99,6 +99,28 @@ def test_growth_adds_the_top_rate_fraction_of_each_maskable_tensor():
     assert 0 < float(metrics["personal_fraction"]) < 0.3
 
 
+def test_mask_biases_lets_biases_grow_and_batch_stats_can_be_averaged():
+    alg, data, server, clients = setup(grow_every=1, alpha=0.9, mask_biases=True, aggregate_batch_stats=True)
+    client = jax.tree_util.tree_map(lambda a: a[0], clients)
+    row = jax.tree_util.tree_map(lambda a: a[0], data)
+    new, _ = jax.jit(alg.local_update)(dict(server, round=jnp.array(1)), client, row, jax.random.key(9))
+    biases = [m for path, m in jax.tree_util.tree_flatten_with_path(new["pending"])[0] if path[-1].key == "bias"]
+    assert biases and all(np.asarray(m).any() for m in biases)  # the default (test above) never grows them
+    # batch statistics: every client gets the weighted mean, except in the final round, which keeps its own
+    stats = jax.tree_util.tree_map(lambda a: a + jnp.arange(3.0).reshape((3,) + (1,) * (a.ndim - 1)),
+                                   clients["batch_stats"])
+    cl = dict(clients, batch_stats=stats)
+    w = jnp.array([24., 17., 9.])
+    _, out = alg.aggregate(server, cl, w)
+    for x, y in zip(jax.tree_util.tree_leaves(stats), jax.tree_util.tree_leaves(out["batch_stats"])):
+        mean = np.tensordot(np.asarray(w) / 50.0, np.asarray(x), 1)
+        np.testing.assert_allclose(y, np.broadcast_to(mean, x.shape), rtol=1e-6)
+    _, last = alg.aggregate(dict(server, round=jnp.array(9)), cl, w)
+    assert_trees_close(last["batch_stats"], stats, atol=0)
+    _, default = setup()[0].aggregate(server, cl, w)
+    assert_trees_close(default["batch_stats"], stats, atol=0)  # the code's rule: statistics stay local
+
+
 def test_masks_only_grow_on_schedule_and_uploads_shrink():
     alg, data, server, clients = setup(grow_every=2, alpha=0.5)
     fn = jax.jit(__import__("jaxfl").make_round(alg))

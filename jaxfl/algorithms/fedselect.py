@@ -4,7 +4,7 @@ Each client holds the full model and a bool mask of the same shape (True = perso
 Local training is LocalAlt: ``la_epochs`` times, one pass updating only the personal entries
 (theta -= lr g * m) and one pass updating only the global ones (theta -= lr g * (1 - m)). In rounds r with
 r % K == 0 and r > 0 (``grow_every`` = K), per maskable tensor W (kernels and BatchNorm scales; biases are
-always global): if frac_personal(W) <= alpha, the top ``rate`` fraction of the still-global entries by
+global unless ``mask_biases``): if frac_personal(W) <= alpha, the top ``rate`` fraction of the still-global entries by
 |W_now - W_ref| become personal (``blocks.grow_mask``; ``grow_rate`` = p); W_ref is the client's parameters at its previous
 mask update (``delta_ref="snapshot"``, the official code) or at the start of the round ("round_start", the
 paper). Personal entries never revert.
@@ -12,7 +12,8 @@ paper). Personal entries never revert.
 The server averages each entry over the clients for which it is global, unweighted (``weight_by_n`` for
 sample weights), with the mask the client trained with (a newly promoted entry takes the average one last
 time), and writes the average into those clients' global entries; personal entries are never read. BN
-statistics stay local. The last round (``rounds`` - 1) aggregates nothing, so the final evaluation sees the
+statistics stay local (the official code), unless ``aggregate_batch_stats``, which replaces every client's
+with the weighted mean sum_i w_i s_i / sum_i w_i. The last round (``rounds`` - 1) aggregates nothing, so the final evaluation sees the
 personalized models right after local training, as the paper reports them. Evaluation after earlier rounds
 sees the models after the broadcast (the official code logs them before it).
 """
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..aggregation import masked_mean
+from ..aggregation import masked_mean, tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer
 from ..masks import grow_mask
 from .fedavg import ce_loss, init_variables, path_mask
@@ -33,9 +34,10 @@ from .fedavg import ce_loss, init_variables, path_mask
 DELTA_REFS = ("snapshot", "round_start")
 
 
-def is_maskable(path: tuple[str, ...]) -> bool:
-    """FedSelect's maskable tensors: every kernel and BatchNorm scale (torch names containing "weight")."""
-    return path[-1] in ("kernel", "scale")
+def is_maskable(path: tuple[str, ...], biases: bool = False) -> bool:
+    """FedSelect's maskable tensors: every kernel and BatchNorm scale (torch names containing "weight"), and
+    with ``biases`` every bias (Dense/conv bias, BatchNorm shift)."""
+    return path[-1] in ("kernel", "scale") + (("bias",) if biases else ())
 
 
 def mask_updates(mask) -> optax.GradientTransformation:
@@ -73,10 +75,12 @@ def local_alt(trainer: LocalTrainer, loss_fn, params, stats, mask, data: ClientD
 
 def fedselect(model: nn.Module, trainer: LocalTrainer, rounds: int = 100, alpha: float = 0.8, grow_rate: float = 0.25,
               grow_every: int = 3, la_epochs: int = 1, delta_ref: str = "snapshot",
-              weight_by_n: bool = False) -> Algorithm:
+              weight_by_n: bool = False, mask_biases: bool = False,
+              aggregate_batch_stats: bool = False) -> Algorithm:
     """FedSelect. alpha: personalization limit per tensor (0: never grow, which is FedAvg with LocalAlt);
     grow_rate: fraction p of a tensor's global entries promoted per growth; grow_every: K; la_epochs: E;
-    rounds: T (the last round does not aggregate)."""
+    rounds: T (the last round does not aggregate); mask_biases: biases can become personal too;
+    aggregate_batch_stats: average the BatchNorm statistics over the round's clients (the code keeps them local)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha={alpha} must be in [0, 1]")
     if not 0.0 <= grow_rate <= 1.0:
@@ -103,7 +107,7 @@ def fedselect(model: nn.Module, trainer: LocalTrainer, rounds: int = 100, alpha:
         r = server["round"]
         grow_now = (r % grow_every == 0) & (r > 0)
         ref = client["ref"] if delta_ref == "snapshot" else start
-        eligible = path_mask(params, is_maskable)
+        eligible = path_mask(params, lambda path: is_maskable(path, mask_biases))
         grown = jax.tree_util.tree_map(lambda e, m, p, q: grow_mask(m, p - q, grow_rate, alpha) if e else m,
                                        eligible, mask, params, ref)
         pending = jax.tree_util.tree_map(lambda g, m: jnp.where(grow_now, g, m), grown, mask)
@@ -124,6 +128,9 @@ def fedselect(model: nn.Module, trainer: LocalTrainer, rounds: int = 100, alpha:
                                         clients["params"], clients["mask"], avg)
         server_params = jax.tree_util.tree_map(lambda a, prev: jnp.where(final, prev, a), avg, server["params"])
         clients = dict(clients, params=params, mask=clients["pending"])
+        if aggregate_batch_stats:  # every client gets the weighted mean (not in the final round)
+            clients["batch_stats"] = jax.tree_util.tree_map(
+                lambda x: jnp.where(final, x, tree_weighted_mean(x, weights)[None]), clients["batch_stats"])
         return {"params": server_params, "round": server["round"] + 1}, clients
 
     def predict(server, client, x):
