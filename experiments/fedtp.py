@@ -1,14 +1,18 @@
 """FedTP (hypernetwork) and vanilla personalized-T against FedAvg on the same ViT, CIFAR-10, pathological
-2-class and Dirichlet(0.3) splits, 50 clients with 5 sampled per round (fedtp spec section 4).
+2-class and Dirichlet(0.3) splits (fedtp spec section 4); by default 50 clients with 5 sampled per round.
 
 Scale: this 2-core CPU runs ``vit_tiny`` (depth 4, dim 64, 4 heads x 32; 206,794 parameters) instead of the
-paper's depth-8 ViT (2.65M), on our 10,000-image CIFAR-10 subset (200 training images per client),
---local-epochs full passes per round (paper 5) and --rounds rounds (paper 1500). Local SGD lr 0.01
-momentum 0.9, batch 64; hypernetwork SGD 0.01, momentum 0.9, weight decay 1e-3 (official code). Metric: accuracy over all clients' test samples (micro
-average, the paper's), each client with its own personalized model. Writes, under --out/<split>/:
-  <variant>/...   each run (reused when its config matches); table.md; accuracy.png
+paper's depth-8 ViT (``--model vit_small``, 2.65M), on our 10,000-image CIFAR-10 subset: --num-clients 10
+gives each client 1,000 training images, the paper's size at N = 50 on the full set. --local-epochs full passes
+per round (paper 5), --rounds rounds (paper 1500). Local SGD lr 0.01 momentum 0.9, batch 64; hypernetwork SGD
+0.01, momentum 0.9, weight decay 1e-3 (official code). Metric: accuracy over all clients' test samples (micro
+average, the paper's), each client with its own personalized model; the table gives the mean over the last
+--last evaluations (the paper averages its last 200 rounds), the best and the last. Writes, under
+--out/<split>/:
+  <variant>/...   each run (reused when its config matches; resumed from its checkpoints for more rounds)
+  table.md; accuracy.png
 
-    JAXFL_DATA_DIR=../shared/data python experiments/fedtp.py --rounds 60
+    JAXFL_DATA_DIR=../shared/data python experiments/fedtp.py --rounds 60 --local-epochs 1 --num-clients 10
 """
 from __future__ import annotations
 
