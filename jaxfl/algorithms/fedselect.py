@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..aggregation import masked_mean, tree_weighted_mean
+from ..aggregation import masked_mean, weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer
 from ..masks import grow_mask
 from .fedavg import ce_loss, init_variables, path_mask
@@ -130,7 +130,7 @@ def fedselect(model: nn.Module, trainer: LocalTrainer, rounds: int = 100, alpha:
         clients = dict(clients, params=params, mask=clients["pending"])
         if aggregate_batch_stats:  # every client gets the weighted mean (not in the final round)
             clients["batch_stats"] = jax.tree_util.tree_map(
-                lambda x: jnp.where(final, x, tree_weighted_mean(x, weights)[None]), clients["batch_stats"])
+                lambda x: jnp.where(final, x, weighted_mean(x, weights)[None]), clients["batch_stats"])
         return {"params": server_params, "round": server["round"] + 1}, clients
 
     def predict(server, client, x):
