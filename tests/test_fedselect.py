@@ -111,11 +111,11 @@ def test_mask_biases_lets_biases_grow_and_batch_stats_can_be_averaged():
                                    clients["batch_stats"])
     cl = dict(clients, batch_stats=stats)
     w = jnp.array([24., 17., 9.])
-    _, out = alg.aggregate(server, cl, w)
+    _, out = jax.jit(alg.aggregate)(server, cl, w)
     for x, y in zip(jax.tree_util.tree_leaves(stats), jax.tree_util.tree_leaves(out["batch_stats"])):
         mean = np.tensordot(np.asarray(w) / 50.0, np.asarray(x), 1)
         np.testing.assert_allclose(y, np.broadcast_to(mean, x.shape), rtol=1e-6)
-    _, last = alg.aggregate(dict(server, round=jnp.array(9)), cl, w)
+    _, last = jax.jit(alg.aggregate)(dict(server, round=jnp.array(9)), cl, w)
     assert_trees_close(last["batch_stats"], stats, atol=0)
     _, default = setup()[0].aggregate(server, cl, w)
     assert_trees_close(default["batch_stats"], stats, atol=0)  # the code's rule: statistics stay local
