@@ -68,7 +68,7 @@ def run_workload(name: str, n_clients: int, strategies: list[str], reps: int) ->
     import optax
 
     from jaxfl import build_algorithm, init_state, make_round
-    from jaxfl.engine import ClientData, LocalTrainer, steps_per_epoch
+    from jaxfl.engine import ClientData, LocalTrainer
     from jaxfl.models import build_model
 
     w = WORKLOADS[name]
@@ -77,8 +77,8 @@ def run_workload(name: str, n_clients: int, strategies: list[str], reps: int) ->
     x = rng.integers(0, 256, (n_clients, w["per_client"]) + w["shape"], dtype=np.uint8)
     y = rng.integers(0, 10, (n_clients, w["per_client"])).astype(np.int32)
     data = ClientData(jax.numpy.asarray(x), jax.numpy.asarray(y), jax.numpy.full((n_clients,), w["per_client"]))
-    steps = steps_per_epoch(w["per_client"], w["batch"])
-    trainer = LocalTrainer(optax.sgd(0.01, momentum=0.5), w["batch"], 1, steps)
+    steps = -(-w["per_client"] // w["batch"])
+    trainer = LocalTrainer(optax.sgd(0.01, momentum=0.5), w["batch"], 1)
     alg = build_algorithm(w.get("algorithm", "fedavg"), build_model(w["model"], 10), trainer)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], n_clients)
     samples = cohort * steps * w["batch"]

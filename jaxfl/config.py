@@ -93,7 +93,6 @@ class RunConfig:
     strategy: str | None = None
     chunk_size: int = 8
     devices: int = 1
-    unroll: int = 1
     eval_every: int = 1
     eval_batch_size: int = 256
     # output
@@ -136,7 +135,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_range("grow_rate", cfg.grow_rate, 0.0, 1.0)
     if cfg.tau is not None and cfg.tau <= 0:
         raise ConfigError(f"tau={cfg.tau} must be > 0")
-    for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "unroll", "eval_every",
+    for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "eval_every",
                  "eval_batch_size", "clients_per_domain", "grow_every", "la_epochs"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")

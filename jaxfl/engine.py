@@ -14,7 +14,6 @@ not depend on the strategy, the chunk size, the cohort or the device layout.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
@@ -87,64 +86,59 @@ def epoch_permutation(key, count, m: int):
     return jnp.argsort(jnp.where(idx < count, prio, 2.0))
 
 
-def _select(flag, new, old):
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(flag, a, b), new, old)
-
-
 @dataclasses.dataclass(frozen=True)
 class LocalTrainer:
     """Minibatch optimisation of one client, as PyTorch's DataLoader(shuffle=True, drop_last=False) would.
 
-    Each epoch takes ``steps_per_epoch = ceil(max_count / batch_size)`` steps (the same for all clients so
-    they line up); a client with fewer samples skips its surplus steps (parameters, state and optimizer
-    state are kept), and its last batch is partial. ``unroll`` is passed to ``lax.scan`` over steps.
+    A client with n real samples takes ``ceil(n / batch_size)`` steps per epoch, its last batch partial: the
+    step loop's trip count is the client's own (a ``while`` loop), so no step whose batch is all padding is
+    computed. Under ``lax.map`` every client runs exactly its own steps; under ``vmap`` a group of clients
+    runs until its longest client is done (the engine groups clients of similar size for that reason).
+    The padded length M of ``data`` only bounds the step count (M / batch_size, rounded up).
     """
     tx: optax.GradientTransformation
     batch_size: int
     epochs: int
-    steps_per_epoch: int
     preprocess: Callable = normalizer()
-    unroll: int | bool = 1
 
     def run(self, loss_fn, params, state, opt_state, data: ClientData, key):
         """Train one client.
 
         loss_fn(params, state, x, y, w, key) -> (loss, (new_state, logits)); w [B] is 1 for real samples.
-        Returns (params, state, opt_state, metrics) with metrics {"loss", "accuracy", "seen"}: means over
-        the real training samples seen this round.
+        Returns (params, state, opt_state, metrics) with metrics {"loss", "accuracy", "seen", "steps"}: loss
+        and accuracy are means over the real training samples seen this round, ``steps`` the optimizer steps.
         """
         b, m = self.batch_size, data.y.shape[0]
+        slots = -(-m // b) * b  # the permutation padded to whole batches (indices past m are never real)
+        n_steps = (data.count + b - 1) // b
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-        def epoch(carry, e):
+        def epoch(e, carry):
             ekey = jax.random.fold_in(key, e)
             perm = epoch_permutation(jax.random.fold_in(ekey, 0), data.count, m)
+            perm = jnp.pad(perm, (0, slots - m))
 
-            def step(carry, t):
+            def step(t, carry):
                 params, state, opt_state, sums = carry
                 start = t * b
                 idx = jax.lax.dynamic_slice(perm, (start,), (b,))
                 w = ((start + jnp.arange(b)) < data.count).astype(jnp.float32)
                 x = self.preprocess(data.x[idx])
-                (loss, (new_state, logits)), grads = grad_fn(params, state, x, data.y[idx], w,
-                                                             jax.random.fold_in(ekey, t + 1))
-                updates, new_opt = self.tx.update(grads, opt_state, params)
-                new_params = optax.apply_updates(params, updates)
-                active = start < data.count
+                (loss, (state, logits)), grads = grad_fn(params, state, x, data.y[idx], w,
+                                                         jax.random.fold_in(ekey, t + 1))
+                updates, opt_state = self.tx.update(grads, opt_state, params)
+                params = optax.apply_updates(params, updates)
                 n = jnp.sum(w)
-                correct = correct_count(logits, data.y[idx], w)
-                sums = sums + jnp.stack([loss * n, correct, n])
-                return (_select(active, new_params, params), _select(active, new_state, state),
-                        _select(active, new_opt, opt_state), sums), None
+                sums = sums + jnp.stack([loss * n, correct_count(logits, data.y[idx], w), n, 1.0])
+                return params, state, opt_state, sums
 
-            carry, _ = jax.lax.scan(step, carry, jnp.arange(self.steps_per_epoch), unroll=self.unroll)
-            return carry, None
+            return jax.lax.fori_loop(0, n_steps, step, carry)
 
-        init = (params, state, opt_state, jnp.zeros(3, jnp.float32))
-        (params, state, opt_state, sums), _ = jax.lax.scan(epoch, init, jnp.arange(self.epochs))
+        init = (params, state, opt_state, jnp.zeros(4, jnp.float32))
+        params, state, opt_state, sums = jax.lax.fori_loop(0, self.epochs, epoch, init)
         seen = jnp.maximum(sums[2], 1.0)
         return params, state, opt_state, {"loss": sums[0] / seen, "accuracy": sums[1] / seen,
-                                          "seen": sums[2]}
+                                          "seen": sums[2], "steps": sums[3]}
 
 
 def map_clients(fn: Callable, strategy: str = "vmap", chunk_size: int = 8) -> Callable:
@@ -331,8 +325,3 @@ def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk
         return dict({k: v / n for k, v in sums.items()}, count=data.count)
 
     return evaluate
-
-
-def steps_per_epoch(max_count: int, batch_size: int) -> int:
-    """ceil(max_count / batch_size): the number of minibatches of the largest client."""
-    return max(1, math.ceil(max_count / batch_size))

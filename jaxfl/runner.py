@@ -16,7 +16,7 @@ from .config import RunConfig, validate
 from .data import load_dataset
 from .distributed import fetch, from_process_rows, is_primary, process_rows
 from .engine import (LocalTrainer, client_mesh, init_state, make_evaluate, make_round, normalizer, replicate,
-                     shard_clients, steps_per_epoch)
+                     shard_clients)
 from .errors import ConfigError, NonFiniteError
 from .metrics import count_params
 from .models import build_model
@@ -96,9 +96,7 @@ class Experiment:
             self.test = from_process_rows(ds.stacked("test", eval_bs, rows), self.mesh, n)
         tx = optax.sgd(cfg.lr, momentum=cfg.momentum or None)
         preprocess = normalizer(*ds.normalize)
-        self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs,
-                                    steps_per_epoch(int(ds.train_counts().max()), cfg.batch_size),
-                                    preprocess, cfg.unroll)
+        self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs, preprocess)
         self.algorithm = build_algorithm(cfg.algorithm, self.model, self.trainer,
                                          **algorithm_options(cfg.algorithm, cfg, cfg.dataset, n))
         self.cohort = cohort_size(cfg, n)

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxfl.engine import ClientData, LocalTrainer, steps_per_epoch
+from jaxfl.engine import ClientData, LocalTrainer
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -24,9 +24,8 @@ def make_data(counts, m=None, shape=(8, 8, 3), seed=0, classes=4):
     return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(np.array(counts, np.int32)))
 
 
-def make_trainer(batch_size=8, epochs=1, max_count=24, lr=0.05, momentum=0.5):
-    return LocalTrainer(optax.sgd(lr, momentum=momentum), batch_size, epochs,
-                        steps_per_epoch(max_count, batch_size))
+def make_trainer(batch_size=8, epochs=1, lr=0.05, momentum=0.5):
+    return LocalTrainer(optax.sgd(lr, momentum=momentum), batch_size, epochs)
 
 
 def assert_trees_close(a, b, atol=1e-5, rtol=1e-5):
@@ -51,7 +50,7 @@ def setup_algorithm(name, model, counts, m=None, **trainer_kw):
     from jaxfl import build_algorithm, init_state
     data = make_data(list(counts), m=m)
     opts = trainer_kw.pop("options", {})
-    alg = build_algorithm(name, model, make_trainer(max_count=max(counts), **trainer_kw), **opts)
+    alg = build_algorithm(name, model, make_trainer(**trainer_kw), **opts)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(counts))
     return alg, data, server, clients
 

@@ -21,7 +21,7 @@ assert jax.device_count() == 4, jax.devices()
 
 def run(name, strategy, mesh=None, rounds=2, cohort=None):
     data = make_data(COUNTS)
-    alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(max_count=24),
+    alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(),
                           **({"rounds": rounds} if name in ("fedselect", "rfeddis") else {}))
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
     if mesh is not None:

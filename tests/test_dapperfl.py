@@ -64,7 +64,7 @@ def test_fusion_schedule():
 
 def setup(**opts):
     data = make_data(list(COUNTS))
-    trainer = make_trainer(max_count=max(COUNTS), epochs=opts.pop("epochs", 1))
+    trainer = make_trainer(epochs=opts.pop("epochs", 1))
     alg = dapperfl(small_cnn(num_classes=4, width=4, hidden=(8,)), trainer, **opts)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
     return alg, data, server, clients, trainer

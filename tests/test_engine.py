@@ -68,7 +68,7 @@ def test_padding_changes_nothing():
 
 def test_fedavg_one_client_equals_local():
     alg_avg, data, server, clients = setup("fedavg", counts=(20,))
-    alg_loc = build_algorithm("local", small_cnn(num_classes=4, width=4), make_trainer(max_count=20))
+    alg_loc = build_algorithm("local", small_cnn(num_classes=4, width=4), make_trainer())
     a = run_rounds(alg_avg, data, server, clients, rounds=3)
     s, c = init_state(alg_loc, jax.random.key(0), data.x[0], 1)
     b = run_rounds(alg_loc, data, s, c, rounds=3)
@@ -102,7 +102,7 @@ def test_fedbn_keeps_batchnorm_per_client_and_averages_the_rest():
 def test_fedavg_server_is_sample_weighted_mean_of_clients():
     alg, data, server, clients = setup("fedavg")
     # One round of local training without aggregation = the 'local' algorithm's client rows.
-    loc = build_algorithm("local", small_cnn(num_classes=4, width=4), make_trainer(max_count=24))
+    loc = build_algorithm("local", small_cnn(num_classes=4, width=4), make_trainer())
     _, c_local, _ = run_rounds(loc, data, *init_state(loc, jax.random.key(0), data.x[0], 3), rounds=1)
     s, _, _ = run_rounds(alg, data, server, clients, rounds=1)
     w = np.array([24, 17, 9], np.float32) / 50
@@ -143,11 +143,20 @@ def test_epoch_permutation_real_first_and_padding_invariant():
 def test_clients_beyond_their_data_skip_steps():
     # Client 1 has 9 samples: with batch 8 it takes 2 steps; the stack's third step must not move it.
     alg, data, server, clients = setup("local", counts=(24, 9))
-    alg_alone = build_algorithm("local", small_cnn(num_classes=4, width=4), make_trainer(max_count=9))
+    alg_alone = build_algorithm("local", small_cnn(num_classes=4, width=4), make_trainer())
     one, row, key = jax.tree_util.tree_map(lambda a: a[1], clients), data.take(1), jax.random.key(5)
     in_stack, _ = jax.jit(alg.local_update)(server, one, row, key)
     alone, _ = jax.jit(alg_alone.local_update)(server, one, row, key)
     assert_trees_close(in_stack, alone, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["map", "vmap"])
+def test_each_client_takes_only_its_own_steps(strategy):
+    # batch 8: 24 samples -> 3 steps per epoch, 3 samples -> 1 step (not the largest client's 3), two epochs
+    alg, data, server, clients = setup("local", counts=(24, 3), epochs=2)
+    _, _, m = run_rounds(alg, data, server, clients, rounds=1, strategy=strategy)
+    np.testing.assert_array_equal(np.asarray(m["steps"]), [6, 2])
+    np.testing.assert_array_equal(np.asarray(m["seen"]), [48, 6])
 
 
 def test_map_clients_rejects_unknown_strategy():

@@ -26,7 +26,7 @@ class MLP(nn.Module):
 
 def setup(model=None, **opts):
     data = make_data(list(COUNTS))
-    trainer = make_trainer(max_count=max(COUNTS), lr=0.05, momentum=0.5)
+    trainer = make_trainer(lr=0.05, momentum=0.5)
     alg = build_algorithm("fedselect", model or small_cnn(num_classes=4, width=4, hidden=(8,)), trainer,
                           **dict(dict(rounds=10), **opts))
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
@@ -62,7 +62,7 @@ def test_personal_entries_are_untouched_and_the_last_round_does_not_aggregate():
 
 def test_alpha_zero_is_fedavg_with_uniform_weights():
     data = make_data(list(COUNTS))
-    trainer = make_trainer(max_count=max(COUNTS), lr=0.05, momentum=0.5)
+    trainer = make_trainer(lr=0.05, momentum=0.5)
     select = fedselect(MLP(), trainer, rounds=10, alpha=0.0, grow_every=1)
     avg = build_algorithm("fedavg", MLP(), trainer)
     outs = []

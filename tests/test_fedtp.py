@@ -22,7 +22,7 @@ def vit():
 
 def setup(**opts):
     data = make_data(list(COUNTS))
-    trainer = make_trainer(max_count=max(COUNTS), lr=0.05, momentum=0.5)
+    trainer = make_trainer(lr=0.05, momentum=0.5)
     alg = fedtp(vit(), trainer, num_clients=len(COUNTS), **dict(HYPER, **opts))
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
     return alg, data, server, clients, trainer
@@ -66,7 +66,7 @@ def test_server_step_is_sgd_on_the_vjp_of_the_weight_changes_and_skips_unsampled
 
 def test_vanilla_without_personalization_is_fedavg_on_the_same_vit():
     data = make_data(list(COUNTS))
-    trainer = make_trainer(max_count=max(COUNTS), lr=0.05, momentum=0.5)
+    trainer = make_trainer(lr=0.05, momentum=0.5)
     ours = fedtp(vit(), trainer, fedtp_variant="vanilla", personalize=False)
     avg = build_algorithm("fedavg", vit(), trainer)
     outs = []

@@ -71,7 +71,7 @@ def test_without_local_head_and_dis_it_is_fedbn_with_an_evidential_head():
             B.remove_true_evidence(alpha, y))
         return jnp.sum(w * per) / jnp.maximum(jnp.sum(w), 1.0), (updated["batch_stats"], z)
 
-    trainer = make_trainer(max_count=max(COUNTS))
+    trainer = make_trainer()
     ref = masked_averaging("fedbn_edl", net, trainer, share_param=lambda p: not is_batchnorm(p),
                            share_stats=False, count_rounds=True, loss=evidential_loss)
     ours = rfeddis(net, trainer, rounds=rounds, use_local_head=False, use_dis=False)
