@@ -38,9 +38,12 @@ def test_dirichlet_scales_to_1000_clients():
     assert _covers_once(p, 60000) and len(p) == 1000
 
 
-def test_dirichlet_impossible_gives_clear_error():
-    with pytest.raises(DataError, match="alpha=0.001.*min_size=20.*draws"):
-        dirichlet(LABELS, 20, 0.001, np.random.default_rng(0), min_size=20, max_retries=5)
+def test_dirichlet_always_meets_min_size_and_rejects_impossible():
+    # alpha 0.001 almost never gives 20 clients 20 samples each by chance: the repair step must
+    p = dirichlet(LABELS, 20, 0.001, np.random.default_rng(0), min_size=20, max_retries=5)
+    assert _covers_once(p, 500) and min(map(len, p)) >= 20
+    with pytest.raises(DataError, match="min_size=26 x num_clients=20 exceeds the 500 samples"):
+        dirichlet(LABELS, 20, 0.1, np.random.default_rng(0), min_size=26)
     with pytest.raises(ConfigError, match="dirichlet_alpha=0"):
         dirichlet(LABELS, 20, 0.0, np.random.default_rng(0))
 
@@ -99,6 +102,16 @@ def test_embedded_default_needs_no_files(monkeypatch):
     assert np.abs(x0[..., 0] - x0[..., 1]).max() == 0 and np.abs(x1[..., 0] - x1[..., 1]).mean() > 5
     ds2 = load_dataset(DataConfig("default", image_size=16, clients_per_domain=2))
     assert len(ds2.client_names) == 6
+
+
+def test_mnist_preset_with_quantity_controlled_lognormal_clients(data_dir):
+    cfg = DataConfig("mnist", data_dir=data_dir, num_clients=30, partition="dirichlet_quantity",
+                     client_sizes="lognormal", size_sigma=1.0, dirichlet_alpha=1.0)
+    ds = load_dataset(cfg)
+    sizes = ds.train_counts()
+    assert len(sizes) == 30 and sizes.sum() == 60000 and sizes.max() > 3 * sizes.min()
+    eq = load_dataset(DataConfig("mnist", data_dir=data_dir, num_clients=30, partition="dirichlet_quantity"))
+    assert eq.train_counts().max() - eq.train_counts().min() <= 1
 
 
 def test_digits_preset_reads_real_npz(data_dir):

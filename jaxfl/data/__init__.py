@@ -2,6 +2,6 @@
 from .embedded import load_embedded
 from .federated import (DATASET_NAMES, DataConfig, FederatedDataset, PRESETS, load_dataset,
                         stack_clients)
-from .partition import dirichlet, iid, partition, shards, split_like
+from .partition import client_sizes, dirichlet, dirichlet_quantity, iid, partition, shards, split_like
 from .sources import DATA_DIR_ENV, data_dir, load_image_folder, load_npz, load_tfds
 from .transforms import prepare, resize_images, to_channels

@@ -22,8 +22,10 @@ class DataConfig:
     data_dir: str | None = None
     num_clients: int | None = None          # label-skew presets (cifar10, mnist, tfds:*)
     clients_per_domain: int = 1             # domain presets (default, digits, pacs, folder:*)
-    partition: str | None = None            # iid | dirichlet | shards
+    partition: str | None = None            # iid | dirichlet | shards | dirichlet_quantity
     dirichlet_alpha: float = 0.5
+    client_sizes: str = "equal"             # dirichlet_quantity: equal | lognormal
+    size_sigma: float = 0.5                 # dirichlet_quantity lognormal: sigma of the log client size
     classes_per_client: int = 2
     samples_per_client: int | None = None   # training samples per client (cap)
     test_per_client: int | None = None      # test samples per client (cap)
@@ -103,7 +105,7 @@ def _label_skew_clients(name, train_xy, test_xy, cfg: DataConfig, rng, num_class
     n = cfg.num_clients or 10
     kind = cfg.partition or default_partition
     parts = part.partition(kind, ty, n, rng, alpha=cfg.dirichlet_alpha,
-                           classes_per_client=cfg.classes_per_client)
+                           classes_per_client=cfg.classes_per_client, sizes=cfg.client_sizes, sigma=cfg.size_sigma)
     if cfg.samples_per_client is not None:
         parts = [np.sort(rng.permutation(p)[: cfg.samples_per_client]) for p in parts]
     test_parts = part.split_like(parts, ty, vy, rng)
