@@ -12,7 +12,8 @@ import orbax.checkpoint as ocp
 from .errors import ConfigError
 
 # Fields that may change between a run and its resumption; any other change is refused.
-RESUMABLE_CHANGES = {"rounds", "resume", "out", "checkpoint_every", "eval_every", "strategy", "chunk_size", "devices"}
+RESUMABLE_CHANGES = {"rounds", "resume", "out", "checkpoint_every", "eval_every", "strategy", "chunk_size", "devices",
+                      "client_store"}
 
 
 class Checkpointer:

@@ -81,6 +81,8 @@ class RunConfig:
     clients_per_domain: int = 1
     partition: str | None = None
     dirichlet_alpha: float = 0.5
+    client_sizes: str = "equal"
+    size_sigma: float = 0.5
     classes_per_client: int = 2
     samples_per_client: int | None = None
     test_per_client: int | None = None
@@ -93,6 +95,7 @@ class RunConfig:
     strategy: str | None = None
     chunk_size: int = 8
     devices: int = 1
+    client_store: str = "auto"
     eval_every: int = 1
     eval_batch_size: int = 256
     # output
@@ -122,6 +125,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.strategy is not None:
         check_choice("strategy", cfg.strategy, STRATEGIES)
     check_choice("weighting", cfg.weighting, ("samples", "uniform"))
+    check_choice("client_store", cfg.client_store, ("auto", "device", "host"))
+    check_choice("client_sizes", cfg.client_sizes, ("equal", "lognormal"))
+    if cfg.size_sigma < 0:
+        raise ConfigError(f"size_sigma={cfg.size_sigma} must be >= 0")
     check_choice("pfsm_head", cfg.pfsm_head, ("same", "linear"))
     check_choice("fusion", cfg.fusion, ("ds", "sum"))
     check_choice("kl_reduction", cfg.kl_reduction, ("mean_all", "batchmean"))

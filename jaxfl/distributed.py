@@ -47,12 +47,15 @@ def from_process_rows(tree, mesh, num_rows: int):
 
 
 def fetch(tree):
-    """A host (numpy) copy of a pytree of arrays; arrays split over processes are gathered from all of them
-    (every process must call it)."""
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
-    from jax.experimental import multihost_utils
-    return multihost_utils.process_allgather(tree, tiled=True)
+    """Numpy copies of a pytree's leaves with their global values (every process must call it): an array
+    split over processes is gathered from all of them, one this process holds in full (local, replicated or
+    numpy) is copied as it is."""
+    def one(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            from jax.experimental import multihost_utils
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.array(a)
+    return jax.tree_util.tree_map(one, tree)
 
 
 def is_primary() -> bool:

@@ -53,10 +53,13 @@ class ClientData:
 class Algorithm(NamedTuple):
     """A federated algorithm as four pure functions (the engine does the rest).
 
-    init(key, sample_x) -> (server_state, client_state)    client_state of ONE client; all start equal,
-                                                           except a "client_id" entry, set to the row index
-    local_update(server, client, data, key) -> (client, metrics)   ONE client; data is a ClientData row
-    aggregate(server, clients, weights) -> (server, clients)       clients stacked over the cohort
+    init(key, sample_x) -> (server_state, client_state)    client_state: the persistent state of ONE client,
+                                                           only what the method keeps between rounds (FedAvg:
+                                                           {}); all start equal, except a "client_id" entry,
+                                                           set to the client's id
+    local_update(server, client, data, key) -> (trained, metrics)  ONE client; data is a ClientData row
+    aggregate(server, trained, weights) -> (server, clients)       trained stacked over the cohort; returns
+                                                           the cohort's new persistent states (init's structure)
     predict(server, client, x) -> logits                   evaluation-mode prediction of ONE client
     """
     name: str
@@ -234,15 +237,43 @@ def init_state(alg: Algorithm, key, sample_x, num_clients: int):
     return server, clients
 
 
+def make_cohort_update(alg: Algorithm, *, strategy="vmap", chunk_size=8, mesh=None) -> Callable:
+    """Build update(server, clients, data, ids, round_idx, root) -> (new_clients, metrics), one row per client.
+
+    clients: the persistent states of k clients stacked [k]; data: their ClientData [k, M]; ids [k]: their
+    client ids (their PRNG streams, ``client_keys``). metrics per client: ``loss``, ``accuracy``, ``seen``,
+    ``steps`` (and what the algorithm adds) and ``finite`` (loss and new state all finite).
+    """
+    def one(shared, client, x, y, count, key):
+        new, metrics = alg.local_update(shared, client, ClientData(x, y, count), key)
+        return new, dict(metrics, finite=tree_all_finite(new) & jnp.isfinite(metrics["loss"]))
+
+    def update(server, clients, data: ClientData, ids, round_idx, root):
+        keys = client_keys(root, round_idx, ids)
+        return over_clients(one, strategy, chunk_size, mesh)(server, clients, data.x, data.y, data.count, keys)
+
+    return update
+
+
+def aggregation_weights(counts, weighting: str):
+    """Client weights for aggregation: their sample counts (``samples``) or 1 each (``uniform``)."""
+    counts = jnp.asarray(counts).astype(jnp.float32)
+    return counts if weighting == "samples" else jnp.ones_like(counts)
+
+
 def make_round(alg: Algorithm, *, strategy="vmap", chunk_size=8, cohort_size=None,
                weighting="samples", mesh=None) -> Callable:
-    """Build round(server, clients, data, round_idx, root) -> (server, clients, metrics).
+    """Build round(server, clients, data, round_idx, root) -> (server, clients, metrics), all in one jit.
 
-    metrics: per cohort client ``loss``, ``accuracy``, ``seen``, ``finite`` and ``client_id``.
+    The simple layout: ``clients`` is every client's persistent state stacked [N] and ``data`` every client's
+    samples padded to the largest ([N, M]); the cohort is gathered inside. ``jaxfl.simulation.Simulation``
+    runs the same round over ragged data and a per-client store, at a cost that follows the real samples.
+    metrics: per cohort client ``loss``, ``accuracy``, ``seen``, ``steps``, ``finite`` and ``client_id``.
     Aggregation weights: sample counts (``samples``) or equal (``uniform``). ``mesh`` (see ``client_mesh``)
     splits the cohort over devices; the aggregation's reductions over clients then become all-reduces.
     """
     check_choice("weighting", weighting, ("samples", "uniform"))
+    update = make_cohort_update(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh)
 
     def round_fn(server, clients, data: ClientData, round_idx, root):
         n = data.num_clients
@@ -250,18 +281,8 @@ def make_round(alg: Algorithm, *, strategy="vmap", chunk_size=8, cohort_size=Non
         full = (cohort_size or n) >= n
         c_clients = clients if full else jax.tree_util.tree_map(lambda a: a[ids], clients)
         c_data = data if full else data.take(ids)
-        keys = client_keys(root, round_idx, ids)
-
-        def one(srv, client, x, y, count, k):
-            new, metrics = alg.local_update(srv, client, ClientData(x, y, count), k)
-            metrics = dict(metrics, finite=tree_all_finite(new) & jnp.isfinite(metrics["loss"]))
-            return new, metrics
-
-        new_c, metrics = over_clients(one, strategy, chunk_size, mesh)(server, c_clients, c_data.x, c_data.y,
-                                                                       c_data.count, keys)
-        weights = (c_data.count.astype(jnp.float32) if weighting == "samples"
-                   else jnp.ones(ids.shape, jnp.float32))
-        server, new_c = alg.aggregate(server, new_c, weights)
+        new_c, metrics = update(server, c_clients, c_data, ids, round_idx, root)
+        server, new_c = alg.aggregate(server, new_c, aggregation_weights(c_data.count, weighting))
         clients = new_c if full else jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), clients, new_c)
         return server, clients, dict(metrics, client_id=ids)
 

@@ -14,9 +14,10 @@ import optax
 from .algorithms import algorithm_options, build_algorithm
 from .config import RunConfig, validate
 from .data import load_dataset
-from .distributed import fetch, from_process_rows, is_primary, process_rows
-from .engine import (LocalTrainer, client_mesh, init_state, make_evaluate, make_round, normalizer, replicate,
-                     shard_clients)
+from .distributed import is_primary
+from .data.ragged import RaggedClients
+from .engine import ClientData, LocalTrainer, client_mesh, normalizer
+from .simulation import ClientStore, Simulation, make_block_evaluate, place_rows
 from .errors import ConfigError, NonFiniteError
 from .metrics import count_params
 from .models import build_model
@@ -25,6 +26,8 @@ DEFAULT_MODEL = {"default": "digits_cnn", "digits": "digits_cnn", "pacs": "digit
 # Measured on a 2-core CPU (README, "Client strategies"): vmap of convolutions over per-client kernels
 # lowers to slow grouped convolutions there, so CPU runs clients one after another inside the jit.
 DEFAULT_STRATEGY = {"cpu": "map", "gpu": "vmap", "tpu": "vmap"}
+# per-round (not per-client) metrics of Simulation.round, logged as they are
+ROUND_METRICS = ("padded_work", "buckets", "compiled_shapes")
 
 
 def default_strategy(backend: str | None = None) -> str:
@@ -84,41 +87,44 @@ class Experiment:
             raise ConfigError(f"devices={cfg.devices}: a run over {jax.process_count()} processes splits the "
                               f"clients over all {jax.device_count()} devices; use devices=0")
         self.mesh = None if cfg.devices == 1 else client_mesh(cfg.devices or None)
-        if self.mesh is not None and (n % self.mesh.devices.size or cohort_size(cfg, n) % self.mesh.devices.size):
-            raise ConfigError(f"{n} clients ({cohort_size(cfg, n)} per round) cannot be split evenly over "
-                              f"devices={self.mesh.devices.size}; both must be multiples of it")
+        self.cohort = cohort_size(cfg, n)
+        if self.mesh is not None and self.cohort % self.mesh.devices.size:
+            raise ConfigError(f"{self.cohort} clients per round cannot be split evenly over "
+                              f"devices={self.mesh.devices.size}; use a cohort that is a multiple of it")
         self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
-        if self.mesh is None:
-            self.train, self.test = jax.device_put((ds.stacked("train", cfg.batch_size), ds.stacked("test", eval_bs)))
-        else:  # each process stacks only the clients whose rows live on its devices
-            rows = process_rows(self.mesh, n)
-            self.train = from_process_rows(ds.stacked("train", cfg.batch_size, rows), self.mesh, n)
-            self.test = from_process_rows(ds.stacked("test", eval_bs, rows), self.mesh, n)
+        self.train_data, self.test_data = RaggedClients.from_clients(ds.train), RaggedClients.from_clients(ds.test)
         tx = optax.sgd(cfg.lr, momentum=cfg.momentum or None)
         preprocess = normalizer(*ds.normalize)
         self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs, preprocess)
         self.algorithm = build_algorithm(cfg.algorithm, self.model, self.trainer,
                                          **algorithm_options(cfg.algorithm, cfg, cfg.dataset, n))
-        self.cohort = cohort_size(cfg, n)
-        strategy = cfg.strategy or default_strategy()
-        self.strategy = strategy
-        self.round_fn = jax.jit(make_round(self.algorithm, strategy=strategy, chunk_size=cfg.chunk_size,
-                                           cohort_size=self.cohort, weighting=cfg.weighting, mesh=self.mesh),
-                                donate_argnums=(0, 1))
-        self.eval_fn = jax.jit(make_evaluate(self.algorithm, eval_batch_size=eval_bs, strategy=strategy,
-                                             chunk_size=cfg.chunk_size, preprocess=preprocess, mesh=self.mesh))
+        self.strategy = strategy = cfg.strategy or default_strategy()
+        self.simulation = Simulation(self.algorithm, self.train_data, batch_size=cfg.batch_size, strategy=strategy,
+                                     chunk_size=cfg.chunk_size, cohort_size=self.cohort, weighting=cfg.weighting,
+                                     mesh=self.mesh, client_store=cfg.client_store)
+        self.evaluate_fn = make_block_evaluate(self.algorithm, self.test_data, eval_batch_size=eval_bs,
+                                               preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size,
+                                               mesh=self.mesh)
         self.root = jax.random.key(cfg.seed)
 
+    def round_fn(self, server, store, round_idx):
+        """One training round (``Simulation.round``): (server, per-client and per-round metrics)."""
+        return self.simulation.round(server, store, round_idx, self.root)
+
+    @property
+    def test(self) -> ClientData:
+        """Every client's test set padded to the largest (for reports over stacked clients)."""
+        return place_rows(self.test_data.stacked(self.eval_batch_size), self.mesh)
+
     def init(self):
+        """(server, store): the initial server state and the per-client store."""
         # the init needs only an input's shape: the first client's first image (every process has it)
-        server, clients = init_state(self.algorithm, jax.random.fold_in(self.root, 2), self.dataset.train[0][0][:1],
-                                     len(self.dataset.client_names))
-        if self.mesh is not None:
-            server, clients = replicate(server, self.mesh), shard_clients(clients, self.mesh)
-        return server, clients
+        return self.simulation.init(jax.random.fold_in(self.root, 2), self.dataset.train[0][0][:1])
 
     def evaluate(self, server, clients) -> dict:
-        m = fetch(self.eval_fn(server, clients, self.test))
+        """Test metrics of every client; ``clients`` is a ClientStore or the stacked persistent states."""
+        store = clients if isinstance(clients, ClientStore) else ClientStore(clients, "host")
+        m = self.evaluate_fn(server, store)
         acc, cnt = np.asarray(m["accuracy"], float), np.asarray(m["count"], float)
         extra = {f"test_{k}": np.asarray(v, float).tolist() for k, v in m.items()
                  if k not in ("accuracy", "loss", "count")}
@@ -129,6 +135,7 @@ class Experiment:
     def reliability(self, server, clients, key, **kw) -> dict:
         """``reliability.reliability_report`` of these states on this run's test sets (kw: noise_sigma, ...)."""
         from .reliability import reliability_report
+        clients = place_rows(clients, self.mesh)  # the stacked states, split like the test sets
         return reliability_report(self.algorithm, server, clients, self.test, key, preprocess=self.trainer.preprocess,
                                   eval_batch_size=self.eval_batch_size, strategy=self.strategy, **kw)
 
@@ -136,15 +143,16 @@ class Experiment:
         cfg, names = self.cfg, self.dataset.client_names
         out = Path(cfg.out) if cfg.out else None
         ckpt, write = None, out is not None and is_primary()  # every process checkpoints its rows; one logs
-        server, clients = self.init()
+        server, store = self.init()
         start, history = 0, []
         if out:
             out.mkdir(parents=True, exist_ok=True)
             from .checkpoint import Checkpointer
             ckpt = Checkpointer(out / "checkpoints")
             if cfg.resume:
-                server, clients, start, history = ckpt.restore_latest(server, clients, cfg,
+                server, clients, start, history = ckpt.restore_latest(server, store.state, cfg,
                                                                       out / "metrics.jsonl")
+                store.set(clients)
             elif ckpt.latest_round() is not None:
                 raise ConfigError(f"{str(out)!r} already holds checkpoints; pass --resume to continue "
                                   f"or choose another --out")
@@ -154,8 +162,7 @@ class Experiment:
         bar = _progress(range(start, cfg.rounds), progress, start, cfg.rounds)
         for r in bar:
             t0 = time.perf_counter()
-            server, clients, m = self.round_fn(server, clients, self.train, r, self.root)
-            m = fetch(m)
+            server, m = self.round_fn(server, store, r)
             ids = np.asarray(m["client_id"])
             bad = [names[i] for i, ok in zip(ids, np.asarray(m["finite"])) if not ok]
             if bad:
@@ -168,22 +175,23 @@ class Experiment:
                    "train_accuracy": np.asarray(m["accuracy"], float).tolist(),
                    # algorithm-specific per-client metrics (e.g. FedSelect's personal_fraction)
                    **{f"train_{k}": np.asarray(v, float).tolist() for k, v in m.items()
-                      if k not in ("loss", "accuracy", "seen", "finite", "client_id")}}
+                      if k not in ("loss", "accuracy", "seen", "finite", "client_id") + ROUND_METRICS},
+                   **{k: m[k] for k in ROUND_METRICS}}
             if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
-                rec.update(self.evaluate(server, clients))
+                rec.update(self.evaluate(server, store))
             rec["time_s"] = time.perf_counter() - t0
             history.append(rec)
             if write:
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(rec) + "\n")
             if ckpt and cfg.checkpoint_every and ((r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds):
-                ckpt.save(r + 1, server, clients)
+                ckpt.save(r + 1, server, store.state)
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{np.mean(rec['train_loss']):.3f}",
                                 acc=f"{rec.get('mean_accuracy', float('nan')):.3f}")
             if log:
                 log(rec)
-        result = RunResult(cfg, names, history, server, clients, count_params(server["params"]))
+        result = RunResult(cfg, names, history, server, store.state, count_params(server["params"]))
         if write:
             (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
             if history:

@@ -62,3 +62,11 @@ def run_rounds(alg, data, server, clients, root, rounds=1, **round_kw):
     for r in range(rounds):
         server, clients, metrics = fn(server, clients, data, r, root)
     return server, clients, metrics
+
+
+def trained_rows(alg, data, server, clients, root, round_idx=0):
+    """Every client's full state right after its local update of round ``round_idx`` (before aggregation),
+    with the engine's per-client keys: what the server averages, which clients do not keep."""
+    from jaxfl.engine import client_keys
+    keys = client_keys(root, round_idx, jnp.arange(data.num_clients))
+    return jax.vmap(alg.local_update, (None, 0, 0, 0))(server, clients, data, keys)[0]

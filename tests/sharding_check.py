@@ -31,8 +31,8 @@ def run(name, strategy, mesh=None, rounds=2, cohort=None):
         server, clients, metrics = fn(server, clients, data, r, jax.random.key(1))
     ev = jax.jit(make_evaluate(alg, eval_batch_size=8, strategy=strategy, mesh=mesh))(server, clients, data)
     if mesh is not None:  # the client rows really live on the mesh's devices
-        leaf = jax.tree_util.tree_leaves(clients)[0]
-        assert len(leaf.sharding.device_set) == mesh.devices.size, leaf.sharding
+        for leaf in jax.tree_util.tree_leaves((clients, data))[:1]:  # fedavg keeps no client state
+            assert len(leaf.sharding.device_set) == mesh.devices.size, leaf.sharding
     return jax.device_get((server, clients, metrics["loss"], ev["accuracy"]))
 
 
@@ -55,9 +55,12 @@ from jaxfl.config import RunConfig  # noqa: E402
 from jaxfl.runner import Experiment  # noqa: E402
 tiny = dict(algorithm="fedbn", rounds=2, model="small_cnn", samples_per_client=40, test_per_client=20, clients_per_domain=2,
             batch_size=16)
-a, b = Experiment(RunConfig(**tiny)).run(), Experiment(RunConfig(devices=2, **tiny)).run()
-ok = np.allclose(a.history[-1]["test_accuracy"], b.history[-1]["test_accuracy"]) and all(
-    np.allclose(x, y, atol=1e-5) for x, y in zip(jax.tree_util.tree_leaves(a.clients), jax.tree_util.tree_leaves(b.clients)))
-failed |= not ok
-print(f"runner devices=2: {'equal' if ok else 'DIFFERENT'}")
+a = Experiment(RunConfig(**tiny)).run()
+for strategy in ("map", "vmap"):  # vmap: buckets whose lanes are multiples of the 2 devices
+    b = Experiment(RunConfig(devices=2, strategy=strategy, **tiny)).run()
+    ok = np.allclose(a.history[-1]["test_accuracy"], b.history[-1]["test_accuracy"]) and all(
+        np.allclose(x, y, atol=1e-5) for x, y in zip(jax.tree_util.tree_leaves(a.clients),
+                                                     jax.tree_util.tree_leaves(b.clients)))
+    failed |= not ok
+    print(f"runner devices=2 {strategy}: {'equal' if ok else 'DIFFERENT'}")
 sys.exit(1 if failed else 0)

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_trees_close, make_data, make_trainer, run_rounds, setup_algorithm
+from conftest import assert_trees_close, make_data, make_trainer, run_rounds, setup_algorithm, trained_rows
 from jaxfl import make_evaluate, make_round
 from jaxfl.algorithms import ALGORITHMS, SHARING
 from jaxfl.algorithms.fedrep import head_then_body
@@ -91,11 +91,14 @@ def test_fedprox_term_pulls_toward_the_round_start():
 def test_personal_head_is_never_averaged(name):
     alg, data, server, clients = setup(name)
     s, c, _ = run(alg, data, server, clients)
+    assert set(c["params"]) == {"head"}  # the client keeps its head and nothing else
     assert_personal(c["params"]["head"], server["params"]["head"])
     # the server's encoder is the weighted mean of the clients' trained encoders
+    s1, _, _ = run(alg, data, server, clients, rounds=1)
+    trained = trained_rows(alg, data, server, clients, ROOT)
     w = np.array(COUNTS, float) / sum(COUNTS)
-    for sv, cl in zip(jax.tree_util.tree_leaves(s["params"]["encoder"]),
-                      jax.tree_util.tree_leaves(c["params"]["encoder"])):
+    for sv, cl in zip(jax.tree_util.tree_leaves(s1["params"]["encoder"]),
+                      jax.tree_util.tree_leaves(trained["params"]["encoder"])):
         np.testing.assert_allclose(sv, np.tensordot(w, cl, 1), rtol=1e-5, atol=1e-6)
     # the server's head is the untouched initial head: heads never reach it
     assert_trees_close(s["params"]["head"], server["params"]["head"], atol=0, rtol=0)
@@ -104,13 +107,13 @@ def test_personal_head_is_never_averaged(name):
 def test_fedrep_phases_freeze_the_other_part():
     alg, data, server, clients = setup("fedrep")
     trainer = make_trainer()
-    one = jax.tree_util.tree_map(lambda a: a[0], clients)
+    one = server  # the full model a client starts its first round from
     row = data.take(0)
     loss = ce_loss(model())
     for head_epochs, body_epochs, moved, frozen in [(2, 0, "head", "encoder"), (0, 1, "encoder", "head")]:
         import dataclasses
         t = dataclasses.replace(trainer, epochs=body_epochs)
-        p, *_ = head_then_body(head_epochs)(t, loss, one["params"], one["batch_stats"], one["opt_state"], row,
+        p, *_ = head_then_body(head_epochs)(t, loss, one["params"], one["batch_stats"], (), row,
                                             jax.random.key(0))
         assert_trees_close(p[frozen], one["params"][frozen], atol=0, rtol=0)
         assert not np.allclose(jax.tree_util.tree_leaves(p[moved])[0], jax.tree_util.tree_leaves(one["params"][moved])[0])
@@ -119,10 +122,14 @@ def test_fedrep_phases_freeze_the_other_part():
 def test_lg_fedavg_never_averages_the_body_after_warmup():
     alg, data, server, clients = setup("lg_fedavg")
     s, c, _ = run(alg, data, server, clients)
+    assert set(c["params"]) == {"encoder"}  # the client keeps its body and nothing else
     assert_personal(c["params"]["encoder"], server["params"]["encoder"])
     assert_trees_close(s["params"]["encoder"], server["params"]["encoder"], atol=0, rtol=0)
+    s1, _, _ = run(alg, data, server, clients, rounds=1)
+    trained = trained_rows(alg, data, server, clients, ROOT)
     w = np.array(COUNTS, float) / sum(COUNTS)
-    for sv, cl in zip(jax.tree_util.tree_leaves(s["params"]["head"]), jax.tree_util.tree_leaves(c["params"]["head"])):
+    for sv, cl in zip(jax.tree_util.tree_leaves(s1["params"]["head"]),
+                      jax.tree_util.tree_leaves(trained["params"]["head"])):
         np.testing.assert_allclose(sv, np.tensordot(w, cl, 1), rtol=1e-5, atol=1e-6)
 
 

@@ -6,7 +6,8 @@ import pytest
 import conftest
 from conftest import assert_trees_close, make_trainer, setup_algorithm
 from jaxfl import build_algorithm, init_state, make_evaluate, make_round
-from jaxfl.algorithms import is_batchnorm, path_mask
+from jaxfl.algorithms import is_batchnorm
+from jaxfl.trees import leaf_paths
 from jaxfl.engine import ClientData, client_keys, epoch_permutation, map_clients, sample_cohort
 from jaxfl.errors import ConfigError
 from jaxfl.models import small_cnn
@@ -26,7 +27,7 @@ def run_rounds(alg, data, server, clients, rounds=2, **kw):
 def test_strategies_give_same_numbers(name):
     alg, data, server, clients = setup(name)
     ref = run_rounds(alg, data, server, clients, strategy="vmap")
-    for strategy, chunk in [("map", 8), ("chunked", 2), ("chunked", 3)]:
+    for strategy, chunk in [("map", 8), ("chunked", 1), ("chunked", 2), ("chunked", 3)]:
         out = run_rounds(alg, data, server, clients, strategy=strategy, chunk_size=chunk)
         assert_trees_close(ref[:2], out[:2])
         np.testing.assert_allclose(ref[2]["loss"], out[2]["loss"], rtol=1e-5)
@@ -79,24 +80,24 @@ def test_fedavg_one_client_equals_local():
 def test_fedbn_keeps_batchnorm_per_client_and_averages_the_rest():
     alg, data, server, clients = setup("fedbn")
     s, c, _ = run_rounds(alg, data, server, clients, rounds=1)
-    ev_params = jax.vmap(lambda cl: jax.tree_util.tree_map(
-        lambda sv, cv, shared: sv if shared else cv, s["params"], cl["params"],
-        path_mask(s["params"], lambda p: not is_batchnorm(p))))(c)
-    flat = jax.tree_util.tree_flatten_with_path(ev_params)[0]
-    saw_bn = saw_shared = False
-    for path, leaf in flat:
-        names = [str(getattr(k, "key", k)) for k in path]
-        differs = not np.allclose(leaf[0], leaf[1])
-        if is_batchnorm(tuple(names)):
-            saw_bn = True
-            assert differs, f"BN leaf {names} should differ between clients"
-        else:
-            saw_shared = True
-            assert not differs, f"shared leaf {names} should be identical"
-    assert saw_bn and saw_shared
-    # Running statistics are never averaged: the server keeps its initial ones.
+    # The persistent client state is exactly the BatchNorm leaves (scale/bias and statistics), one row each.
+    kept = leaf_paths(c)
+    assert kept and all(is_batchnorm(p) for p in kept)
+    assert len([p for p in leaf_paths(s["params"]) if is_batchnorm(p)]) + len(leaf_paths(s["batch_stats"])) == len(kept)
+    for leaf in jax.tree_util.tree_leaves(c):
+        assert leaf.shape[0] == 3 and not np.allclose(leaf[0], leaf[1])
+    # Every other parameter is the server's; its running statistics are never averaged (initial values).
     assert_trees_close(s["batch_stats"], server["batch_stats"], atol=0, rtol=0)
     assert not np.allclose(c["batch_stats"]["encoder"]["bn1"]["mean"][0], c["batch_stats"]["encoder"]["bn1"]["mean"][1])
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedprox"])
+def test_fedavg_keeps_no_client_state(name):
+    alg, data, server, clients = setup(name)
+    assert jax.tree_util.tree_leaves(clients) == []
+    s, c, _ = run_rounds(alg, data, server, clients, rounds=1)
+    assert jax.tree_util.tree_leaves(c) == []
+    assert not np.allclose(s["params"]["head"]["fc1"]["linear"]["kernel"], server["params"]["head"]["fc1"]["linear"]["kernel"])
 
 
 def test_fedavg_server_is_sample_weighted_mean_of_clients():

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conftest import assert_trees_close, make_data, run_rounds, setup_algorithm
+from conftest import assert_trees_close, make_data, run_rounds, setup_algorithm, trained_rows
 from jaxfl import make_evaluate
 from jaxfl.algorithms.fedavg import is_batchnorm
 from jaxfl.algorithms.fedpick import FedPickNet, PFSM, fedpick_defaults
@@ -27,14 +27,26 @@ def leaves_with_paths(tree):
     return [(tuple(str(getattr(k, "key", k)) for k in p), v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def check_sharing(before, after, clients, shared):
-    """Leaves where shared(path) is True are the weighted mean of the clients; the others keep the server's
-    initial value (nothing reached the server)."""
-    for (path, b), (_, a), (_, c) in zip(leaves_with_paths(before), leaves_with_paths(after), leaves_with_paths(clients)):
+def check_sharing(before, after, trained, kept, shared):
+    """Leaves where shared(path) is True are the weighted mean of the clients' trained leaves and are not kept
+    by the clients; the others keep the server's initial value (nothing reached the server) and are kept by
+    each client as it trained them."""
+    kept = dict(leaves_with_paths(kept))
+    for (path, b), (_, a), (_, t) in zip(leaves_with_paths(before), leaves_with_paths(after), leaves_with_paths(trained)):
         if shared(path):
-            np.testing.assert_allclose(a, np.tensordot(W, c, 1), rtol=1e-5, atol=1e-6, err_msg=str(path))
+            np.testing.assert_allclose(a, np.tensordot(W, t, 1), rtol=1e-5, atol=1e-6, err_msg=str(path))
+            assert path not in kept, path
         else:
             np.testing.assert_array_equal(a, b, err_msg=str(path))
+            np.testing.assert_array_equal(kept[path], t, err_msg=str(path))
+
+
+def check_round(alg, data, server, clients, shared_param, shared_stats):
+    s, c, m = run(alg, data, server, clients)
+    t = trained_rows(alg, data, server, clients, ROOT)
+    check_sharing(server["params"], s["params"], t["params"], c.get("params", {}), shared_param)
+    check_sharing(server["batch_stats"], s["batch_stats"], t["batch_stats"], c.get("batch_stats", {}), shared_stats)
+    return s, c, m
 
 
 def test_without_pfsm_it_is_exactly_fedbn():
@@ -46,24 +58,15 @@ def test_without_pfsm_it_is_exactly_fedbn():
 
 
 def test_pfsm_and_batchnorm_are_never_averaged():
-    alg, data, server, clients = setup()
-    s, c, m = run(alg, data, server, clients)
+    s, c, m = check_round(*setup(), lambda p: p[0] != "pfsm" and not is_batchnorm(p), lambda p: False)
     assert np.all(np.isfinite(m["loss"]))
-    check_sharing(server["params"], s["params"], c["params"], lambda p: p[0] != "pfsm" and not is_batchnorm(p))
-    check_sharing(server["batch_stats"], s["batch_stats"], c["batch_stats"], lambda p: False)
     phi = c["params"]["pfsm"]["phi1"]["linear"]["kernel"]
     assert not np.allclose(phi[0], phi[1])  # each client's mask network trained on its own data
 
 
 def test_share_bn_and_share_pfsm_flip_exactly_their_leaves():
-    alg, data, server, clients = setup(share_bn=True)
-    s, c, _ = run(alg, data, server, clients)
-    check_sharing(server["params"], s["params"], c["params"], lambda p: p[0] != "pfsm")
-    check_sharing(server["batch_stats"], s["batch_stats"], c["batch_stats"], lambda p: p[0] != "pfsm")
-    alg, data, server, clients = setup(share_pfsm=True)
-    s, c, _ = run(alg, data, server, clients)
-    check_sharing(server["params"], s["params"], c["params"], lambda p: p[0] == "pfsm" or not is_batchnorm(p))
-    check_sharing(server["batch_stats"], s["batch_stats"], c["batch_stats"], lambda p: p[0] == "pfsm")
+    check_round(*setup(share_bn=True), lambda p: p[0] != "pfsm", lambda p: p[0] != "pfsm")
+    check_round(*setup(share_pfsm=True), lambda p: p[0] == "pfsm" or not is_batchnorm(p), lambda p: p[0] == "pfsm")
 
 
 def test_lambda_switches_remove_their_terms():

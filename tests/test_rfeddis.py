@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_trees_close, make_data, make_trainer, run_rounds, setup_algorithm
+from conftest import assert_trees_close, make_data, make_trainer, run_rounds, setup_algorithm, trained_rows
 from jaxfl import blocks as B
 from jaxfl import init_state, make_evaluate, predict_proba, reliability_report
 from jaxfl.algorithms.fedavg import is_batchnorm, masked_averaging
@@ -44,13 +44,18 @@ def test_digits_model_has_the_spec_parameter_count():
 def test_encoder_and_global_head_are_averaged_bn_and_local_head_never(share_global_head):
     alg, data, server, clients = setup(share_global_head=share_global_head)
     s, c, m = run_rounds(alg, data, server, clients, ROOT)
+    trained = trained_rows(alg, data, server, clients, ROOT)
     assert np.all(np.isfinite(m["loss"]))
     shared = lambda p: not is_batchnorm(p) and (p[0] == "encoder" or (p[0] == "head" and share_global_head))
-    for (path, before), (_, after), (_, rows) in zip(paths(server["params"]), paths(s["params"]), paths(c["params"])):
+    kept = dict(paths(c["params"]))
+    for (path, before), (_, after), (_, rows) in zip(paths(server["params"]), paths(s["params"]),
+                                                     paths(trained["params"])):
         if shared(path):
             np.testing.assert_allclose(after, np.tensordot(W, rows, 1), rtol=1e-5, atol=1e-6, err_msg=str(path))
+            assert path not in kept, path  # a shared leaf is not stored per client
         else:
             np.testing.assert_array_equal(after, before, err_msg=str(path))
+            np.testing.assert_array_equal(kept[path], rows, err_msg=str(path))
     assert_trees_close(s["batch_stats"], server["batch_stats"], atol=0, rtol=0)
     local = c["params"]["local_head"]["fc1"]["linear"]["kernel"]
     assert not np.allclose(local[0], local[1])
@@ -116,9 +121,12 @@ def test_prediction_reports_fused_probability_and_uncertainty():
     probs, u = predict_proba(alg, s, c, 1, x)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
     # by hand: alpha_F from client 1's merged variables
-    client = jax.tree_util.tree_map(lambda a: a[1], c)
-    variables = {k: jax.tree_util.tree_map(lambda sv, cv, m: sv if m else cv, s[k], client[k],
-                                           alg_masks(s)[k]) for k in ("params", "batch_stats")}
+    from jaxfl.trees import fill
+    client = jax.tree_util.tree_map(lambda a: a[1], c)  # its personal leaves; the rest is the server's
+    from jaxfl.trees import leaf_paths, prune
+    personal = jax.tree_util.tree_map(lambda m: not m, alg_masks(s))
+    assert leaf_paths(client) == leaf_paths(prune({k: s[k] for k in personal}, personal))
+    variables = {k: fill(s[k], client[k]) for k in ("params", "batch_stats")}
     net = RFedDisNet(model().encoder, MLPHead((8,), 4), MLPHead((8,), 4))
     from jaxfl.engine import normalizer
     alpha = fused_alpha(net.apply(variables, normalizer()(x), train=False))

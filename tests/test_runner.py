@@ -48,11 +48,12 @@ def test_nan_stops_with_round_and_client_and_keeps_last_checkpoint(tmp_path):
     exp = Experiment(cfg)
     clean_round = exp.round_fn
 
-    def poisoned_round(server, clients, data, r, root):
+    def poisoned_round(server, store, r):
         if r == 2:  # before round 3, client 1's state turns NaN (as a diverging client's would)
-            clients = jax.tree_util.tree_map(
-                lambda a: a.at[1].set(np.nan) if np.issubdtype(a.dtype, np.floating) else a, clients)
-        return clean_round(server, clients, data, r, root)
+            store.set(jax.tree_util.tree_map(
+                lambda a: np.asarray(a).copy() if not np.issubdtype(a.dtype, np.floating) else
+                np.where(np.arange(len(a)).reshape((-1,) + (1,) * (a.ndim - 1)) == 1, np.nan, a), store.state))
+        return clean_round(server, store, r)
     exp.round_fn = poisoned_round
     with pytest.raises(NonFiniteError, match=r"in round 3 on client\(s\) sk-digits-photo;.*last good checkpoint: round 2"):
         exp.run()
@@ -61,7 +62,8 @@ def test_nan_stops_with_round_and_client_and_keeps_last_checkpoint(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     # the last good checkpoint restores and holds finite numbers
     from jaxfl.checkpoint import Checkpointer
-    server, clients = Checkpointer(tmp_path / "checkpoints").restore(2, *exp.init())
+    server, store = exp.init()
+    server, clients = Checkpointer(tmp_path / "checkpoints").restore(2, server, store.state)
     assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves((server, clients)))
 
 

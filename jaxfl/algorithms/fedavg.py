@@ -2,8 +2,8 @@
 
 Each client trains a full model with weighted CE. After the round the server averages, with sample
 weights, every leaf whose share mask is True (``aggregation.tree_masked_mean``); leaves whose mask is False
-stay in their client's row. At the start of a round a client loads the server's shared leaves and keeps
-its own for the rest.
+are the client's personal state, the only state it keeps between rounds (FedAvg: nothing, FedBN: its
+BatchNorm leaves). At the start of a round a client loads the server's shared leaves and adds its own.
 
 - ``fedavg``: every parameter and BatchNorm statistic is shared (as FedBN's reference code averages the
   whole state dict).
@@ -23,22 +23,7 @@ import jax.numpy as jnp
 from ..aggregation import tree_masked_mean, tree_where
 from ..engine import Algorithm, ClientData, LocalTrainer
 from ..losses import cross_entropy, weighted_mean_loss
-
-PathPredicate = Callable[[tuple[str, ...]], bool]
-
-
-def _key_name(k):
-    return str(getattr(k, "key", getattr(k, "name", k)))
-
-
-def leaf_paths(tree) -> list[tuple[str, ...]]:
-    """Every leaf's path as a tuple of dict keys, in ``tree_leaves`` order."""
-    return [tuple(map(_key_name, p)) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def path_mask(tree, predicate: PathPredicate):
-    """A tree of Python bools: predicate(path) for each leaf, path = tuple of dict keys."""
-    return jax.tree_util.tree_map_with_path(lambda p, _: bool(predicate(tuple(map(_key_name, p)))), tree)
+from ..trees import PathPredicate, fill, leaf_paths, path_mask, prune  # noqa: F401 (re-exported)
 
 
 def is_batchnorm(path: tuple[str, ...]) -> bool:
@@ -81,15 +66,14 @@ def init_variables(model, trainer: LocalTrainer, key, sample_x):
 
 def masked_averaging(name: str, model, trainer: LocalTrainer, *,
                      share_param: PathPredicate, share_stats: bool | PathPredicate,
-                     reset_optimizer: bool = True, prox_mu: float = 0.0, train: Callable | None = None,
+                     prox_mu: float = 0.0, train: Callable | None = None,
                      warmup_rounds: int = 0, count_rounds: bool = False, loss: Callable | None = None,
                      predict: Callable | None = None) -> Algorithm:
     """An Algorithm that averages the parameters selected by ``share_param(path)`` and the BatchNorm
     statistics selected by ``share_stats`` (a bool or a path predicate), keeping everything else per client.
 
-    reset_optimizer: fresh optimizer state each round (FedBN's code rebuilds its optimizers every round); the
-        clients then store no optimizer state at all (``opt_state=()``), which halves per-client memory with
-        momentum SGD.
+    A client's persistent state is only its personal leaves (``trees.prune``): FedAvg's is empty, FedBN's its
+    BatchNorm leaves. The optimizer starts fresh each round (FedBN's code rebuilds its optimizers every round).
     prox_mu: FedProx's proximal weight (0: plain CE).
     train(trainer, loss_fn, params, stats, opt_state, data, key) -> (params, stats, opt_state, metrics):
         replaces ``trainer.run`` (FedRep's head-then-body epochs).
@@ -102,42 +86,47 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
     counting = bool(warmup_rounds or count_rounds)
     loss_fn = loss or ce_loss(model, prox_mu)
     apply_eval = predict or (lambda variables, x: model.apply(variables, x, train=False))
+    keys = ("params", "batch_stats")
+
+    def static_masks(variables):
+        return {"params": path_mask(variables["params"], share_param),
+                "batch_stats": path_mask(variables["batch_stats"], stats_pred)}
 
     def masks(server):
-        m = {"params": path_mask(server["params"], share_param),
-             "batch_stats": path_mask(server["batch_stats"], stats_pred)}
+        m = static_masks(server)
         if warmup_rounds:
             warm = server["round"] < warmup_rounds  # traced: every leaf is shared while warming up
             m = jax.tree_util.tree_map(lambda s: True if s else warm, m)
         return m
 
+    def personal(variables):
+        """The leaves a client keeps between rounds: those not always shared."""
+        return jax.tree_util.tree_map(lambda s: not s, static_masks(variables))
+
     def init(key, sample_x):
         variables = init_variables(model, trainer, key, sample_x)
-        client = dict(variables, opt_state=() if reset_optimizer else trainer.tx.init(variables["params"]))
         server = dict(variables, round=jnp.zeros((), jnp.int32)) if counting else variables
-        return server, client
+        return server, prune(variables, personal(variables))
 
     def merged(server, client):
-        # Shared leaves come from the server, the rest from the client's own row.
-        return tree_where(masks(server), {k: server[k] for k in ("params", "batch_stats")},
-                          {k: client[k] for k in ("params", "batch_stats")})
+        # Shared leaves come from the server, the rest from the client's own leaves.
+        own = {k: server[k] for k in keys}
+        return tree_where(masks(server), own, fill(own, client))
 
     def local_update(server, client, data: ClientData, key):
         v = merged(server, client)
-        opt_state = trainer.tx.init(v["params"]) if reset_optimizer else client["opt_state"]
         anchor = jax.lax.stop_gradient(v["params"])
         extra = {"round_idx": server["round"]} if count_rounds else {}
         fn = lambda p, s, x, y, w, k: loss_fn(p, s, x, y, w, k, anchor, **extra)
-        params, stats, opt_state, metrics = (train or LocalTrainer.run)(
-            trainer, fn, v["params"], v["batch_stats"], opt_state, data, key)
-        return {"params": params, "batch_stats": stats, "opt_state": opt_state}, metrics
+        params, stats, _, metrics = (train or LocalTrainer.run)(
+            trainer, fn, v["params"], v["batch_stats"], trainer.tx.init(v["params"]), data, key)
+        return {"params": params, "batch_stats": stats}, metrics
 
     def aggregate(server, clients, weights):
-        keys = ("params", "batch_stats")
-        new = tree_masked_mean({k: clients[k] for k in keys}, weights, masks(server), {k: server[k] for k in keys})
+        new = tree_masked_mean(clients, weights, masks(server), {k: server[k] for k in keys})
         if counting:
             new["round"] = server["round"] + 1
-        return new, dict(clients, opt_state=()) if reset_optimizer else clients
+        return new, prune(clients, personal(server))
 
     def predict_fn(server, client, x):
         return apply_eval(merged(server, client), x)

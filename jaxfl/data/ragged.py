@@ -1,0 +1,69 @@
+"""Ragged client datasets: every client's samples stored once, flat, with per-client offsets and counts.
+
+Memory grows with the real samples (sum_i n_i), not with clients x the largest client. A round gathers only
+its cohort, padded to a length of its choosing (``gather``), as the padded ``ClientData`` the trainer reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..engine import ClientData
+from ..errors import DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedClients:
+    """Host arrays: x [S, ...] and y [S] with client i's samples at rows offsets[i] : offsets[i] + counts[i]."""
+    x: np.ndarray
+    y: np.ndarray
+    offsets: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def from_clients(cls, clients) -> "RaggedClients":
+        """[(x_i [n_i, ...], y_i [n_i])] -> one flat store (copies each client's arrays once)."""
+        if not clients:
+            raise DataError("no clients to store")
+        shape = clients[0][0].shape[1:]
+        for i, (xi, yi) in enumerate(clients):
+            if xi.shape[1:] != shape:
+                raise DataError(f"client {i} images have shape {xi.shape[1:]}, client 0 has {shape}")
+            if len(xi) != len(yi):
+                raise DataError(f"client {i} has {len(xi)} images and {len(yi)} labels")
+        counts = np.array([len(y) for _, y in clients], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        x = np.concatenate([xi for xi, _ in clients]) if counts.sum() else np.zeros((0,) + shape, clients[0][0].dtype)
+        y = np.concatenate([np.asarray(yi, np.int32) for _, yi in clients])
+        return cls(x, y, offsets, counts)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.counts)
+
+    @property
+    def nbytes(self) -> int:
+        return self.x.nbytes + self.y.nbytes + self.offsets.nbytes + self.counts.nbytes
+
+    def gather(self, ids, length: int) -> ClientData:
+        """The clients ``ids`` (a negative id is an empty row) padded to ``length`` samples: x [k, length, ...],
+        y [k, length], count [k] (numpy). Padding repeats the client's first sample (any value: padded rows
+        get weight 0 everywhere); a client longer than ``length`` is an error."""
+        ids = np.asarray(ids)
+        real = ids >= 0
+        counts = np.where(real, self.counts[np.maximum(ids, 0)], 0)
+        if counts.size and counts.max() > length:
+            raise ValueError(f"gather length {length} is shorter than a client's {counts.max()} samples")
+        pos = np.arange(length)
+        rows = self.offsets[np.maximum(ids, 0)][:, None] + np.where(pos < counts[:, None], pos, 0)
+        if not len(self.y):  # nothing to read from
+            return ClientData(np.zeros((len(ids), length) + self.x.shape[1:], self.x.dtype),
+                              np.zeros((len(ids), length), np.int32), counts.astype(np.int32))
+        rows = np.minimum(rows, len(self.y) - 1)  # an empty last client points past the end
+        return ClientData(self.x[rows], self.y[rows], counts.astype(np.int32))
+
+    def stacked(self, multiple: int = 1) -> ClientData:
+        """Every client padded to the largest, rounded up to ``multiple`` (the single-jit ``make_round`` layout)."""
+        m = max(1, -(-int(self.counts.max(initial=1)) // multiple)) * multiple
+        return self.gather(np.arange(self.num_clients), m)

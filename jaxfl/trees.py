@@ -1,0 +1,57 @@
+"""Path-addressed pytree utilities: leaf paths, per-leaf masks, and the split of a nested dict into the part a
+client keeps and the part it takes from the server.
+
+Model variables are nested dicts (Flax); a path is the tuple of dict keys from the root to a leaf.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+PyTree = Any
+PathPredicate = Callable[[tuple[str, ...]], bool]
+
+
+def _key_name(k):
+    return str(getattr(k, "key", getattr(k, "name", k)))
+
+
+def leaf_paths(tree) -> list[tuple[str, ...]]:
+    """Every leaf's path as a tuple of dict keys, in ``tree_leaves`` order."""
+    return [tuple(map(_key_name, p)) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def path_mask(tree, predicate: PathPredicate):
+    """A tree of Python bools: predicate(path) for each leaf, path = tuple of dict keys."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: bool(predicate(tuple(map(_key_name, p)))), tree)
+
+
+def prune(tree: dict, keep) -> dict:
+    """The sub-dict of ``tree`` with only the leaves where ``keep`` (same structure, Python bools) is True;
+    dicts left empty are dropped. ``prune(t, keep)`` and ``fill(t, prune(t, keep))`` round-trip to ``t``.
+
+    Example: prune({"a": {"w": 1, "b": 2}, "c": 3}, {"a": {"w": True, "b": False}, "c": False}) == {"a": {"w": 1}}
+    """
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            sub = prune(v, keep[k])
+            if sub:
+                out[k] = sub
+        elif keep[k]:
+            out[k] = v
+    return out
+
+
+def fill(base: dict, part: dict) -> dict:
+    """``base`` with every leaf that ``part`` (a pruned sub-dict of the same nesting) has replaced by it."""
+    out = dict(base)
+    for k, v in part.items():
+        out[k] = fill(base[k], v) if isinstance(v, dict) else v
+    return out
+
+
+def tree_bytes(tree) -> int:
+    """Total bytes of the array leaves of a pytree."""
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree)))

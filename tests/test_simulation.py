@@ -1,0 +1,138 @@
+"""Simulation: ragged data, bucketed cohorts and the per-client store give make_round's numbers."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_trees_close, make_trainer
+from jaxfl import build_algorithm, init_state, make_round
+from jaxfl.data.ragged import RaggedClients
+from jaxfl.engine import ClientData
+from jaxfl.models import small_cnn
+from jaxfl.schedule import grid_ceil, lane_sizes, padded_work, plan_buckets
+from jaxfl.simulation import ClientStore, Simulation
+
+ROOT = jax.random.key(5)
+COUNTS = (24, 3, 17, 9, 40, 1)
+
+
+def ragged(counts=COUNTS, seed=0):
+    rng = np.random.default_rng(seed)
+    return RaggedClients.from_clients([(rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8),
+                                        rng.integers(0, 4, n).astype(np.int32)) for n in counts])
+
+
+def algorithm(name, epochs=1):
+    return build_algorithm(name, small_cnn(num_classes=4, width=4), make_trainer(epochs=epochs))
+
+
+def reference(alg, data, rounds, cohort):
+    """make_round: one jit over every client padded to the largest and fully stacked."""
+    server, clients = init_state(alg, jax.random.key(0), data.x[:1], data.num_clients)
+    fn = jax.jit(make_round(alg, strategy="map", cohort_size=cohort))
+    stacked = jax.device_put(data.stacked(8))
+    for r in range(rounds):
+        server, clients, m = fn(server, clients, stacked, r, ROOT)
+    return server, clients, m
+
+
+def simulate(alg, data, rounds, cohort, **kw):
+    sim = Simulation(alg, data, batch_size=8, cohort_size=cohort, **kw)
+    server, store = sim.init(jax.random.key(0), data.x[:1])
+    for r in range(rounds):
+        server, m = sim.round(server, store, r, ROOT)
+    return server, store, m, sim
+
+
+@pytest.mark.parametrize("name,strategy,chunk", [("fedbn", "map", 8), ("fedbn", "vmap", 8), ("fedbn", "chunked", 2),
+                                                 ("local", "vmap", 8), ("fedavg", "chunked", 2)])
+def test_buckets_and_store_equal_the_stacked_round(name, strategy, chunk):
+    alg, data = algorithm(name), ragged()
+    s_ref, c_ref, m_ref = reference(alg, data, 3, 4)
+    s, store, m, _ = simulate(alg, data, 3, 4, strategy=strategy, chunk_size=chunk)
+    np.testing.assert_array_equal(m["client_id"], m_ref["client_id"])
+    np.testing.assert_array_equal(m["steps"], m_ref["steps"])
+    assert_trees_close(s, s_ref, atol=2e-5, rtol=1e-4)
+    assert_trees_close(store.state, c_ref, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(m["loss"], m_ref["loss"], rtol=1e-4)
+
+
+def test_map_trains_exactly_the_real_samples():
+    alg, data = algorithm("local", epochs=2), ragged()
+    _, _, m, _ = simulate(alg, data, 1, None, strategy="map")
+    counts = np.array(COUNTS)
+    np.testing.assert_array_equal(m["seen"], 2 * counts)
+    np.testing.assert_array_equal(m["steps"], 2 * -(-counts // 8))  # the 3-sample client: 1 step per epoch
+    assert m["padded_work"] == pytest.approx(np.sum(-(-counts // 8) * 8) / counts.sum())
+    assert m["buckets"] == 1
+
+
+def test_vmap_buckets_group_similar_clients():
+    alg, data = algorithm("local"), ragged()
+    _, _, m, sim = simulate(alg, data, 1, None, strategy="vmap")
+    counts = np.array(COUNTS)
+    np.testing.assert_array_equal(m["seen"], counts)
+    # steps 3, 1, 3, 2, 5, 1 -> buckets {40}, {24, 17} , {9}, {3, 1} at grid lengths 6, 3, 2, 1
+    assert m["buckets"] == 4 and m["compiled_shapes"] == 4
+    assert m["padded_work"] == pytest.approx((5 + 2 * 3 + 2 + 2 * 1) * 8 / counts.sum())
+
+
+def test_fedavg_store_is_empty_and_fedbn_store_holds_batchnorm_only():
+    data = ragged()
+    _, store, _, _ = simulate(algorithm("fedavg"), data, 1, 3)
+    assert store.empty and jax.tree_util.tree_leaves(store.state) == []
+    _, store, _, _ = simulate(algorithm("fedbn"), data, 1, 3)
+    leaves = jax.tree_util.tree_leaves(store.state)
+    assert leaves and all(a.shape[0] == len(COUNTS) for a in leaves)
+    assert sum(a.size for a in leaves) == len(COUNTS) * 4 * 4  # one BN layer of width 4: scale, bias, mean, var
+
+
+def test_host_and_device_stores_agree():
+    alg, data = algorithm("fedbn"), ragged()
+    a = simulate(alg, data, 2, 3, client_store="device")
+    b = simulate(alg, data, 2, 3, client_store="host")
+    assert isinstance(jax.tree_util.tree_leaves(b[1].state)[0], np.ndarray)
+    assert isinstance(jax.tree_util.tree_leaves(a[1].state)[0], jax.Array)
+    assert_trees_close(a[0], b[0], atol=0, rtol=0)
+    assert_trees_close(a[1].state, b[1].state, atol=0, rtol=0)
+
+
+def test_store_gather_and_scatter():
+    store = ClientStore({"w": np.arange(12.0).reshape(6, 2)}, "host")
+    np.testing.assert_array_equal(store.gather(np.array([4, 1]))["w"], [[8, 9], [2, 3]])
+    store.scatter(np.array([1, 4]), {"w": jnp.array([[-1.0, -1.0], [-4.0, -4.0]])})
+    np.testing.assert_array_equal(store.state["w"][[1, 4]], [[-1, -1], [-4, -4]])
+    np.testing.assert_array_equal(store.state["w"][0], [0, 1])
+
+
+def test_ragged_gather_pads_each_client_to_the_asked_length():
+    data = ragged((3, 5))
+    got = data.gather(np.array([1, -1, 0]), 8)
+    assert got.x.shape == (3, 8, 8, 8, 3) and got.count.tolist() == [5, 0, 3]
+    np.testing.assert_array_equal(got.x[0, :5], data.x[3:8])
+    np.testing.assert_array_equal(got.y[2, :3], data.y[:3])
+    assert data.nbytes < data.stacked().x.nbytes + 200  # stored once: no client x largest-client padding
+    with pytest.raises(ValueError, match="shorter than a client's 5 samples"):
+        data.gather(np.array([1]), 4)
+
+
+def test_grid_and_lanes():
+    assert [grid_ceil(n) for n in (0, 1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 25, 100)] == \
+        [1, 1, 2, 3, 4, 6, 6, 8, 12, 16, 24, 32, 128]
+    assert lane_sizes(50) == [1, 2, 4, 8, 16, 32, 50] and lane_sizes(8, 2) == [2, 4, 8] and lane_sizes(5, 2) == [2, 4, 6]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("max_lanes,multiple", [(1000, 1), (8, 1), (8, 2)])
+def test_plan_covers_the_cohort_once_with_bounded_shapes(seed, max_lanes, multiple):
+    rng = np.random.default_rng(seed)
+    steps = np.maximum(1, rng.lognormal(2, 1.2, 300).astype(int))
+    plan = plan_buckets(steps, max_lanes=max_lanes, lane_multiple=multiple)
+    pos = np.concatenate([b.positions for b in plan])
+    assert sorted(pos[pos >= 0].tolist()) == list(range(300))
+    allowed = lane_sizes(max_lanes, multiple)
+    for b in plan:
+        present = b.positions[b.positions >= 0]
+        assert b.lanes in allowed and b.steps == grid_ceil(b.steps) and np.all(steps[present] <= b.steps)
+    done, real = padded_work(plan, steps * 10, 10, per_client_trips=False)
+    assert real == steps.sum() * 10 and 1.0 <= done / real < 1.6
