@@ -80,7 +80,7 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
     import optax
 
     from jaxfl import build_algorithm
-    from jaxfl.engine import LocalTrainer, client_keys, sample_cohort
+    from jaxfl.engine import LocalTrainer, RoundInfo, client_keys, sample_cohort
     from jaxfl.models import build_model
     from jaxfl.schedule import grid_ceil
     from jaxfl.simulation import Simulation
@@ -124,9 +124,10 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
         for i, k in zip(ids, keys):
             d = data.gather(np.array([i]), grid_ceil(-(-int(data.counts[i]) // batch)) * batch)
             row = jax.tree_util.tree_map(lambda a: jnp.asarray(a[0]), d)
-            new.append(one(server, client, row, k)[0])
+            new.append(one(server, client, row, k, RoundInfo(jnp.int32(r), jnp.int32(i)))[0])
         stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *new)
-        return jax.block_until_ready(agg(server, stacked, jnp.asarray(data.counts[ids], jnp.float32)))
+        info = RoundInfo(jnp.int32(r), jnp.asarray(ids, jnp.int32))
+        return jax.block_until_ready(agg(server, stacked, jnp.asarray(data.counts[ids], jnp.float32), info))
     t = time.perf_counter()
     for r in range(rounds):
         loop_round(r)

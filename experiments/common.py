@@ -1,7 +1,7 @@
 """Shared plumbing of the paper-comparison scripts: run (or reuse) one algorithm variant, tables, plots.
 
-A variant is ``name`` or ``name:key=value:key=value`` (RunConfig fields, e.g. ``fedpick:lam_lce=1:lam_dis=1``;
-tuples joined by "+", e.g. ``dapperfl:device_ratios=0+0.8``);
+A variant is ``name`` or ``name:key=value:key=value`` (the algorithm's options, e.g. ``fedpick:lam_lce=1:lam_dis=1``,
+or RunConfig fields; tuples joined by "+", e.g. ``dapperfl:device_ratios=0+0.8``);
 its runs live in ``<out>/<variant>/``. A finished run whose config matches is reused, an interrupted one
 resumes from its last checkpoint, so rerunning a script only does the missing work.
 """
@@ -11,32 +11,43 @@ import dataclasses
 import json
 from pathlib import Path
 
+from jaxfl.algorithms import options_class
 from jaxfl.checkpoint import Checkpointer
 from jaxfl.config import RunConfig
+from jaxfl.options import field_type
 from jaxfl.runner import Experiment, RunResult
 
 
-def parse_variant(spec: str) -> tuple[str, dict]:
-    """"fedpick:lam_lce=1:tau=2" -> ("fedpick", {"lam_lce": 1.0, "tau": 2.0}), typed by RunConfig's fields."""
+def _typed(tp, value: str, spec: str):
+    if tp is tuple or "tuple" in str(tp):  # e.g. device_ratios=0+0.2 ("," separates variants)
+        return tuple(float(x) for x in value.split("+"))
+    if tp is bool or "bool" in str(tp):
+        return value.lower() in ("1", "true", "yes")
+    if tp is int or "int" in str(tp):
+        return int(value)
+    if tp is float or "float" in str(tp):
+        return float(value)
+    return value
+
+
+def parse_variant(spec: str) -> tuple[str, dict, dict]:
+    """"fedpick:lam_lce=1:tau=2:lr=0.05" -> ("fedpick", {"lam_lce": 1.0, "tau": 2.0}, {"lr": 0.05}): the
+    algorithm, its options (typed by its Options class) and RunConfig fields (typed by RunConfig)."""
     name, *pairs = spec.split(":")
-    types = {f.name: f.type for f in dataclasses.fields(RunConfig)}
-    opts = {}
+    cls = options_class(name)
+    option_types = {f.name: field_type(cls, f) for f in cls.fields()}
+    run_types = {f.name: f.type for f in dataclasses.fields(RunConfig) if f.name != "options"}
+    opts, run = {}, {}
     for pair in pairs:
         key, _, value = pair.partition("=")
-        if key not in types:
-            raise SystemExit(f"unknown option {key!r} in {spec!r}; valid: {', '.join(sorted(types))}")
-        t = types[key]
-        if "tuple" in t:  # e.g. device_ratios=0+0.2 ("," separates variants)
-            opts[key] = tuple(float(x) for x in value.split("+"))
-        elif "bool" in t:
-            opts[key] = value.lower() in ("1", "true", "yes")
-        elif "int" in t:
-            opts[key] = int(value)
-        elif "float" in t:
-            opts[key] = float(value)
+        if key in option_types:
+            opts[key] = _typed(option_types[key], value, spec)
+        elif key in run_types:
+            run[key] = _typed(run_types[key], value, spec)
         else:
-            opts[key] = value
-    return name, opts
+            raise SystemExit(f"unknown option {key!r} in {spec!r}; {name} takes {', '.join(sorted(option_types))}"
+                             f", or a RunConfig field")
+    return name, opts, run
 
 
 def run_variant(spec: str, base: RunConfig, out_root: str | Path, progress: bool = False,
@@ -44,12 +55,14 @@ def run_variant(spec: str, base: RunConfig, out_root: str | Path, progress: bool
     """(history, experiment, result) of one variant. A finished run with a matching config is reused: then
     experiment and result are None, unless ``keep_state``, which rebuilds the experiment and restores the final
     checkpoint (no retraining) so that the final states can be inspected."""
-    name, opts = parse_variant(spec)
+    name, opts, run = parse_variant(spec)
     out = Path(out_root) / spec.replace(":", "_").replace("=", "")
-    cfg = base.replace(algorithm=name, out=str(out), checkpoint_every=1, **opts)
+    table = {**base.options.get(name, {}), **opts}
+    cfg = base.replace(algorithm=name, out=str(out), checkpoint_every=1, options={name: table}, **run)
     default = RunConfig().to_dict()
-    same = lambda d: {k: d.get(k, v) for k, v in default.items() if k != "resume"}  # later fields: defaults
-    done = (out / "summary.json").is_file() and same(json.loads((out / "config.json").read_text())) == same(cfg.to_dict())
+    same = lambda d: {k: d.get(k, default.get(k)) for k in set(d) | set(default) if k != "resume"}
+    saved = out / "config.json"
+    done = (out / "summary.json").is_file() and same(json.loads(saved.read_text())) == same(cfg.resolved().to_dict())
     if done and not keep_state:
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], None, None
     ckpts = out / "checkpoints"  # resume only from a saved round (a run killed before its first has none)

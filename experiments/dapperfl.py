@@ -29,7 +29,7 @@ import numpy as np
 from common import plot_mean_accuracy, run_variant, table
 from jaxfl.config import RunConfig
 
-ALGORITHMS = ["dapperfl", "fedavg", "fedprox:prox_mu=0.1", "dapperfl:use_fusion=false",
+ALGORITHMS = ["dapperfl", "fedavg", "fedprox:mu=0.1", "dapperfl:use_fusion=false",
               "dapperfl:gamma=0", "dapperfl:use_fusion=false:gamma=0",
               "dapperfl:use_fusion=false:recover_mode=zero"]  # the last: the released code
 PAPER = {}  # the paper's digits domains (MNIST, USPS, SVHN, SYN) overlap ours in MNIST and USPS only

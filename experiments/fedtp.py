@@ -23,9 +23,9 @@ import numpy as np
 from common import plot_mean_accuracy, run_variant
 from jaxfl.config import RunConfig
 
-ALGORITHMS = ["fedtp", "fedtp:fedtp_variant=vanilla", "fedavg"]
+ALGORITHMS = ["fedtp", "fedtp:variant=vanilla", "fedavg"]
 # Table II, CIFAR-10, N = 50 (ViT backbone): pathological, Dirichlet.
-PAPER = {"fedtp": (90.31, 81.24), "fedtp:fedtp_variant=vanilla": (86.97, 75.14), "fedavg": (50.42, 61.85),
+PAPER = {"fedtp": (90.31, 81.24), "fedtp:variant=vanilla": (86.97, 75.14), "fedavg": (50.42, 61.85),
          "local": (84.55, 69.94)}
 SPLITS = {"pathological": dict(partition="shards", classes_per_client=2),
           "dirichlet": dict(partition="dirichlet", dirichlet_alpha=0.3)}

@@ -48,7 +48,7 @@ class Checkpointer:
             new = cfg.to_dict()
             # A field added to RunConfig after the run was saved counts as having its default value then.
             default = type(cfg)().to_dict()
-            diff = sorted(k for k in new if k not in RESUMABLE_CHANGES and old.get(k, default[k]) != new[k])
+            diff = sorted(k for k in new if k not in RESUMABLE_CHANGES and old.get(k, default.get(k)) != new[k])
             if diff:
                 raise ConfigError(f"--resume: config differs from the checkpointed run in {diff}; "
                                   f"only {sorted(RESUMABLE_CHANGES)} may change")

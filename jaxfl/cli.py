@@ -9,7 +9,7 @@ import types
 import typing
 
 from .config import RunConfig, load_config_file
-from .errors import JaxflError
+from .errors import ConfigError, JaxflError
 
 HELP = {
     "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick | rfeddis | fedselect | fedtp | dapperfl",
@@ -26,52 +26,6 @@ HELP = {
     "out": "output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/",
     "checkpoint_every": "save a checkpoint every N rounds (0: never)",
     "resume": "continue from the newest checkpoint in --out",
-    "prox_mu": "fedprox: weight of mu/2 ||w - w_global||^2",
-    "ditto_lambda": "ditto: weight of lambda/2 ||v - w_global||^2 on the personal model",
-    "head_epochs": "fedrep: head-only epochs before the body epochs (--local-epochs)",
-    "warmup_rounds": "lg_fedavg: rounds of full averaging before the body goes personal",
-    "local_bn": "fedprox/fedper/fedrep/lg_fedavg: keep BatchNorm per client",
-    "tau": "fedpick: Gumbel-sigmoid temperature (default: 10 digits, 1 otherwise)",
-    "lam_lce": "fedpick: weight of the personal head's CE (default: 10 digits, 1 otherwise)",
-    "lam_ent": "fedpick: weight of the irrelevant head's negative entropy (default: 0.001)",
-    "lam_dis": "fedpick: weight of the symmetric KL between global and personal predictions (10 / 1)",
-    "use_pfsm": "fedpick: --no-use-pfsm drops the PFSM (the FedBN ablation)",
-    "soft_mask": "fedpick ablation: use the soft mask m_s, no threshold",
-    "no_ensemble": "fedpick ablation: predict with the global head only",
-    "share_bn": "fedpick ablation: average BatchNorm too",
-    "share_pfsm": "fedpick ablation: average the PFSM too",
-    "pfsm_head": "fedpick: same (copy the global head) | linear",
-    "share_global_head": "rfeddis: average the global head (--no-...: the released Office/DomainNet code)",
-    "use_local_head": "rfeddis: --no-use-local-head keeps only the global evidential head",
-    "use_dis": "rfeddis: the annealed disentangling loss exp(-symmetric KL)",
-    "head_ce": "rfeddis: the softmax CE terms on both heads",
-    "fusion": "rfeddis: ds (Dempster-Shafer on evidence) | sum (summed logits, the ablation)",
-    "kl_reduction": "rfeddis: mean_all (official code) | batchmean (KL summed over features)",
-    "alpha": "fedselect: personalization limit per tensor (grows while personal fraction <= alpha; 0: never)",
-    "grow_rate": "fedselect: fraction p of a tensor's global entries made personal per growth",
-    "grow_every": "fedselect: K, rounds between mask growths (rounds r %% K == 0, r > 0)",
-    "la_epochs": "fedselect: E, LocalAlt alternations (personal pass + global pass) per round",
-    "delta_ref": "fedselect: snapshot (|W - W at last growth|, official code) | round_start (paper)",
-    "weight_by_n": "fedselect: weight the per-entry mean by sample counts (default unweighted)",
-    "mask_biases": "fedselect: biases can become personal too (default: always global, the code)",
-    "aggregate_batch_stats": "fedselect: average BatchNorm statistics over the round's clients (default local)",
-    "fedtp_variant": "fedtp: hypernet (server hypernetwork generates Q/K/V) | vanilla (each client keeps its own)",
-    "personalize": "fedtp vanilla: --no-personalize averages Q/K/V too (FedAvg on the ViT)",
-    "embed_dim": "fedtp: client embedding size",
-    "hyper_hidden": "fedtp: hypernetwork trunk width",
-    "hyper_layers": "fedtp: hidden layers of the hypernetwork trunk after the first",
-    "hyper_lr": "fedtp: hypernetwork SGD learning rate",
-    "hyper_momentum": "fedtp: hypernetwork SGD momentum",
-    "hyper_decay": "fedtp: hypernetwork weight decay",
-    "device_ratios": "dapperfl: pruning ratio per device level, comma-separated; client i gets level i mod len",
-    "gamma": "dapperfl: weight of the DAR term ||z||",
-    "use_fusion": "dapperfl: fuse local and global weights before pruning (--no-use-fusion: released code)",
-    "recover_mode": "dapperfl: global (pruned entries keep W, paper) | zero (averaged as zeros, released code)",
-    "dar_norm": "dapperfl: l2 (||z||, code) | sq_l2 (||z||^2, paper)",
-    "alpha0": "dapperfl: initial fusion weight of the global model",
-    "alpha_min": "dapperfl: floor of the fusion weight",
-    "fusion_eps": "dapperfl: decay of the fusion weight per round",
-    "dis_feature": "rfeddis: head tap used as the disentangling feature: relu1 | fc1 | relu2 | fc2 ...",
 }
 
 
@@ -81,6 +35,15 @@ def _arg_type(tp):
     if isinstance(tp, types.UnionType):
         tp = next(t for t in tp.__args__ if t is not type(None))
     return tp
+
+
+def _add_flag(group, flag: str, dest: str, tp, text: str) -> None:
+    if tp is bool:
+        group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=text)
+    elif tp is tuple:  # comma-separated numbers, e.g. --dapperfl.device-ratios 0,0.2,0.4
+        group.add_argument(flag, dest=dest, type=lambda v: tuple(float(x) for x in v.split(",")), help=text)
+    else:
+        group.add_argument(flag, dest=dest, type=tp, help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,17 +58,42 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--num-processes", type=int, help="processes in the run (default 1)")
     launch.add_argument("--process-id", type=int, help="this process's index in [0, num_processes)")
     for f in dataclasses.fields(RunConfig):
-        flag = "--" + f.name.replace("_", "-")
-        tp = _arg_type(f.type)
+        if f.name == "options":
+            continue
         default = f"default: {f.default}" if f.default is not None else ""
         text = "; ".join(s for s in (HELP.get(f.name, ""), default) if s)
-        if tp is bool:
-            run.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=text)
-        elif tp is tuple:  # comma-separated numbers, e.g. --device-ratios 0,0.2,0.4
-            run.add_argument(flag, dest=f.name, type=lambda v: tuple(float(x) for x in v.split(",")), help=text)
-        else:
-            run.add_argument(flag, dest=f.name, type=tp, help=text)
+        _add_flag(run, "--" + f.name.replace("_", "-"), f.name, _arg_type(f.type), text)
+    from .algorithms import REGISTRY
+    from .options import field_type
+    for name, reg in REGISTRY.items():  # --NAME.OPTION, e.g. --fedselect.alpha 0.5
+        cls = reg.options
+        if not cls.fields():
+            continue
+        shares, keeps = cls.sharing
+        group = run.add_argument_group(f"{name} options", f"shares {shares}; keeps {keeps}".replace("%", "%%"))
+        for f in cls.fields():
+            default = f"default: {f.default}" if f.default is not None else ""
+            text = "; ".join(s for s in (f.metadata.get("help", ""), default) if s).replace("%", "%%")
+            _add_flag(group, f"--{name}.{f.name.replace('_', '-')}", f"{name}.{f.name}", field_type(cls, f), text)
     return parser
+
+
+def config_values(args: dict) -> dict:
+    """Parsed flags -> a config dict: RunConfig fields, and ``--NAME.OPTION`` flags as tables by algorithm."""
+    values = {k: v for k, v in args.items() if "." not in k}
+    for key, v in args.items():
+        if "." in key:
+            name, field = key.split(".", 1)
+            values.setdefault(name, {})[field] = v
+    return values
+
+
+def merge_config(file_values: dict, flag_values: dict) -> dict:
+    """A config file's values overridden by the flags' (algorithm tables merged option by option)."""
+    merged = dict(file_values)
+    for k, v in flag_values.items():
+        merged[k] = {**merged.get(k, {}), **v} if isinstance(v, dict) else v
+    return merged
 
 
 def format_table(summary: dict) -> str:
@@ -133,9 +121,14 @@ def main(argv=None) -> int:
         if launch.get("num_processes", 1) > 1:
             initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))
             quiet = quiet or not is_primary()  # one process prints
-        values = load_config_file(args.pop("config")) if "config" in args else {}
-        values.update(args)
-        cfg = RunConfig(**values)
+        flags = config_values(args)
+        values = merge_config(load_config_file(args.pop("config")) if "config" in args else {}, flags)
+        cfg = RunConfig.from_dict({k: v for k, v in values.items() if k != "config"})
+        other = sorted(k for k, v in flags.items() if isinstance(v, dict) and k != cfg.algorithm)
+        if other:
+            opts = ", ".join(f"--{k}.{f.replace('_', '-')}" for k in other for f in flags[k])
+            raise ConfigError(f"{opts}: option(s) of {', '.join(other)}, but the algorithm is {cfg.algorithm} "
+                              f"(its options are --{cfg.algorithm}.NAME)")
         from .runner import Experiment
         exp = Experiment(cfg)
         if not quiet:

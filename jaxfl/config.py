@@ -23,58 +23,10 @@ class RunConfig:
     lr: float = 0.01
     momentum: float = 0.5
     seed: int = 0
-    # algorithm options (each algorithm reads the ones it takes; see jaxfl.algorithms)
-    prox_mu: float = 0.01
-    ditto_lambda: float = 0.1
-    head_epochs: int = 4
-    warmup_rounds: int = 0
-    local_bn: bool = False
-    # fedpick (None: the paper's value for the dataset)
-    tau: float | None = None
-    lam_lce: float | None = None
-    lam_ent: float | None = None
-    lam_dis: float | None = None
-    use_pfsm: bool = True
-    soft_mask: bool = False
-    no_ensemble: bool = False
-    share_bn: bool = False
-    share_pfsm: bool = False
-    pfsm_head: str = "same"
-    # rfeddis (the annealing horizon is ``rounds``)
-    share_global_head: bool = True
-    use_local_head: bool = True
-    use_dis: bool = True
-    head_ce: bool = True
-    fusion: str = "ds"
-    kl_reduction: str = "mean_all"
-    dis_feature: str = "relu1"
-    # fedselect (T of "no aggregation in the last round" is ``rounds``)
-    alpha: float = 0.8
-    grow_rate: float = 0.25
-    grow_every: int = 3
-    la_epochs: int = 1
-    delta_ref: str = "snapshot"
-    weight_by_n: bool = False
-    mask_biases: bool = False
-    aggregate_batch_stats: bool = False
-    # fedtp (the embedding table has one row per client of the dataset)
-    fedtp_variant: str = "hypernet"
-    personalize: bool = True
-    embed_dim: int = 128
-    hyper_hidden: int = 150
-    hyper_layers: int = 3
-    hyper_lr: float = 0.01
-    hyper_momentum: float = 0.9
-    hyper_decay: float = 1e-3
-    # dapperfl (E = local_epochs: 1 dense + E - 1 masked)
-    device_ratios: tuple = (0.0, 0.2, 0.4, 0.6, 0.8)
-    gamma: float = 0.01
-    use_fusion: bool = True
-    recover_mode: str = "global"
-    dar_norm: str = "l2"
-    alpha0: float = 0.9
-    alpha_min: float = 0.1
-    fusion_eps: float = 0.2
+    # algorithm options by algorithm, e.g. {"fedselect": {"alpha": 0.5}}: each algorithm's Options dataclass
+    # (``jaxfl.algorithms``) owns its defaults, presets and checks; the CLI's --fedselect.alpha, a [fedselect]
+    # table in TOML. The run uses only the table of ``algorithm``.
+    options: dict = dataclasses.field(default_factory=dict)
     # data
     data_dir: str | None = None
     num_clients: int | None = None
@@ -111,8 +63,38 @@ class RunConfig:
         return dataclasses.replace(self, **kw)
 
     def to_dict(self) -> dict:
-        """Plain JSON types (tuples as lists, so a saved config compares equal after loading)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        """Plain JSON types (tuples as lists, so a saved config compares equal after loading); the algorithm
+        tables at the top level under their algorithm's name, as in a config file."""
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items() if k != "options"}
+        for name, table in self.options.items():
+            d[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in table.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunConfig":
+        """A RunConfig from a config file's dict: RunConfig fields, and tables named by algorithm (unknown
+        keys are an error)."""
+        from .algorithms import REGISTRY
+        fields = {f.name for f in dataclasses.fields(cls)} - {"options"}
+        bad = sorted(k for k in values if k not in fields and k not in REGISTRY)
+        if bad:
+            raise ConfigError(f"unknown config keys {bad}; valid: {', '.join(sorted(fields))}, or a table "
+                              f"named by an algorithm ({', '.join(REGISTRY)})")
+        tables = {k: v for k, v in values.items() if k in REGISTRY}
+        for name, table in tables.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{name} must be a table of {name}'s options, got {table!r}")
+        return cls(**{k: v for k, v in values.items() if k in fields}, options=tables)
+
+    def algorithm_options(self):
+        """The typed, checked options of ``algorithm`` (its table, fields left None from the dataset's preset)."""
+        from .algorithms import algorithm_options
+        return algorithm_options(self.algorithm, self.options.get(self.algorithm), self.dataset)
+
+    def resolved(self) -> "RunConfig":
+        """This config with the run's algorithm table written out in full (every option, presets applied):
+        what a run saves, so that its config.json says every value it used."""
+        return self.replace(options={self.algorithm: self.algorithm_options().to_dict()})
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -129,28 +111,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_choice("client_sizes", cfg.client_sizes, ("equal", "lognormal"))
     if cfg.size_sigma < 0:
         raise ConfigError(f"size_sigma={cfg.size_sigma} must be >= 0")
-    check_choice("pfsm_head", cfg.pfsm_head, ("same", "linear"))
-    check_choice("fusion", cfg.fusion, ("ds", "sum"))
-    check_choice("kl_reduction", cfg.kl_reduction, ("mean_all", "batchmean"))
-    check_choice("delta_ref", cfg.delta_ref, ("snapshot", "round_start"))
-    check_choice("fedtp_variant", cfg.fedtp_variant, ("hypernet", "vanilla"))
-    check_choice("recover_mode", cfg.recover_mode, ("global", "zero"))
-    check_choice("dar_norm", cfg.dar_norm, ("l2", "sq_l2"))
-    for r in cfg.device_ratios:
-        check_range("device_ratios entry", r, 0.0, 1.0)
-    check_range("alpha", cfg.alpha, 0.0, 1.0)
-    check_range("grow_rate", cfg.grow_rate, 0.0, 1.0)
-    if cfg.tau is not None and cfg.tau <= 0:
-        raise ConfigError(f"tau={cfg.tau} must be > 0")
-    for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "eval_every",
-                 "eval_batch_size", "clients_per_domain", "grow_every", "la_epochs"):
+    for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "eval_every", "eval_batch_size",
+                 "clients_per_domain"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
     check_range("lr", cfg.lr, 0.0, float("inf"), lo_open=True)
     check_range("momentum", cfg.momentum, 0.0, 1.0)
-    for name in ("prox_mu", "ditto_lambda", "head_epochs", "warmup_rounds", "lam_lce", "lam_ent", "lam_dis"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
-            raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 0")
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
     if cfg.clients_per_round is not None and cfg.clients_per_round < 1:
@@ -161,6 +127,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0")
     if (cfg.resume or cfg.checkpoint_every) and not cfg.out:
         raise ConfigError("checkpoints and --resume need an output directory (--out DIR)")
+    from .algorithms import REGISTRY, algorithm_options
+    for name, table in cfg.options.items():  # every table given, not only the run's: a typo is caught
+        check_choice("algorithm table", name, REGISTRY)
+        algorithm_options(name, table, cfg.dataset)
     return cfg
 
 
@@ -171,8 +141,8 @@ def load_config_file(path: str | Path) -> dict:
         raise ConfigError(f"config file {str(path)!r} does not exist")
     text = path.read_text()
     data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    bad = sorted(set(data) - known)
-    if bad:
-        raise ConfigError(f"unknown config keys {bad} in {str(path)!r}; valid: {', '.join(sorted(known))}")
+    try:
+        RunConfig.from_dict(data)  # unknown keys, named with the file
+    except ConfigError as e:
+        raise ConfigError(f"{e} (in {str(path)!r})") from None
     return data

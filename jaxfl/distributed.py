@@ -1,5 +1,8 @@
 """Multi-process (multi-host) runs: one process per host, the client axis sharded over every device of every
-process (a 1-D ``engine.client_mesh`` over ``jax.devices()``, which lists the devices process by process).
+process (a 1-D ``client_mesh`` over ``jax.devices()``, which lists the devices process by process).
+
+The mesh helpers live here too: ``client_mesh`` (a 1-D mesh named "clients"), ``client_sharding`` (rows of
+the client axis split over it), ``shard_clients`` and ``replicate`` (placing stacked and server state).
 
 Each process stacks and places only the rows of its own clients (``process_rows``, ``from_process_rows``);
 the server state is replicated; aggregation's reductions over clients become cross-process all-reduces
@@ -10,8 +13,35 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .engine import client_sharding
 from .errors import ConfigError
+
+
+CLIENT_AXIS = "clients"
+
+
+def client_mesh(num_devices: int | None = None, devices=None):
+    """A 1-D ``jax.sharding.Mesh`` named "clients" over the first ``num_devices`` devices (default: all,
+    across every host after ``jax.distributed.initialize``)."""
+    devices = list(devices if devices is not None else jax.devices())
+    n = num_devices or len(devices)
+    if not 1 <= n <= len(devices):
+        raise ValueError(f"num_devices={n} must be between 1 and the {len(devices)} available devices")
+    return jax.sharding.Mesh(devices[:n], (CLIENT_AXIS,))
+
+
+def client_sharding(mesh):
+    """Rows of the leading (client) axis split over ``mesh``'s "clients" axis."""
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(CLIENT_AXIS))
+
+
+def shard_clients(tree, mesh):
+    """Place every leaf of a stacked pytree with its leading (client) axis split over ``mesh``."""
+    return jax.device_put(tree, client_sharding(mesh))
+
+
+def replicate(tree, mesh):
+    """Place every leaf of a pytree (the server state) in full on every device of ``mesh``."""
+    return jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:

@@ -1,7 +1,8 @@
 """The vectorized engine: all clients stacked on a leading axis, one jitted function per round.
 
 Pieces, each a pure function:
-- ``ClientData``: padded per-client arrays ``x[N, M, ...]``, ``y[N, M]`` and real counts ``count[N]``.
+- ``ClientData`` (``jaxfl.data.clients``): padded per-client arrays ``x[N, M, ...]``, ``y[N, M]`` and real
+  counts ``count[N]``.
 - ``epoch_permutation``: a per-client shuffle, real samples first, drawn inside jit.
 - ``LocalTrainer.run``: minibatch training of ONE client on its padded data; padded samples get weight 0.
 - ``map_clients``: run a one-client function over the client axis by strategy ``vmap`` | ``map`` | ``chunked``.
@@ -22,6 +23,8 @@ import jax.numpy as jnp
 import optax
 
 from .aggregation import broadcast_clients
+from .data.clients import ClientData
+from .distributed import CLIENT_AXIS
 from .errors import check_choice
 from .losses import correct_count, cross_entropy
 
@@ -30,24 +33,29 @@ STRATEGIES = ("vmap", "map", "chunked")
 
 
 @flax.struct.dataclass
-class ClientData:
-    """Padded client datasets. Stacked: x [N, M, ...], y [N, M], count [N]; one client: x [M, ...], y [M], count []."""
-    x: jax.Array
-    y: jax.Array
-    count: jax.Array
+class RoundInfo:
+    """Where the engine is, passed to an algorithm's ``local_update`` and ``aggregate``.
+
+    round: int32 [], the 0-based index of this round.
+    client_id: int32 [] for one client (``local_update``), [k] for the cohort (``aggregate``: the ids of the
+        trained rows, in their order).
+    num_rounds: the run's total number of rounds T (static), or None when the caller did not say.
+    """
+    round: jax.Array
+    client_id: jax.Array
+    num_rounds: int | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
-    def num_clients(self) -> int:
-        return self.count.shape[0]
+    def is_last(self) -> jax.Array:
+        """True in the run's last round (round == T - 1); needs ``num_rounds``."""
+        return self.round >= self.total_rounds("is_last") - 1
 
-    def sample_mask(self):
-        """1.0 for real samples, 0.0 for padding: [..., M]."""
-        m = self.y.shape[-1]
-        return (jnp.arange(m) < self.count[..., None]).astype(jnp.float32)
-
-    def take(self, ids) -> "ClientData":
-        """The rows ``ids`` of the client axis."""
-        return jax.tree_util.tree_map(lambda a: a[ids], self)
+    def total_rounds(self, what: str = "this algorithm") -> int:
+        """T, or a ValueError naming ``what`` needs it when the caller gave no ``num_rounds``."""
+        if self.num_rounds is None:
+            raise ValueError(f"{what} needs the run's number of rounds: pass num_rounds= to the engine "
+                             f"(Simulation, make_round)")
+        return self.num_rounds
 
 
 class Algorithm(NamedTuple):
@@ -55,12 +63,13 @@ class Algorithm(NamedTuple):
 
     init(key, sample_x) -> (server_state, client_state)    client_state: the persistent state of ONE client,
                                                            only what the method keeps between rounds (FedAvg:
-                                                           {}); all start equal, except a "client_id" entry,
-                                                           set to the client's id
-    local_update(server, client, data, key) -> (trained, metrics)  ONE client; data is a ClientData row
-    aggregate(server, trained, weights) -> (server, clients)       trained stacked over the cohort; returns
-                                                           the cohort's new persistent states (init's structure)
-    predict(server, client, x) -> logits                   evaluation-mode prediction of ONE client
+                                                           {}); every client starts from the same one
+    local_update(server, client, data, key, info) -> (trained, metrics)  ONE client; data is a ClientData
+                                                           row, info its ``RoundInfo``
+    aggregate(server, trained, weights, info) -> (server, clients)  trained stacked over the cohort (info's
+                                                           client_id [k]); returns the cohort's new persistent
+                                                           states (init's structure)
+    predict(server, client, x, client_id) -> logits        evaluation-mode prediction of ONE client
     """
     name: str
     init: Callable
@@ -157,34 +166,6 @@ def map_clients(fn: Callable, strategy: str = "vmap", chunk_size: int = 8) -> Ca
     return lambda *args: jax.lax.map(lambda a: fn(*a), args, batch_size=batch)
 
 
-CLIENT_AXIS = "clients"
-
-
-def client_mesh(num_devices: int | None = None, devices=None):
-    """A 1-D ``jax.sharding.Mesh`` named "clients" over the first ``num_devices`` devices (default: all,
-    across every host after ``jax.distributed.initialize``)."""
-    devices = list(devices if devices is not None else jax.devices())
-    n = num_devices or len(devices)
-    if not 1 <= n <= len(devices):
-        raise ValueError(f"num_devices={n} must be between 1 and the {len(devices)} available devices")
-    return jax.sharding.Mesh(devices[:n], (CLIENT_AXIS,))
-
-
-def client_sharding(mesh):
-    """Rows of the leading (client) axis split over ``mesh``'s "clients" axis."""
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(CLIENT_AXIS))
-
-
-def shard_clients(tree, mesh):
-    """Place every leaf of a stacked pytree with its leading (client) axis split over ``mesh``."""
-    return jax.device_put(tree, client_sharding(mesh))
-
-
-def replicate(tree, mesh):
-    """Place every leaf of a pytree (the server state) in full on every device of ``mesh``."""
-    return jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-
-
 def over_clients(fn: Callable, strategy: str, chunk_size: int, mesh=None) -> Callable:
     """fn(shared, *stacked) -> stacked outputs, one client per row. Without a mesh: ``map_clients``; with
     one, every device applies ``map_clients`` to its own block of clients (``jax.shard_map``) and
@@ -231,26 +212,29 @@ def tree_all_finite(tree):
 def init_state(alg: Algorithm, key, sample_x, num_clients: int):
     """(server_state, clients): every client starts from the same initial state."""
     server, client = alg.init(key, sample_x)
-    clients = jax.tree_util.tree_map(jnp.array, broadcast_clients(client, num_clients))
-    if isinstance(clients, dict) and "client_id" in clients:  # a client that needs its row index gets it
-        clients["client_id"] = jnp.arange(num_clients, dtype=clients["client_id"].dtype)
-    return server, clients
+    return server, jax.tree_util.tree_map(jnp.array, broadcast_clients(client, num_clients))
 
 
-def make_cohort_update(alg: Algorithm, *, strategy="vmap", chunk_size=8, mesh=None) -> Callable:
+def make_cohort_update(alg: Algorithm, *, strategy="vmap", chunk_size=8, mesh=None,
+                       num_rounds: int | None = None) -> Callable:
     """Build update(server, clients, data, ids, round_idx, root) -> (new_clients, metrics), one row per client.
 
     clients: the persistent states of k clients stacked [k]; data: their ClientData [k, M]; ids [k]: their
-    client ids (their PRNG streams, ``client_keys``). metrics per client: ``loss``, ``accuracy``, ``seen``,
-    ``steps`` (and what the algorithm adds) and ``finite`` (loss and new state all finite).
+    client ids (their PRNG streams, ``client_keys``, and ``RoundInfo.client_id``). metrics per client:
+    ``loss``, ``accuracy``, ``seen``, ``steps`` (and what the algorithm adds) and ``finite`` (loss and new
+    state all finite). num_rounds: T, for ``RoundInfo`` (algorithms with schedules need it).
     """
-    def one(shared, client, x, y, count, key):
-        new, metrics = alg.local_update(shared, client, ClientData(x, y, count), key)
+    def one(shared, client, x, y, count, key, cid):
+        server, round_idx = shared
+        info = RoundInfo(round_idx, cid, num_rounds)
+        new, metrics = alg.local_update(server, client, ClientData(x, y, count), key, info)
         return new, dict(metrics, finite=tree_all_finite(new) & jnp.isfinite(metrics["loss"]))
 
     def update(server, clients, data: ClientData, ids, round_idx, root):
+        ids = jnp.asarray(ids, jnp.int32)
         keys = client_keys(root, round_idx, ids)
-        return over_clients(one, strategy, chunk_size, mesh)(server, clients, data.x, data.y, data.count, keys)
+        return over_clients(one, strategy, chunk_size, mesh)((server, jnp.asarray(round_idx, jnp.int32)), clients,
+                                                             data.x, data.y, data.count, keys, ids)
 
     return update
 
@@ -262,7 +246,7 @@ def aggregation_weights(counts, weighting: str):
 
 
 def make_round(alg: Algorithm, *, strategy="vmap", chunk_size=8, cohort_size=None,
-               weighting="samples", mesh=None) -> Callable:
+               weighting="samples", mesh=None, num_rounds: int | None = None) -> Callable:
     """Build round(server, clients, data, round_idx, root) -> (server, clients, metrics), all in one jit.
 
     The simple layout: ``clients`` is every client's persistent state stacked [N] and ``data`` every client's
@@ -271,9 +255,10 @@ def make_round(alg: Algorithm, *, strategy="vmap", chunk_size=8, cohort_size=Non
     metrics: per cohort client ``loss``, ``accuracy``, ``seen``, ``steps``, ``finite`` and ``client_id``.
     Aggregation weights: sample counts (``samples``) or equal (``uniform``). ``mesh`` (see ``client_mesh``)
     splits the cohort over devices; the aggregation's reductions over clients then become all-reduces.
+    num_rounds: T, passed to the algorithm in its ``RoundInfo``.
     """
     check_choice("weighting", weighting, ("samples", "uniform"))
-    update = make_cohort_update(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh)
+    update = make_cohort_update(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds)
 
     def round_fn(server, clients, data: ClientData, round_idx, root):
         n = data.num_clients
@@ -282,7 +267,8 @@ def make_round(alg: Algorithm, *, strategy="vmap", chunk_size=8, cohort_size=Non
         c_clients = clients if full else jax.tree_util.tree_map(lambda a: a[ids], clients)
         c_data = data if full else data.take(ids)
         new_c, metrics = update(server, c_clients, c_data, ids, round_idx, root)
-        server, new_c = alg.aggregate(server, new_c, aggregation_weights(c_data.count, weighting))
+        info = RoundInfo(jnp.asarray(round_idx, jnp.int32), ids.astype(jnp.int32), num_rounds)
+        server, new_c = alg.aggregate(server, new_c, aggregation_weights(c_data.count, weighting), info)
         clients = new_c if full else jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), clients, new_c)
         return server, clients, dict(metrics, client_id=ids)
 
@@ -296,12 +282,12 @@ def split_output(out):
 
 def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_size=8,
                  preprocess: Callable = normalizer(), transform: Callable | None = None, mesh=None) -> Callable:
-    """Build predict_all(server, clients, data, key=None) -> (logits [N, M, K], {name: [N, M]}).
+    """Build predict_all(server, clients, data, key=None, ids=None) -> (logits [N, M, K], {name: [N, M]}).
 
     Every client predicts its own padded inputs in evaluation mode, in batches of ``eval_batch_size``
     (``lax.map``; M must be a multiple of it); rows past ``data.count`` are padding (mask them with
-    ``data.sample_mask()``). ``transform(x, key)`` changes each preprocessed batch (e.g. input noise); batch j
-    of client i gets ``fold_in(fold_in(key, i), j)``.
+    ``data.sample_mask()``). ids [N]: the rows' client ids (default 0..N-1). ``transform(x, key)`` changes
+    each preprocessed batch (e.g. input noise); batch j of client i gets ``fold_in(fold_in(key, i), j)``.
     """
     def one(shared, client, x, cid):
         server, key = shared
@@ -312,32 +298,33 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_
             xb = preprocess(xb)
             if transform is not None:
                 xb = transform(xb, jax.random.fold_in(jax.random.fold_in(key, cid), j))
-            return split_output(alg.predict(server, client, xb))
+            return split_output(alg.predict(server, client, xb, cid))
 
         xs = x.reshape((nb, eval_batch_size) + x.shape[1:])
         out = jax.lax.map(batch, (xs, jnp.arange(nb)))
         return jax.tree_util.tree_map(lambda a: a.reshape((nb * eval_batch_size,) + a.shape[2:]), out)
 
-    def predict_all(server, clients, data: ClientData, key=None):
+    def predict_all(server, clients, data: ClientData, key=None, ids=None):
         key = jax.random.key(0) if key is None else key
-        return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x,
-                                                             jnp.arange(data.num_clients))
+        ids = jnp.arange(data.num_clients, dtype=jnp.int32) if ids is None else jnp.asarray(ids, jnp.int32)
+        return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x, ids)
 
     return predict_all
 
 
 def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_size=8,
                   preprocess: Callable = normalizer(), mesh=None) -> Callable:
-    """Build evaluate(server, clients, data) -> {"loss", "accuracy", "count", ...} per client [N].
+    """Build evaluate(server, clients, data, ids=None) -> {"loss", "accuracy", "count", ...} per client [N].
 
-    Means over each client's real test samples (padding counts nowhere) of CE and accuracy; if
-    ``alg.predict`` returns (logits, {name: [B]}), each diagnostic is averaged the same way under its name.
+    ids [N]: the rows' client ids (default 0..N-1). Means over each client's real test samples (padding counts
+    nowhere) of CE and accuracy; if ``alg.predict`` returns (logits, {name: [B]}), each diagnostic is averaged
+    the same way under its name.
     """
     predict_all = make_predict(alg, eval_batch_size=eval_batch_size, strategy=strategy, chunk_size=chunk_size,
                                preprocess=preprocess, mesh=mesh)
 
-    def evaluate(server, clients, data: ClientData):
-        logits, extra = predict_all(server, clients, data)
+    def evaluate(server, clients, data: ClientData, ids=None):
+        logits, extra = predict_all(server, clients, data, ids=ids)
         w = data.sample_mask()
         n = jnp.maximum(data.count.astype(jnp.float32), 1.0)
         sums = {"loss": jnp.sum(w * cross_entropy(logits, data.y), -1),

@@ -33,7 +33,7 @@ def predict_proba(alg, server, clients, client_id: int, x, preprocess=normalizer
     """Class probabilities [B, K] and uncertainty [B] of client ``client_id``'s personalized model on new raw
     inputs x [B, ...] (``preprocess`` must be the run's normaliser). For RFedDis: alpha_F / S_F and K / S_F."""
     client = jax.tree_util.tree_map(lambda a: a[client_id], clients)
-    out = alg.predict(server, client, preprocess(x))
+    out = alg.predict(server, client, preprocess(x), jnp.asarray(client_id, jnp.int32))
     return probabilities_and_uncertainty(*split_output(out))
 
 

@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import optax
 
-from .algorithms import algorithm_options, build_algorithm
+from .algorithms import build_algorithm
 from .config import RunConfig, validate
 from .data import load_dataset
-from .distributed import is_primary
+from .distributed import client_mesh, is_primary
 from .data.ragged import RaggedClients
-from .engine import ClientData, LocalTrainer, client_mesh, normalizer
+from .engine import ClientData, LocalTrainer, normalizer
 from .simulation import ClientStore, Simulation, make_block_evaluate, place_rows
 from .errors import ConfigError, NonFiniteError
 from .metrics import count_params
@@ -74,7 +74,8 @@ def summarize(history: list[dict], names: list[str]) -> dict:
 
 
 class Experiment:
-    """A configured run, built once; ``run()`` trains to ``cfg.rounds`` (resuming if asked)."""
+    """The build step of a run: data, model, algorithm, the jitted round and evaluation, built once from a
+    config. ``run()`` (``train``, the host loop below) trains it to ``cfg.rounds``, resuming if asked."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg = validate(cfg)
@@ -96,12 +97,12 @@ class Experiment:
         tx = optax.sgd(cfg.lr, momentum=cfg.momentum or None)
         preprocess = normalizer(*ds.normalize)
         self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs, preprocess)
-        self.algorithm = build_algorithm(cfg.algorithm, self.model, self.trainer,
-                                         **algorithm_options(cfg.algorithm, cfg, cfg.dataset, n))
+        self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
+        self.algorithm = build_algorithm(cfg.algorithm, self.model, self.trainer, self.options, num_clients=n)
         self.strategy = strategy = cfg.strategy or default_strategy()
         self.simulation = Simulation(self.algorithm, self.train_data, batch_size=cfg.batch_size, strategy=strategy,
                                      chunk_size=cfg.chunk_size, cohort_size=self.cohort, weighting=cfg.weighting,
-                                     mesh=self.mesh, client_store=cfg.client_store)
+                                     mesh=self.mesh, client_store=cfg.client_store, num_rounds=cfg.rounds)
         self.evaluate_fn = make_block_evaluate(self.algorithm, self.test_data, eval_batch_size=eval_bs,
                                                preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size,
                                                mesh=self.mesh)
@@ -140,63 +141,90 @@ class Experiment:
                                   eval_batch_size=self.eval_batch_size, strategy=self.strategy, **kw)
 
     def run(self, progress: bool = False, log=None) -> RunResult:
-        cfg, names = self.cfg, self.dataset.client_names
-        out = Path(cfg.out) if cfg.out else None
-        ckpt, write = None, out is not None and is_primary()  # every process checkpoints its rows; one logs
-        server, store = self.init()
-        start, history = 0, []
-        if out:
-            out.mkdir(parents=True, exist_ok=True)
-            from .checkpoint import Checkpointer
-            ckpt = Checkpointer(out / "checkpoints")
-            if cfg.resume:
-                server, clients, start, history = ckpt.restore_latest(server, store.state, cfg,
-                                                                      out / "metrics.jsonl")
-                store.set(clients)
-            elif ckpt.latest_round() is not None:
-                raise ConfigError(f"{str(out)!r} already holds checkpoints; pass --resume to continue "
-                                  f"or choose another --out")
-            if write:
-                (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-                _rewrite_jsonl(out / "metrics.jsonl", history)
-        bar = _progress(range(start, cfg.rounds), progress, start, cfg.rounds)
-        for r in bar:
-            t0 = time.perf_counter()
-            server, m = self.round_fn(server, store, r)
-            ids = np.asarray(m["client_id"])
-            bad = [names[i] for i, ok in zip(ids, np.asarray(m["finite"])) if not ok]
-            if bad:
-                last = ckpt.latest_round() if ckpt else None
-                kept = f"; last good checkpoint: round {last}" if last is not None else ""
-                raise NonFiniteError(f"non-finite loss or parameters in round {r + 1} on client(s) "
-                                     f"{', '.join(bad)}; lower --lr or check the data{kept}")
-            rec = {"round": r + 1, "clients_trained": [names[i] for i in ids],
-                   "train_loss": np.asarray(m["loss"], float).tolist(),
-                   "train_accuracy": np.asarray(m["accuracy"], float).tolist(),
-                   # algorithm-specific per-client metrics (e.g. FedSelect's personal_fraction)
-                   **{f"train_{k}": np.asarray(v, float).tolist() for k, v in m.items()
-                      if k not in ("loss", "accuracy", "seen", "finite", "client_id") + ROUND_METRICS},
-                   **{k: m[k] for k in ROUND_METRICS}}
-            if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
-                rec.update(self.evaluate(server, store))
-            rec["time_s"] = time.perf_counter() - t0
-            history.append(rec)
-            if write:
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-            if ckpt and cfg.checkpoint_every and ((r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds):
-                ckpt.save(r + 1, server, store.state)
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(loss=f"{np.mean(rec['train_loss']):.3f}",
-                                acc=f"{rec.get('mean_accuracy', float('nan')):.3f}")
-            if log:
-                log(rec)
-        result = RunResult(cfg, names, history, server, store.state, count_params(server["params"]))
+        """Train to ``cfg.rounds`` (resuming if asked): ``train(self, ...)``."""
+        return train(self, progress=progress, log=log)
+
+
+# -- the host loop: rounds, checks, logging, checkpoints -----------------------------------------------------
+def open_run(exp: Experiment):
+    """(server, store, start_round, history, checkpointer or None): a fresh start, or the newest checkpoint
+    of ``--out`` under ``--resume``; writes config.json and the kept metrics (primary process)."""
+    cfg, server, store = exp.cfg, *exp.init()
+    out = Path(cfg.out) if cfg.out else None
+    if out is None:
+        return server, store, 0, [], None
+    out.mkdir(parents=True, exist_ok=True)
+    from .checkpoint import Checkpointer
+    ckpt, start, history = Checkpointer(out / "checkpoints"), 0, []
+    if cfg.resume:
+        server, clients, start, history = ckpt.restore_latest(server, store.state, cfg.resolved(),
+                                                              out / "metrics.jsonl")
+        store.set(clients)
+    elif ckpt.latest_round() is not None:
+        raise ConfigError(f"{str(out)!r} already holds checkpoints; pass --resume to continue or choose another --out")
+    if is_primary():
+        (out / "config.json").write_text(json.dumps(cfg.resolved().to_dict(), indent=2))
+        _rewrite_jsonl(out / "metrics.jsonl", history)
+    return server, store, start, history, ckpt
+
+
+def check_finite(metrics, names, round_idx: int, ckpt) -> None:
+    """NonFiniteError naming the round (1-based) and the clients whose loss or state is not finite."""
+    ids = np.asarray(metrics["client_id"])
+    bad = [names[i] for i, ok in zip(ids, np.asarray(metrics["finite"])) if not ok]
+    if bad:
+        last = ckpt.latest_round() if ckpt else None
+        kept = f"; last good checkpoint: round {last}" if last is not None else ""
+        raise NonFiniteError(f"non-finite loss or parameters in round {round_idx + 1} on client(s) "
+                             f"{', '.join(bad)}; lower --lr or check the data{kept}")
+
+
+def round_record(metrics, names, round_idx: int) -> dict:
+    """The metrics.jsonl record of a round's training: per trained client, and the per-round metrics."""
+    ids = np.asarray(metrics["client_id"])
+    return {"round": round_idx + 1, "clients_trained": [names[i] for i in ids],
+            "train_loss": np.asarray(metrics["loss"], float).tolist(),
+            "train_accuracy": np.asarray(metrics["accuracy"], float).tolist(),
+            # algorithm-specific per-client metrics (e.g. FedSelect's personal_fraction)
+            **{f"train_{k}": np.asarray(v, float).tolist() for k, v in metrics.items()
+               if k not in ("loss", "accuracy", "seen", "finite", "client_id") + ROUND_METRICS},
+            **{k: metrics[k] for k in ROUND_METRICS}}
+
+
+def train(exp: Experiment, progress: bool = False, log=None) -> RunResult:
+    """The host loop of a built experiment: each round trains, checks for NaN, evaluates every
+    ``eval_every`` rounds and at the end, appends to metrics.jsonl, checkpoints every ``checkpoint_every``
+    rounds; at the end writes summary.json and accuracy.png (``--out``, primary process)."""
+    cfg, names = exp.cfg, exp.dataset.client_names
+    server, store, start, history, ckpt = open_run(exp)
+    write = ckpt is not None and is_primary()  # every process checkpoints its rows; one logs
+    out = Path(cfg.out) if cfg.out else None
+    bar = _progress(range(start, cfg.rounds), progress, start, cfg.rounds)
+    for r in bar:
+        t0 = time.perf_counter()
+        server, m = exp.round_fn(server, store, r)
+        check_finite(m, names, r, ckpt)
+        rec = round_record(m, names, r)
+        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
+            rec.update(exp.evaluate(server, store))
+        rec["time_s"] = time.perf_counter() - t0
+        history.append(rec)
         if write:
-            (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
-            if history:
-                plot_accuracy(history, names, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}")
-        return result
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if ckpt and cfg.checkpoint_every and ((r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds):
+            ckpt.save(r + 1, server, store.state)
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{np.mean(rec['train_loss']):.3f}",
+                            acc=f"{rec.get('mean_accuracy', float('nan')):.3f}")
+        if log:
+            log(rec)
+    result = RunResult(cfg, names, history, server, store.state, count_params(server["params"]))
+    if write:
+        (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
+        if history:
+            plot_accuracy(history, names, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}")
+    return result
 
 
 def cohort_size(cfg: RunConfig, n: int) -> int:

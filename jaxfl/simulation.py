@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .data.ragged import RaggedClients
-from .distributed import fetch, from_process_rows, process_rows
-from .engine import (Algorithm, aggregation_weights, client_sharding, init_state, make_cohort_update,
+from .distributed import client_sharding, fetch, from_process_rows, process_rows
+from .engine import (Algorithm, RoundInfo, aggregation_weights, init_state, make_cohort_update,
                      make_evaluate, sample_cohort)
 from .errors import check_choice
 from .schedule import grid_ceil, padded_work, plan_buckets
@@ -88,11 +88,12 @@ class Simulation:
     strategy: ``map`` (one call, every client its own step count), ``vmap`` (buckets of similar clients, any
     number of lanes) or ``chunked`` (buckets of at most ``chunk_size`` lanes). ``mesh`` splits every call's
     lanes over devices (lanes are then multiples of the device count; the cohort must be one too).
+    num_rounds: T, given to the algorithm in its ``RoundInfo`` (methods with schedules need it).
     """
 
     def __init__(self, alg: Algorithm, train: RaggedClients, *, batch_size: int, strategy: str = "map",
                  chunk_size: int = 8, cohort_size: int | None = None, weighting: str = "samples", mesh=None,
-                 client_store: str = "auto"):
+                 client_store: str = "auto", num_rounds: int | None = None):
         check_choice("client strategy", strategy, ("vmap", "map", "chunked"))
         check_choice("weighting", weighting, ("samples", "uniform"))
         check_choice("client_store", client_store, PLACEMENTS)
@@ -102,7 +103,8 @@ class Simulation:
         self.num_clients = train.num_clients
         self.cohort_size = min(cohort_size or self.num_clients, self.num_clients)
         self.devices = 1 if mesh is None else mesh.devices.size
-        update = make_cohort_update(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh)
+        self.num_rounds = num_rounds
+        update = make_cohort_update(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds)
 
         def update_into(buffer, server, clients, data, ids, positions, round_idx, root):
             # train one bucket and write its rows into the cohort buffer; empty lanes (position C) are dropped
@@ -111,7 +113,8 @@ class Simulation:
 
         self._update_into = jax.jit(update_into, donate_argnums=(0,))
         self._update_shape = jax.jit(update)
-        self._aggregate = jax.jit(alg.aggregate)
+        self._aggregate = jax.jit(lambda server, trained, weights, ids, round_idx: alg.aggregate(
+            server, trained, weights, RoundInfo(jnp.asarray(round_idx, jnp.int32), ids, num_rounds)))
         self._make_buffer = None
         self.shapes: set[tuple[int, int]] = set()  # (lanes, samples) of every bucket compiled so far
 
@@ -157,7 +160,7 @@ class Simulation:
             self.shapes.add((b.lanes, b.steps))
         trained, metrics = buffer
         weights = np.asarray(aggregation_weights(self.train.counts[ids], self.weighting))
-        server, kept = self._aggregate(server, trained, weights)
+        server, kept = self._aggregate(server, trained, weights, jnp.asarray(ids, jnp.int32), round_idx)
         store.scatter(ids, kept)
         metrics = {k: np.asarray(v) for k, v in fetch(metrics).items()}
         done, real = padded_work(plan, self.train.counts[ids], self.batch_size,
@@ -205,7 +208,8 @@ def make_block_evaluate(alg: Algorithm, test: RaggedClients, *, eval_batch_size:
             bid = np.where(real, ids, -1)
             steps = grid_ceil(-(-int(test.counts[ids[real]].max()) // eval_batch_size))
             data = test.gather(bid, steps * eval_batch_size)
-            m = fetch(fn(server, place_rows(store.gather(np.where(real, ids, 0)), mesh), place_rows(data, mesh)))
+            safe = np.where(real, ids, 0).astype(np.int32)
+            m = fetch(fn(server, place_rows(store.gather(safe), mesh), place_rows(data, mesh), place_rows(safe, mesh)))
             parts.append({k: np.asarray(v)[real] for k, v in m.items()})
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 

@@ -24,6 +24,22 @@ def make_data(counts, m=None, shape=(8, 8, 3), seed=0, classes=4):
     return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(np.array(counts, np.int32)))
 
 
+def make_separable(counts, m=None, shape=(8, 8, 3), seed=0, classes=4):
+    """Client data of a separable task: noise images (0-59) in which class c lights rows
+    [c * H/classes, (c + 1) * H/classes) at 255; padded to m like ``make_data``."""
+    rng = np.random.default_rng(seed)
+    m = m or max(counts)
+    y = rng.integers(0, classes, (len(counts), m)).astype(np.int32)
+    x = rng.integers(0, 60, (len(counts), m) + shape).astype(np.uint8)
+    rows = shape[0] // classes
+    for c in range(classes):
+        x[y == c, c * rows:(c + 1) * rows] = 255
+    for i, c in enumerate(counts):
+        x[i, c:] = 0
+        y[i, c:] = 0
+    return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(np.array(counts, np.int32)))
+
+
 def make_trainer(batch_size=8, epochs=1, lr=0.05, momentum=0.5):
     return LocalTrainer(optax.sgd(lr, momentum=momentum), batch_size, epochs)
 
@@ -64,9 +80,15 @@ def run_rounds(alg, data, server, clients, root, rounds=1, **round_kw):
     return server, clients, metrics
 
 
-def trained_rows(alg, data, server, clients, root, round_idx=0):
+def trained_rows(alg, data, server, clients, root, round_idx=0, num_rounds=None):
     """Every client's full state right after its local update of round ``round_idx`` (before aggregation),
-    with the engine's per-client keys: what the server averages, which clients do not keep."""
-    from jaxfl.engine import client_keys
-    keys = client_keys(root, round_idx, jnp.arange(data.num_clients))
-    return jax.vmap(alg.local_update, (None, 0, 0, 0))(server, clients, data, keys)[0]
+    with the engine's per-client keys and RoundInfo: what the server averages, which clients do not keep."""
+    from jaxfl.engine import make_cohort_update
+    update = make_cohort_update(alg, strategy="vmap", num_rounds=num_rounds)
+    return update(server, clients, data, jnp.arange(data.num_clients), round_idx, root)[0]
+
+
+def info(round_idx, client_id, num_rounds=None):
+    """A RoundInfo as the engine builds it (client_id: an int or a list of ints)."""
+    from jaxfl.engine import RoundInfo
+    return RoundInfo(jnp.asarray(round_idx, jnp.int32), jnp.asarray(client_id, jnp.int32), num_rounds)

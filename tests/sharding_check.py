@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import make_data, make_trainer  # noqa: E402
 from jaxfl import build_algorithm, init_state, make_evaluate, make_round  # noqa: E402
-from jaxfl.engine import client_mesh, replicate, shard_clients  # noqa: E402
+from jaxfl.distributed import client_mesh, replicate, shard_clients  # noqa: E402
 from jaxfl.models import small_cnn  # noqa: E402
 
 COUNTS = [24, 17, 9, 20]
@@ -21,12 +21,11 @@ assert jax.device_count() == 4, jax.devices()
 
 def run(name, strategy, mesh=None, rounds=2, cohort=None):
     data = make_data(COUNTS)
-    alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(),
-                          **({"rounds": rounds} if name in ("fedselect", "rfeddis") else {}))
+    alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer())
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
     if mesh is not None:
         server, clients, data = replicate(server, mesh), shard_clients(clients, mesh), shard_clients(data, mesh)
-    fn = jax.jit(make_round(alg, strategy=strategy, mesh=mesh, cohort_size=cohort))
+    fn = jax.jit(make_round(alg, strategy=strategy, mesh=mesh, cohort_size=cohort, num_rounds=rounds))
     for r in range(rounds):
         server, clients, metrics = fn(server, clients, data, r, jax.random.key(1))
     ev = jax.jit(make_evaluate(alg, eval_batch_size=8, strategy=strategy, mesh=mesh))(server, clients, data)
@@ -37,9 +36,10 @@ def run(name, strategy, mesh=None, rounds=2, cohort=None):
 
 
 failed = False
-for name, strategy in (("fedavg", "vmap"), ("fedavg", "map"), ("fedbn", "map"), ("fedselect", "map")):
+for name, strategy, meshes in (("fedavg", "vmap", (2,)), ("fedavg", "map", (2, 4)), ("fedbn", "map", (2,)),
+                               ("fedselect", "map", (2,))):
     ref = run(name, strategy)
-    for n in (2, 4):
+    for n in meshes:
         out = run(name, strategy, client_mesh(n))
         ok = all(np.allclose(a, b, atol=1e-5, rtol=1e-5)
                  for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))

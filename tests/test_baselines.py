@@ -4,11 +4,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_trees_close, make_data, make_trainer, run_rounds, setup_algorithm, trained_rows
+from conftest import (assert_trees_close, make_data, make_separable, make_trainer, run_rounds, setup_algorithm,
+                      trained_rows)
 from jaxfl import make_evaluate, make_round
 from jaxfl.algorithms import ALGORITHMS, SHARING
 from jaxfl.algorithms.fedrep import head_then_body
 from jaxfl.algorithms.fedavg import ce_loss
+from jaxfl.engine import client_keys
 from jaxfl.models import small_cnn
 
 ROOT = jax.random.key(3)
@@ -33,8 +35,11 @@ def setup(name, **opts):
     return setup_algorithm(name, model(), COUNTS, options=opts)
 
 
+T = 10  # the runs' total rounds, for the algorithms whose schedules need it
+
+
 def run(alg, data, server, clients, rounds=2):
-    return run_rounds(alg, data, server, clients, ROOT, rounds)
+    return run_rounds(alg, data, server, clients, ROOT, rounds, num_rounds=T)
 
 
 def rows_equal(leaf):
@@ -65,13 +70,13 @@ def test_every_algorithm_is_listed_with_its_sharing():
 
 def test_fedprox_with_mu_zero_equals_fedavg():
     a = run(*setup("fedavg"))
-    b = run(*setup("fedprox", prox_mu=0.0))
+    b = run(*setup("fedprox", mu=0.0))
     assert_trees_close(a[:2], b[:2], atol=0, rtol=0)
 
 
 def test_fedprox_term_pulls_toward_the_round_start():
-    alg0, data, server, clients = setup("fedprox", prox_mu=0.0)
-    alg1, *_ = setup("fedprox", prox_mu=10.0)
+    alg0, data, server, clients = setup("fedprox", mu=0.0)
+    alg1, *_ = setup("fedprox", mu=10.0)
     start = server["params"]
     dist = lambda s: sum(float(jnp.sum((a - b) ** 2)) for a, b in
                          zip(jax.tree_util.tree_leaves(s["params"]), jax.tree_util.tree_leaves(start)))
@@ -137,7 +142,10 @@ def test_lg_fedavg_warmup_rounds_are_fedavg():
     warm = run(*setup("lg_fedavg", warmup_rounds=2))
     avg = run(*setup("fedavg"))
     assert_trees_close(warm[0]["params"], avg[0]["params"], atol=1e-6)
-    assert int(warm[0]["round"]) == 2
+    # while warming up a client's model is the global one: each keeps the averaged body
+    for leaf, g in zip(jax.tree_util.tree_leaves(warm[1]["params"]["encoder"]),
+                       jax.tree_util.tree_leaves(warm[0]["params"]["encoder"])):
+        np.testing.assert_array_equal(leaf, np.broadcast_to(g, leaf.shape))
     # a third round is LG: the body stays personal, so the server body no longer moves
     alg, data, *_ = setup("lg_fedavg", warmup_rounds=2)
     s3, _, _ = jax.jit(make_round(alg, strategy="vmap"))(warm[0], warm[1], data, 2, ROOT)
@@ -145,30 +153,47 @@ def test_lg_fedavg_warmup_rounds_are_fedavg():
 
 
 def test_ditto_with_lambda_zero_has_purely_local_personal_models():
-    alg, data, server, clients = setup("ditto", ditto_lambda=0.0)
+    alg, data, server, clients = setup("ditto", lam=0.0)
     s, c, _ = run(alg, data, server, clients)
     loc = run(*setup("local"))
     assert_trees_close(c["personal"]["params"], loc[1]["params"], atol=0, rtol=0)
-    # its global model is FedAvg's (the global phase runs on another key stream, so compare structure only)
-    assert jax.tree_util.tree_structure(s["params"]) == jax.tree_util.tree_structure(server["params"])
+    # its global model is FedAvg's update on the global key stream fold_in(key_i, 1), checked by hand
+    s1, _, _ = run(alg, data, server, clients, rounds=1)
+    trainer, loss = make_trainer(), ce_loss(model())
+    train = jax.jit(lambda p, st, d, k: trainer.run(loss, p, st, trainer.tx.init(p), d, k)[:2])
+    keys = client_keys(ROOT, 0, jnp.arange(len(COUNTS)))
+    trained = [train(server["params"], server["batch_stats"], data.take(i), jax.random.fold_in(keys[i], 1))
+               for i in range(len(COUNTS))]
+    w = np.array(COUNTS, np.float32) / sum(COUNTS)
+    expect = jax.tree_util.tree_map(lambda *leaves: sum(wi * x for wi, x in zip(w, leaves)), *trained)
+    assert_trees_close((s1["params"], s1["batch_stats"]), expect, atol=1e-6, rtol=1e-5)
+    assert not np.allclose(s1["params"]["head"]["fc1"]["linear"]["kernel"],
+                           server["params"]["head"]["fc1"]["linear"]["kernel"])
 
 
 def test_ditto_large_lambda_ties_personal_models_to_the_global_one():
-    far = run(*setup("ditto", ditto_lambda=0.0))
-    near = run(*setup("ditto", ditto_lambda=5.0))  # lr * lambda < 1: stable
+    far = run(*setup("ditto", lam=0.0))
+    near = run(*setup("ditto", lam=5.0))  # lr * lambda < 1: stable
     gap = lambda out: sum(float(jnp.sum((p - g[None]) ** 2)) for p, g in zip(
         jax.tree_util.tree_leaves(out[1]["personal"]["params"]), jax.tree_util.tree_leaves(out[0]["params"])))
     assert gap(near) < 0.5 * gap(far)
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
-def test_every_algorithm_runs_evaluates_and_matches_under_map(name):
-    alg, data, server, clients = setup(name)
-    a = run(alg, data, server, clients)
-    fn = jax.jit(make_round(alg, strategy="map"))
-    s, c = server, clients
-    for r in range(2):
-        s, c, m = fn(s, c, data, r, ROOT)
-    assert_trees_close(a[:2], (s, c), atol=1e-5)
-    ev = jax.jit(make_evaluate(alg, eval_batch_size=8))(s, c, make_data(list(COUNTS), m=24, seed=1))
-    assert np.all(np.isfinite(ev["loss"])) and ev["accuracy"].shape == (3,)
+def test_every_algorithm_matches_under_map_and_learns_a_separable_task(name):
+    alg, _, server, clients = setup(name)
+    data, test = make_separable(COUNTS), make_separable(COUNTS, m=24, seed=1)
+    by_map = jax.jit(make_round(alg, strategy="map", num_rounds=T))
+    by_vmap = jax.jit(make_round(alg, strategy="vmap", num_rounds=T))
+    s, c, s_map, c_map = server, clients, server, clients
+    for r in range(6):
+        s, c, m = by_vmap(s, c, data, r, ROOT)
+        if r < 2:
+            s_map, c_map, _ = by_map(s_map, c_map, data, r, ROOT)
+        if r == 1:
+            assert_trees_close((s, c), (s_map, c_map), atol=1e-5)
+    ev = jax.jit(make_evaluate(alg, eval_batch_size=8))(s, c, test)
+    assert ev["accuracy"].shape == (3,) and np.all(np.isfinite(ev["loss"]))
+    # chance is 0.25; every method reaches >= 0.92 after 6 rounds here but the tiny hypernetwork ViT of
+    # FedTP, which learns more slowly (0.77)
+    assert float(np.mean(ev["accuracy"])) >= (0.5 if name == "fedtp" else 0.75), ev["accuracy"]

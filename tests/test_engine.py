@@ -42,7 +42,7 @@ def test_one_client_alone_equals_same_client_in_stack():
     row = data.take(1)
     update = jax.jit(alg.local_update)
     for r in range(2):
-        one, _ = update(server, one, row, client_keys(ROOT, r, jnp.array([1]))[0])
+        one, _ = update(server, one, row, client_keys(ROOT, r, jnp.array([1]))[0], conftest.info(r, 1))
     row_of = lambda t: {k: t[k] for k in ("params", "batch_stats")}  # (no optimizer state is stored)
     assert_trees_close(row_of(jax.tree_util.tree_map(lambda a: a[1], stacked)), row_of(one), atol=1e-6)
 
@@ -122,8 +122,19 @@ def test_partial_participation_trains_only_the_cohort():
                            clients["params"]["head"]["fc1"]["linear"]["kernel"][i])
         assert same == (i not in ids)
     np.testing.assert_array_equal(ids, sample_cohort(ROOT, 0, 5, 2))
-    assert not np.array_equal(sample_cohort(ROOT, 0, 5, 2), sample_cohort(ROOT, 1, 5, 2)) or \
-        not np.array_equal(sample_cohort(ROOT, 2, 5, 2), sample_cohort(ROOT, 3, 5, 2))
+
+
+def test_cohorts_are_sorted_draws_without_replacement_keyed_by_round():
+    # the documented draw: sorted(choice(fold_in(fold_in(root, 1), t), N, (k,), replace=False))
+    for t in range(3):
+        expect = np.sort(jax.random.choice(jax.random.fold_in(jax.random.fold_in(ROOT, 1), t), 5, (2,), replace=False))
+        np.testing.assert_array_equal(sample_cohort(ROOT, t, 5, 2), expect)
+    cohorts = np.stack([np.asarray(sample_cohort(ROOT, t, 5, 2)) for t in range(40)])
+    assert np.all(cohorts[:, 0] < cohorts[:, 1])  # sorted, no client twice
+    counts = np.bincount(cohorts.ravel(), minlength=5)
+    assert counts.sum() == 80 and counts.min() >= 8  # every client is drawn (16 times each in expectation)
+    assert len({tuple(c) for c in cohorts}) >= 6  # of the 10 possible pairs
+    np.testing.assert_array_equal(sample_cohort(ROOT, 7, 5, 5), np.arange(5))  # a full cohort is everyone
 
 
 def test_client_keys_depend_on_id_not_position():
@@ -146,8 +157,8 @@ def test_clients_beyond_their_data_skip_steps():
     alg, data, server, clients = setup("local", counts=(24, 9))
     alg_alone = build_algorithm("local", small_cnn(num_classes=4, width=4), make_trainer())
     one, row, key = jax.tree_util.tree_map(lambda a: a[1], clients), data.take(1), jax.random.key(5)
-    in_stack, _ = jax.jit(alg.local_update)(server, one, row, key)
-    alone, _ = jax.jit(alg_alone.local_update)(server, one, row, key)
+    in_stack, _ = jax.jit(alg.local_update)(server, one, row, key, conftest.info(0, 1))
+    alone, _ = jax.jit(alg_alone.local_update)(server, one, row, key, conftest.info(0, 1))
     assert_trees_close(in_stack, alone, atol=1e-6)
 
 

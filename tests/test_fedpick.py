@@ -6,7 +6,7 @@ import numpy as np
 from conftest import assert_trees_close, make_data, run_rounds, setup_algorithm, trained_rows
 from jaxfl import make_evaluate
 from jaxfl.algorithms.fedavg import is_batchnorm
-from jaxfl.algorithms.fedpick import FedPickNet, PFSM, fedpick_defaults
+from jaxfl.algorithms.fedpick import FedPickNet, FedPickOptions, PFSM
 from jaxfl.models import MLPHead, small_cnn
 
 ROOT = jax.random.key(11)
@@ -125,5 +125,8 @@ def test_prediction_is_the_ensemble_unless_switched_off_and_reports_diagnostics(
 
 
 def test_paper_defaults_per_dataset():
-    assert fedpick_defaults("digits") == {"tau": 10.0, "lam_lce": 10.0, "lam_ent": 0.001, "lam_dis": 10.0}
-    assert fedpick_defaults("pacs") == {"tau": 1.0, "lam_lce": 1.0, "lam_ent": 0.001, "lam_dis": 1.0}
+    paper = lambda o: (o.tau, o.lam_lce, o.lam_ent, o.lam_dis)
+    assert paper(FedPickOptions.from_dict({}, "digits")) == (10.0, 10.0, 0.001, 10.0)
+    assert paper(FedPickOptions.from_dict({}, "pacs")) == (1.0, 1.0, 0.001, 1.0)
+    assert paper(FedPickOptions.from_dict({"tau": 2}, "pacs")) == (2.0, 1.0, 0.001, 1.0)  # given values win
+    assert paper(FedPickOptions().with_preset(None)) == (10.0, 10.0, 0.001, 10.0)  # the factory's: Digits

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import assert_trees_close, make_data, make_trainer, run_rounds
+from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
 from jaxfl import build_algorithm, init_state
 from jaxfl.algorithms.fedselect import fedselect, is_maskable, mask_updates
 from jaxfl.algorithms.fedavg import path_mask
@@ -27,35 +27,34 @@ class MLP(nn.Module):
 def setup(model=None, **opts):
     data = make_data(list(COUNTS))
     trainer = make_trainer(lr=0.05, momentum=0.5)
-    alg = build_algorithm("fedselect", model or small_cnn(num_classes=4, width=4, hidden=(8,)), trainer,
-                          **dict(dict(rounds=10), **opts))
+    alg = build_algorithm("fedselect", model or small_cnn(num_classes=4, width=4, hidden=(8,)), trainer, **opts)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
     return alg, data, server, clients
 
 
 def test_per_entry_mean_matches_a_hand_computed_three_client_example():
-    alg = fedselect(MLP(), make_trainer(), rounds=10)
+    alg = fedselect(MLP(), make_trainer())
     theta = jnp.array([[1., 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])
     personal = jnp.array([[0, 1, 0, 1], [0, 0, 1, 1], [1, 0, 0, 1]], bool)
-    server = {"params": {"w": jnp.full(4, -1.0)}, "round": jnp.array(0)}
+    server = {"params": {"w": jnp.full(4, -1.0)}}
     clients = {"params": {"w": theta}, "mask": {"w": personal}, "pending": {"w": personal}}
-    new_server, new_clients = alg.aggregate(server, clients, jnp.array([24., 17., 9.]))  # unweighted by default
+    new_server, new_clients = alg.aggregate(server, clients, jnp.array([24., 17., 9.]),  # unweighted by default
+                                            info(0, [0, 1, 2], num_rounds=10))
     # entry 0: global for clients 0, 1 -> (1 + 5) / 2; entry 1: clients 1, 2 -> 8; entry 2: clients 0, 2 -> 7;
     # entry 3: personal everywhere -> clients keep theirs, the server keeps its previous value
     np.testing.assert_array_equal(new_clients["params"]["w"], [[3, 2, 7, 4], [3, 8, 7, 8], [9, 8, 7, 12]])
     np.testing.assert_array_equal(new_server["params"]["w"], [3, 8, 7, -1])
-    assert int(new_server["round"]) == 1
 
 
 def test_personal_entries_are_untouched_and_the_last_round_does_not_aggregate():
-    alg = fedselect(MLP(), make_trainer(), rounds=3)
+    alg = fedselect(MLP(), make_trainer())
     theta = jax.random.normal(jax.random.key(1), (3, 50))
     personal = jax.random.bernoulli(jax.random.key(2), 0.4, (3, 50))
     clients = {"params": {"w": theta}, "mask": {"w": personal}, "pending": {"w": personal}}
-    server = {"params": {"w": jnp.zeros(50)}, "round": jnp.array(1)}
-    _, out = alg.aggregate(server, clients, jnp.ones(3))
+    server = {"params": {"w": jnp.zeros(50)}}
+    _, out = alg.aggregate(server, clients, jnp.ones(3), info(1, [0, 1, 2], num_rounds=3))
     np.testing.assert_array_equal(np.where(personal, out["params"]["w"], 0), np.where(personal, theta, 0))
-    last_server, last = alg.aggregate(dict(server, round=jnp.array(2)), clients, jnp.ones(3))
+    last_server, last = alg.aggregate(server, clients, jnp.ones(3), info(2, [0, 1, 2], num_rounds=3))
     np.testing.assert_array_equal(last["params"]["w"], theta)
     np.testing.assert_array_equal(last_server["params"]["w"], server["params"]["w"])
 
@@ -63,12 +62,12 @@ def test_personal_entries_are_untouched_and_the_last_round_does_not_aggregate():
 def test_alpha_zero_is_fedavg_with_uniform_weights():
     data = make_data(list(COUNTS))
     trainer = make_trainer(lr=0.05, momentum=0.5)
-    select = fedselect(MLP(), trainer, rounds=10, alpha=0.0, grow_every=1)
+    select = fedselect(MLP(), trainer, alpha=0.0, grow_every=1)
     avg = build_algorithm("fedavg", MLP(), trainer)
     outs = []
     for alg in (select, avg):
         server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
-        outs.append(run_rounds(alg, data, server, clients, ROOT, rounds=3, weighting="uniform"))
+        outs.append(run_rounds(alg, data, server, clients, ROOT, rounds=3, weighting="uniform", num_rounds=10))
     (s_sel, c_sel, m_sel), (s_avg, _, m_avg) = outs
     assert_trees_close(s_sel["params"], s_avg["params"], atol=1e-6)
     for i in range(len(COUNTS)):  # every client holds the broadcast average
@@ -82,7 +81,7 @@ def test_growth_adds_the_top_rate_fraction_of_each_maskable_tensor():
     alg, data, server, clients = setup(grow_every=1, alpha=0.9, grow_rate=p)
     client = jax.tree_util.tree_map(lambda a: a[0], clients)
     row = jax.tree_util.tree_map(lambda a: a[0], data)
-    new, metrics = jax.jit(alg.local_update)(dict(server, round=jnp.array(1)), client, row, jax.random.key(9))
+    new, metrics = jax.jit(alg.local_update)(server, client, row, jax.random.key(9), info(1, 0, 10))
     eligible = path_mask(client["params"], is_maskable)
     for e, m, now, ref in zip(*(jax.tree_util.tree_leaves(t) for t in (eligible, new["pending"], new["params"],
                                                                          client["params"]))):
@@ -103,7 +102,7 @@ def test_mask_biases_lets_biases_grow_and_batch_stats_can_be_averaged():
     alg, data, server, clients = setup(grow_every=1, alpha=0.9, mask_biases=True, aggregate_batch_stats=True)
     client = jax.tree_util.tree_map(lambda a: a[0], clients)
     row = jax.tree_util.tree_map(lambda a: a[0], data)
-    new, _ = jax.jit(alg.local_update)(dict(server, round=jnp.array(1)), client, row, jax.random.key(9))
+    new, _ = jax.jit(alg.local_update)(server, client, row, jax.random.key(9), info(1, 0, 10))
     biases = [m for path, m in jax.tree_util.tree_flatten_with_path(new["pending"])[0] if path[-1].key == "bias"]
     assert biases and all(np.asarray(m).any() for m in biases)  # the default (test above) never grows them
     # batch statistics: every client gets the weighted mean, except in the final round, which keeps its own
@@ -111,19 +110,19 @@ def test_mask_biases_lets_biases_grow_and_batch_stats_can_be_averaged():
                                    clients["batch_stats"])
     cl = dict(clients, batch_stats=stats)
     w = jnp.array([24., 17., 9.])
-    _, out = jax.jit(alg.aggregate)(server, cl, w)
+    _, out = jax.jit(alg.aggregate)(server, cl, w, info(0, [0, 1, 2], 10))
     for x, y in zip(jax.tree_util.tree_leaves(stats), jax.tree_util.tree_leaves(out["batch_stats"])):
         mean = np.tensordot(np.asarray(w) / 50.0, np.asarray(x), 1)
         np.testing.assert_allclose(y, np.broadcast_to(mean, x.shape), rtol=1e-6)
-    _, last = jax.jit(alg.aggregate)(dict(server, round=jnp.array(9)), cl, w)
+    _, last = jax.jit(alg.aggregate)(server, cl, w, info(9, [0, 1, 2], 10))
     assert_trees_close(last["batch_stats"], stats, atol=0)
-    _, default = setup()[0].aggregate(server, cl, w)
+    _, default = setup()[0].aggregate(server, cl, w, info(0, [0, 1, 2], 10))
     assert_trees_close(default["batch_stats"], stats, atol=0)  # the code's rule: statistics stay local
 
 
 def test_masks_only_grow_on_schedule_and_uploads_shrink():
     alg, data, server, clients = setup(grow_every=2, alpha=0.5)
-    fn = jax.jit(__import__("jaxfl").make_round(alg))
+    fn = jax.jit(__import__("jaxfl").make_round(alg, num_rounds=10))
     masks, uploads = [], []
     s, c = server, clients
     for r in range(5):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_trees_close, make_data, make_trainer, run_rounds
+from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
 from jaxfl import build_algorithm, init_state, make_round
 from jaxfl.algorithms.fedtp import adapt_new_client, fedtp, split_qkv
 from jaxfl.hypernet import generate, hypernet_grads, hypernetwork
@@ -28,12 +28,17 @@ def setup(**opts):
     return alg, data, server, clients, trainer
 
 
-def test_generated_projections_have_every_layers_shape_and_clients_know_their_row():
+def test_generated_projections_have_every_layers_shape_and_clients_predict_with_their_row():
     alg, data, server, clients, _ = setup()
-    np.testing.assert_array_equal(clients["client_id"], np.arange(len(COUNTS)))
+    assert jax.tree_util.tree_leaves(clients) == []  # the row of Z is the client's id: nothing is stored
     hnet = hypernetwork({f"qkv{l}": (16, 48) for l in range(2)}, 4, 8, 1)
     out = generate(hnet.apply, server["hnet"], server["embeddings"], jnp.arange(len(COUNTS)))
     assert {k: v.shape for k, v in out.items()} == {"qkv0": (4, 16, 48), "qkv1": (4, 16, 48)}
+    x = data.x[0, :5] / 255.0
+    for i in range(len(COUNTS)):  # client i predicts with W generated from row i
+        qkv = jnp.stack([out[f"qkv{l}"][i] for l in range(2)])
+        expect = vit().apply({"params": server["params"]}, x, train=False, qkv=qkv)
+        np.testing.assert_allclose(alg.predict(server, {}, x, jnp.int32(i)), expect, rtol=1e-5, atol=1e-6)
     same = generate(hnet.apply, server["hnet"], jnp.stack([server["embeddings"][0]] * 2), jnp.arange(2))
     np.testing.assert_array_equal(same["qkv0"][0], same["qkv0"][1])  # identical embeddings, identical weights
     assert "qkv" not in server["params"]["encoder"]["attn0"]  # the projections are never part of xi
@@ -44,11 +49,11 @@ def test_server_step_is_sgd_on_the_vjp_of_the_weight_changes_and_skips_unsampled
     ids = jnp.array([1, 3])  # a cohort of two
     cohort = jax.tree_util.tree_map(lambda a: a[ids], clients)
     keys = [jax.random.key(7), jax.random.key(8)]
-    trained = [alg.local_update(server, jax.tree_util.tree_map(lambda a: a[j], cohort), data.take(int(i)), k)[0]
-               for j, (i, k) in enumerate(zip(ids, keys))]
+    trained = [alg.local_update(server, jax.tree_util.tree_map(lambda a: a[j], cohort), data.take(int(i)), k,
+                                info(0, i))[0] for j, (i, k) in enumerate(zip(ids, keys))]
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *trained)
     weights = data.count[ids].astype(jnp.float32)
-    new, kept = alg.aggregate(server, stacked, weights)
+    new, kept = alg.aggregate(server, stacked, weights, info(0, ids))
     hnet = hypernetwork({f"qkv{l}": (16, 48) for l in range(2)}, 4, 8, 1)
     sent = generate(hnet.apply, server["hnet"], server["embeddings"], ids)
     w_k = {f"qkv{l}": stacked["trained_qkv"][:, l] for l in range(2)}
@@ -61,13 +66,13 @@ def test_server_step_is_sgd_on_the_vjp_of_the_weight_changes_and_skips_unsampled
     for row in (0, 2):  # unsampled: zero gradient, only the table-wide weight decay
         np.testing.assert_array_equal(g_z[row], 0.0)
     assert float(jnp.abs(g_z[1]).sum()) > 0
-    assert sorted(kept) == ["client_id"]  # nothing but the row index is stored per client
+    assert kept == {}  # nothing is stored per client
 
 
 def test_vanilla_without_personalization_is_fedavg_on_the_same_vit():
     data = make_data(list(COUNTS))
     trainer = make_trainer(lr=0.05, momentum=0.5)
-    ours = fedtp(vit(), trainer, fedtp_variant="vanilla", personalize=False)
+    ours = fedtp(vit(), trainer, variant="vanilla", personalize=False)
     avg = build_algorithm("fedavg", vit(), trainer)
     outs = []
     for alg in (ours, avg):
@@ -80,7 +85,7 @@ def test_vanilla_without_personalization_is_fedavg_on_the_same_vit():
 
 
 def test_vanilla_keeps_each_clients_projections():
-    alg, data, server, clients, _ = setup(fedtp_variant="vanilla")
+    alg, data, server, clients, _ = setup(variant="vanilla")
     s, c, m = run_rounds(alg, data, server, clients, ROOT, rounds=1)
     assert np.all(np.isfinite(m["loss"])) and not np.allclose(c["qkv"][0], c["qkv"][1])
 

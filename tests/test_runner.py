@@ -31,7 +31,7 @@ def test_resume_equals_uninterrupted(tmp_path):
         Experiment(RunConfig(algorithm="fedavg", rounds=5, out=str(tmp_path), resume=True, **TINY)).run()
     # a run saved before a config field existed resumes when the field keeps its default
     saved = json.loads((tmp_path / "config.json").read_text())
-    del saved["fusion"]
+    del saved["client_store"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     more = Experiment(RunConfig(algorithm="fedbn", rounds=5, out=str(tmp_path), resume=True, **TINY)).run()
     assert [h["round"] for h in more.history] == [1, 2, 3, 4, 5]
@@ -109,22 +109,53 @@ def test_cli_run_writes_outputs(tmp_path, capsys):
     assert (tmp_path / "o" / "accuracy.png").is_file()
 
 
-def test_algorithm_options_come_from_the_config_by_name():
+def test_algorithm_options_come_from_the_algorithms_table():
     from jaxfl.algorithms import algorithm_options
-    cfg = RunConfig(prox_mu=0.3, head_epochs=2, warmup_rounds=5, ditto_lambda=0.7, local_bn=True)
-    assert algorithm_options("fedavg", cfg) == {}
-    assert algorithm_options("fedprox", cfg) == {"prox_mu": 0.3, "local_bn": True}
-    assert algorithm_options("fedrep", cfg) == {"head_epochs": 2, "local_bn": True}
-    assert algorithm_options("lg_fedavg", cfg) == {"warmup_rounds": 5, "local_bn": True}
-    assert algorithm_options("ditto", cfg) == {"ditto_lambda": 0.7}
+    from jaxfl.algorithms.fedselect import FedSelectOptions
+    cfg = RunConfig(algorithm="fedprox", options={"fedprox": {"mu": 0.3, "local_bn": True}, "ditto": {"lam": 0.7}})
+    o = cfg.algorithm_options()
+    assert (type(o).__name__, o.mu, o.local_bn) == ("FedProxOptions", 0.3, True)
+    assert algorithm_options("ditto", cfg.options["ditto"]).lam == 0.7
+    assert algorithm_options("fedrep", {}).head_epochs == 4  # the class owns the default
+    assert algorithm_options("fedselect", {"grow_every": 2}) == FedSelectOptions(grow_every=2)
+    # a config's saved form writes the run's table in full and loads back to the same options
+    saved = cfg.resolved().to_dict()
+    assert saved["fedprox"] == {"local_bn": True, "mu": 0.3} and "ditto" not in saved
+    assert RunConfig.from_dict(saved).algorithm_options() == o
 
 
-def test_cli_runs_a_personalized_baseline_with_its_option(tmp_path, capsys):
-    code = main(["run", "--quiet", "--algorithm", "lg_fedavg", "--warmup-rounds", "1", "--rounds", "2",
+@pytest.mark.parametrize("values,message", [
+    ({"algorithm": "fedprox", "fedprox": {"mu": -1.0}}, "fedprox.mu=-1.0 must be in [0.0, inf]"),
+    ({"algorithm": "fedselect", "fedselect": {"alpha": 1.5}}, "fedselect.alpha=1.5 must be in [0.0, 1.0]"),
+    ({"algorithm": "fedselect", "fedselect": {"grow_every": 0}}, "fedselect.grow_every=0 must be at least 1"),
+    ({"algorithm": "rfeddis", "rfeddis": {"fusion": "product"}}, "rfeddis.fusion='product' is not one of: ds, sum"),
+    ({"algorithm": "fedavg", "fedselect": {"alpah": 0.5}}, "unknown fedselect option(s) alpah; fedselect takes:"),
+    ({"algorithm": "fedavg", "fedfoo": {"x": 1}}, "unknown config keys ['fedfoo']"),
+    ({"algorithm": "fedprox", "fedprox": {"mu": "big"}}, "fedprox.mu='big' must be a number"),
+    ({"algorithm": "dapperfl", "dapperfl": {"device_ratios": [0.2, 1.5]}}, "dapperfl.device_ratios=1.5 must be in"),
+])
+def test_bad_algorithm_options_are_named(values, message):
+    from jaxfl.config import validate
+    with pytest.raises(ConfigError) as e:
+        validate(RunConfig.from_dict(values))
+    assert message in str(e.value)
+
+
+def test_cli_options_are_addressed_by_algorithm(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('algorithm = "lg_fedavg"\n[lg_fedavg]\nwarmup_rounds = 3\nlocal_bn = true\n'
+                   '[fedselect]\nalpha = 0.5\n')  # another algorithm's table is allowed (and checked)
+    code = main(["run", "--quiet", "--config", str(cfg), "--lg_fedavg.warmup-rounds", "1", "--rounds", "2",
                  "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size", "16",
                  "--out", str(tmp_path / "o")])
     assert code == 0
-    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
-    assert cfg["algorithm"] == "lg_fedavg" and cfg["warmup_rounds"] == 1
-    with pytest.raises(ConfigError, match="prox_mu=-1.0 must be >= 0"):
-        Experiment(RunConfig(algorithm="fedprox", prox_mu=-1.0, **TINY))
+    saved = json.loads((tmp_path / "o" / "config.json").read_text())
+    # the flag overrode the file's warmup_rounds, the file's local_bn stayed; only the run's table is saved
+    assert saved["algorithm"] == "lg_fedavg" and saved["lg_fedavg"] == {"local_bn": True, "warmup_rounds": 1}
+    assert "fedselect" not in saved
+    capsys.readouterr()
+    code = main(["run", "--quiet", "--algorithm", "fedavg", "--fedselect.alpha", "0.5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0] == ("jaxfl: error: --fedselect.alpha: option(s) of fedselect, but the algorithm is fedavg "
+                      "(its options are --fedavg.NAME)")

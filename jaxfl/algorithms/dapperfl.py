@@ -1,8 +1,8 @@
 """DapperFL (Jia et al., NeurIPS 2024): model fusion pruning, domain-adaptive regularisation, heterogeneous
 aggregation with recovery.
 
-Client i has a pruning ratio rho_i (its device level: ``ratios[client_id % len(ratios)]``). In round t
-(0-based r = t - 1) it loads the global model W (params and BN statistics) and:
+Client i (``RoundInfo.client_id``) has a pruning ratio rho_i, its device level ``ratios[i % len(ratios)]``.
+In round t (0-based r = t - 1) it loads the global model W (params and BN statistics) and:
 1. trains one dense epoch with L = CE + gamma R(z), R(z) = ||z||_2 of the penultimate feature (``dar_norm``
    "l2", the code) or ||z||_2^2 ("sq_l2", the paper);
 2. fuses w = a_t W + (1 - a_t) w_hat, a_t = max((1 - eps)^r alpha0, alpha_min), skipped when r = 0 (W is then
@@ -25,9 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from ..aggregation import recovered_mean, tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer
+from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..losses import cross_entropy, feature_norm, weighted_mean_loss
-from ..masks import channel_mask, in_out_channel_mask, magnitude_mask
+from ..errors import ConfigError
+from ..masks import channel_mask, in_out_channel_mask, magnitude_mask, tree_count, tree_density
+from ..options import Options, option
 from .fedavg import init_variables, leaf_paths
 
 RECOVER_MODES = ("global", "zero")
@@ -73,18 +75,33 @@ def dapperfl_masks(params, ratio):
     return jax.tree_util.tree_unflatten(treedef, [rule(p, x) for p, x in zip(paths, leaves)])
 
 
-def dapperfl(model, trainer: LocalTrainer, device_ratios: tuple = DEVICE_RATIOS, gamma: float = 0.01,
-             use_fusion: bool = True, recover_mode: str = "global", dar_norm: str = "l2", alpha0: float = 0.9,
-             alpha_min: float = 0.1, fusion_eps: float = 0.2) -> Algorithm:
-    """DapperFL on a ``Classifier`` (encoder features z = the DAR input). ``trainer.epochs`` = E: 1 dense epoch,
-    then E - 1 masked ones. ``device_ratios``: rho per capability level, client i gets level i mod len."""
-    if recover_mode not in RECOVER_MODES:
-        raise ValueError(f"recover_mode must be one of {RECOVER_MODES}, got {recover_mode!r}")
-    if dar_norm not in ("l2", "sq_l2"):
-        raise ValueError(f"dar_norm must be 'l2' or 'sq_l2', got {dar_norm!r}")
-    bad = [r for r in device_ratios if not 0.0 <= r <= 1.0]
-    if bad or not device_ratios:
-        raise ValueError(f"device_ratios must be non-empty values in [0, 1], got {tuple(device_ratios)}")
+@dataclasses.dataclass(frozen=True)
+class DapperFLOptions(Options):
+    name = "dapperfl"
+    sharing = ("everything (global model), each client's update masked by its pruning mask; pruned entries "
+               "keep the previous global value", "nothing (its pruning ratio follows from its id)")
+    device_ratios: tuple[float, ...] = option(DEVICE_RATIOS, "pruning ratio per device level, comma-separated; "
+                                              "client i gets level i mod len", lo=0.0, hi=1.0)
+    gamma: float = option(0.01, "weight of the DAR term ||z||", lo=0.0)
+    use_fusion: bool = option(True, "fuse local and global weights before pruning (--no-...: released code)")
+    recover_mode: str = option("global", "global (pruned entries keep W, paper) | zero (averaged as zeros, "
+                               "released code)", choices=RECOVER_MODES)
+    dar_norm: str = option("l2", "l2 (||z||, code) | sq_l2 (||z||^2, paper)", choices=("l2", "sq_l2"))
+    alpha0: float = option(0.9, "initial fusion weight of the global model", lo=0.0, hi=1.0)
+    alpha_min: float = option(0.1, "floor of the fusion weight", lo=0.0, hi=1.0)
+    fusion_eps: float = option(0.2, "decay of the fusion weight per round", lo=0.0, hi=1.0)
+
+
+def dapperfl(model, trainer: LocalTrainer, **options) -> Algorithm:
+    """DapperFL on a ``Classifier`` (encoder features z = the DAR input); options: ``DapperFLOptions``.
+    ``trainer.epochs`` = E: 1 dense epoch, then E - 1 masked ones. ``device_ratios``: rho per capability
+    level, client i gets level i mod len."""
+    o = DapperFLOptions(**options).validate()
+    if not o.device_ratios:
+        raise ConfigError("dapperfl.device_ratios must hold at least one ratio in [0, 1]")
+    device_ratios, gamma, use_fusion, recover_mode, dar_norm = (o.device_ratios, o.gamma, o.use_fusion,
+                                                                o.recover_mode, o.dar_norm)
+    alpha0, alpha_min, fusion_eps = o.alpha0, o.alpha_min, o.fusion_eps
     ratios = jnp.asarray(device_ratios, jnp.float32)
     dense = dataclasses.replace(trainer, epochs=1)
     masked = dataclasses.replace(trainer, epochs=max(trainer.epochs - 1, 1))
@@ -104,16 +121,16 @@ def dapperfl(model, trainer: LocalTrainer, device_ratios: tuple = DEVICE_RATIOS,
 
     def init(key, sample_x):
         v = init_variables(model, trainer, key, sample_x)
-        return dict(v, round=jnp.zeros((), jnp.int32)), {"client_id": jnp.zeros((), jnp.int32)}
+        return v, {}  # a client keeps nothing: its device level follows from its id
 
-    def local_update(server, client, data: ClientData, key):
-        rho = ratios[client["client_id"] % ratios.shape[0]]
+    def local_update(server, client, data: ClientData, key, info: RoundInfo):
+        rho = ratios[info.client_id % ratios.shape[0]]
         ones = jax.tree_util.tree_map(jnp.ones_like, server["params"])
         opt = trainer.tx.init(server["params"])
         params, stats, opt, m_dense = dense.run(loss_with(ones), server["params"], server["batch_stats"], opt,
                                                 data, key)  # as FedAvg's first epoch
         if use_fusion:
-            a = jnp.where(server["round"] > 0, fusion_coefficient(server["round"], alpha0, alpha_min, fusion_eps), 0.0)
+            a = jnp.where(info.round > 0, fusion_coefficient(info.round, alpha0, alpha_min, fusion_eps), 0.0)
             params = jax.tree_util.tree_map(lambda g, w: a * g + (1.0 - a) * w, server["params"], params)
         mask = dapperfl_masks(params, rho)
         params = jax.tree_util.tree_map(jnp.multiply, params, mask)
@@ -121,23 +138,19 @@ def dapperfl(model, trainer: LocalTrainer, device_ratios: tuple = DEVICE_RATIOS,
         if trainer.epochs > 1:
             params, stats, opt, metrics = masked.run(loss_with(mask), params, stats, opt, data,
                                                      jax.random.fold_in(key, 1))
-        n = sum(m.size for m in jax.tree_util.tree_leaves(mask))
-        kept = sum(jnp.sum(m) for m in jax.tree_util.tree_leaves(mask))
-        metrics = dict(metrics, ratio=rho, kept_params=kept, kept_fraction=kept / n)
-        return dict(client, params=params, batch_stats=stats, mask=mask), metrics
+        metrics = dict(metrics, ratio=rho, kept_params=tree_count(mask), kept_fraction=tree_density(mask))
+        return {"params": params, "batch_stats": stats, "mask": mask}, metrics
 
-    def aggregate(server, clients, weights):
+    def aggregate(server, clients, weights, info: RoundInfo):
         if recover_mode == "global":
             params = jax.tree_util.tree_map(lambda x, m, g: recovered_mean(x, weights, m, g),
                                             clients["params"], clients["mask"], server["params"])
         else:
             params = tree_weighted_mean(jax.tree_util.tree_map(jnp.multiply, clients["params"], clients["mask"]),
                                         weights)
-        new = {"params": params, "batch_stats": tree_weighted_mean(clients["batch_stats"], weights),
-               "round": server["round"] + 1}
-        return new, {"client_id": clients["client_id"]}
+        return {"params": params, "batch_stats": tree_weighted_mean(clients["batch_stats"], weights)}, {}
 
-    def predict(server, client, x):
+    def predict(server, client, x, client_id=None):
         return model.apply({"params": server["params"], "batch_stats": server["batch_stats"]}, x, train=False)
 
     return Algorithm("dapperfl", init, local_update, aggregate, predict)

@@ -9,23 +9,34 @@ lambda ties them to the global model.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from ..aggregation import tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer
+from ..options import Options, option
 from .fedavg import ce_loss, init_variables
 
 
-def ditto(model, trainer: LocalTrainer, ditto_lambda: float = 0.1) -> Algorithm:
-    """Ditto with personal regularisation ``ditto_lambda``."""
-    global_loss, personal_loss = ce_loss(model), ce_loss(model, prox_mu=ditto_lambda)
+@dataclasses.dataclass(frozen=True)
+class DittoOptions(Options):
+    name = "ditto"
+    sharing = ("a global FedAvg model", "a personal model trained toward it (lambda/2 ||v - w||^2)")
+    lam: float = option(0.1, "lambda, the weight of lambda/2 ||v - w_global||^2 on the personal model", lo=0.0)
+
+
+def ditto(model, trainer: LocalTrainer, **options) -> Algorithm:
+    """Ditto with personal regularisation ``lam`` (lambda)."""
+    o = DittoOptions(**options).validate()
+    global_loss, personal_loss = ce_loss(model), ce_loss(model, prox_mu=o.lam)
 
     def init(key, sample_x):
         variables = init_variables(model, trainer, key, sample_x)
         # Clients store only their personal model: the global model's rows exist within a round only.
         return variables, {"personal": variables}
 
-    def local_update(server, client, data: ClientData, key):
+    def local_update(server, client, data: ClientData, key, info=None):
         anchor = jax.lax.stop_gradient(server["params"])
         # Personal model first, on the client's own key stream, so lambda = 0 is exactly local training.
         pv = client["personal"]
@@ -38,10 +49,10 @@ def ditto(model, trainer: LocalTrainer, ditto_lambda: float = 0.1) -> Algorithm:
         return {"params": g_params, "batch_stats": g_stats,
                 "personal": {"params": p_params, "batch_stats": p_stats}}, metrics
 
-    def aggregate(server, clients, weights):
+    def aggregate(server, clients, weights, info=None):
         return tree_weighted_mean({k: clients[k] for k in server}, weights), {"personal": clients["personal"]}
 
-    def predict(server, client, x):
+    def predict(server, client, x, client_id=None):
         return model.apply(client["personal"], x, train=False)
 
     return Algorithm("ditto", init, local_update, aggregate, predict)

@@ -15,14 +15,16 @@ with other masks, a proximal term, a phased local trainer, or warm-up rounds.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from ..aggregation import tree_masked_mean, tree_where
-from ..engine import Algorithm, ClientData, LocalTrainer
+from ..aggregation import broadcast_clients, tree_masked_mean, tree_where
+from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..losses import cross_entropy, weighted_mean_loss
+from ..options import Options, option
 from ..trees import PathPredicate, fill, leaf_paths, path_mask, prune  # noqa: F401 (re-exported)
 
 
@@ -67,7 +69,7 @@ def init_variables(model, trainer: LocalTrainer, key, sample_x):
 def masked_averaging(name: str, model, trainer: LocalTrainer, *,
                      share_param: PathPredicate, share_stats: bool | PathPredicate,
                      prox_mu: float = 0.0, train: Callable | None = None,
-                     warmup_rounds: int = 0, count_rounds: bool = False, loss: Callable | None = None,
+                     warmup_rounds: int = 0, loss_uses_info: bool = False, loss: Callable | None = None,
                      predict: Callable | None = None) -> Algorithm:
     """An Algorithm that averages the parameters selected by ``share_param(path)`` and the BatchNorm
     statistics selected by ``share_stats`` (a bool or a path predicate), keeping everything else per client.
@@ -77,25 +79,23 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
     prox_mu: FedProx's proximal weight (0: plain CE).
     train(trainer, loss_fn, params, stats, opt_state, data, key) -> (params, stats, opt_state, metrics):
         replaces ``trainer.run`` (FedRep's head-then-body epochs).
-    warmup_rounds: the first rounds share every leaf (LG-FedAvg); the server then counts rounds.
-    count_rounds: the server counts rounds (0-based) and ``loss`` gets the keyword ``round_idx`` (schedules).
+    warmup_rounds: the first rounds (``RoundInfo.round`` < warmup_rounds) share every leaf (LG-FedAvg).
+    loss_uses_info: ``loss`` gets the keyword ``info`` (the client's ``RoundInfo``: schedules).
     loss: replaces ``ce_loss(model, prox_mu)`` (same signature); predict(variables, x): replaces
         ``model.apply(variables, x, train=False)`` and may return (logits, per-sample diagnostics).
     """
     stats_pred = share_stats if callable(share_stats) else (lambda _: share_stats)
-    counting = bool(warmup_rounds or count_rounds)
     loss_fn = loss or ce_loss(model, prox_mu)
     apply_eval = predict or (lambda variables, x: model.apply(variables, x, train=False))
-    keys = ("params", "batch_stats")
 
     def static_masks(variables):
         return {"params": path_mask(variables["params"], share_param),
                 "batch_stats": path_mask(variables["batch_stats"], stats_pred)}
 
-    def masks(server):
+    def masks(server, info):
         m = static_masks(server)
         if warmup_rounds:
-            warm = server["round"] < warmup_rounds  # traced: every leaf is shared while warming up
+            warm = info.round < warmup_rounds  # traced: every leaf is shared while warming up
             m = jax.tree_util.tree_map(lambda s: True if s else warm, m)
         return m
 
@@ -105,33 +105,59 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
 
     def init(key, sample_x):
         variables = init_variables(model, trainer, key, sample_x)
-        server = dict(variables, round=jnp.zeros((), jnp.int32)) if counting else variables
-        return server, prune(variables, personal(variables))
+        return variables, prune(variables, personal(variables))
 
-    def merged(server, client):
+    def merged(server, client, m):
         # Shared leaves come from the server, the rest from the client's own leaves.
-        own = {k: server[k] for k in keys}
-        return tree_where(masks(server), own, fill(own, client))
+        return tree_where(m, server, fill(server, client))
 
-    def local_update(server, client, data: ClientData, key):
-        v = merged(server, client)
+    def local_update(server, client, data: ClientData, key, info: RoundInfo):
+        v = merged(server, client, masks(server, info))
         anchor = jax.lax.stop_gradient(v["params"])
-        extra = {"round_idx": server["round"]} if count_rounds else {}
+        extra = {"info": info} if loss_uses_info else {}
         fn = lambda p, s, x, y, w, k: loss_fn(p, s, x, y, w, k, anchor, **extra)
         params, stats, _, metrics = (train or LocalTrainer.run)(
             trainer, fn, v["params"], v["batch_stats"], trainer.tx.init(v["params"]), data, key)
         return {"params": params, "batch_stats": stats}, metrics
 
-    def aggregate(server, clients, weights):
-        new = tree_masked_mean(clients, weights, masks(server), {k: server[k] for k in keys})
-        if counting:
-            new["round"] = server["round"] + 1
+    def aggregate(server, clients, weights, info: RoundInfo):
+        m = masks(server, info)
+        new = tree_masked_mean(clients, weights, m, server)
+        if warmup_rounds:  # while warming up a client's model is the global one: it keeps the averaged leaves
+            clients = tree_where(m, broadcast_clients(new, weights.shape[0]), clients)
         return new, prune(clients, personal(server))
 
-    def predict_fn(server, client, x):
-        return apply_eval(merged(server, client), x)
+    def predict_fn(server, client, x, client_id=None):
+        return apply_eval(merged(server, client, static_masks(server)), x)
 
     return Algorithm(name, init, local_update, aggregate, predict_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class FedAvgOptions(Options):
+    """FedAvg has no options of its own."""
+    name = "fedavg"
+    sharing = ("all parameters and BN statistics", "nothing")
+
+
+@dataclasses.dataclass(frozen=True)
+class FedBNOptions(Options):
+    """FedBN has no options of its own."""
+    name = "fedbn"
+    sharing = ("all but BatchNorm", "BatchNorm scale/bias and statistics")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalOptions(Options):
+    """Local training has no options."""
+    name = "local"
+    sharing = ("nothing", "everything")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalBNOption(Options):
+    """The option of the masked-averaging baselines that can keep BatchNorm per client."""
+    local_bn: bool = option(False, "keep BatchNorm per client too (FedBN-style)")
 
 
 def fedavg(model, trainer, **kw) -> Algorithm:

@@ -6,11 +6,20 @@ both, jointly, with CE.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..engine import Algorithm
-from .fedavg import in_part, keep_bn_local, masked_averaging
+from .fedavg import LocalBNOption, in_part, keep_bn_local, masked_averaging
 
 
-def fedper(model, trainer, local_bn: bool = False, **kw) -> Algorithm:
+@dataclasses.dataclass(frozen=True)
+class FedPerOptions(LocalBNOption):
+    name = "fedper"
+    sharing = ("encoder (body)", "head")
+
+
+def fedper(model, trainer, **options) -> Algorithm:
     """FedPer: share ``encoder``, keep ``head`` personal; ``local_bn`` also keeps BatchNorm personal."""
-    share = keep_bn_local(in_part("encoder"), local_bn)
-    return masked_averaging("fedper", model, trainer, share_param=share, share_stats=share, **kw)
+    o = FedPerOptions(**options).validate()
+    share = keep_bn_local(in_part("encoder"), o.local_bn)
+    return masked_averaging("fedper", model, trainer, share_param=share, share_stats=share)

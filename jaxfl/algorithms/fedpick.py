@@ -13,6 +13,8 @@ and statistics) and the PFSM stay on the client. ``use_pfsm=False`` is exactly F
 """
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -21,6 +23,7 @@ from ..losses import cross_entropy, negative_entropy, symmetric_kl, weighted_mea
 from ..masks import relaxed_mask, split_features
 from ..metrics import sparsity_per_sample
 from ..models import Dense, MLPHead
+from ..options import Options, option
 from .fedavg import is_batchnorm, masked_averaging
 
 # fedpick spec section 3: (tau, lam_lce, lam_ent, lam_dis) per dataset.
@@ -28,9 +31,28 @@ DIGITS = {"tau": 10.0, "lam_lce": 10.0, "lam_ent": 0.001, "lam_dis": 10.0}
 OFFICE = {"tau": 1.0, "lam_lce": 1.0, "lam_ent": 0.001, "lam_dis": 1.0}
 
 
-def fedpick_defaults(dataset: str | None) -> dict:
-    """The paper's hyperparameters: Digits values for digit benchmarks, Office/DomainNet values otherwise."""
-    return dict(DIGITS if dataset in (None, "default", "digits", "mnist") else OFFICE)
+@dataclasses.dataclass(frozen=True)
+class FedPickOptions(Options):
+    """FedPick's options; tau and the lam_* left None take the paper's values for the dataset (Digits values
+    for digit benchmarks, Office/DomainNet values otherwise)."""
+    name = "fedpick"
+    sharing = ("encoder and global head, without BatchNorm", "BatchNorm, the PFSM (mask net, personal and irrelevant heads)")
+    presets = {"default": DIGITS, "digits": DIGITS, "mnist": DIGITS, "office": OFFICE}
+    preset_default = "office"
+    tau: float | None = option(None, "Gumbel-sigmoid temperature (default: 10 digits, 1 otherwise)", lo=0.0,
+                               lo_open=True)
+    lam_lce: float | None = option(None, "weight of the personal head's CE (default: 10 digits, 1 otherwise)",
+                                   lo=0.0)
+    lam_ent: float | None = option(None, "weight of the irrelevant head's negative entropy (default: 0.001)", lo=0.0)
+    lam_dis: float | None = option(None, "weight of the symmetric KL between global and personal predictions "
+                                   "(default: 10 digits, 1 otherwise)", lo=0.0)
+    use_pfsm: bool = option(True, "--no-...: drop the PFSM (the FedBN ablation)")
+    soft_mask: bool = option(False, "ablation: use the soft mask m_s, no threshold")
+    no_ensemble: bool = option(False, "ablation: predict with the global head only")
+    share_bn: bool = option(False, "ablation: average BatchNorm too")
+    share_pfsm: bool = option(False, "ablation: average the PFSM too")
+    pfsm_head: str = option("same", "personal and irrelevant heads: same (copy the global head) | linear",
+                            choices=("same", "linear"))
 
 
 class PFSM(nn.Module):
@@ -68,16 +90,18 @@ class FedPickNet(nn.Module):
         return out
 
 
-def fedpick(model, trainer, tau: float = 10.0, lam_lce: float = 10.0, lam_ent: float = 0.001,
-            lam_dis: float = 10.0, use_pfsm: bool = True, soft_mask: bool = False, no_ensemble: bool = False,
-            share_bn: bool = False, share_pfsm: bool = False, pfsm_head: str = "same") -> Algorithm:
-    """FedPick on a ``Classifier`` (its encoder and head become the shared encoder and global head).
+def fedpick(model, trainer, **options) -> Algorithm:
+    """FedPick on a ``Classifier`` (its encoder and head become the shared encoder and global head); options:
+    ``FedPickOptions`` (tau and lam_* left None take the Digits values).
 
     pfsm_head: "same" (h_p, h_u copy the global head's architecture) or "linear". Ablations: use_pfsm=False
     (FedBN), soft_mask (m = m_s, no threshold), no_ensemble (predict a_g), share_bn, share_pfsm, lam_* = 0.
     """
-    if pfsm_head not in ("same", "linear"):
-        raise ValueError(f"pfsm_head must be 'same' or 'linear', got {pfsm_head!r}")
+    o = FedPickOptions(**options).with_preset(None).validate()
+    tau, lam_lce, lam_ent, lam_dis = o.tau, o.lam_lce, o.lam_ent, o.lam_dis
+    use_pfsm, soft_mask, no_ensemble, share_bn, share_pfsm = (o.use_pfsm, o.soft_mask, o.no_ensemble, o.share_bn,
+                                                              o.share_pfsm)
+    pfsm_head = o.pfsm_head
     classes = model.head.num_classes
     head_like = lambda name: MLPHead(() if pfsm_head == "linear" else tuple(model.head.hidden), classes, name=name)
     pfsm = PFSM(head_like("head_p"), head_like("head_u"), tau, not soft_mask) if use_pfsm else None

@@ -7,11 +7,22 @@ mu = 0.01.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..engine import Algorithm
-from .fedavg import keep_bn_local, masked_averaging
+from ..options import option
+from .fedavg import LocalBNOption, keep_bn_local, masked_averaging
 
 
-def fedprox(model, trainer, prox_mu: float = 0.01, local_bn: bool = False, **kw) -> Algorithm:
-    """FedProx with proximal weight ``prox_mu``; ``local_bn`` keeps BatchNorm per client (FedBN-style)."""
-    return masked_averaging("fedprox", model, trainer, share_param=keep_bn_local(lambda p: True, local_bn),
-                            share_stats=not local_bn, prox_mu=prox_mu, **kw)
+@dataclasses.dataclass(frozen=True)
+class FedProxOptions(LocalBNOption):
+    name = "fedprox"
+    sharing = ("as FedAvg; local loss + mu/2 ||w - w_global||^2", "nothing")
+    mu: float = option(0.01, "weight of the proximal term mu/2 ||w - w_global||^2", lo=0.0)
+
+
+def fedprox(model, trainer, **options) -> Algorithm:
+    """FedProx with proximal weight ``mu``; ``local_bn`` keeps BatchNorm per client (FedBN-style)."""
+    o = FedProxOptions(**options).validate()
+    return masked_averaging("fedprox", model, trainer, share_param=keep_bn_local(lambda p: True, o.local_bn),
+                            share_stats=not o.local_bn, prox_mu=o.mu)

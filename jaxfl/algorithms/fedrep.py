@@ -13,7 +13,8 @@ import jax
 import optax
 
 from ..engine import Algorithm, LocalTrainer
-from .fedavg import in_part, keep_bn_local, masked_averaging, path_mask
+from ..options import option
+from .fedavg import LocalBNOption, in_part, keep_bn_local, masked_averaging, path_mask
 
 
 def only(tx: optax.GradientTransformation, trainable) -> optax.GradientTransformation:
@@ -39,8 +40,16 @@ def head_then_body(head_epochs: int):
     return train
 
 
-def fedrep(model, trainer, head_epochs: int = 4, local_bn: bool = False, **kw) -> Algorithm:
+@dataclasses.dataclass(frozen=True)
+class FedRepOptions(LocalBNOption):
+    name = "fedrep"
+    sharing = ("encoder (body), trained after head_epochs of head-only training", "head")
+    head_epochs: int = option(4, "head-only epochs before the body epochs (--local-epochs)", minimum=0)
+
+
+def fedrep(model, trainer, **options) -> Algorithm:
     """FedRep: share ``encoder``, personal ``head``; ``head_epochs`` head-only epochs, then body-only epochs."""
-    share = keep_bn_local(in_part("encoder"), local_bn)
+    o = FedRepOptions(**options).validate()
+    share = keep_bn_local(in_part("encoder"), o.local_bn)
     return masked_averaging("fedrep", model, trainer, share_param=share, share_stats=share,
-                            train=head_then_body(head_epochs), **kw)
+                            train=head_then_body(o.head_epochs))

@@ -13,8 +13,9 @@ The server averages each entry over the clients for which it is global, unweight
 sample weights), with the mask the client trained with (a newly promoted entry takes the average one last
 time), and writes the average into those clients' global entries; personal entries are never read. BN
 statistics stay local (the official code), unless ``aggregate_batch_stats``, which replaces every client's
-with the weighted mean sum_i w_i s_i / sum_i w_i. The last round (``rounds`` - 1) aggregates nothing, so the final evaluation sees the
-personalized models right after local training, as the paper reports them. Evaluation after earlier rounds
+with the weighted mean sum_i w_i s_i / sum_i w_i. The run's last round (``RoundInfo.is_last``) aggregates
+nothing, so the final evaluation sees the personalized models right after local training, as the paper
+reports them. Evaluation after earlier rounds
 sees the models after the broadcast (the official code logs them before it).
 """
 from __future__ import annotations
@@ -27,8 +28,9 @@ import jax.numpy as jnp
 import optax
 
 from ..aggregation import masked_mean, weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer
-from ..masks import grow_mask
+from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
+from ..masks import tree_count, tree_density, tree_grow_mask, tree_size
+from ..options import Options, option
 from .fedavg import ce_loss, init_variables, path_mask
 
 DELTA_REFS = ("snapshot", "round_start")
@@ -73,54 +75,62 @@ def local_alt(trainer: LocalTrainer, loss_fn, params, stats, mask, data: ClientD
     return params, stats, jax.tree_util.tree_map(lambda a: a[-1], metrics)
 
 
-def fedselect(model: nn.Module, trainer: LocalTrainer, rounds: int = 100, alpha: float = 0.8, grow_rate: float = 0.25,
-              grow_every: int = 3, la_epochs: int = 1, delta_ref: str = "snapshot",
-              weight_by_n: bool = False, mask_biases: bool = False,
-              aggregate_batch_stats: bool = False) -> Algorithm:
-    """FedSelect. alpha: personalization limit per tensor (0: never grow, which is FedAvg with LocalAlt);
-    grow_rate: fraction p of a tensor's global entries promoted per growth; grow_every: K; la_epochs: E;
-    rounds: T (the last round does not aggregate); mask_biases: biases can become personal too;
-    aggregate_batch_stats: average the BatchNorm statistics over the round's clients (the code keeps them local)."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha={alpha} must be in [0, 1]")
-    if not 0.0 <= grow_rate <= 1.0:
-        raise ValueError(f"grow_rate={grow_rate} must be in [0, 1]")
-    if grow_every < 1 or la_epochs < 1 or rounds < 1:
-        raise ValueError(f"grow_every={grow_every}, la_epochs={la_epochs} and rounds={rounds} must be >= 1")
-    if delta_ref not in DELTA_REFS:
-        raise ValueError(f"delta_ref must be one of {DELTA_REFS}, got {delta_ref!r}")
+@dataclasses.dataclass(frozen=True)
+class FedSelectOptions(Options):
+    name = "fedselect"
+    sharing = ("each entry while it is global for the client (unweighted per-entry mean)",
+               "entries grown into the personal mask by update size; BN statistics")
+    alpha: float = option(0.8, "personalization limit per tensor (grows while personal fraction <= alpha; "
+                          "0: never)", lo=0.0, hi=1.0)
+    grow_rate: float = option(0.25, "fraction p of a tensor's global entries made personal per growth",
+                              lo=0.0, hi=1.0)
+    grow_every: int = option(3, "K, rounds between mask growths (rounds r with r mod K = 0, r > 0)", minimum=1)
+    la_epochs: int = option(1, "E, LocalAlt alternations (personal pass + global pass) per round", minimum=1)
+    delta_ref: str = option("snapshot", "snapshot (|W - W at last growth|, official code) | round_start (paper)",
+                            choices=DELTA_REFS)
+    weight_by_n: bool = option(False, "weight the per-entry mean by sample counts (default unweighted)")
+    mask_biases: bool = option(False, "biases can become personal too (default: always global, the code)")
+    aggregate_batch_stats: bool = option(False, "average BatchNorm statistics over the round's clients "
+                                         "(default local)")
+
+
+def fedselect(model: nn.Module, trainer: LocalTrainer, **options) -> Algorithm:
+    """FedSelect (options: ``FedSelectOptions``). alpha: personalization limit per tensor (0: never grow,
+    which is FedAvg with LocalAlt); grow_rate: fraction p of a tensor's global entries promoted per growth;
+    grow_every: K; la_epochs: E; the run's last round (``RoundInfo.is_last``) does not aggregate;
+    mask_biases: biases can become personal too; aggregate_batch_stats: average the BatchNorm statistics over
+    the round's clients (the code keeps them local)."""
+    o = FedSelectOptions(**options).validate()
+    alpha, grow_rate, grow_every, la_epochs, delta_ref = o.alpha, o.grow_rate, o.grow_every, o.la_epochs, o.delta_ref
+    weight_by_n, mask_biases, aggregate_batch_stats = o.weight_by_n, o.mask_biases, o.aggregate_batch_stats
     loss_fn = ce_loss(model)
 
     def init(key, sample_x):
         v = init_variables(model, trainer, key, sample_x)
         mask = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, bool), v["params"])
-        server = {"params": v["params"], "round": jnp.zeros((), jnp.int32)}
+        server = {"params": v["params"]}
         client = dict(v, mask=mask, pending=mask, ref=v["params"])
         return server, client
 
-    def local_update(server, client, data: ClientData, key):
+    def local_update(server, client, data: ClientData, key, info: RoundInfo):
         mask = client["mask"]
         # Global entries come from the server (a no-op under full participation, where the broadcast already
         # wrote them; a client sampled after a pause catches up here).
         start = jax.tree_util.tree_map(lambda m, c, s: jnp.where(m, c, s), mask, client["params"], server["params"])
         params, stats, metrics = local_alt(trainer, loss_fn, start, client["batch_stats"], mask, data, key, la_epochs)
-        r = server["round"]
+        r = info.round
         grow_now = (r % grow_every == 0) & (r > 0)
         ref = client["ref"] if delta_ref == "snapshot" else start
         eligible = path_mask(params, lambda path: is_maskable(path, mask_biases))
-        grown = jax.tree_util.tree_map(lambda e, m, p, q: grow_mask(m, p - q, grow_rate, alpha) if e else m,
-                                       eligible, mask, params, ref)
+        grown = tree_grow_mask(mask, params, ref, grow_rate, alpha, eligible)
         pending = jax.tree_util.tree_map(lambda g, m: jnp.where(grow_now, g, m), grown, mask)
         new_ref = jax.tree_util.tree_map(lambda p, q: jnp.where(grow_now, p, q), params, client["ref"])
-        n_entries = sum(m.size for m in jax.tree_util.tree_leaves(mask))
-        personal = sum(jnp.sum(m) for m in jax.tree_util.tree_leaves(pending))
-        metrics = dict(metrics, personal_fraction=personal / n_entries,
-                       uploaded=n_entries - sum(jnp.sum(m) for m in jax.tree_util.tree_leaves(mask)))
+        metrics = dict(metrics, personal_fraction=tree_density(pending), uploaded=tree_size(mask) - tree_count(mask))
         return dict(client, params=params, batch_stats=stats, pending=pending, ref=new_ref), metrics
 
-    def aggregate(server, clients, weights):
+    def aggregate(server, clients, weights, info: RoundInfo):
         w = weights if weight_by_n else jnp.ones_like(weights)
-        final = server["round"] >= rounds - 1
+        final = info.is_last
         avg = jax.tree_util.tree_map(lambda x, m, prev: masked_mean(x, w, ~m, prev),
                                      clients["params"], clients["mask"], server["params"])
         # Broadcast into each client's global entries (old mask); the final round keeps the trained models.
@@ -131,9 +141,9 @@ def fedselect(model: nn.Module, trainer: LocalTrainer, rounds: int = 100, alpha:
         if aggregate_batch_stats:  # every client gets the weighted mean (not in the final round)
             clients["batch_stats"] = jax.tree_util.tree_map(
                 lambda x: jnp.where(final, x, weighted_mean(x, weights)[None]), clients["batch_stats"])
-        return {"params": server_params, "round": server["round"] + 1}, clients
+        return {"params": server_params}, clients
 
-    def predict(server, client, x):
+    def predict(server, client, x, client_id=None):
         return model.apply({"params": client["params"], "batch_stats": client["batch_stats"]}, x, train=False)
 
     return Algorithm("fedselect", init, local_update, aggregate, predict)

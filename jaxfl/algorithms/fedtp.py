@@ -17,18 +17,22 @@ Personal W = {W_qkv^l} [depth, D, 3 heads dim_head]:
 - ``fedtp_variant="vanilla"``: each client keeps its own W (its state row) and trains it locally;
   ``personalize=False`` averages W too, which is FedAvg on the same ViT.
 
-The server state holds xi as "params". Clients store their row index (``client_id``) and, for ``vanilla``, their W only.
+The server state holds xi as "params". A client's row of Z is its id (``RoundInfo.client_id``); clients keep
+nothing between rounds, except their W under ``vanilla``.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer
+from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..hypernet import generate, hypernet_grads, hypernetwork, init_embeddings
 from ..losses import cross_entropy, weighted_mean_loss
+from ..options import Options, option
 
 VARIANTS = ("hypernet", "vanilla")
 
@@ -50,25 +54,41 @@ def qkv_hypernetwork(model, embed_dim: int, hidden: int, layers: int):
     return hnet, lambda out: jnp.stack([out[f"qkv{l}"] for l in range(depth)], -3)
 
 
-def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, fedtp_variant: str = "hypernet",
-          personalize: bool = True, embed_dim: int = 128, hyper_hidden: int = 150, hyper_layers: int = 3,
-          hyper_lr: float = 0.01, hyper_momentum: float = 0.9, hyper_decay: float = 1e-3) -> Algorithm:
-    """FedTP on a ViT ``Classifier`` (``models.vit_small``). num_clients: N, the size of the embedding table
-    (the run's client count). Hypernetwork: trunk of 1 + ``hyper_layers`` Linear(``hyper_hidden``) layers, one
-    head per block; optimizer SGD(``hyper_lr``, momentum) with weight decay ``hyper_decay`` (official code)."""
-    variant = fedtp_variant
-    if variant not in VARIANTS:
-        raise ValueError(f"fedtp_variant must be one of {VARIANTS}, got {variant!r}")
+@dataclasses.dataclass(frozen=True)
+class FedTPOptions(Options):
+    name = "fedtp"
+    sharing = ("every ViT parameter but the attention Q/K/V projections; a server hypernetwork generates those",
+               "its Q/K/V projections (vanilla) or its embedding row on the server (hypernet)")
+    variant: str = option("hypernet", "hypernet (server hypernetwork generates Q/K/V) | vanilla (each client "
+                          "keeps its own)", choices=VARIANTS)
+    personalize: bool = option(True, "vanilla: --no-personalize averages Q/K/V too (FedAvg on the ViT)")
+    embed_dim: int = option(128, "client embedding size", minimum=1)
+    hyper_hidden: int = option(150, "hypernetwork trunk width", minimum=1)
+    hyper_layers: int = option(3, "hidden layers of the hypernetwork trunk after the first", minimum=0)
+    hyper_lr: float = option(0.01, "hypernetwork SGD learning rate", lo=0.0, lo_open=True)
+    hyper_momentum: float = option(0.9, "hypernetwork SGD momentum", lo=0.0, hi=1.0)
+    hyper_decay: float = option(1e-3, "hypernetwork weight decay", lo=0.0)
+
+
+def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, **options) -> Algorithm:
+    """FedTP on a ViT ``Classifier`` (``models.vit_small``); options: ``FedTPOptions``. num_clients: N, the size
+    of the embedding table (the run's client count). Hypernetwork: trunk of 1 + ``hyper_layers``
+    Linear(``hyper_hidden``) layers, one head per block; optimizer SGD(``hyper_lr``, momentum) with weight decay
+    ``hyper_decay`` (official code)."""
+    o = FedTPOptions(**options).validate()
+    variant, personalize, embed_dim = o.variant, o.personalize, o.embed_dim
+    hyper_hidden, hyper_layers, hyper_lr, hyper_momentum, hyper_decay = (
+        o.hyper_hidden, o.hyper_layers, o.hyper_lr, o.hyper_momentum, o.hyper_decay)
     if not hasattr(model.encoder, "qkv_shape"):
         raise ValueError(f"fedtp needs a ViT (--model vit_small), got a {type(model.encoder).__name__} encoder")
     depth = model.encoder.depth
     hnet, stack = qkv_hypernetwork(model, embed_dim, hyper_hidden, hyper_layers)
     hyper_tx = optax.chain(optax.add_decayed_weights(hyper_decay), optax.sgd(hyper_lr, momentum=hyper_momentum))
 
-    def client_qkv(server, client):
+    def client_qkv(server, client, client_id):
         if variant == "vanilla":
             return client["qkv"] if personalize else server["qkv"]
-        return stack(hnet.apply(server["hnet"], server["embeddings"][client["client_id"]]))
+        return stack(hnet.apply(server["hnet"], server["embeddings"][client_id]))
 
     def loss_fn(params, stats, x, y, w, key):
         logits = model.apply({"params": params["xi"]}, x, train=True, qkv=params["qkv"],
@@ -81,7 +101,7 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, fedtp_variant: str
         x = trainer.preprocess(sample_x[:1])
         xi, w = split_qkv(model.init(key, x, train=False)["params"], depth)
         server = {"params": xi}
-        client = {"client_id": jnp.zeros((), jnp.int32)}
+        client = {}
         if variant == "hypernet":
             hp = hnet.init(k_hnet)
             z = init_embeddings(k_emb, num_clients, embed_dim)
@@ -92,21 +112,21 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, fedtp_variant: str
             server["qkv"] = w
         return server, client
 
-    def local_update(server, client, data: ClientData, key):
-        params = {"xi": server["params"], "qkv": client_qkv(server, client)}
+    def local_update(server, client, data: ClientData, key, info: RoundInfo):
+        params = {"xi": server["params"], "qkv": client_qkv(server, client, info.client_id)}
         params, _, _, metrics = trainer.run(loss_fn, params, {}, trainer.tx.init(params), data, key)
         return dict(client, xi=params["xi"], trained_qkv=params["qkv"]), metrics
 
-    def aggregate(server, clients, weights):
+    def aggregate(server, clients, weights, info: RoundInfo):
         new = dict(server, params=tree_weighted_mean(clients["xi"], weights))
-        kept = {k: v for k, v in clients.items() if k in ("client_id", "qkv")}
+        kept = {k: v for k, v in clients.items() if k == "qkv"}
         if variant == "vanilla":
             if personalize:
                 kept["qkv"] = clients["trained_qkv"]
             else:
                 new["qkv"] = tree_weighted_mean(clients["trained_qkv"], weights)
             return new, kept
-        ids = clients["client_id"]
+        ids = info.client_id
         sent = generate(hnet.apply, server["hnet"], server["embeddings"], ids)
         trained = {f"qkv{l}": clients["trained_qkv"][:, l] for l in range(depth)}
         grads = hypernet_grads(hnet.apply, server["hnet"], server["embeddings"], ids, sent, trained, weights)
@@ -114,8 +134,8 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, fedtp_variant: str
         new["hnet"], new["embeddings"] = optax.apply_updates((server["hnet"], server["embeddings"]), updates)
         return new, kept
 
-    def predict(server, client, x):
-        return model.apply({"params": server["params"]}, x, train=False, qkv=client_qkv(server, client))
+    def predict(server, client, x, client_id):
+        return model.apply({"params": server["params"]}, x, train=False, qkv=client_qkv(server, client, client_id))
 
     return Algorithm(f"fedtp_{variant}" if personalize else "fedtp_shared", init, local_update, aggregate, predict)
 

@@ -2,16 +2,27 @@
 
 Every leaf under ``encoder`` stays on its client; every leaf under ``head`` is averaged with sample
 weights. The first ``warmup_rounds`` rounds average everything (full FedAvg), as FedPick's comparison does
-on Office and DomainNet (20 rounds).
+on Office and DomainNet (20 rounds); each client then continues from the averaged encoder.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..engine import Algorithm
-from .fedavg import in_part, keep_bn_local, masked_averaging
+from ..options import option
+from .fedavg import LocalBNOption, in_part, keep_bn_local, masked_averaging
 
 
-def lg_fedavg(model, trainer, warmup_rounds: int = 0, local_bn: bool = False, **kw) -> Algorithm:
+@dataclasses.dataclass(frozen=True)
+class LGFedAvgOptions(LocalBNOption):
+    name = "lg_fedavg"
+    sharing = ("head (after warmup_rounds of full averaging)", "encoder (body)")
+    warmup_rounds: int = option(0, "rounds of full averaging before the body goes personal", minimum=0)
+
+
+def lg_fedavg(model, trainer, **options) -> Algorithm:
     """LG-FedAvg: share ``head``, keep ``encoder`` personal, after ``warmup_rounds`` of full averaging."""
-    share = keep_bn_local(in_part("head"), local_bn)
+    o = LGFedAvgOptions(**options).validate()
+    share = keep_bn_local(in_part("head"), o.local_bn)
     return masked_averaging("lg_fedavg", model, trainer, share_param=share, share_stats=share,
-                            warmup_rounds=warmup_rounds, **kw)
+                            warmup_rounds=o.warmup_rounds)

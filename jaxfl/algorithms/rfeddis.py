@@ -18,6 +18,8 @@ the logits: CE(z_G + z_L) + lam L_Dis); head_ce=False (drops the two CE terms); 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -26,6 +28,7 @@ from ..evidential import (annealing_coefficient, dirichlet_alpha, disentangle_lo
                           expected_probability, uncertainty)
 from ..losses import cross_entropy, weighted_mean_loss
 from ..models import MLPHead
+from ..options import Options, option
 from .fedavg import is_batchnorm, masked_averaging
 
 FUSIONS = ("ds", "sum")
@@ -62,29 +65,40 @@ def fused_alpha(out, fusion: str = "ds"):
     return ds_combine(dirichlet_alpha(out["z_g"]), dirichlet_alpha(out["z_l"]))
 
 
-def rfeddis(model, trainer, rounds: int = 100, share_global_head: bool = True, use_local_head: bool = True,
-            use_dis: bool = True, head_ce: bool = True, fusion: str = "ds", kl_reduction: str = "mean_all",
-            dis_feature: str = "relu1") -> Algorithm:
-    """RFedDis on a ``Classifier`` whose head is an ``MLPHead``; both heads copy its architecture (a linear
-    head gets one hidden layer of 512 so that there is a hidden feature to disentangle).
+@dataclasses.dataclass(frozen=True)
+class RFedDisOptions(Options):
+    name = "rfeddis"
+    sharing = ("encoder and global evidential head, without BatchNorm", "BatchNorm, the local evidential head")
+    share_global_head: bool = option(True, "average the global head (--no-...: the released Office/DomainNet code)")
+    use_local_head: bool = option(True, "--no-...: keep only the global evidential head")
+    use_dis: bool = option(True, "the annealed disentangling loss exp(-symmetric KL)")
+    head_ce: bool = option(True, "the softmax CE terms on both heads")
+    fusion: str = option("ds", "ds (Dempster-Shafer on evidence) | sum (summed logits, the ablation)",
+                         choices=FUSIONS)
+    kl_reduction: str = option("mean_all", "mean_all (official code) | batchmean (KL summed over features)",
+                               choices=("mean_all", "batchmean"))
+    dis_feature: str = option("relu1", "head tap used as the disentangling feature: relu1 | fc1 | relu2 | fc2 ...")
 
-    rounds: T of the annealing lam(t) = min(1, t/T) (the run's round count).
+
+def rfeddis(model, trainer, **options) -> Algorithm:
+    """RFedDis on a ``Classifier`` whose head is an ``MLPHead``; both heads copy its architecture (a linear
+    head gets one hidden layer of 512 so that there is a hidden feature to disentangle). Options:
+    ``RFedDisOptions``.
+
+    The annealing lam(t) = min(1, t/T) takes t and T (the run's round count) from the engine's ``RoundInfo``.
     """
-    if fusion not in FUSIONS:
-        raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
-    if kl_reduction not in ("mean_all", "batchmean"):
-        raise ValueError(f"kl_reduction must be 'mean_all' or 'batchmean', got {kl_reduction!r}")
-    if rounds < 1:
-        raise ValueError(f"rounds={rounds} must be at least 1")
+    o = RFedDisOptions(**options).validate()
+    share_global_head, use_local_head, use_dis, head_ce = o.share_global_head, o.use_local_head, o.use_dis, o.head_ce
+    fusion, kl_reduction, dis_feature = o.fusion, o.kl_reduction, o.dis_feature
     hidden = tuple(model.head.hidden) or (512,)
     classes = model.head.num_classes
     net = RFedDisNet(model.encoder, MLPHead(hidden, classes),
                      MLPHead(hidden, classes) if use_local_head else None, dis_feature)
 
-    def loss(params, stats, x, y, w, key, anchor=None, round_idx=0):
+    def loss(params, stats, x, y, w, key, anchor=None, *, info):
         out, updated = net.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
                                  mutable=["batch_stats"], rngs=None if key is None else {"dropout": key})
-        lam = annealing_coefficient(round_idx, rounds)
+        lam = annealing_coefficient(info.round, info.total_rounds("rfeddis's annealing min(1, t/T)"))
         mean = lambda v: weighted_mean_loss(v, w)
         alpha_f = fused_alpha(out, fusion)
         if use_local_head and fusion == "sum":
@@ -111,4 +125,4 @@ def rfeddis(model, trainer, rounds: int = 100, share_global_head: bool = True, u
         return path[0] == "encoder" or (path[0] == "head" and share_global_head)
 
     return masked_averaging("rfeddis", net, trainer, share_param=share_param, share_stats=False,
-                            count_rounds=True, loss=loss, predict=predict)
+                            loss_uses_info=True, loss=loss, predict=predict)

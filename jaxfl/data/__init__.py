@@ -1,4 +1,5 @@
 """Data: loaders, partitioners, the embedded offline benchmark, presets, and stacking into ClientData."""
+from .clients import ClientData
 from .embedded import load_embedded
 from .federated import (DATASET_NAMES, DataConfig, FederatedDataset, PRESETS, load_dataset,
                         stack_clients)

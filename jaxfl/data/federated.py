@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine import ClientData
+from .clients import ClientData
 from ..errors import DataError, check_choice
 from . import partition as part
 from .embedded import load_embedded

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from ..engine import ClientData
+from .clients import ClientData
 from ..errors import DataError
 
 

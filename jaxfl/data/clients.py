@@ -1,0 +1,27 @@
+"""``ClientData``: the padded per-client arrays that the engine trains on (one client, or stacked)."""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class ClientData:
+    """Padded client datasets. Stacked: x [N, M, ...], y [N, M], count [N]; one client: x [M, ...], y [M], count []."""
+    x: jax.Array
+    y: jax.Array
+    count: jax.Array
+
+    @property
+    def num_clients(self) -> int:
+        return self.count.shape[0]
+
+    def sample_mask(self):
+        """1.0 for real samples, 0.0 for padding: [..., M]."""
+        m = self.y.shape[-1]
+        return (jnp.arange(m) < self.count[..., None]).astype(jnp.float32)
+
+    def take(self, ids) -> "ClientData":
+        """The rows ``ids`` of the client axis."""
+        return jax.tree_util.tree_map(lambda a: a[ids], self)

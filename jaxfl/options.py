@@ -1,0 +1,140 @@
+"""Typed algorithm options: each algorithm owns a frozen dataclass of its options in its own file.
+
+An option is a dataclass field made with ``option(default, help, ...)``, which records its help text and the
+values it allows; ``Options.validate`` checks them all and names the first bad one as ``algorithm.field``.
+A subclass may set ``presets`` (dataset -> values for the fields left None: the paper's per-dataset
+hyperparameters) and ``sharing`` (what the method shares with the server, what it keeps per client).
+
+    @dataclasses.dataclass(frozen=True)
+    class FedProxOptions(Options):
+        prox_mu: float = option(0.01, "weight of mu/2 ||w - w_global||^2", lo=0.0)
+
+The CLI addresses them by algorithm (``--fedprox.prox-mu 0.1``), config files by table (``[fedprox]``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, ClassVar
+
+from .errors import ConfigError
+
+
+def option(default, help: str = "", *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+           choices: tuple | None = None, minimum: int | None = None):
+    """A dataclass field with its help text and allowed values: a number in [lo, hi] (``lo_open``: (lo, hi]),
+    an integer >= ``minimum``, or one of ``choices``; tuples are checked entry by entry."""
+    meta = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices, "minimum": minimum}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Base of every algorithm's options (``name``: the algorithm's registry name)."""
+    name: ClassVar[str] = ""
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    preset_default: ClassVar[str | None] = None  # the preset for datasets not in ``presets``
+    sharing: ClassVar[tuple[str, str]] = ("", "")
+
+    # -- construction ------------------------------------------------------------------------------------
+    @classmethod
+    def fields(cls) -> tuple[dataclasses.Field, ...]:
+        return dataclasses.fields(cls)
+
+    @classmethod
+    def from_dict(cls, values: dict, dataset: str | None = None) -> "Options":
+        """Options from plain values (a config table), unknown names refused; fields left None take the
+        ``dataset``'s preset; then validated."""
+        known = {f.name: f for f in cls.fields()}
+        bad = sorted(set(values) - set(known))
+        if bad:
+            valid = ", ".join(sorted(known)) or "none"
+            raise ConfigError(f"unknown {cls.name} option(s) {', '.join(bad)}; {cls.name} takes: {valid}")
+        typed = {k: _coerce(cls, known[k], v) for k, v in values.items()}
+        return cls(**typed).with_preset(dataset).validate()
+
+    def with_preset(self, dataset: str | None) -> "Options":
+        """Fields left None filled from the preset of ``dataset`` (None: "default", jaxfl's embedded dataset),
+        or of ``preset_default`` for a dataset without one."""
+        preset = self.presets.get(dataset or "default", self.presets.get(self.preset_default or "", {}))
+        fill = {k: v for k, v in preset.items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **fill) if fill else self
+
+    def to_dict(self) -> dict:
+        """Plain JSON values (tuples as lists)."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in self.fields()}
+
+    def kwargs(self) -> dict:
+        """The factory's keyword arguments (None: left to the factory)."""
+        return {f.name: getattr(self, f.name) for f in self.fields() if getattr(self, f.name) is not None}
+
+    # -- checks ------------------------------------------------------------------------------------------
+    def validate(self) -> "Options":
+        """Raise ConfigError naming ``algorithm.field=value`` and what is allowed; return self."""
+        for f in self.fields():
+            value = getattr(self, f.name)
+            for v in (value if isinstance(value, (tuple, list)) else (value,)):
+                if v is not None:
+                    _check(f"{self.name}.{f.name}", v, f.metadata)
+        return self
+
+
+def _check(label: str, v, meta) -> None:
+    if meta.get("choices") is not None and v not in meta["choices"]:
+        raise ConfigError(f"{label}={v!r} is not one of: {', '.join(map(str, meta['choices']))}")
+    lo, hi, lo_open, minimum = meta.get("lo"), meta.get("hi"), meta.get("lo_open"), meta.get("minimum")
+    if minimum is not None and v < minimum:
+        raise ConfigError(f"{label}={v} must be at least {minimum}")
+    if lo is not None or hi is not None:
+        lo_ok = lo is None or (v > lo if lo_open else v >= lo)
+        if not (math.isfinite(v) and lo_ok and (hi is None or v <= hi)):
+            left = "(" if lo_open else "["
+            raise ConfigError(f"{label}={v} must be in {left}{lo if lo is not None else '-inf'}, "
+                              f"{hi if hi is not None else 'inf'}]")
+
+
+def field_type(cls: type, f: dataclasses.Field) -> type:
+    """The plain type of a field (``float | None`` -> float; ``tuple[float, ...]`` -> tuple)."""
+    tp = typing.get_type_hints(cls)[f.name]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and args:
+        tp = args[0]
+    return typing.get_origin(tp) or tp
+
+
+def _coerce(cls, f: dataclasses.Field, v):
+    """A config value as the field's type (ints as floats, lists as tuples); wrong types are refused."""
+    tp = field_type(cls, f)
+    label = f"{cls.name}.{f.name}"
+    if v is None:
+        return None
+    if tp is tuple:
+        if isinstance(v, str):
+            v = [x for x in v.split(",") if x.strip()]
+        if not isinstance(v, (list, tuple)):
+            raise ConfigError(f"{label}={v!r} must be a list of numbers")
+        return tuple(_number(label, x) for x in v)
+    if tp is bool:
+        if isinstance(v, bool):
+            return v
+        raise ConfigError(f"{label}={v!r} must be true or false")
+    if tp is float:
+        return _number(label, v)
+    if tp is int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{label}={v!r} must be an integer")
+        return v
+    if tp is str and not isinstance(v, str):
+        raise ConfigError(f"{label}={v!r} must be a string")
+    return v
+
+
+def _number(label: str, v) -> float:
+    if isinstance(v, bool):
+        raise ConfigError(f"{label}={v!r} must be a number")
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{label}={v!r} must be a number") from None
