@@ -12,8 +12,24 @@ import orbax.checkpoint as ocp
 from .errors import ConfigError
 
 # Fields that may change between a run and its resumption; any other change is refused.
-RESUMABLE_CHANGES = {"rounds", "resume", "out", "checkpoint_every", "eval_every", "strategy", "chunk_size", "devices",
-                      "client_store"}
+# (lr: a run stopped by NaN says to lower it.)
+RESUMABLE_CHANGES = {"rounds", "resume", "overwrite", "out", "checkpoint_every", "eval_every", "strategy",
+                     "chunk_size", "devices", "client_store", "eval_batch_size", "lr"}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a torn last line (a write cut off) is dropped, a bad line before the
+    last is an error."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ConfigError(f"--resume: line {i + 1} of {str(path)!r} is not valid JSON; the log is damaged "
+                                  f"before its last line") from None
+    return records
 
 
 class Checkpointer:
@@ -52,9 +68,14 @@ class Checkpointer:
             if diff:
                 raise ConfigError(f"--resume: config differs from the checkpointed run in {diff}; "
                                   f"only {sorted(RESUMABLE_CHANGES)} may change")
+        if cfg.rounds < step:
+            raise ConfigError(f"--resume: the checkpoint is at round {step}; --rounds {cfg.rounds} must be at least "
+                              f"{step}")
+        history = [h for h in read_metrics(metrics_path) if h.get("round", 0) <= step]
+        rounds = [h.get("round") for h in history]
+        if rounds != list(range(1, step + 1)):
+            have = f"rounds {rounds[0]}..{rounds[-1]} ({len(rounds)} records)" if rounds else "no records"
+            raise ConfigError(f"--resume: {str(metrics_path)!r} holds {have} but the checkpoint is at round {step}; "
+                              f"the run's log and checkpoint disagree (start a new run with --overwrite)")
         server, clients = self.restore(step, server, clients)
-        history = []
-        if metrics_path.is_file():
-            history = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-            history = [h for h in history if h["round"] <= step]
         return server, clients, step, history

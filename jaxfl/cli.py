@@ -23,7 +23,9 @@ HELP = {
     "client_store": "where per-client persistent state lives: auto (device if it fits in a quarter of its "
                     "memory) | device | host",
     "participation": "fraction of clients sampled per round",
-    "out": "output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/",
+    "out": "output folder: metrics.jsonl, summary.json, accuracy.png, config.json, checkpoints/ (default: a new "
+           "runs/<algorithm>-<dataset>-<time>); a non-empty folder needs --resume or --overwrite",
+    "overwrite": "replace the outputs of the run already in --out",
     "checkpoint_every": "save a checkpoint every N rounds (0: never)",
     "resume": "continue from the newest checkpoint in --out",
 }
@@ -123,7 +125,11 @@ def main(argv=None) -> int:
             quiet = quiet or not is_primary()  # one process prints
         flags = config_values(args)
         values = merge_config(load_config_file(args.pop("config")) if "config" in args else {}, flags)
-        cfg = RunConfig.from_dict({k: v for k, v in values.items() if k != "config"})
+        values.pop("config", None)
+        values = with_saved_run(values)
+        if not values.get("out") and not values.get("resume"):
+            values["out"] = default_out(values)
+        cfg = RunConfig.from_dict(values)
         other = sorted(k for k, v in flags.items() if isinstance(v, dict) and k != cfg.algorithm)
         if other:
             opts = ", ".join(f"--{k}.{f.replace('_', '-')}" for k in other for f in flags[k])
@@ -134,17 +140,56 @@ def main(argv=None) -> int:
         if not quiet:
             print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {len(exp.dataset.client_names)} clients "
                   f"{exp.dataset.client_names}, train sizes {exp.dataset.train_counts().tolist()}, "
-                  f"strategy {exp.strategy}", file=sys.stderr)
-        result = exp.run(progress=not quiet)
+                  f"strategy {exp.strategy}; writing to {cfg.out}", file=sys.stderr)
+        bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
+        result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds))
     except JaxflError as e:
         print(f"jaxfl: error: {e}", file=sys.stderr)
         return 2
     summary = result.summary()
     if summary and is_primary():
         print(format_table(summary) if not quiet else json.dumps(summary["last"]))
-    if cfg.out and not quiet:
+    if not quiet:
         print(f"wrote {cfg.out}/metrics.jsonl, summary.json, accuracy.png", file=sys.stderr)
     return 0
+
+
+def default_out(values: dict) -> str:
+    """runs/<algorithm>-<dataset>-<local time>, made unique with a -2, -3, ... suffix."""
+    import time
+    from pathlib import Path
+    dataset = str(values.get("dataset", "default")).replace(":", "-").replace("/", "_").strip("_") or "data"
+    base = f"runs/{values.get('algorithm', 'fedbn')}-{dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, i = base, 1
+    while Path(out).exists():
+        i += 1
+        out = f"{base}-{i}"
+    return out
+
+
+def with_saved_run(values: dict) -> dict:
+    """Under --resume, the saved config of --out as the base, overridden by what the file and flags give."""
+    from pathlib import Path
+    saved_path = Path(values["out"]) / "config.json" if values.get("resume") and values.get("out") else None
+    if saved_path is None or not saved_path.is_file():
+        return values
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--resume: {str(saved_path)!r} is not valid JSON ({e})") from None
+    saved = {k: v for k, v in saved.items() if k not in ("resume", "overwrite")}
+    return merge_config(saved, values)
+
+
+def print_round(total: int):
+    """A log callback: one plain line per round (for output that is not a terminal)."""
+    def log(rec: dict) -> None:
+        acc = f", mean test accuracy {rec['mean_accuracy']:.4f}" if "mean_accuracy" in rec else ""
+        loss = sum(rec["train_loss"]) / max(len(rec["train_loss"]), 1)
+        compile_s = rec.get("compile_s", 0.0)
+        took = f"{rec['time_s']:.1f} s" + (f", of which compiling {compile_s:.1f} s" if compile_s >= 0.05 else "")
+        print(f"round {rec['round']}/{total}: train loss {loss:.4f}{acc} ({took})", file=sys.stderr, flush=True)
+    return log
 
 
 if __name__ == "__main__":

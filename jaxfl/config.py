@@ -54,6 +54,7 @@ class RunConfig:
     out: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    overwrite: bool = False
 
     def data_config(self) -> DataConfig:
         names = {f.name for f in dataclasses.fields(DataConfig)}
@@ -84,7 +85,10 @@ class RunConfig:
         for name, table in tables.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{name} must be a table of {name}'s options, got {table!r}")
-        return cls(**{k: v for k, v in values.items() if k in fields}, options=tables)
+        from .options import coerce, field_type
+        typed = {f.name: coerce(f.name, field_type(cls, f), values[f.name]) for f in dataclasses.fields(cls)
+                 if f.name in values}
+        return cls(**typed, options=tables)
 
     def algorithm_options(self):
         """The typed, checked options of ``algorithm`` (its table, fields left None from the dataset's preset)."""
@@ -99,11 +103,15 @@ class RunConfig:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Raise ConfigError naming the first bad value; return cfg unchanged otherwise."""
-    from .algorithms import ALGORITHMS
+    from .algorithms import ALGORITHMS, options_class
     from .models import MODELS
     check_choice("algorithm", cfg.algorithm, ALGORITHMS)
     if cfg.model is not None:
         check_choice("model", cfg.model, MODELS)
+        allowed = options_class(cfg.algorithm).models
+        if allowed is not None and cfg.model not in allowed:
+            raise ConfigError(f"--algorithm {cfg.algorithm} cannot use --model {cfg.model}; it needs one of: "
+                              f"{', '.join(allowed)}")
     if cfg.strategy is not None:
         check_choice("strategy", cfg.strategy, STRATEGIES)
     check_choice("weighting", cfg.weighting, ("samples", "uniform"))
@@ -115,18 +123,24 @@ def validate(cfg: RunConfig) -> RunConfig:
                  "clients_per_domain"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
+    for name in ("num_clients", "samples_per_client", "test_per_client", "image_size", "clients_per_round"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} must be >= 0")
+    check_range("dirichlet_alpha", cfg.dirichlet_alpha, 0.0, float("inf"), lo_open=True)
     check_range("lr", cfg.lr, 0.0, float("inf"), lo_open=True)
     check_range("momentum", cfg.momentum, 0.0, 1.0)
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
-    if cfg.clients_per_round is not None and cfg.clients_per_round < 1:
-        raise ConfigError(f"clients_per_round={cfg.clients_per_round} must be at least 1")
     if cfg.devices < 0:
         raise ConfigError(f"devices={cfg.devices} must be >= 0 (0: all devices, 1: no sharding)")
     if cfg.checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0")
     if (cfg.resume or cfg.checkpoint_every) and not cfg.out:
         raise ConfigError("checkpoints and --resume need an output directory (--out DIR)")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("--resume continues the run in --out, --overwrite replaces it: give one of them")
     from .algorithms import REGISTRY, algorithm_options
     for name, table in cfg.options.items():  # every table given, not only the run's: a typo is caught
         check_choice("algorithm table", name, REGISTRY)
@@ -134,13 +148,68 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+OUTPUTS = ("metrics.jsonl", "summary.json", "accuracy.png", "config.json", "checkpoints")
+
+
+def check_output(cfg: RunConfig) -> None:
+    """Refuse, before any work, an ``out`` that cannot hold the run: a file, a folder that cannot be created
+    or written, or a non-empty folder without ``resume`` (continue it) or ``overwrite`` (replace its outputs)."""
+    if not cfg.out:
+        return
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file; give a folder (it is created if missing)")
+    if out.is_dir():
+        if not _writable(out):
+            raise ConfigError(f"--out {str(out)!r} is not writable")
+        if any(out.iterdir()) and not (cfg.resume or cfg.overwrite):
+            raise ConfigError(f"--out {str(out)!r} is not empty; pass --resume to continue its run, --overwrite "
+                              f"to replace it, or choose another folder")
+        if cfg.resume and not (out / "checkpoints").is_dir():
+            raise ConfigError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
+        return
+    if cfg.resume:
+        raise ConfigError(f"--resume: {str(out)!r} does not exist")
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir() or not _writable(parent):
+        raise ConfigError(f"--out {str(out)!r} cannot be created: {str(parent)!r} is not a writable folder")
+
+
+def _writable(folder: Path) -> bool:
+    """Whether a file can be created in ``folder`` (a real probe: permission bits do not stop root, read-only
+    and virtual file systems do)."""
+    import tempfile
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def clear_outputs(out: Path) -> None:
+    """Remove a previous run's outputs from ``out`` (``--overwrite``); other files stay."""
+    import shutil
+    for name in OUTPUTS:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
 def load_config_file(path: str | Path) -> dict:
     """Read a TOML or JSON config file into a dict of RunConfig fields (unknown keys are an error)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
-    data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        kind = "TOML" if path.suffix == ".toml" else "JSON"
+        raise ConfigError(f"config file {str(path)!r} is not valid {kind}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a table of options, not {type(data).__name__}")
     try:
         RunConfig.from_dict(data)  # unknown keys, named with the file
     except ConfigError as e:

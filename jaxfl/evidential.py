@@ -9,23 +9,23 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import digamma, gammaln
 
-from .losses import weighted_mean_loss
+from .losses import check_labels, check_positive, weighted_mean_loss
 
 
 def evidence(logits):
-    """e = softplus(z) >= 0."""
+    """e = softplus(z) >= 0. logits [..., K] -> [..., K]."""
     return jax.nn.softplus(logits)
 
 
 def dirichlet_alpha(logits):
-    """alpha = softplus(z) + 1 (every alpha > 1)."""
+    """alpha = softplus(z) + 1 (every alpha > 1). logits [..., K] -> [..., K]."""
     return evidence(logits) + 1.0
 
 
 def opinion(alpha):
     """Subjective-logic opinion of Dir(alpha): belief b_k = (alpha_k - 1) / S, uncertainty u = K / S, S = sum alpha.
 
-    sum_k b_k + u = 1. Returns (b [..., K], u [...], S [...]).
+    sum_k b_k + u = 1. alpha [..., K] -> (b [..., K], u [...], S [...]).
     """
     s = jnp.sum(alpha, -1)
     k = alpha.shape[-1]
@@ -33,12 +33,12 @@ def opinion(alpha):
 
 
 def uncertainty(alpha):
-    """u = K / sum_k alpha_k."""
+    """u = K / sum_k alpha_k. alpha [..., K] -> [...]."""
     return alpha.shape[-1] / jnp.sum(alpha, -1)
 
 
 def expected_probability(alpha):
-    """p = alpha / S, the mean of Dir(alpha)."""
+    """p = alpha / S, the mean of Dir(alpha). alpha [..., K] -> [..., K]."""
     return alpha / jnp.sum(alpha, -1, keepdims=True)
 
 
@@ -47,7 +47,7 @@ def ds_combine_opinions(b1, u1, b2, u2):
 
         C = sum_{i != j} b1_i b2_j = (sum b1)(sum b2) - sum_k b1_k b2_k       (conflict)
         b_k = (b1_k b2_k + b1_k u2 + b2_k u1) / (1 - C),   u = u1 u2 / (1 - C)
-    Returns (b, u, C).
+    b1, b2 [..., K], u1, u2 [...] -> (b [..., K], u [...], C [...]).
     """
     conflict = jnp.sum(b1, -1) * jnp.sum(b2, -1) - jnp.sum(b1 * b2, -1)
     scale = 1.0 / (1.0 - conflict)
@@ -60,6 +60,7 @@ def ds_combine(alpha1, alpha2):
 
     (Substituting b = e / S and u = K / S into ``ds_combine_opinions`` cancels the 1 - C factor.)
     Symmetric; a vacuous opinion (e = 0) is the identity; the fused u never exceeds min(u1, u2).
+    alpha1, alpha2 [..., K] -> [..., K].
     """
     e1, e2 = alpha1 - 1.0, alpha2 - 1.0
     return 1.0 + e1 + e2 + e1 * e2 / alpha1.shape[-1]
@@ -68,14 +69,17 @@ def ds_combine(alpha1, alpha2):
 def dirichlet_ce(alpha, labels):
     """Expected cross-entropy under Dir(alpha): sum_k y_k (psi(S) - psi(alpha_k)) = psi(S) - psi(alpha_y).
 
-    alpha [..., K], labels int [...] -> [...].
+    alpha [..., K], labels int [...] in [0, K) -> [...].
     """
+    check_labels(labels, alpha.shape[-1], "dirichlet_ce")
     a_y = jnp.take_along_axis(alpha, labels[..., None], -1)[..., 0]
     return digamma(jnp.sum(alpha, -1)) - digamma(a_y)
 
 
 def remove_true_evidence(alpha, labels):
-    """alpha~ = y + (1 - y) * alpha: the true class's alpha becomes 1, the others are unchanged."""
+    """alpha~ = y + (1 - y) * alpha: the true class's alpha becomes 1, the others are unchanged.
+    alpha [..., K], labels int [...] in [0, K) -> [..., K]."""
+    check_labels(labels, alpha.shape[-1], "remove_true_evidence")
     onehot = jax.nn.one_hot(labels, alpha.shape[-1], dtype=alpha.dtype)
     return onehot + (1.0 - onehot) * alpha
 
@@ -83,7 +87,7 @@ def remove_true_evidence(alpha, labels):
 def kl_to_uniform(alpha):
     """KL(Dir(alpha) || Dir(1, ..., 1)) = lnG(S) - lnG(K) - sum_k lnG(alpha_k) + sum_k (alpha_k - 1)(psi(alpha_k) - psi(S)).
 
-    >= 0, and 0 iff every alpha_k = 1. KL(Dir(2, 1) || Dir(1, 1)) = ln 2 - 0.5.
+    >= 0, and 0 iff every alpha_k = 1. KL(Dir(2, 1) || Dir(1, 1)) = ln 2 - 0.5. alpha [..., K] -> [...].
     """
     k = alpha.shape[-1]
     s = jnp.sum(alpha, -1)
@@ -94,13 +98,16 @@ def kl_to_uniform(alpha):
 def edl_loss(alpha, labels, lam):
     """Evidential loss L_Un = psi(S) - psi(alpha_y) + lam * KL(Dir(alpha~) || Dir(1)), alpha~ = remove_true_evidence.
 
-    The KL term does not depend on the true class's evidence. Per sample, [...].
+    The KL term does not depend on the true class's evidence. alpha [..., K] (every alpha_k >= 1), labels int
+    [...] in [0, K), lam [] (the annealing weight) -> per sample [...].
     """
     return dirichlet_ce(alpha, labels) + lam * kl_to_uniform(remove_true_evidence(alpha, labels))
 
 
 def annealing_coefficient(round_idx, num_rounds):
-    """lambda(t) = min(1, t / T) for the 0-based round t of T: 0 in the first round, (T - 1)/T in the last."""
+    """lambda(t) = min(1, t / T) for the 0-based round t of T: 0 in the first round, (T - 1)/T in the last.
+    round_idx [] (int), num_rounds T >= 1 -> [] float32."""
+    check_positive(num_rounds, "num_rounds", "annealing_coefficient")
     return jnp.minimum(1.0, jnp.asarray(round_idx, jnp.float32) / num_rounds)
 
 

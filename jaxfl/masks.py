@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .losses import check_positive
 from .metrics import count_params
 
 
@@ -30,8 +31,9 @@ def gumbel_sigmoid(logits, key=None, tau=1.0):
     """Soft relaxed-Bernoulli sample m_s = sigmoid((z + L) / tau).
 
     L ~ Logistic(0, 1) (``logistic_noise``) when ``key`` is given (training); L = 0 when key is None
-    (evaluation, deterministic). logits: any shape; returns the same shape in (0, 1).
+    (evaluation, deterministic). logits: any shape; returns the same shape in (0, 1). tau > 0.
     """
+    check_positive(tau, "tau", "gumbel_sigmoid")
     noise = 0.0 if key is None else logistic_noise(key, jnp.shape(logits), jnp.result_type(logits))
     return jax.nn.sigmoid((logits + noise) / tau)
 

@@ -37,6 +37,7 @@ class Options:
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
     preset_default: ClassVar[str | None] = None  # the preset for datasets not in ``presets``
     sharing: ClassVar[tuple[str, str]] = ("", "")
+    models: ClassVar[tuple[str, ...] | None] = None  # the models the method can use (None: any Classifier)
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
@@ -52,7 +53,7 @@ class Options:
         if bad:
             valid = ", ".join(sorted(known)) or "none"
             raise ConfigError(f"unknown {cls.name} option(s) {', '.join(bad)}; {cls.name} takes: {valid}")
-        typed = {k: _coerce(cls, known[k], v) for k, v in values.items()}
+        typed = {k: coerce(f"{cls.name}.{k}", field_type(cls, known[k]), v) for k, v in values.items()}
         return cls(**typed).with_preset(dataset).validate()
 
     def with_preset(self, dataset: str | None) -> "Options":
@@ -104,10 +105,9 @@ def field_type(cls: type, f: dataclasses.Field) -> type:
     return typing.get_origin(tp) or tp
 
 
-def _coerce(cls, f: dataclasses.Field, v):
-    """A config value as the field's type (ints as floats, lists as tuples); wrong types are refused."""
-    tp = field_type(cls, f)
-    label = f"{cls.name}.{f.name}"
+def coerce(label: str, tp: type, v):
+    """A config value as type ``tp`` (ints as floats, lists as tuples); a wrong type is a ConfigError naming
+    ``label``."""
     if v is None:
         return None
     if tp is tuple:

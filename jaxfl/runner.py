@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 from .algorithms import build_algorithm
-from .config import RunConfig, validate
+from .config import RunConfig, check_output, clear_outputs, validate
 from .data import load_dataset
 from .distributed import client_mesh, is_primary
 from .data.ragged import RaggedClients
@@ -23,6 +23,13 @@ from .metrics import count_params
 from .models import build_model
 
 DEFAULT_MODEL = {"default": "digits_cnn", "digits": "digits_cnn", "pacs": "digits_cnn"}
+
+
+def model_name(cfg: RunConfig) -> str:
+    """--model, else the first model the algorithm allows, else the dataset's default (small_cnn otherwise)."""
+    from .algorithms import options_class
+    allowed = options_class(cfg.algorithm).models
+    return cfg.model or (allowed[0] if allowed else DEFAULT_MODEL.get(cfg.dataset, "small_cnn"))
 # Measured on a 2-core CPU (README, "Client strategies"): vmap of convolutions over per-client kernels
 # lowers to slow grouped convolutions there, so CPU runs clients one after another inside the jit.
 DEFAULT_STRATEGY = {"cpu": "map", "gpu": "vmap", "tpu": "vmap"}
@@ -79,9 +86,14 @@ class Experiment:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg = validate(cfg)
+        check_output(cfg)  # before any expensive work
+        if cfg.devices > jax.device_count():
+            raise ConfigError(f"devices={cfg.devices}: this machine has {jax.device_count()} "
+                              f"{jax.default_backend()} device(s); use --devices 0 (all) or at most "
+                              f"{jax.device_count()}")
         self.dataset = ds = load_dataset(cfg.data_config())
         n = len(ds.client_names)
-        self.model = build_model(cfg.model or DEFAULT_MODEL.get(cfg.dataset, "small_cnn"), ds.num_classes)
+        self.model = build_model(model_name(cfg), ds.num_classes)
         # devices != 1: the client axis is split over a mesh of that many devices (0: all of them); a
         # multi-process run (jaxfl.distributed.initialize) always uses every device of every process
         if jax.process_count() > 1 and cfg.devices not in (0, jax.device_count()):
@@ -146,6 +158,23 @@ class Experiment:
 
 
 # -- the host loop: rounds, checks, logging, checkpoints -----------------------------------------------------
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+_compile_seconds = [0.0]
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling jitted functions (jax.monitoring)."""
+    if not getattr(compile_seconds, "listening", False):
+        def listen(event, duration, **_):
+            if event in COMPILE_EVENTS:
+                _compile_seconds[0] += duration
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        compile_seconds.listening = True
+    return _compile_seconds[0]
+
+
+
 def open_run(exp: Experiment):
     """(server, store, start_round, history, checkpointer or None): a fresh start, or the newest checkpoint
     of ``--out`` under ``--resume``; writes config.json and the kept metrics (primary process)."""
@@ -153,15 +182,16 @@ def open_run(exp: Experiment):
     out = Path(cfg.out) if cfg.out else None
     if out is None:
         return server, store, 0, [], None
+    if cfg.overwrite:
+        clear_outputs(out)
     out.mkdir(parents=True, exist_ok=True)
     from .checkpoint import Checkpointer
-    ckpt, start, history = Checkpointer(out / "checkpoints"), 0, []
+    start, history = 0, []
+    ckpt = Checkpointer(out / "checkpoints") if cfg.resume or cfg.checkpoint_every else None
     if cfg.resume:
         server, clients, start, history = ckpt.restore_latest(server, store.state, cfg.resolved(),
                                                               out / "metrics.jsonl")
         store.set(clients)
-    elif ckpt.latest_round() is not None:
-        raise ConfigError(f"{str(out)!r} already holds checkpoints; pass --resume to continue or choose another --out")
     if is_primary():
         (out / "config.json").write_text(json.dumps(cfg.resolved().to_dict(), indent=2))
         _rewrite_jsonl(out / "metrics.jsonl", history)
@@ -197,17 +227,18 @@ def train(exp: Experiment, progress: bool = False, log=None) -> RunResult:
     rounds; at the end writes summary.json and accuracy.png (``--out``, primary process)."""
     cfg, names = exp.cfg, exp.dataset.client_names
     server, store, start, history, ckpt = open_run(exp)
-    write = ckpt is not None and is_primary()  # every process checkpoints its rows; one logs
     out = Path(cfg.out) if cfg.out else None
+    write = out is not None and is_primary()  # every process checkpoints its rows; one logs
     bar = _progress(range(start, cfg.rounds), progress, start, cfg.rounds)
     for r in bar:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), compile_seconds()
         server, m = exp.round_fn(server, store, r)
         check_finite(m, names, r, ckpt)
         rec = round_record(m, names, r)
         if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
             rec.update(exp.evaluate(server, store))
         rec["time_s"] = time.perf_counter() - t0
+        rec["compile_s"] = compile_seconds() - c0  # part of time_s: tracing and compiling new shapes
         history.append(rec)
         if write:
             with open(out / "metrics.jsonl", "a") as f:
@@ -223,7 +254,8 @@ def train(exp: Experiment, progress: bool = False, log=None) -> RunResult:
     if write:
         (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
         if history:
-            plot_accuracy(history, names, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}")
+            plot_accuracy(history, names, out / "accuracy.png",
+                          title=f"{cfg.algorithm} on {cfg.dataset}, {model_name(cfg)}, lr {cfg.lr}, seed {cfg.seed}")
     return result
 
 
@@ -264,13 +296,19 @@ def plot_accuracy(history, names, path, title=""):
     evals = [h for h in history if "test_accuracy" in h]
     rounds = [h["round"] for h in evals]
     acc = np.array([h["test_accuracy"] for h in evals])
-    fig, ax = plt.subplots(figsize=(6, 4))
+    from matplotlib.ticker import MaxNLocator
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    markers = "os^vD<>pXh"
+    few = len(names) <= 12  # more clients: thin unlabelled lines, the mean stands out
     for j, name in enumerate(names):
-        ax.plot(rounds, acc[:, j], lw=1, alpha=0.7, label=name)
-    ax.plot(rounds, acc.mean(1), lw=2.5, color="k", label="mean over clients")
+        ax.plot(rounds, acc[:, j], lw=1 if few else 0.5, alpha=0.8 if few else 0.3,
+                marker=markers[j % len(markers)] if few else None, ms=3, label=name if few else None)
+    ax.plot(rounds, acc.mean(1), lw=2.5, color="k", marker="o", ms=4, label="mean over clients")
     ax.set(xlabel="round", ylabel="test accuracy", title=title, ylim=(0, 1))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the curves
+    ax.title.set_fontsize(9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

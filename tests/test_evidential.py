@@ -112,3 +112,20 @@ class EvidentialTest(chex.TestCase):
             B.disentangle_loss(h1, h2, reduction="sum")
         batched = jax.vmap(B.disentangle_loss)(jnp.stack([h1, h2]), jnp.stack([h2, h1]))
         np.testing.assert_allclose(batched, [l12, l12], rtol=1e-6)
+
+
+def test_blocks_refuse_arguments_that_would_silently_give_nan_or_nonsense():
+    alpha, logits = jnp.full((2, 3), 2.0), jnp.zeros((2, 3))
+    for fn in (lambda y: B.edl_loss(alpha, y, 0.5), lambda y: B.dirichlet_ce(alpha, y),
+               lambda y: B.cross_entropy(logits, y)):
+        with pytest.raises(ValueError, match=r"labels must be in \[0, 3\) for 3 classes, got 3"):
+            fn(jnp.array([0, 3]))
+        with pytest.raises(ValueError, match="got -1"):
+            fn(jnp.array([-1, 0]))
+        assert jax.jit(fn)(jnp.array([0, 3])).shape == (2,)  # traced labels are not checked (no host sync)
+    with pytest.raises(ValueError, match="tau=0 must be > 0"):
+        B.gumbel_sigmoid(logits, None, tau=0)
+    with pytest.raises(ValueError, match="tau=-1.0 must be > 0"):
+        B.relaxed_mask(logits, jax.random.key(0), tau=-1.0)
+    with pytest.raises(ValueError, match="num_rounds=0 must be > 0"):
+        B.annealing_coefficient(1, 0)

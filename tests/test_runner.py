@@ -37,10 +37,70 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert [h["round"] for h in more.history] == [1, 2, 3, 4, 5]
 
 
-def test_existing_checkpoints_need_resume(tmp_path):
+def test_a_run_is_never_overwritten_silently(tmp_path):
     Experiment(RunConfig(rounds=1, out=str(tmp_path), checkpoint_every=1, **TINY)).run()
-    with pytest.raises(ConfigError, match="already holds checkpoints; pass --resume"):
-        Experiment(RunConfig(rounds=2, out=str(tmp_path), checkpoint_every=1, **TINY)).run()
+    with pytest.raises(ConfigError, match="is not empty; pass --resume to continue its run, --overwrite"):
+        Experiment(RunConfig(rounds=2, out=str(tmp_path), checkpoint_every=1, **TINY))
+    (tmp_path / "notes.txt").write_text("mine")
+    Experiment(RunConfig(rounds=2, out=str(tmp_path), overwrite=True, **TINY)).run()  # replaces the run only
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert not (tmp_path / "checkpoints").exists() and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+CLI_TINY = ["--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size", "16",
+            "--test-per-client", "30"]
+
+
+def test_cli_writes_every_run_and_prints_a_line_per_round_when_piped(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--rounds", "2"] + CLI_TINY) == 0
+    err = capsys.readouterr().err
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1 and runs[0].name.startswith("fedbn-default-")  # runs/<algorithm>-<dataset>-<time>
+    assert (runs[0] / "metrics.jsonl").is_file() and f"writing to runs/{runs[0].name}" in err
+    # capsys is not a terminal: plain lines, no progress bar
+    assert "round 1/2: train loss" in err and "round 2/2: train loss" in err and "\r" not in err
+    assert main(["run", "--rounds", "1"] + CLI_TINY) == 0
+    assert len(list((tmp_path / "runs").iterdir())) == 2  # a second run gets its own folder
+
+
+def test_cli_resume_keeps_the_saved_config_and_allows_what_it_recommends(tmp_path, capsys):
+    out = str(tmp_path / "o")
+    assert main(["run", "--quiet", "--rounds", "2", "--checkpoint-every", "1", "--lr", "0.05", "--out", out]
+                + CLI_TINY) == 0
+    saved = json.loads((tmp_path / "o" / "config.json").read_text())
+    # no other flag: the saved model, sizes, lr and checkpoint_every are kept; --lr may be lowered (NaN advice)
+    assert main(["run", "--quiet", "--resume", "--out", out, "--rounds", "3", "--lr", "0.02"]) == 0
+    now = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert now == dict(saved, rounds=3, lr=0.02, resume=True)
+    assert sorted(int(p.name) for p in (tmp_path / "o" / "checkpoints").iterdir() if p.name.isdigit())[-1] == 3
+    capsys.readouterr()
+    # fewer rounds than the checkpoint: refused, nothing rewritten
+    before = (tmp_path / "o" / "config.json").read_text()
+    assert main(["run", "--quiet", "--resume", "--out", out, "--rounds", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["jaxfl: error: --resume: the checkpoint is at round 3; --rounds 2 must be at least 3"]
+    assert (tmp_path / "o" / "config.json").read_text() == before
+
+
+def test_resume_drops_a_torn_last_line_and_refuses_a_log_that_disagrees(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["run", "--quiet", "--rounds", "2", "--checkpoint-every", "1", "--out", str(out)] + CLI_TINY) == 0
+    full = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # power loss while round 2's line was written: the line is torn and round 2's checkpoint never landed
+    import shutil
+    shutil.rmtree(out / "checkpoints" / "2")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1][:25])
+    assert main(["run", "--quiet", "--resume", "--out", str(out)]) == 0
+    redone = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in redone] == [1, 2]
+    assert redone[1]["test_accuracy"] == full[1]["test_accuracy"]  # the redone round is the same round
+    capsys.readouterr()
+    (out / "metrics.jsonl").unlink()  # a log that no longer matches the checkpoint
+    assert main(["run", "--quiet", "--resume", "--out", str(out), "--rounds", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no records but the checkpoint is at round 2" in err[0]
 
 
 def test_nan_stops_with_round_and_client_and_keeps_last_checkpoint(tmp_path):

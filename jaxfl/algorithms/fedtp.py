@@ -30,6 +30,7 @@ import optax
 
 from ..aggregation import tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
+from ..errors import ConfigError
 from ..hypernet import generate, hypernet_grads, hypernetwork, init_embeddings
 from ..losses import cross_entropy, weighted_mean_loss
 from ..options import Options, option
@@ -57,6 +58,7 @@ def qkv_hypernetwork(model, embed_dim: int, hidden: int, layers: int):
 @dataclasses.dataclass(frozen=True)
 class FedTPOptions(Options):
     name = "fedtp"
+    models = ("vit_small", "vit_tiny")  # personalized attention needs a ViT
     sharing = ("every ViT parameter but the attention Q/K/V projections; a server hypernetwork generates those",
                "its Q/K/V projections (vanilla) or its embedding row on the server (hypernet)")
     variant: str = option("hypernet", "hypernet (server hypernetwork generates Q/K/V) | vanilla (each client "
@@ -80,7 +82,8 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, **options) -> Algo
     hyper_hidden, hyper_layers, hyper_lr, hyper_momentum, hyper_decay = (
         o.hyper_hidden, o.hyper_layers, o.hyper_lr, o.hyper_momentum, o.hyper_decay)
     if not hasattr(model.encoder, "qkv_shape"):
-        raise ValueError(f"fedtp needs a ViT (--model vit_small), got a {type(model.encoder).__name__} encoder")
+        raise ConfigError(f"fedtp needs a ViT (--model vit_small or vit_tiny), got a {type(model.encoder).__name__} "
+                          f"encoder")
     depth = model.encoder.depth
     hnet, stack = qkv_hypernetwork(model, embed_dim, hyper_hidden, hyper_layers)
     hyper_tx = optax.chain(optax.add_decayed_weights(hyper_decay), optax.sgd(hyper_lr, momentum=hyper_momentum))

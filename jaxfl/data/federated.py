@@ -138,8 +138,8 @@ def _digits(cfg, rng):
     found = [d for d in DIGITS_OPTIONAL if (root / "digits" / f"{d}_train.npz").is_file()]
     doms = {}
     for d in DIGITS_DOMAINS + tuple(found):
-        tx, ty = load_npz(root, "digits", d, "train")
-        vx, vy = load_npz(root, "digits", d, "test")
+        tx, ty = load_npz(root, "digits", d, "train", 10)
+        vx, vy = load_npz(root, "digits", d, "test", 10)
         tx, ty = _cap(tx, ty, (cfg.samples_per_client or 1000) * cfg.clients_per_domain, rng)
         doms[d] = (prepare(tx, size, cfg.channels), ty, prepare(vx, size, cfg.channels), vy)
     return _domain_clients("digits", doms, cfg, rng, 10, size, {"spc": 1000})
@@ -153,8 +153,8 @@ def _pacs(cfg, rng):
     size = cfg.image_size or 32
     doms = {}
     for d in PACS_DOMAINS:
-        tx, ty = load_npz(root, "pacs", d, "train")
-        vx, vy = load_npz(root, "pacs", d, "val")
+        tx, ty = load_npz(root, "pacs", d, "train", 7)
+        vx, vy = load_npz(root, "pacs", d, "val", 7)
         doms[d] = (prepare(tx, size, cfg.channels), ty, prepare(vx, size, cfg.channels), vy)
     ds = _domain_clients("pacs", doms, cfg, rng, 7, size)
     ds.normalize = (0.0, 1.0)  # FedBN's Office/DomainNet pipeline: ToTensor, no mean/std
@@ -165,8 +165,8 @@ def _npz_label_skew(benchmark, domain, test_split, num_classes, default_size, de
     def build(cfg, rng):
         root = data_dir(cfg.data_dir)
         size = cfg.image_size or default_size
-        tx, ty = load_npz(root, benchmark, domain, "train")
-        vx, vy = load_npz(root, benchmark, domain, test_split)
+        tx, ty = load_npz(root, benchmark, domain, "train", num_classes)
+        vx, vy = load_npz(root, benchmark, domain, test_split, num_classes)
         return _label_skew_clients(domain, (prepare(tx, size, cfg.channels), ty),
                                    (prepare(vx, size, cfg.channels), vy), cfg, rng, num_classes,
                                    default_partition)
@@ -219,4 +219,9 @@ def _checked(ds: FederatedDataset) -> FederatedDataset:
         if len(y) == 0 or len(vy) == 0:
             raise DataError(f"client {name!r} has {len(y)} training and {len(vy)} test samples; every "
                             f"client needs at least one of each (use fewer clients)")
+        for split, labels in (("train", y), ("test", vy)):
+            bad = np.asarray(labels)[(np.asarray(labels) < 0) | (np.asarray(labels) >= ds.num_classes)]
+            if bad.size:  # would give NaN losses and meaningless accuracies
+                raise DataError(f"dataset {ds.name!r}, client {name!r}: {split} label {int(bad[0])} is outside "
+                                f"[0, {ds.num_classes}); check the data files' labels")
     return ds

@@ -26,21 +26,33 @@ def data_dir(explicit: str | os.PathLike | None = None) -> Path:
     return path
 
 
-def load_npz(root: Path, benchmark: str, domain: str, split: str):
-    """Read ``root/benchmark/{domain}_{split}.npz`` with keys ``images`` [N,H,W,C] uint8, ``labels`` [N]."""
+def load_npz(root: Path, benchmark: str, domain: str, split: str, num_classes: int | None = None):
+    """Read ``root/benchmark/{domain}_{split}.npz`` with keys ``images`` [N,H,W,C] uint8, ``labels`` [N] (in
+    [0, num_classes) when given: a label outside would give NaN losses)."""
     path = Path(root) / benchmark / f"{domain}_{split}.npz"
     if not path.is_file():
         raise DataError(f"missing data file {str(path)!r}; expected {benchmark}/{domain}_{split}.npz "
                         f"under the data directory")
-    with np.load(path) as f:
-        if "images" not in f or "labels" not in f:
-            raise DataError(f"{str(path)!r} must hold arrays 'images' and 'labels', has {list(f.keys())}")
-        images, labels = f["images"], f["labels"].astype(np.int64)
+    try:
+        with np.load(path) as f:
+            if "images" not in f or "labels" not in f:
+                raise DataError(f"{str(path)!r} must hold arrays 'images' and 'labels', has {list(f.keys())}")
+            images, labels = f["images"], f["labels"].astype(np.int64)
+    except DataError:
+        raise
+    except Exception as e:  # a truncated or corrupt archive: zipfile, pickle or value errors of every kind
+        raise DataError(f"{str(path)!r} is not a readable .npz archive ({type(e).__name__}: {e}); "
+                        f"re-create or re-download it") from None
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4 or len(images) != len(labels):
         raise DataError(f"{str(path)!r}: images {images.shape} and labels {labels.shape} do not match "
                         f"[N, H, W, C] and [N]")
+    if num_classes is not None and len(labels):
+        bad = labels[(labels < 0) | (labels >= num_classes)]
+        if bad.size:
+            raise DataError(f"{str(path)!r}: label {int(bad[0])} is outside [0, {num_classes}) "
+                            f"({bad.size} such labels); {benchmark} has {num_classes} classes")
     return images.astype(np.uint8), labels
 
 
@@ -87,4 +99,9 @@ def load_tfds(name: str, split: str, tfds_dir: str | None = None):
     images, labels = ds
     if images.ndim == 3:
         images = images[..., None]
+    if num_classes is not None and len(labels):
+        bad = labels[(labels < 0) | (labels >= num_classes)]
+        if bad.size:
+            raise DataError(f"{str(path)!r}: label {int(bad[0])} is outside [0, {num_classes}) "
+                            f"({bad.size} such labels); {benchmark} has {num_classes} classes")
     return images.astype(np.uint8), labels.astype(np.int64)

@@ -1,0 +1,118 @@
+"""Bad input through the CLI entry point: one line `jaxfl: error: ...`, exit status 2, nothing written.
+
+Every case runs in an empty working directory (a run without --out would write under ./runs) and checks that
+the directory tree is unchanged afterwards.
+"""
+import os
+
+import numpy as np
+import pytest
+
+from jaxfl.cli import main
+
+TINY = ["--model", "small_cnn", "--image-size", "12", "--samples-per-client", "20", "--rounds", "1"]
+
+
+def tree(root):
+    """{relative path: (size, mtime_ns)} of everything under ``root``."""
+    out = {}
+    for base, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(base, name)
+            st = os.stat(p)
+            out[os.path.relpath(p, root)] = (st.st_size if name in files else -1, st.st_mtime_ns)
+    return out
+
+
+def write_npz(path, images, labels):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, images=images, labels=labels)
+
+
+def mnist_dir(root, labels=None):
+    """A tiny data directory with digits/mnist_{train,test}.npz (labels in [0, 10) unless given)."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        y = rng.integers(0, 10, 300) if labels is None else np.resize(labels, 300)
+        write_npz(root / "digits" / f"mnist_{split}.npz", rng.integers(0, 256, (300, 28, 28), dtype=np.uint8), y)
+    return root
+
+
+CASES = {
+    # crashed with a traceback
+    "malformed toml": (lambda d: ["--config", str(write(d / "c.toml", "rounds = = 3"))], "is not valid TOML"),
+    "malformed json": (lambda d: ["--config", str(write(d / "c.json", "{rounds: 3"))], "is not valid JSON"),
+    "wrong type in a config file": (lambda d: ["--config", str(write(d / "c.toml", 'rounds = "five"'))],
+                                    "rounds='five' must be an integer"),
+    "--out is a file": (lambda d: ["--out", str(write(d / "taken", "x"))], "is a file; give a folder"),
+    "--out cannot be written": (lambda d: ["--out", "/sys/jaxfl-test-out"], "is not a writable folder"),
+    "corrupt npz": (lambda d: ["--dataset", "mnist", "--data-dir", str(corrupt(d / "data"))],
+                    "is not a readable .npz archive"),
+    "--devices beyond the machine": (lambda d: ["--devices", "64"], "devices=64: this machine has"),
+    "a model the algorithm cannot use": (lambda d: ["--algorithm", "fedtp"],
+                                         "--algorithm fedtp cannot use --model small_cnn"),
+    "--seed -1": (lambda d: ["--seed", "-1"], "seed=-1 must be >= 0"),
+    "--image-size -8": (lambda d: ["--image-size", "-8"], "image_size=-8 must be at least 1"),
+    "--fedtp.embed-dim 0": (lambda d: ["--algorithm", "fedtp", "--model", "vit_tiny", "--fedtp.embed-dim", "0"],
+                            "fedtp.embed_dim=0 must be at least 1"),
+    # accepted silently before
+    "--num-clients 0": (lambda d: ["--num-clients", "0"], "num_clients=0 must be at least 1"),
+    "--samples-per-client -5": (lambda d: ["--samples-per-client", "-5"], "samples_per_client=-5 must be at least 1"),
+    "--test-per-client -1": (lambda d: ["--test-per-client", "-1"], "test_per_client=-1 must be at least 1"),
+    "--image-size 0": (lambda d: ["--image-size", "0"], "image_size=0 must be at least 1"),
+    "--dapperfl.gamma -1": (lambda d: ["--algorithm", "dapperfl", "--dapperfl.gamma", "-1"],
+                            "dapperfl.gamma=-1.0 must be in [0.0, inf]"),
+    "labels outside [0, K)": (lambda d: ["--dataset", "mnist", "--data-dir", str(mnist_dir(d / "data", [3, 12]))],
+                              "label 12 is outside [0, 10) (150 such labels); digits has 10 classes"),
+    # runs that would lose work
+    "non-empty --out without --resume": (lambda d: ["--out", str(write(d / "old" / "metrics.jsonl", "{}").parent)],
+                                         "is not empty; pass --resume to continue its run, --overwrite"),
+    "--resume of a folder without a run": (lambda d: ["--resume", "--out", str(mkdir(d / "empty"))],
+                                           "--resume: no checkpoint in"),
+    "--resume and --overwrite": (lambda d: ["--resume", "--overwrite", "--out", str(d / "o")],
+                                 "--resume continues the run in --out, --overwrite replaces it"),
+    "an option of another algorithm": (lambda d: ["--algorithm", "fedavg", "--fedselect.alpha", "0.5"],
+                                       "--fedselect.alpha: option(s) of fedselect, but the algorithm is fedavg"),
+}
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def mkdir(path):
+    path.mkdir(parents=True)
+    return path
+
+
+def corrupt(root):
+    for split in ("train", "test"):
+        write_npz(root / "digits" / f"mnist_{split}.npz", np.zeros((10, 28, 28), np.uint8), np.zeros(10, np.int64))
+        p = root / "digits" / f"mnist_{split}.npz"
+        p.write_bytes(p.read_bytes()[:100])  # truncated
+    return root
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, monkeypatch, capsys):
+    make_args, message = CASES[case]
+    monkeypatch.chdir(tmp_path)
+    args = make_args(tmp_path)
+    before = tree(tmp_path)
+    code = main(["run"] + TINY + args)
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert code == 2, captured.err
+    assert len(err) == 1 and err[0].startswith("jaxfl: error: ") and message in err[0], err
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert tree(tmp_path) == before  # no output folder created, nothing changed
+
+
+def test_help_lists_every_algorithms_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # help text is wrapped
+    assert e.value.code == 0
+    assert "--fedselect.grow-every" in out and "r mod K = 0" in out and "fedpick options" in out
