@@ -73,7 +73,9 @@ def recovered_mean(x, weights, mask, previous):
 
 
 def tree_weighted_mean(tree, weights):
-    """``weighted_mean`` on every leaf of a stacked pytree."""
+    """``weighted_mean`` on every leaf of a stacked pytree.
+    Shapes: tree of leaves [k, ...], weights [k] -> tree of leaves [...].
+    """
     return jax.tree_util.tree_map(lambda x: weighted_mean(x, weights), tree)
 
 
@@ -81,6 +83,8 @@ def tree_masked_mean(tree, weights, mask_tree, previous_tree):
     """``masked_mean`` leaf by leaf: mask_tree has tree's structure, each leaf a Python bool, a bool array
     broadcastable to the stacked leaf, or per entry. Leaves whose mask is the Python bool False return
     ``previous`` unchanged without computing a reduction.
+    Shapes: tree: leaves [k, ...]; weights [k]; mask_tree: Python bools or bool [k, ...]; previous_tree:
+    leaves [...] -> leaves [...].
     """
     def one(x, m, prev):
         if m is False:
@@ -92,7 +96,9 @@ def tree_masked_mean(tree, weights, mask_tree, previous_tree):
 
 
 def tree_where(mask_tree, a, b):
-    """Leafwise ``where(mask, a, b)``; Python-bool masks select the whole leaf without computing."""
+    """Leafwise ``where(mask, a, b)``; Python-bool masks select the whole leaf without computing.
+    Shapes: mask_tree (Python bools or arrays), a, b: pytrees of one structure -> that structure.
+    """
     def one(m, x, y):
         if m is True:
             return x
@@ -103,5 +109,7 @@ def tree_where(mask_tree, a, b):
 
 
 def broadcast_clients(tree, n: int):
-    """Stack ``n`` copies of a pytree along a new leading client axis."""
+    """Stack ``n`` copies of a pytree along a new leading client axis.
+    Shapes: tree of leaves [...] -> the same tree with leaves [n, ...].
+    """
     return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), tree)

@@ -44,7 +44,9 @@ def hard_threshold(soft, threshold=0.5):
 
 
 def straight_through(hard, soft):
-    """m = hard + (soft - stop_gradient(soft)): forward value exactly ``hard``, gradient that of ``soft``."""
+    """m = hard + (soft - stop_gradient(soft)): forward value exactly ``hard``, gradient that of ``soft``.
+    Shapes: hard, soft of one shape -> that shape.
+    """
     return hard + (soft - jax.lax.stop_gradient(soft))
 
 
@@ -59,7 +61,9 @@ def relaxed_mask(logits, key=None, tau=1.0, hard=True, threshold=0.5):
 
 
 def split_features(z, mask):
-    """(z_p, z_u) = (z * m, z * (1 - m)): relevant and irrelevant parts, z_p + z_u = z."""
+    """(z_p, z_u) = (z * m, z * (1 - m)): relevant and irrelevant parts, z_p + z_u = z.
+    Shapes: z [B, d], m [B, d] (or broadcastable) -> (z_p [B, d], z_u [B, d]).
+    """
     return z * mask, z * (1.0 - mask)
 
 
@@ -75,7 +79,9 @@ def descending_rank(scores):
 
 
 def topk_mask(scores, k):
-    """Boolean mask of the k largest entries of ``scores`` (ties: lower flat index first); k may be traced."""
+    """Boolean mask of the k largest entries of ``scores`` (ties: lower flat index first); k may be traced.
+    Shapes: scores [...] , k [] int -> bool mask of scores' shape.
+    """
     return descending_rank(scores) < k
 
 
@@ -124,7 +130,9 @@ def grow_mask(mask, delta, rate, limit):
 
 def tree_grow_mask(masks, params, reference, rate, limit, eligible=None):
     """``grow_mask`` on every leaf with delta = params - reference; leaves whose ``eligible`` flag (a pytree
-    of Python bools, default all True) is False keep their mask."""
+    of Python bools, default all True) is False keep their mask.
+    Shapes: masks, params, reference: pytrees of one structure (bool, float, float leaves) -> masks' structure.
+    """
     eligible = eligible if eligible is not None else jax.tree_util.tree_map(lambda _: True, masks)
     return jax.tree_util.tree_map(
         lambda m, p, r, e: grow_mask(m, p - r, rate, limit) if e else m, masks, params, reference, eligible)
@@ -135,12 +143,16 @@ def tree_grow_mask(masks, params, reference, rate, limit, eligible=None):
 # --------------------------------------------------------------------------------------------------
 
 def num_pruned(ratio, n):
-    """round(ratio * n), half to even (Python's and torch.prune's rounding)."""
+    """round(ratio * n), half to even (Python's and torch.prune's rounding).
+    Shapes: ratio [] in [0, 1], n int -> [] int32.
+    """
     return jnp.round(ratio * n).astype(jnp.int32)
 
 
 def channel_scores(kernel, axis, ord=1):
-    """Norm of every slice along ``axis``: L1 (ord=1) sum |K| or L2 (ord=2) sqrt(sum K^2) over the other axes."""
+    """Norm of every slice along ``axis``: L1 (ord=1) sum |K| or L2 (ord=2) sqrt(sum K^2) over the other axes.
+    Shapes: kernel [..., C_in, C_out] -> [kernel.shape[axis]].
+    """
     axis = axis % kernel.ndim
     others = tuple(a for a in range(kernel.ndim) if a != axis)
     if ord == 1:
@@ -151,7 +163,9 @@ def channel_scores(kernel, axis, ord=1):
 
 
 def keep_largest(scores, ratio):
-    """Bool mask over a 1-D (or any) score array keeping the n - round(ratio n) largest (ties: lower index kept)."""
+    """Bool mask over a 1-D (or any) score array keeping the n - round(ratio n) largest (ties: lower index kept).
+    Shapes: scores [n] (or any shape), ratio [] in [0, 1] -> bool mask of scores' shape.
+    """
     return topk_mask(scores, jnp.size(scores) - num_pruned(ratio, jnp.size(scores)))
 
 
@@ -172,7 +186,9 @@ def in_out_channel_mask(kernel, ratio, ord=1):
 
 
 def magnitude_mask(x, ratio):
-    """Unstructured mask: zero the round(ratio n) entries of smallest |x| (ties: lower index pruned first)."""
+    """Unstructured mask: zero the round(ratio n) entries of smallest |x| (ties: lower index pruned first).
+    Shapes: x [...], ratio [] in [0, 1] -> 0/1 float mask of x's shape.
+    """
     return keep_largest(jnp.abs(x), ratio).reshape(jnp.shape(x)).astype(jnp.result_type(x))
 
 
@@ -181,21 +197,29 @@ def magnitude_mask(x, ratio):
 # --------------------------------------------------------------------------------------------------
 
 def tree_count(mask_tree):
-    """Total number of nonzero (True) entries over all leaves (a traced scalar)."""
+    """Total number of nonzero (True) entries over all leaves (a traced scalar).
+    Shapes: mask pytree -> [] int.
+    """
     leaves = jax.tree_util.tree_leaves(mask_tree)
     return sum(jnp.sum(jnp.asarray(m) != 0) for m in leaves) if leaves else jnp.array(0)
 
 
 def tree_size(tree):
-    """Total number of entries over all leaves (a Python int): ``metrics.count_params`` without masks."""
+    """Total number of entries over all leaves (a Python int): ``metrics.count_params`` without masks.
+    Shapes: pytree -> Python int.
+    """
     return count_params(tree)
 
 
 def tree_density(mask_tree):
-    """Fraction of nonzero entries over all leaves: tree_count / tree_size."""
+    """Fraction of nonzero entries over all leaves: tree_count / tree_size.
+    Shapes: mask pytree -> [] float in [0, 1].
+    """
     return tree_count(mask_tree) / max(tree_size(mask_tree), 1)
 
 
 def leaf_density(mask_tree):
-    """Per-leaf fraction of nonzero entries (same structure as the mask tree)."""
+    """Per-leaf fraction of nonzero entries (same structure as the mask tree).
+    Shapes: mask pytree -> the same structure with [] float leaves.
+    """
     return jax.tree_util.tree_map(lambda m: jnp.mean(jnp.asarray(m) != 0), mask_tree)

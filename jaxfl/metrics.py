@@ -34,7 +34,9 @@ def expected_calibration_error(confidence, correct, n_bins: int = 15, weights=No
 
 def auroc(scores_positive, scores_negative):
     """Area under the ROC curve for separating positives (higher score) from negatives:
-    P(s+ > s-) + 0.5 P(s+ = s-) (Mann-Whitney U / (n+ n-), ties counted half)."""
+    P(s+ > s-) + 0.5 P(s+ = s-) (Mann-Whitney U / (n+ n-), ties counted half).
+    Shapes: scores [N], labels [N] (1 positive, 0 negative) -> [] float.
+    """
     pos = jnp.ravel(jnp.asarray(scores_positive, jnp.float32))
     neg = jnp.ravel(jnp.asarray(scores_negative, jnp.float32))
     allv = jnp.sort(jnp.concatenate([pos, neg]))
@@ -102,7 +104,9 @@ def fisher_selection_probe(train_z, train_y, test_z, test_y, num_classes: int, r
 
 
 def overlap_ratio(a, b):
-    """Jaccard overlap |A n B| / |A u B| of two boolean sets (1 for identical, 0 for disjoint; 1 if both empty)."""
+    """Jaccard overlap |A n B| / |A u B| of two boolean sets (1 for identical, 0 for disjoint; 1 if both empty).
+    Shapes: a, b bool [...] of one shape -> [] float.
+    """
     a, b = jnp.asarray(a, bool), jnp.asarray(b, bool)
     union = jnp.sum(a | b)
     return jnp.where(union > 0, jnp.sum(a & b) / jnp.maximum(union, 1), 1.0)
@@ -131,7 +135,9 @@ def _kept(leaf, mask):
 
 def count_params(params, masks=None):
     """Number of parameters: all entries, or with a mask pytree of params' structure (array or Python-bool
-    leaves) the entries the masks keep."""
+    leaves) the entries the masks keep.
+    Shapes: params pytree (mask: the same structure) -> Python int.
+    """
     m = {} if masks is None else _flat(masks)
     return sum(_kept(leaf, m.get(path)) for path, leaf in _flat(params).items())
 
@@ -164,6 +170,7 @@ def masked_flops(params, positions, masks=None):
 
     positions from ``layer_positions``; masks: params' structure (array or bool leaves) or None.
     Biases, norms and activations are not counted.
+    Shapes: kernels and masks: pytrees of the same structure -> Python or traced scalar.
     """
     flat, m = _flat(params), ({} if masks is None else _flat(masks))
     return sum(2 * pos * _kept(flat[path], m.get(path)) for path, pos in positions.items())
