@@ -38,7 +38,8 @@ PAPER = {"local": 74.60, "fedavg": 27.70, "ditto": 72.75, "fedrep": 67.60, "fedp
 
 def base_config(dataset: str, args) -> RunConfig:
     common = dict(rounds=args.rounds, seed=args.seed, lr=0.05, momentum=0.0, batch_size=32, local_epochs=1,
-                  options={"fedselect": {"la_epochs": args.la_epochs}}, model=args.model, eval_every=args.eval_every)
+                  options={"fedselect": {"la_epochs": args.la_epochs}}, model=args.model, eval_every=args.eval_every,
+                  eval_point="local")  # the official code's protocol: each model right after local training
     if dataset == "cifar10":
         return RunConfig(dataset="cifar10", num_clients=10, partition="shards", classes_per_client=2,
                          samples_per_client=100, test_per_client=args.test_per_client, **common)

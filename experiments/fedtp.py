@@ -51,6 +51,7 @@ def main(argv=None) -> None:
         base = RunConfig(dataset="cifar10", num_clients=args.num_clients, clients_per_round=args.clients_per_round,
                          test_per_client=args.test_per_client, model=args.model, rounds=args.rounds,
                          local_epochs=args.local_epochs, batch_size=64, lr=0.01, momentum=0.9, seed=args.seed,
+                         weight_decay=1e-5,  # the official client optimizer, for every method compared
                          eval_every=args.eval_every, **SPLITS[split])
         out, results = Path(args.out) / split, {}
         for spec in args.algorithms.split(","):

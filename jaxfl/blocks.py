@@ -18,7 +18,7 @@ Evidential learning (RFedDis)      evidence, dirichlet_alpha, opinion, uncertain
                                    kl_to_uniform, edl_loss, annealing_coefficient, softmax_kl_mean,
                                    disentangle_loss
 Losses                             cross_entropy, weighted_mean_loss, correct_count, kl_divergence,
-                                   symmetric_kl, negative_entropy, feature_norm
+                                   symmetric_kl, reduce_kl, negative_entropy, feature_norm
 Metrics                            expected_calibration_error, auroc, sparsity_ratio, fisher_score,
                                    fisher_selection_probe, knn_predict,
                                    overlap_ratio, selection_ratio, sparsity_per_sample, count_params, layer_positions,
@@ -31,7 +31,7 @@ from .evidential import (annealing_coefficient, dirichlet_alpha, dirichlet_ce, d
                          remove_true_evidence, softmax_kl_mean, uncertainty)
 from .hypernet import (Hypernet, generate, hypernet_grads, hypernet_surrogate_loss, hypernetwork,
                        init_embeddings)
-from .losses import (correct_count, cross_entropy, feature_norm, kl_divergence, negative_entropy,
+from .losses import (correct_count, cross_entropy, feature_norm, kl_divergence, negative_entropy, reduce_kl,
                      symmetric_kl, weighted_mean_loss)
 from .masks import (channel_mask, channel_scores, descending_rank, grow_mask, gumbel_sigmoid, hard_threshold,
                     in_out_channel_mask, keep_largest, kth_smallest_nonneg, leaf_density, logistic_noise, magnitude_mask, num_pruned,

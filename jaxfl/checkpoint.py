@@ -14,7 +14,7 @@ from .errors import ConfigError
 # Fields that may change between a run and its resumption; any other change is refused.
 # (lr: a run stopped by NaN says to lower it.)
 RESUMABLE_CHANGES = {"rounds", "resume", "overwrite", "out", "checkpoint_every", "eval_every", "strategy",
-                     "chunk_size", "devices", "client_store", "eval_batch_size", "lr"}
+                     "chunk_size", "devices", "client_store", "eval_batch_size", "eval_point", "lr"}
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -23,6 +23,12 @@ HELP = {
     "client_store": "where per-client persistent state lives: auto (device if it fits in a quarter of its "
                     "memory) | device | host",
     "participation": "fraction of clients sampled per round",
+    "optimizer": "client optimizer: sgd | adam (PyTorch semantics)",
+    "eval_point": "aggregated (each client's model after the round) | local (right after its local training, "
+                  "before aggregation, as FedSelect's code evaluates; needs every client in every round)",
+    "weight_decay": "client weight decay, added to the gradient as torch does (default: the algorithm's paper "
+                    "value, FedTP 1e-5, else 0)",
+    "nesterov": "sgd: Nesterov momentum",
     "out": "output folder: metrics.jsonl, summary.json, accuracy.png, config.json, checkpoints/ (default: a new "
            "runs/<algorithm>-<dataset>-<time>); a non-empty folder needs --resume or --overwrite",
     "overwrite": "replace the outputs of the run already in --out",

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 from .data.federated import DataConfig
-from .engine import STRATEGIES
+from .engine import OPTIMIZERS, STRATEGIES
 from .errors import ConfigError, check_choice, check_range
 
 
@@ -22,6 +22,9 @@ class RunConfig:
     batch_size: int = 64
     lr: float = 0.01
     momentum: float = 0.5
+    optimizer: str = "sgd"
+    weight_decay: float | None = None  # None: the algorithm's paper value (FedTP 1e-5), else 0
+    nesterov: bool = False
     seed: int = 0
     # algorithm options by algorithm, e.g. {"fedselect": {"alpha": 0.5}}: each algorithm's Options dataclass
     # (``jaxfl.algorithms``) owns its defaults, presets and checks; the CLI's --fedselect.alpha, a [fedselect]
@@ -49,6 +52,7 @@ class RunConfig:
     devices: int = 1
     client_store: str = "auto"
     eval_every: int = 1
+    eval_point: str = "aggregated"  # aggregated: after the round | local: each model right after local training
     eval_batch_size: int = 256
     # output
     out: str | None = None
@@ -95,10 +99,20 @@ class RunConfig:
         from .algorithms import algorithm_options
         return algorithm_options(self.algorithm, self.options.get(self.algorithm), self.dataset)
 
+    def client_training(self) -> dict:
+        """The client optimizer's settings, fields left None from the algorithm's ``train_preset`` (else 0)."""
+        from .algorithms import options_class
+        preset = options_class(self.algorithm).train_preset
+        wd = self.weight_decay if self.weight_decay is not None else preset.get("weight_decay", 0.0)
+        return {"name": self.optimizer, "lr": self.lr, "momentum": self.momentum, "weight_decay": wd,
+                "nesterov": self.nesterov}
+
     def resolved(self) -> "RunConfig":
-        """This config with the run's algorithm table written out in full (every option, presets applied):
-        what a run saves, so that its config.json says every value it used."""
-        return self.replace(options={self.algorithm: self.algorithm_options().to_dict()})
+        """This config with the run's algorithm table written out in full (every option, presets applied) and
+        the client optimizer's weight decay filled in: what a run saves, so that its config.json says every
+        value it used."""
+        return self.replace(options={self.algorithm: self.algorithm_options().to_dict()},
+                            weight_decay=self.client_training()["weight_decay"])
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -131,6 +145,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_range("dirichlet_alpha", cfg.dirichlet_alpha, 0.0, float("inf"), lo_open=True)
     check_range("lr", cfg.lr, 0.0, float("inf"), lo_open=True)
     check_range("momentum", cfg.momentum, 0.0, 1.0)
+    check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
+    check_choice("eval_point", cfg.eval_point, ("aggregated", "local"))
+    if cfg.weight_decay is not None:
+        check_range("weight_decay", cfg.weight_decay, 0.0, float("inf"))
+    if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum <= 0):
+        raise ConfigError("--nesterov needs --optimizer sgd with --momentum > 0")
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
     if cfg.devices < 0:

@@ -70,12 +70,32 @@ class Algorithm(NamedTuple):
                                                            client_id [k]); returns the cohort's new persistent
                                                            states (init's structure)
     predict(server, client, x, client_id) -> logits        evaluation-mode prediction of ONE client
+    predict_trained(server, trained, x, client_id) -> logits   optional: the prediction of a client's model
+                                                           right after its local training (``trained``: the
+                                                           row local_update returned), for evaluating before
+                                                           aggregation (``eval_point="local"``)
     """
     name: str
     init: Callable
     local_update: Callable
     aggregate: Callable
     predict: Callable
+    predict_trained: Callable | None = None
+
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+def client_optimizer(name: str = "sgd", lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0,
+                     nesterov: bool = False) -> optax.GradientTransformation:
+    """A client's optimizer as PyTorch builds it: ``sgd`` (momentum, nesterov) or ``adam``, with weight decay
+    as an L2 term added to the gradient before the update (torch's ``weight_decay``, not AdamW):
+    g <- g + weight_decay * w. Without weight decay it is exactly ``optax.sgd`` / ``optax.adam``."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r} is not one of {OPTIMIZERS}")
+    base = (optax.sgd(lr, momentum=momentum or None, nesterov=nesterov) if name == "sgd"
+            else optax.adam(lr))
+    return optax.chain(optax.add_decayed_weights(weight_decay), base) if weight_decay else base
 
 
 def normalizer(mean: float = 0.5, std: float = 0.5) -> Callable:

@@ -59,6 +59,24 @@ def symmetric_kl(logits_a, logits_b):
     return kl_divergence(logits_a, logits_b) + kl_divergence(logits_b, logits_a)
 
 
+KL_REDUCTIONS = ("mean", "batchmean", "sum")
+
+
+def reduce_kl(per_sample, weights, num_classes: int, reduction: str = "mean"):
+    """Reduce per-sample KL values (each summed over the K classes) over the real samples as PyTorch's
+    ``F.kl_div(..., reduction=...)`` reduces the elementwise terms [B, K]; n = max(sum_b w_b, 1):
+        mean       sum_b w_b kl_b / (n K)   (the element mean, PyTorch's default)
+        batchmean  sum_b w_b kl_b / n
+        sum        sum_b w_b kl_b
+    per_sample [B], weights [B] (1 real, 0 padding) -> []."""
+    if reduction not in KL_REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is not one of {KL_REDUCTIONS}")
+    if reduction == "sum":
+        return jnp.sum(weights.astype(per_sample.dtype) * per_sample)
+    batchmean = weighted_mean_loss(per_sample, weights)
+    return batchmean / num_classes if reduction == "mean" else batchmean
+
+
 def negative_entropy(logits):
     """sum_c p_c log p_c, p = softmax(logits): -log C for uniform p, 0 for one-hot. logits [..., C] -> [...].
 

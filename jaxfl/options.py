@@ -38,6 +38,8 @@ class Options:
     preset_default: ClassVar[str | None] = None  # the preset for datasets not in ``presets``
     sharing: ClassVar[tuple[str, str]] = ("", "")
     models: ClassVar[tuple[str, ...] | None] = None  # the models the method can use (None: any Classifier)
+    # the paper's client-training values for RunConfig fields a config leaves None (e.g. weight_decay)
+    train_preset: ClassVar[dict[str, Any]] = {}
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -9,14 +10,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 
 from .algorithms import build_algorithm
 from .config import RunConfig, check_output, clear_outputs, validate
 from .data import load_dataset
 from .distributed import client_mesh, is_primary
 from .data.ragged import RaggedClients
-from .engine import ClientData, LocalTrainer, normalizer
+from .engine import ClientData, LocalTrainer, client_optimizer, make_evaluate, normalizer
 from .simulation import ClientStore, Simulation, make_block_evaluate, place_rows
 from .errors import ConfigError, NonFiniteError
 from .metrics import count_params
@@ -106,7 +106,7 @@ class Experiment:
                               f"devices={self.mesh.devices.size}; use a cohort that is a multiple of it")
         self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
         self.train_data, self.test_data = RaggedClients.from_clients(ds.train), RaggedClients.from_clients(ds.test)
-        tx = optax.sgd(cfg.lr, momentum=cfg.momentum or None)
+        tx = client_optimizer(**cfg.client_training())
         preprocess = normalizer(*ds.normalize)
         self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs, preprocess)
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
@@ -119,12 +119,22 @@ class Experiment:
                                                preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size,
                                                mesh=self.mesh)
         self.root = jax.random.key(cfg.seed)
+        self.evaluate_trained_fn = None
+        if cfg.eval_point == "local":  # the models right after local training, before aggregation
+            if self.algorithm.predict_trained is None:
+                raise ConfigError(f"--eval-point local: {cfg.algorithm} has no prediction of a just-trained model")
+            if self.cohort != n:
+                raise ConfigError("--eval-point local evaluates every client right after its local training, so "
+                                  "every client must train every round (drop --clients-per-round/--participation)")
+            self.evaluate_trained_fn = jax.jit(make_evaluate(
+                self.algorithm._replace(predict=self.algorithm.predict_trained), eval_batch_size=eval_bs,
+                preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh))
 
-    def round_fn(self, server, store, round_idx):
+    def round_fn(self, server, store, round_idx, before_aggregate=None):
         """One training round (``Simulation.round``): (server, per-client and per-round metrics)."""
-        return self.simulation.round(server, store, round_idx, self.root)
+        return self.simulation.round(server, store, round_idx, self.root, before_aggregate=before_aggregate)
 
-    @property
+    @functools.cached_property
     def test(self) -> ClientData:
         """Every client's test set padded to the largest (for reports over stacked clients)."""
         return place_rows(self.test_data.stacked(self.eval_batch_size), self.mesh)
@@ -137,13 +147,12 @@ class Experiment:
     def evaluate(self, server, clients) -> dict:
         """Test metrics of every client; ``clients`` is a ClientStore or the stacked persistent states."""
         store = clients if isinstance(clients, ClientStore) else ClientStore(clients, "host")
-        m = self.evaluate_fn(server, store)
-        acc, cnt = np.asarray(m["accuracy"], float), np.asarray(m["count"], float)
-        extra = {f"test_{k}": np.asarray(v, float).tolist() for k, v in m.items()
-                 if k not in ("accuracy", "loss", "count")}
-        return {"test_accuracy": acc.tolist(), "test_loss": np.asarray(m["loss"], float).tolist(),
-                "mean_accuracy": float(acc.mean()), "weighted_accuracy": float((acc * cnt).sum() / cnt.sum()),
-                **extra}
+        return eval_record(self.evaluate_fn(server, store))
+
+    def evaluate_trained(self, server, trained) -> dict:
+        """Test metrics of every client's model right after its local training (``trained``: the round's
+        rows of every client, stacked in client order; ``eval_point="local"``)."""
+        return eval_record(self.evaluate_trained_fn(server, trained, self.test))
 
     def reliability(self, server, clients, key, **kw) -> dict:
         """``reliability.reliability_report`` of these states on this run's test sets (kw: noise_sigma, ...)."""
@@ -155,6 +164,14 @@ class Experiment:
     def run(self, progress: bool = False, log=None) -> RunResult:
         """Train to ``cfg.rounds`` (resuming if asked): ``train(self, ...)``."""
         return train(self, progress=progress, log=log)
+
+
+def eval_record(m) -> dict:
+    """metrics.jsonl's test fields from per-client evaluation arrays (accuracy, loss, count, diagnostics)."""
+    acc, cnt = np.asarray(m["accuracy"], float), np.asarray(m["count"], float)
+    extra = {f"test_{k}": np.asarray(v, float).tolist() for k, v in m.items() if k not in ("accuracy", "loss", "count")}
+    return {"test_accuracy": acc.tolist(), "test_loss": np.asarray(m["loss"], float).tolist(),
+            "mean_accuracy": float(acc.mean()), "weighted_accuracy": float((acc * cnt).sum() / cnt.sum()), **extra}
 
 
 # -- the host loop: rounds, checks, logging, checkpoints -----------------------------------------------------
@@ -232,11 +249,16 @@ def train(exp: Experiment, progress: bool = False, log=None) -> RunResult:
     bar = _progress(range(start, cfg.rounds), progress, start, cfg.rounds)
     for r in bar:
         t0, c0 = time.perf_counter(), compile_seconds()
-        server, m = exp.round_fn(server, store, r)
+        evaluate_now, local = (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds, {}
+        if evaluate_now and cfg.eval_point == "local":
+            hook = lambda s, trained, ids: local.update(exp.evaluate_trained(s, trained))
+            server, m = exp.round_fn(server, store, r, before_aggregate=hook)
+        else:
+            server, m = exp.round_fn(server, store, r)
         check_finite(m, names, r, ckpt)
         rec = round_record(m, names, r)
-        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
-            rec.update(exp.evaluate(server, store))
+        if evaluate_now:
+            rec.update(local or exp.evaluate(server, store))
         rec["time_s"] = time.perf_counter() - t0
         rec["compile_s"] = compile_seconds() - c0  # part of time_s: tracing and compiling new shapes
         history.append(rec)

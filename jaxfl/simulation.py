@@ -136,12 +136,14 @@ class Simulation:
         max_lanes = self.chunk_size * self.devices if self.strategy == "chunked" else len(ids)
         return plan_buckets(steps, max_lanes=max_lanes, lane_multiple=self.devices, single=self.strategy == "map")
 
-    def round(self, server, store: ClientStore, round_idx: int, root):
+    def round(self, server, store: ClientStore, round_idx: int, root, before_aggregate=None):
         """One round: sample the cohort, train it bucket by bucket, aggregate, write back the kept states.
 
         Returns (server, metrics): per cohort client (cohort order = sorted ids) ``loss``, ``accuracy``,
         ``seen``, ``steps``, ``finite``, ``client_id`` and the algorithm's own; per round ``padded_work``
         (computed / real samples), ``buckets`` and ``compiled_shapes`` (distinct bucket shapes so far).
+        ``before_aggregate(server, trained, ids)``, if given, sees the cohort's trained rows (stacked in cohort
+        order) before aggregation (to evaluate the models right after local training).
         """
         c = self.cohort_size
         ids = np.asarray(sample_cohort(root, round_idx, self.num_clients, c))
@@ -159,6 +161,8 @@ class Simulation:
             buffer = self._update_into(buffer, *args)
             self.shapes.add((b.lanes, b.steps))
         trained, metrics = buffer
+        if before_aggregate is not None:
+            before_aggregate(server, trained, ids)
         weights = np.asarray(aggregation_weights(self.train.counts[ids], self.weighting))
         server, kept = self._aggregate(server, trained, weights, jnp.asarray(ids, jnp.int32), round_idx)
         store.scatter(ids, kept)

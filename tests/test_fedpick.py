@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import assert_trees_close, make_data, run_rounds, setup_algorithm, trained_rows
-from jaxfl import make_evaluate
+from jaxfl import blocks as B, make_evaluate
 from jaxfl.algorithms.fedavg import is_batchnorm
 from jaxfl.algorithms.fedpick import FedPickNet, FedPickOptions, PFSM
 from jaxfl.models import MLPHead, small_cnn
@@ -130,3 +130,18 @@ def test_paper_defaults_per_dataset():
     assert paper(FedPickOptions.from_dict({}, "pacs")) == (1.0, 1.0, 0.001, 1.0)
     assert paper(FedPickOptions.from_dict({"tau": 2}, "pacs")) == (2.0, 1.0, 0.001, 1.0)  # given values win
     assert paper(FedPickOptions().with_preset(None)) == (10.0, 10.0, 0.001, 10.0)  # the factory's: Digits
+
+
+def test_kl_reductions_differ_by_exactly_their_factors_and_the_paper_one_is_the_default():
+    from jaxfl.algorithms.fedpick import fedpick_objective
+    k, b = 4, 6
+    a_g, a_p, a_u = jax.random.normal(jax.random.key(0), (3, b, k))
+    out, y = {"a_g": a_g, "a_p": a_p, "a_u": a_u}, jnp.array([0, 1, 2, 3, 0, 1])
+    w = jnp.array([1.0, 1, 1, 1, 1, 0])  # 5 real samples, one padded
+    base = fedpick_objective(out, y, w, 10.0, 0.001, 0.0)
+    dis = {r: fedpick_objective(out, y, w, 10.0, 0.001, 10.0, r) - base for r in ("mean", "batchmean", "sum")}
+    per_sample = B.symmetric_kl(a_p, a_g)[:5]  # class sums of the real samples
+    np.testing.assert_allclose(dis["mean"], 10.0 * per_sample.mean() / k, rtol=1e-5)
+    np.testing.assert_allclose(dis["batchmean"], k * dis["mean"], rtol=1e-5)
+    np.testing.assert_allclose(dis["sum"], 5 * dis["batchmean"], rtol=1e-5)
+    assert FedPickOptions().kl_reduction == "mean"  # PyTorch's F.kl_div default, which the paper used

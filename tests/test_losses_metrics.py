@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxfl import blocks as B
 from jaxfl.models import digits_cnn, small_cnn
@@ -120,3 +121,14 @@ def test_knn_predict_and_fisher_selection_probe():
                          5.0 * jax.random.normal(jax.random.key(2), (400, 7))], 1)
     accs = B.fisher_selection_probe(z[:300], y[:300], z[300:], y[300:], 2, ratios=(0.125, 1.0), k=10)
     assert float(accs[0]) > 0.95 and float(accs[0]) > float(accs[1]) + 0.1
+
+
+def test_reduce_kl_matches_pytorch_reductions_over_real_samples():
+    kl = jnp.array([0.4, 1.2, 2.0, 7.0])
+    w = jnp.array([1.0, 1.0, 1.0, 0.0])  # the last is padding
+    np.testing.assert_allclose(B.reduce_kl(kl, w, 4, "sum"), 3.6, rtol=1e-6)
+    np.testing.assert_allclose(B.reduce_kl(kl, w, 4, "batchmean"), 1.2, rtol=1e-6)
+    np.testing.assert_allclose(B.reduce_kl(kl, w, 4, "mean"), 0.3, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(B.reduce_kl, static_argnums=(2, 3))(kl, w, 4, "mean"), 0.3, rtol=1e-6)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        B.reduce_kl(kl, w, 4, "none")

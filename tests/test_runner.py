@@ -1,6 +1,7 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -219,3 +220,41 @@ def test_cli_options_are_addressed_by_algorithm(tmp_path, capsys):
     assert code == 2 and len(err) == 1
     assert err[0] == ("jaxfl: error: --fedselect.alpha: option(s) of fedselect, but the algorithm is fedavg "
                       "(its options are --fedavg.NAME)")
+
+
+def test_client_optimizer_follows_pytorch_and_fedtp_gets_its_papers_weight_decay(tmp_path):
+    import optax
+    from jaxfl.engine import client_optimizer
+    w, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, 0.5])}
+    tx = client_optimizer("sgd", lr=0.1, momentum=0.0, weight_decay=0.01)
+    upd, _ = tx.update(g, tx.init(w), w)
+    np.testing.assert_allclose(optax.apply_updates(w, upd)["w"], w["w"] - 0.1 * (g["w"] + 0.01 * w["w"]), rtol=1e-6)
+    tx = client_optimizer("adam", lr=0.1)
+    upd, _ = tx.update(g, tx.init(w), w)
+    np.testing.assert_allclose(upd["w"], [-0.1, -0.1], rtol=1e-4)  # Adam's first step is -lr * sign(g)
+    # the preset: FedTP's official client optimizer has weight decay 1e-5, others none unless asked
+    assert RunConfig(algorithm="fedtp").client_training()["weight_decay"] == 1e-5
+    assert RunConfig(algorithm="fedavg").client_training()["weight_decay"] == 0.0
+    assert RunConfig(algorithm="fedtp", weight_decay=0.0).client_training()["weight_decay"] == 0.0
+    # config.json records the optimizer a run used
+    Experiment(RunConfig(algorithm="fedbn", rounds=1, optimizer="adam", weight_decay=1e-4, out=str(tmp_path),
+                         **TINY)).run()
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["optimizer"], saved["weight_decay"], saved["lr"], saved["nesterov"]) == ("adam", 1e-4, 0.05, False)
+    with pytest.raises(ConfigError, match="--nesterov needs --optimizer sgd with --momentum > 0"):
+        Experiment(RunConfig(nesterov=True, momentum=0.0, **TINY))
+
+
+def test_eval_point_local_evaluates_each_model_right_after_its_local_training():
+    def acc(algorithm, point):
+        h = Experiment(RunConfig(algorithm=algorithm, rounds=2, eval_point=point, **TINY)).run().history
+        return [r["test_accuracy"] for r in h]
+    # nothing is shared: aggregation changes no model, so both points see the same models
+    np.testing.assert_array_equal(acc("local", "local"), acc("local", "aggregated"))
+    # FedSelect: round 1 is evaluated before the broadcast overwrites the global entries (the official code's
+    # point), so it differs; the last round does not aggregate, so there both points agree
+    sel_local, sel_agg = acc("fedselect", "local"), acc("fedselect", "aggregated")
+    assert sel_local[0] != sel_agg[0]
+    np.testing.assert_array_equal(sel_local[1], sel_agg[1])
+    with pytest.raises(ConfigError, match="every client must train every round"):
+        Experiment(RunConfig(algorithm="fedselect", eval_point="local", clients_per_round=2, **TINY))

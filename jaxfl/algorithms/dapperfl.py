@@ -153,4 +153,7 @@ def dapperfl(model, trainer: LocalTrainer, **options) -> Algorithm:
     def predict(server, client, x, client_id=None):
         return model.apply({"params": server["params"], "batch_stats": server["batch_stats"]}, x, train=False)
 
-    return Algorithm("dapperfl", init, local_update, aggregate, predict)
+    def predict_trained(server, trained, x, client_id=None):  # the client's own pruned model
+        return model.apply({"params": trained["params"], "batch_stats": trained["batch_stats"]}, x, train=False)
+
+    return Algorithm("dapperfl", init, local_update, aggregate, predict, predict_trained)

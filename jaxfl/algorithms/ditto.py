@@ -55,4 +55,4 @@ def ditto(model, trainer: LocalTrainer, **options) -> Algorithm:
     def predict(server, client, x, client_id=None):
         return model.apply(client["personal"], x, train=False)
 
-    return Algorithm("ditto", init, local_update, aggregate, predict)
+    return Algorithm("ditto", init, local_update, aggregate, predict, predict)  # the trained row has "personal"

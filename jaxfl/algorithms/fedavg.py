@@ -130,7 +130,10 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
     def predict_fn(server, client, x, client_id=None):
         return apply_eval(merged(server, client, static_masks(server)), x)
 
-    return Algorithm(name, init, local_update, aggregate, predict_fn)
+    def predict_trained(server, trained, x, client_id=None):  # the full model the client just trained
+        return apply_eval(trained, x)
+
+    return Algorithm(name, init, local_update, aggregate, predict_fn, predict_trained)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,9 @@ the "irrelevant" head h_u. With a_* the logits of h_g(z_g), h_p(z_p), h_u(z_u):
 
     L = CE(a_g, y) + lam_lce CE(a_p, y) + lam_ent sum_c p_u log p_u + lam_dis [KL(p_p||p_g) + KL(p_g||p_p)]
 
-(batch means over real samples). Prediction: argmax(a_g + a_p) (ensemble) or a_g (``no_ensemble``). The
+(batch means over real samples; the KL term reduced by ``kl_reduction``, by default as PyTorch's F.kl_div
+default does, over batch x classes: the paper's lam_dis = 10 was tuned so, and with the class sum it
+collapses training). Prediction: argmax(a_g + a_p) (ensemble) or a_g (``no_ensemble``). The
 server averages, weighted by sample counts, the encoder and the global head without BatchNorm; BN (params
 and statistics) and the PFSM stay on the client. ``use_pfsm=False`` is exactly FedBN.
 """
@@ -19,7 +21,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ..engine import Algorithm
-from ..losses import cross_entropy, negative_entropy, symmetric_kl, weighted_mean_loss
+from ..losses import KL_REDUCTIONS, cross_entropy, negative_entropy, reduce_kl, symmetric_kl, weighted_mean_loss
 from ..masks import relaxed_mask, split_features
 from ..metrics import sparsity_per_sample
 from ..models import Dense, MLPHead
@@ -53,6 +55,23 @@ class FedPickOptions(Options):
     share_pfsm: bool = option(False, "ablation: average the PFSM too")
     pfsm_head: str = option("same", "personal and irrelevant heads: same (copy the global head) | linear",
                             choices=("same", "linear"))
+    kl_reduction: str = option("mean", "reduction of L_dis's KL: mean (over batch x classes, PyTorch's default, "
+                               "which the paper's lam_dis was tuned with) | batchmean (K x mean) | sum",
+                               choices=KL_REDUCTIONS)
+
+
+def fedpick_objective(out, y, w, lam_lce: float, lam_ent: float, lam_dis: float, kl_reduction: str = "mean"):
+    """FedPick's loss on one batch from the network's logits (a_g, a_p, a_u [B, K]), labels y [B], weights w [B]:
+
+        L = CE(a_g) + lam_lce CE(a_p) + lam_ent sum_c p_u log p_u + lam_dis R(KL(p_p||p_g) + KL(p_g||p_p))
+
+    CE and entropy are means over the real samples; R is ``losses.reduce_kl`` with ``kl_reduction``: "mean"
+    (over batch x classes, PyTorch's default, for which the paper's lam_dis = 10 was tuned), "batchmean"
+    (K times larger) or "sum" (n times "batchmean"). -> []."""
+    mean = lambda v: weighted_mean_loss(v, w)
+    dis = reduce_kl(symmetric_kl(out["a_p"], out["a_g"]), w, out["a_g"].shape[-1], kl_reduction)
+    return (mean(cross_entropy(out["a_g"], y)) + lam_lce * mean(cross_entropy(out["a_p"], y))
+            + lam_ent * mean(negative_entropy(out["a_u"])) + lam_dis * dis)
 
 
 class PFSM(nn.Module):
@@ -115,12 +134,9 @@ def fedpick(model, trainer, **options) -> Algorithm:
         out, updated = net.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
                                  mutable=["batch_stats"], rngs=None if key is None else {"gumbel": key,
                                                                                           "dropout": key})
-        mean = lambda v: weighted_mean_loss(v, w)
-        total = mean(cross_entropy(out["a_g"], y))
-        if use_pfsm:
-            total = (total + lam_lce * mean(cross_entropy(out["a_p"], y))
-                     + lam_ent * mean(negative_entropy(out["a_u"]))
-                     + lam_dis * mean(symmetric_kl(out["a_p"], out["a_g"])))
+        if not use_pfsm:
+            return weighted_mean_loss(cross_entropy(out["a_g"], y), w), (updated["batch_stats"], prediction(out))
+        total = fedpick_objective(out, y, w, lam_lce, lam_ent, lam_dis, o.kl_reduction)
         return total, (updated["batch_stats"], prediction(out))
 
     def predict(variables, x):

@@ -146,4 +146,5 @@ def fedselect(model: nn.Module, trainer: LocalTrainer, **options) -> Algorithm:
     def predict(server, client, x, client_id=None):
         return model.apply({"params": client["params"], "batch_stats": client["batch_stats"]}, x, train=False)
 
-    return Algorithm("fedselect", init, local_update, aggregate, predict)
+    # the trained row holds the client's whole model (personal and global entries after LocalAlt)
+    return Algorithm("fedselect", init, local_update, aggregate, predict, predict)

@@ -59,6 +59,7 @@ def qkv_hypernetwork(model, embed_dim: int, hidden: int, layers: int):
 class FedTPOptions(Options):
     name = "fedtp"
     models = ("vit_small", "vit_tiny")  # personalized attention needs a ViT
+    train_preset = {"weight_decay": 1e-5}  # the official client optimizer: SGD with weight decay 1e-5
     sharing = ("every ViT parameter but the attention Q/K/V projections; a server hypernetwork generates those",
                "its Q/K/V projections (vanilla) or its embedding row on the server (hypernet)")
     variant: str = option("hypernet", "hypernet (server hypernetwork generates Q/K/V) | vanilla (each client "
@@ -140,7 +141,11 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, **options) -> Algo
     def predict(server, client, x, client_id):
         return model.apply({"params": server["params"]}, x, train=False, qkv=client_qkv(server, client, client_id))
 
-    return Algorithm(f"fedtp_{variant}" if personalize else "fedtp_shared", init, local_update, aggregate, predict)
+    def predict_trained(server, trained, x, client_id):  # the client's trained xi and Q/K/V
+        return model.apply({"params": trained["xi"]}, x, train=False, qkv=trained["trained_qkv"])
+
+    name = f"fedtp_{variant}" if personalize else "fedtp_shared"
+    return Algorithm(name, init, local_update, aggregate, predict, predict_trained)
 
 
 def adapt_new_client(alg_model, trainer: LocalTrainer, server, data: ClientData, key, embed_dim: int = 128,
