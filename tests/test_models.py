@@ -145,11 +145,12 @@ def test_pools_match_reference_windows():
 def test_resnet_forward_under_vmap_over_clients():
     model = resnet10(num_classes=5)
     x = jax.random.normal(jax.random.key(1), (3, 2, 16, 16, 3))  # 3 clients x 2 images
-    v = model.init(jax.random.key(0), x[0])
+    v = jax.jit(model.init)(jax.random.key(0), x[0])  # jitted: op by op, a ResNet's init takes 2-3x longer
     stacked = jax.tree_util.tree_map(lambda a: jnp.stack([a, a * 1.01, a * 0.99]), v)
-    out, upd = jax.vmap(lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"]))(stacked, x)
+    apply = lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"])
+    out, upd = jax.jit(jax.vmap(apply))(stacked, x)
     assert out.shape == (3, 2, 5)
-    one, _ = model.apply(jax.tree_util.tree_map(lambda a: a[2], stacked), x[2], train=True, mutable=["batch_stats"])
+    one, _ = jax.jit(apply)(jax.tree_util.tree_map(lambda a: a[2], stacked), x[2])
     np.testing.assert_allclose(out[2], one, rtol=1e-4, atol=1e-5)
     v18 = jax.eval_shape(resnet18().init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
     stacked18 = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((4,) + a.shape, a.dtype), v18)
@@ -160,14 +161,15 @@ def test_resnet_forward_under_vmap_over_clients():
 def test_vit_external_qkv_replaces_its_own_projections():
     model = vit_small(num_classes=3, depth=2)
     x = jax.random.normal(jax.random.key(2), (2, 32, 32, 3))
-    v = model.init(jax.random.key(0), x)
+    v = jax.jit(model.init)(jax.random.key(0), x)
     assert v["params"]["encoder"]["attn0"]["qkv"].shape == (128, 1536)
     shape = model.encoder.qkv_shape()
     assert shape == (2, 128, 1536)
-    ext = model.init(jax.random.key(0), x, qkv=jnp.zeros(shape))
+    ext = jax.jit(lambda k, x, q: model.init(k, x, qkv=q))(jax.random.key(0), x, jnp.zeros(shape))
     assert "qkv" not in ext["params"]["encoder"]["attn0"]  # the shared part has no attention projections
     own = jnp.stack([v["params"]["encoder"][f"attn{i}"]["qkv"] for i in range(2)])
-    np.testing.assert_allclose(model.apply(ext, x, qkv=own), model.apply(v, x), rtol=1e-5, atol=1e-6)
+    with_qkv = jax.jit(lambda ext, x, q: model.apply(ext, x, qkv=q))(ext, x, own)
+    np.testing.assert_allclose(with_qkv, jax.jit(model.apply)(v, x), rtol=1e-5, atol=1e-6)
     assert not np.allclose(model.apply(ext, x, qkv=own * 3), model.apply(ext, x, qkv=own))
     # vmapped over clients with per-client qkv
     out = jax.vmap(lambda q, x: model.apply(ext, x, qkv=q))(jnp.stack([own, own * 2]), jnp.stack([x, x]))

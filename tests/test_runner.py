@@ -249,8 +249,6 @@ def test_eval_point_local_evaluates_each_model_right_after_its_local_training():
     def acc(algorithm, point):
         h = Experiment(RunConfig(algorithm=algorithm, rounds=2, eval_point=point, **TINY)).run().history
         return [r["test_accuracy"] for r in h]
-    # nothing is shared: aggregation changes no model, so both points see the same models
-    np.testing.assert_array_equal(acc("local", "local"), acc("local", "aggregated"))
     # FedSelect: round 1 is evaluated before the broadcast overwrites the global entries (the official code's
     # point), so it differs; the last round does not aggregate, so there both points agree
     sel_local, sel_agg = acc("fedselect", "local"), acc("fedselect", "aggregated")
