@@ -5,8 +5,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import types
-import typing
 
 from .config import RunConfig, load_config_file
 from .errors import ConfigError, JaxflError
@@ -37,14 +35,6 @@ HELP = {
 }
 
 
-def _arg_type(tp):
-    if isinstance(tp, str):
-        tp = eval(tp, vars(typing), {})  # annotations are strings under `from __future__ import annotations`
-    if isinstance(tp, types.UnionType):
-        tp = next(t for t in tp.__args__ if t is not type(None))
-    return tp
-
-
 def _add_flag(group, flag: str, dest: str, tp, text: str) -> None:
     if tp is bool:
         group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=text)
@@ -65,14 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--coordinator-address", help="host:port of process 0, the same for every process")
     launch.add_argument("--num-processes", type=int, help="processes in the run (default 1)")
     launch.add_argument("--process-id", type=int, help="this process's index in [0, num_processes)")
+    from .algorithms import REGISTRY
+    from .options import field_type
     for f in dataclasses.fields(RunConfig):
         if f.name == "options":
             continue
         default = f"default: {f.default}" if f.default is not None else ""
         text = "; ".join(s for s in (HELP.get(f.name, ""), default) if s)
-        _add_flag(run, "--" + f.name.replace("_", "-"), f.name, _arg_type(f.type), text)
-    from .algorithms import REGISTRY
-    from .options import field_type
+        _add_flag(run, "--" + f.name.replace("_", "-"), f.name, field_type(RunConfig, f), text)
     for name, reg in REGISTRY.items():  # --NAME.OPTION, e.g. --fedselect.alpha 0.5
         cls = reg.options
         if not cls.fields():

@@ -9,6 +9,7 @@ from pathlib import Path
 from .data.federated import DataConfig
 from .engine import OPTIMIZERS, STRATEGIES
 from .errors import ConfigError, check_choice, check_range
+from .options import plain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +71,8 @@ class RunConfig:
     def to_dict(self) -> dict:
         """Plain JSON types (tuples as lists, so a saved config compares equal after loading); the algorithm
         tables at the top level under their algorithm's name, as in a config file."""
-        d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items() if k != "options"}
-        for name, table in self.options.items():
-            d[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in table.items()}
-        return d
+        d = {k: plain(v) for k, v in dataclasses.asdict(self).items() if k != "options"}
+        return dict(d, **{name: {k: plain(v) for k, v in table.items()} for name, table in self.options.items()})
 
     @classmethod
     def from_dict(cls, values: dict) -> "RunConfig":
@@ -134,10 +133,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.size_sigma < 0:
         raise ConfigError(f"size_sigma={cfg.size_sigma} must be >= 0")
     for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "eval_every", "eval_batch_size",
-                 "clients_per_domain"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
-    for name in ("num_clients", "samples_per_client", "test_per_client", "image_size", "clients_per_round"):
+                 "clients_per_domain", "num_clients", "samples_per_client", "test_per_client", "image_size",
+                 "clients_per_round"):  # the last five may be None (the preset's default)
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
     if cfg.seed < 0:

@@ -6,10 +6,11 @@ A subclass may set ``presets`` (dataset -> values for the fields left None: the 
 hyperparameters) and ``sharing`` (what the method shares with the server, what it keeps per client).
 
     @dataclasses.dataclass(frozen=True)
-    class FedProxOptions(Options):
-        prox_mu: float = option(0.01, "weight of mu/2 ||w - w_global||^2", lo=0.0)
+    class FedProxOptions(LocalBNOption):
+        name = "fedprox"
+        mu: float = option(0.01, "weight of the proximal term mu/2 ||w - w_global||^2", lo=0.0)
 
-The CLI addresses them by algorithm (``--fedprox.prox-mu 0.1``), config files by table (``[fedprox]``).
+The CLI addresses them by algorithm (``--fedprox.mu 0.1``), config files by table (``[fedprox]``).
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class Options:
 
     def to_dict(self) -> dict:
         """Plain JSON values (tuples as lists)."""
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in self.fields()}
+        return {f.name: plain(getattr(self, f.name)) for f in self.fields()}
 
     def kwargs(self) -> dict:
         """The factory's keyword arguments (None: left to the factory)."""
@@ -82,6 +83,11 @@ class Options:
                 if v is not None:
                     _check(f"{self.name}.{f.name}", v, f.metadata)
         return self
+
+
+def plain(value):
+    """A config value as JSON holds it: tuples as lists (so a saved config compares equal after loading)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _check(label: str, v, meta) -> None:

@@ -250,11 +250,10 @@ def train(exp: Experiment, progress: bool = False, log=None) -> RunResult:
     for r in bar:
         t0, c0 = time.perf_counter(), compile_seconds()
         evaluate_now, local = (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds, {}
-        if evaluate_now and cfg.eval_point == "local":
+        hook = None
+        if evaluate_now and cfg.eval_point == "local":  # the models right after local training
             hook = lambda s, trained, ids: local.update(exp.evaluate_trained(s, trained))
-            server, m = exp.round_fn(server, store, r, before_aggregate=hook)
-        else:
-            server, m = exp.round_fn(server, store, r)
+        server, m = exp.round_fn(server, store, r, before_aggregate=hook)
         check_finite(m, names, r, ckpt)
         rec = round_record(m, names, r)
         if evaluate_now:

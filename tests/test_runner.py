@@ -109,12 +109,12 @@ def test_nan_stops_with_round_and_client_and_keeps_last_checkpoint(tmp_path):
     exp = Experiment(cfg)
     clean_round = exp.round_fn
 
-    def poisoned_round(server, store, r):
+    def poisoned_round(server, store, r, **kw):
         if r == 2:  # before round 3, client 1's state turns NaN (as a diverging client's would)
             store.set(jax.tree_util.tree_map(
                 lambda a: np.asarray(a).copy() if not np.issubdtype(a.dtype, np.floating) else
                 np.where(np.arange(len(a)).reshape((-1,) + (1,) * (a.ndim - 1)) == 1, np.nan, a), store.state))
-        return clean_round(server, store, r)
+        return clean_round(server, store, r, **kw)
     exp.round_fn = poisoned_round
     with pytest.raises(NonFiniteError, match=r"in round 3 on client\(s\) sk-digits-photo;.*last good checkpoint: round 2"):
         exp.run()

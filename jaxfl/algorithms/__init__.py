@@ -51,9 +51,8 @@ def algorithm_options(name: str, values: dict | Options | None = None, dataset: 
     """Algorithm ``name``'s typed options from ``values`` (a config table of plain values, or Options), fields
     left None filled from the ``dataset``'s preset, checked (ConfigError names ``name.field``)."""
     cls = options_class(name)
-    if isinstance(values, Options):
-        values = {k: v for k, v in values.to_dict().items()}
-    return cls.from_dict(dict(values or {}), dataset)
+    values = values.to_dict() if isinstance(values, Options) else dict(values or {})
+    return cls.from_dict(values, dataset)
 
 
 def build_algorithm(name: str, model, trainer, options: Options | dict | None = None, *,
