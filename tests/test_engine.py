@@ -124,17 +124,29 @@ def test_partial_participation_trains_only_the_cohort():
     np.testing.assert_array_equal(ids, sample_cohort(ROOT, 0, 5, 2))
 
 
-def test_cohorts_are_sorted_draws_without_replacement_keyed_by_round():
-    # the documented draw: sorted(choice(fold_in(fold_in(root, 1), t), N, (k,), replace=False))
+def floyd_numpy(root, t, n, k):
+    """Floyd's algorithm in numpy on the engine's documented random draws."""
+    key = jax.random.fold_in(jax.random.fold_in(root, 1), t)
+    chosen = []
+    for i in range(k):
+        j = n - k + i
+        r = int(jax.random.randint(jax.random.fold_in(key, i), (), 0, j + 1))
+        chosen.append(j if r in chosen else r)
+    return np.sort(chosen)
+
+
+def test_cohorts_are_uniform_sorted_draws_without_replacement_keyed_by_round():
     for t in range(3):
-        expect = np.sort(jax.random.choice(jax.random.fold_in(jax.random.fold_in(ROOT, 1), t), 5, (2,), replace=False))
-        np.testing.assert_array_equal(sample_cohort(ROOT, t, 5, 2), expect)
-    cohorts = np.stack([np.asarray(sample_cohort(ROOT, t, 5, 2)) for t in range(40)])
-    assert np.all(cohorts[:, 0] < cohorts[:, 1])  # sorted, no client twice
-    counts = np.bincount(cohorts.ravel(), minlength=5)
-    assert counts.sum() == 80 and counts.min() >= 8  # every client is drawn (16 times each in expectation)
-    assert len({tuple(c) for c in cohorts}) >= 6  # of the 10 possible pairs
+        np.testing.assert_array_equal(sample_cohort(ROOT, t, 7, 3), floyd_numpy(ROOT, t, 7, 3))
+    draw = jax.jit(jax.vmap(lambda t: sample_cohort(ROOT, t, 5, 2)))
+    cohorts = np.asarray(draw(jnp.arange(2000)))
+    assert np.all(cohorts[:, 0] < cohorts[:, 1]) and cohorts.min() >= 0 and cohorts.max() <= 4
+    # each of the 10 pairs has probability 1/10: 200 expected in 2000 draws (std 13.4)
+    pairs, freq = np.unique(cohorts, axis=0, return_counts=True)
+    assert len(pairs) == 10 and freq.min() >= 150 and freq.max() <= 250, freq
     np.testing.assert_array_equal(sample_cohort(ROOT, 7, 5, 5), np.arange(5))  # a full cohort is everyone
+    big = np.asarray(sample_cohort(ROOT, 0, 100_000, 100))
+    assert len(np.unique(big)) == 100 and big.max() < 100_000
 
 
 def test_client_keys_depend_on_id_not_position():
