@@ -2,14 +2,18 @@
 
 A variant is ``name`` or ``name:key=value:key=value`` (the algorithm's options, e.g. ``fedpick:lam_lce=1:lam_dis=1``,
 or RunConfig fields; tuples joined by "+", e.g. ``dapperfl:device_ratios=0+0.8``);
-its runs live in ``<out>/<variant>/``. A finished run whose config matches is reused, an interrupted one
-resumes from its last checkpoint, so rerunning a script only does the missing work.
+its runs live in ``<out>/<variant>/`` (with several seeds, ``<out>/seed<s>/<variant>/``). A finished run whose
+config matches is reused, an interrupted one resumes from its last checkpoint, so rerunning a script only does
+the missing work. Every script takes ``--seeds 0,1,2``: its tables then give mean +- std over the seeds and its
+accuracy plot a band of +- one std around the mean.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
+
+import numpy as np
 
 from jaxfl.algorithms import options_class
 from jaxfl.checkpoint import Checkpointer
@@ -71,33 +75,96 @@ def run_variant(spec: str, base: RunConfig, out_root: str | Path, progress: bool
     return result.history, experiment, result
 
 
-def table(results: dict, names: list[str], paper: dict) -> str:
-    """Markdown table in the papers' format: per-client best accuracy over rounds (last round), %, and the
+def table(results: dict[str, list[list[dict]]], names: list[str], paper: dict) -> str:
+    """Markdown table in the papers' format: per client, its best test accuracy over rounds (and in the last
+    round), %, averaged over the variant's seeds (``± std`` over seeds when there are several), and the
     paper's numbers for the base algorithm name."""
     rows = ["| method | " + " | ".join(names) + " | avg | paper (" + " / ".join(names) + ") |",
             "|---" * (len(names) + 3) + "|"]
-    for spec, hist in results.items():
-        evals = [h for h in hist if "test_accuracy" in h]
-        best = [max(h["test_accuracy"][j] for h in evals) * 100 for j in range(len(names))]
-        last = [a * 100 for a in evals[-1]["test_accuracy"]]
-        cells = " | ".join(f"{b:.2f} ({l:.2f})" for b, l in zip(best, last))
+    for spec, hists in results.items():
+        best, last = [], []
+        for hist in hists:
+            evals = [h for h in hist if "test_accuracy" in h]
+            best.append([max(h["test_accuracy"][j] for h in evals) * 100 for j in range(len(names))])
+            last.append([a * 100 for a in evals[-1]["test_accuracy"]])
+        best, last = np.array(best), np.array(last)  # [seeds, clients]
+        pm = lambda v: f" ± {v.std():.2f}" if len(hists) > 1 else ""
+        cells = " | ".join(f"{best[:, j].mean():.2f}{pm(best[:, j])} ({last[:, j].mean():.2f})"
+                           for j in range(len(names)))
         ref = paper.get(spec.split(":")[0])
         ref_text = " / ".join(f"{p:.2f}" for p in ref) if ref else "-"
-        rows.append(f"| {spec} | {cells} | {sum(best) / len(best):.2f} ({sum(last) / len(last):.2f}) | {ref_text} |")
+        rows.append(f"| {spec} | {cells} | {best.mean():.2f}{pm(best.mean(1))} ({last.mean():.2f}) | {ref_text} |")
     return "\n".join(rows)
 
 
-def plot_mean_accuracy(results: dict, path: Path, title: str, highlight: str = "") -> None:
-    """PNG: unweighted mean test accuracy over clients per round, one line per variant."""
+def parse_seeds(text: str) -> list[int]:
+    """"0,1,2" -> [0, 1, 2] (distinct seeds, in order)."""
+    seeds = [int(t) for t in str(text).split(",") if t.strip()]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds {text!r}: give distinct integers, e.g. 0,1,2")
+    return seeds
+
+
+def seed_root(out_root: str | Path, seed: int, seeds: list[int]) -> Path:
+    """Where ``seed``'s runs live: ``out_root`` itself for a single seed, ``out_root/seed<s>`` for several."""
+    return Path(out_root) if len(seeds) == 1 else Path(out_root) / f"seed{seed}"
+
+
+def run_seeds(spec: str, base: RunConfig, out_root: str | Path, seeds: list[int],
+              progress: bool = False) -> list[list[dict]]:
+    """The history of variant ``spec`` for each seed (``run_variant`` with ``base.seed`` replaced)."""
+    return [run_variant(spec, base.replace(seed=s), seed_root(out_root, s, seeds), progress)[0] for s in seeds]
+
+
+def accuracy_curve(hist: list[dict], key: str = "mean_accuracy") -> tuple[np.ndarray, np.ndarray]:
+    """(rounds, accuracy) of the evaluated rounds of one run; ``key``: a per-round scalar of metrics.jsonl."""
+    evals = [h for h in hist if key in h]
+    return np.array([h["round"] for h in evals]), np.array([h[key] for h in evals], float)
+
+
+def seed_stats(hists: list[list[dict]], key: str = "mean_accuracy", tail: int = 5) -> dict:
+    """Over seeds: the final accuracy and the mean of the last ``tail`` evaluations, each as (mean, std) in %
+    (std over seeds, population std: 0 for one seed), the number of seeds and the last round."""
+    finals = [accuracy_curve(h, key)[1][-1] * 100 for h in hists]
+    tails = [accuracy_curve(h, key)[1][-tail:].mean() * 100 for h in hists]
+    return {"final": (float(np.mean(finals)), float(np.std(finals))),
+            "tail": (float(np.mean(tails)), float(np.std(tails))), "seeds": len(hists),
+            "rounds": int(accuracy_curve(hists[0], key)[0][-1])}
+
+
+def seed_table(results: dict[str, list[list[dict]]], key: str = "mean_accuracy", tail: int = 5,
+               paper: dict | None = None, paper_label: str = "paper") -> str:
+    """Markdown: per variant, the final accuracy and the mean of its last ``tail`` evaluations, mean +- std over
+    seeds (%); ``paper``: the paper's number by algorithm name (or by variant), a last column."""
+    rows = [f"| method | seeds | final accuracy % (mean ± std) | mean of the last {tail} evaluations % (mean ± std) |"
+            + (f" {paper_label} |" if paper is not None else ""),
+            "|---|---|---|---|" + ("---|" if paper is not None else "")]
+    for spec, hists in results.items():
+        st = seed_stats(hists, key, tail)
+        ref = "" if paper is None else f" {paper.get(spec, paper.get(spec.split(':')[0], '-'))} |"
+        rows.append(f"| {spec} | {st['seeds']} | {st['final'][0]:.2f} ± {st['final'][1]:.2f} "
+                    f"| {st['tail'][0]:.2f} ± {st['tail'][1]:.2f} |" + ref)
+    return "\n".join(rows)
+
+
+def plot_mean_accuracy(results: dict[str, list[list[dict]]], path: Path, title: str, highlight: str = "",
+                       key: str = "mean_accuracy") -> None:
+    """PNG: per variant, the accuracy ``key`` per evaluated round, averaged over its seeds, with a band of
+    +- one std over seeds (no band for one seed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for spec, hist in results.items():
-        evals = [h for h in hist if "test_accuracy" in h]
-        ax.plot([h["round"] for h in evals], [h["mean_accuracy"] for h in evals], marker="o", label=spec,
-                lw=2.5 if spec.split(":")[0] == highlight else 1.2)
-    ax.set(xlabel="round", ylabel="mean test accuracy over clients", title=title)
+    for spec, hists in results.items():
+        curves = [accuracy_curve(h, key) for h in hists]
+        n = min(len(c[0]) for c in curves)  # seeds evaluate the same rounds; guard against a short run
+        rounds, acc = curves[0][0][:n], np.stack([c[1][:n] for c in curves])
+        mean, std = acc.mean(0), acc.std(0)
+        line, = ax.plot(rounds, mean, marker="o", ms=3, label=spec + (f" ({len(hists)} seeds)" if len(hists) > 1 else ""),
+                        lw=2.5 if spec.split(":")[0] == highlight else 1.2)
+        if len(hists) > 1:
+            ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2, lw=0)
+    ax.set(xlabel="round", ylabel=key.replace("_", " ") + " over clients", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

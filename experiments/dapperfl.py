@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import plot_mean_accuracy, run_variant, table
+from common import parse_seeds, plot_mean_accuracy, run_seeds, run_variant, seed_root, seed_table, table
 from jaxfl.config import RunConfig
 
 ALGORITHMS = ["dapperfl", "fedavg", "fedprox:mu=0.1", "dapperfl:use_fusion=false",
@@ -68,31 +68,34 @@ def main(argv=None) -> None:
     p.add_argument("--test-per-client", type=int, default=1000)
     p.add_argument("--datasets", default="digits")
     p.add_argument("--model", default=None, help="default: resnet10 (digits), resnet18 (pacs)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; several give mean ± std over them")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--out", default="runs/dapperfl")
     p.add_argument("--progress", action="store_true")
     p.add_argument("--bn-check", action="store_true", help="also the BatchNorm re-estimation diagnostic")
     args = p.parse_args(argv)
+    seeds = parse_seeds(args.seeds)
     for dataset in args.datasets.split(","):
         base = RunConfig(dataset=dataset, model=args.model or MODELS[dataset], clients_per_domain=3,
                          samples_per_client=args.samples_per_client, test_per_client=args.test_per_client,
                          rounds=args.rounds, local_epochs=args.local_epochs, batch_size=64, lr=0.01,
-                         momentum=0.9, seed=args.seed, image_size=32)
+                         momentum=0.9, image_size=32)
         out, results = Path(args.out) / dataset, {}
         for spec in args.algorithms.split(","):
-            results[spec], _, _ = run_variant(spec, base, out, args.progress)
-            print(dataset, spec, round(results[spec][-1].get("mean_accuracy", float("nan")), 4), flush=True)
-        names = [f"client{i}" for i in range(len(results[next(iter(results))][-1]["test_accuracy"]))]
-        text = f"{dataset}, rounds {args.rounds}, E {args.local_epochs}\n\n" + table(results, names, PAPER) + "\n"
-        last = results.get("dapperfl", [{}])[-1]
+            results[spec] = run_seeds(spec, base, out, seeds, args.progress)
+            print(dataset, spec, round(results[spec][0][-1].get("mean_accuracy", float("nan")), 4), flush=True)
+        names = [f"client{i}" for i in range(len(results[next(iter(results))][0][-1]["test_accuracy"]))]
+        text = (f"{dataset}, rounds {args.rounds}, E {args.local_epochs}, seeds {args.seeds}\n\n"
+                + table(results, names, PAPER) + "\n\nMean accuracy over clients:\n\n" + seed_table(results) + "\n")
+        last = results.get("dapperfl", [[{}]])[0][-1]
         if "train_kept_params" in last:  # model volume per client: mask entries kept (all parameter leaves)
             total = max(last["train_kept_params"])  # a rho = 0 client keeps the dense model
             text += "\n| client | rho | kept parameters | fraction of dense | nominal 1 - rho |\n|---|---|---|---|---|\n"
             text += "\n".join(f"| {n} | {r:.1f} | {int(k):,} | {k / total:.3f} | {1 - r:.1f} |" for n, r, k in
                                zip(names, last["train_ratio"], last["train_kept_params"])) + "\n"
         if args.bn_check:
-            text += "\n" + bn_check_table(args.algorithms.split(","), base, out)
+            text += "\n" + bn_check_table(args.algorithms.split(","), base.replace(seed=seeds[0]),
+                                           seed_root(out, seeds[0], seeds))
         (out / "table.md").write_text(text)
         plot_mean_accuracy(results, out / "accuracy.png", dataset, highlight="dapperfl")
         print(text, flush=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import plot_mean_accuracy, run_variant, table
+from common import parse_seeds, plot_mean_accuracy, run_seeds, seed_table, table
 from jaxfl.config import RunConfig
 
 ALGORITHMS = ["local", "fedavg", "fedprox", "fedper", "fedrep", "lg_fedavg", "fedbn", "fedpick"]
@@ -29,24 +29,26 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--eval-every", type=int, default=1)
     p.add_argument("--test-per-client", type=int, default=None, help="default: each domain's full test set")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; several give mean ± std over them")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS),
                    help="comma-separated variants: name or name:key=value:... (e.g. fedpick:lam_lce=1:lam_dis=1)")
     p.add_argument("--out", default="runs/fedpick_digits")
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
-    base = RunConfig(dataset="digits", rounds=args.rounds, seed=args.seed, lr=0.01, momentum=0.5, batch_size=64,
+    seeds = parse_seeds(args.seeds)
+    base = RunConfig(dataset="digits", rounds=args.rounds, lr=0.01, momentum=0.5, batch_size=64,
                      local_epochs=1, samples_per_client=1000, test_per_client=args.test_per_client,
                      eval_every=args.eval_every)
     results = {}
     for spec in args.algorithms.split(","):
-        results[spec], _, _ = run_variant(spec, base, args.out, args.progress)
-        print(spec, [round(a, 4) for a in results[spec][-1].get("test_accuracy", [])], flush=True)
+        results[spec] = run_seeds(spec, base, args.out, seeds, args.progress)
+        print(spec, [round(a, 4) for a in results[spec][0][-1].get("test_accuracy", [])], flush=True)
     names = ["MNIST-M", "MNIST", "USPS"]
     out = Path(args.out)
-    text = (f"rounds: {args.rounds}, seed {args.seed}, test images per client: "
-            f"{args.test_per_client or 'full test set'}; cells: best over evaluated rounds (last round)\n\n"
-            + table(results, names, PAPER) + "\n")
+    text = (f"rounds: {args.rounds}, seeds {args.seeds}, test images per client: "
+            f"{args.test_per_client or 'full test set'}; cells: best over evaluated rounds (last round), mean over "
+            f"seeds\n\n" + table(results, names, PAPER) + "\n\nMean accuracy over clients:\n\n"
+            + seed_table(results) + "\n")
     (out / "table.md").write_text(text)
     plot_mean_accuracy(results, out / "accuracy.png", "digits: MNIST-M, MNIST, USPS", highlight="fedpick")
     print(text)

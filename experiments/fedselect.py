@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from common import plot_mean_accuracy, run_variant
+from common import parse_seeds, plot_mean_accuracy, run_seeds, run_variant, seed_root, seed_table
 from jaxfl.algorithms.fedavg import leaf_paths
 from jaxfl.blocks import overlap_ratio
 from jaxfl.config import RunConfig
@@ -37,7 +37,7 @@ PAPER = {"local": 74.60, "fedavg": 27.70, "ditto": 72.75, "fedrep": 67.60, "fedp
 
 
 def base_config(dataset: str, args) -> RunConfig:
-    common = dict(rounds=args.rounds, seed=args.seed, lr=0.05, momentum=0.0, batch_size=32, local_epochs=1,
+    common = dict(rounds=args.rounds, lr=0.05, momentum=0.0, batch_size=32, local_epochs=1,
                   options={"fedselect": {"la_epochs": args.la_epochs}}, model=args.model, eval_every=args.eval_every,
                   eval_point="local")  # the official code's protocol: each model right after local training
     if dataset == "cifar10":
@@ -46,27 +46,13 @@ def base_config(dataset: str, args) -> RunConfig:
     return RunConfig(dataset="pacs", samples_per_client=args.pacs_samples, image_size=32, **common)
 
 
-def mean_table(results: dict, tail: int = 5, paper: dict | None = None) -> str:
-    """Markdown: per-client mean accuracy, best over rounds, last round, and the mean of the last ``tail``
-    evaluated rounds (steadier than one round: every method's accuracy moves by several points per round);
-    ``paper``: the paper's numbers by method (CIFAR-10 only)."""
-    head = " paper (CIFAR-10, ResNet-18, last round) |" if paper else ""
-    rows = [f"| method | mean accuracy %: best over rounds | last round | mean of the last {tail} |" + head,
-            "|---|---|---|---|" + ("---|" if paper else "")]
-    for spec, hist in results.items():
-        acc = [h["mean_accuracy"] * 100 for h in hist if "test_accuracy" in h]
-        ref = (paper.get(spec) or "-") if paper else None
-        rows.append(f"| {spec} | {max(acc):.2f} | {acc[-1]:.2f} | {np.mean(acc[-tail:]):.2f} |"
-                    + (f" {ref} |" if paper else ""))
-    return "\n".join(rows)
-
-
 def plot_masks(results: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for spec, hist in results.items():
+    for spec, hists in results.items():
+        hist = hists[0]  # the first seed's
         if spec.startswith("fedselect") and hist and "train_personal_fraction" in hist[0]:
             ax.plot([h["round"] for h in hist], [np.mean(h["train_personal_fraction"]) for h in hist], label=spec)
     ax.set(xlabel="round", ylabel="personal fraction of parameters", title="FedSelect masks, mean over clients")
@@ -103,29 +89,33 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=1)
     p.add_argument("--test-per-client", type=int, default=200)
     p.add_argument("--pacs-samples", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; several give mean ± std over them")
     p.add_argument("--datasets", default="cifar10,pacs")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS + SWEEP))
     p.add_argument("--out", default="runs/fedselect")
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
+    seeds = parse_seeds(args.seeds)
     for dataset in args.datasets.split(","):
         out, results = Path(args.out) / dataset, {}
         for spec in args.algorithms.split(","):
-            results[spec], _, _ = run_variant(spec, base_config(dataset, args), out, args.progress)
-            print(dataset, spec, round(results[spec][-1].get("mean_accuracy", float("nan")), 4), flush=True)
-        hist = results.get("fedselect", [])
+            results[spec] = run_seeds(spec, base_config(dataset, args), out, seeds, args.progress)
+            print(dataset, spec, round(results[spec][0][-1].get("mean_accuracy", float("nan")), 4), flush=True)
+        hist = results.get("fedselect", [[]])[0]
         saved = [1 - np.mean(h["train_uploaded"]) / hist[0]["train_uploaded"][0] for h in hist[-1:]] if hist else []
         text = (f"{dataset}, model {args.model}, rounds {args.rounds}, LocalAlt alternations {args.la_epochs}, "
-                f"seed {args.seed}\n\n" + mean_table(results, paper=PAPER if dataset == "cifar10" else None) + "\n"
+                f"seeds {args.seeds}\n\n" + seed_table(results, paper=PAPER if dataset == "cifar10" else None,
+                                                          paper_label="paper (CIFAR-10, ResNet-18, last round)")
+                + "\n"
                 + (f"\nFedSelect (alpha 0.8) upload in the last round: {saved[0] * 100:.1f} % fewer entries than "
                    f"round 1 (personal entries are not sent).\n" if saved else ""))
         (out / "table.md").write_text(text)
-        (out / "results.json").write_text(json.dumps({k: v[-1] for k, v in results.items()}, indent=1))
+        (out / "results.json").write_text(json.dumps({k: [h[-1] for h in v] for k, v in results.items()}, indent=1))
         plot_mean_accuracy(results, out / "accuracy.png", dataset, highlight="fedselect")
         plot_masks(results, out / "masks.png")
         if "fedselect" in results:  # the final masks, restored from the run's last checkpoint
-            _, experiment, result = run_variant("fedselect", base_config(dataset, args), out, keep_state=True)
+            _, experiment, result = run_variant("fedselect", base_config(dataset, args).replace(seed=seeds[0]),
+                                                seed_root(out, seeds[0], seeds), keep_state=True)
             (out / "masks_by_layer.md").write_text(
                 layer_density_table(result.clients["mask"], experiment.dataset.client_names))
         print(text, flush=True)

@@ -19,8 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
-from common import plot_mean_accuracy, run_variant
+from common import parse_seeds, plot_mean_accuracy, run_seeds, seed_table
 from jaxfl.config import RunConfig
 
 ALGORITHMS = ["fedtp", "fedtp:variant=vanilla", "fedavg"]
@@ -42,33 +41,31 @@ def main(argv=None) -> None:
     p.add_argument("--test-per-client", type=int, default=None, help="cap on each client's test set")
     p.add_argument("--last", type=int, default=5, help="table: mean over the last LAST evaluations (paper: 41)")
     p.add_argument("--splits", default="pathological,dirichlet")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; several give mean ± std over them")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--out", default="runs/fedtp")
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
+    seeds = parse_seeds(args.seeds)
     for split in args.splits.split(","):
         base = RunConfig(dataset="cifar10", num_clients=args.num_clients, clients_per_round=args.clients_per_round,
                          test_per_client=args.test_per_client, model=args.model, rounds=args.rounds,
-                         local_epochs=args.local_epochs, batch_size=64, lr=0.01, momentum=0.9, seed=args.seed,
+                         local_epochs=args.local_epochs, batch_size=64, lr=0.01, momentum=0.9,
                          weight_decay=1e-5,  # the official client optimizer, for every method compared
                          eval_every=args.eval_every, **SPLITS[split])
         out, results = Path(args.out) / split, {}
         for spec in args.algorithms.split(","):
-            results[spec], _, _ = run_variant(spec, base, out, args.progress)
-            print(split, spec, round(results[spec][-1].get("weighted_accuracy", float("nan")), 4), flush=True)
+            results[spec] = run_seeds(spec, base, out, seeds, args.progress)
+            print(split, spec, round(results[spec][0][-1].get("weighted_accuracy", float("nan")), 4), flush=True)
         col = list(SPLITS).index(split)
         rows = [f"{split}, model {args.model}, {args.num_clients} clients, {args.clients_per_round} per round, "
-                f"{args.rounds} rounds, {args.local_epochs} local epochs, seed {args.seed}\n",
-                f"| method | accuracy over all clients' test samples: mean ± std of the last {args.last} evaluations "
-                "| best | last | paper (N=50) |", "|---|---|---|---|---|"]
-        for spec, hist in results.items():
-            acc = np.array([h["weighted_accuracy"] for h in hist if "weighted_accuracy" in h]) * 100
-            tail = acc[-args.last:]
-            rows.append(f"| {spec} | {tail.mean():.2f} ± {tail.std():.2f} | {acc.max():.2f} | {acc[-1]:.2f} "
-                        f"| {PAPER.get(spec, ('-', '-'))[col]} |")
+                f"{args.rounds} rounds, {args.local_epochs} local epochs, seeds {args.seeds}; accuracy over all "
+                "clients' test samples\n",
+                seed_table(results, key="weighted_accuracy", tail=args.last,
+                           paper={k: v[col] for k, v in PAPER.items()}, paper_label="paper (N=50)")]
         (out / "table.md").write_text("\n".join(rows) + "\n")
-        plot_mean_accuracy(results, out / "accuracy.png", f"CIFAR-10 {split}", highlight="fedtp")
+        plot_mean_accuracy(results, out / "accuracy.png", f"CIFAR-10 {split}", highlight="fedtp",
+                           key="weighted_accuracy")
         print("\n".join(rows), flush=True)
 
 

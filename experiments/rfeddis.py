@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from common import plot_mean_accuracy, run_variant, table
+from common import parse_seeds, plot_mean_accuracy, run_seeds, run_variant, seed_root, seed_table, table
 from jaxfl.config import RunConfig
 from jaxfl.reliability import plot_uncertainty_density
 
@@ -37,7 +37,7 @@ RELIABILITY = ("rfeddis", "fedbn")  # the uncertainty of fedbn is 1 - max softma
 
 
 def base_config(dataset: str, args) -> RunConfig:
-    common = dict(rounds=args.rounds, seed=args.seed, lr=0.01, momentum=0.0, batch_size=32, local_epochs=1,
+    common = dict(rounds=args.rounds, lr=0.01, momentum=0.0, batch_size=32, local_epochs=1,
                   eval_every=args.eval_every)
     if dataset == "digits":
         return RunConfig(dataset="digits", image_size=28, samples_per_client=743, **common)
@@ -58,7 +58,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--eval-every", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; several give mean ± std over them "
+                   "(reliability: the first seed)")
     p.add_argument("--datasets", default="digits,pacs")
     p.add_argument("--pacs-samples", type=int, default=500)
     p.add_argument("--algorithms", default=",".join(ALGORITHMS),
@@ -66,18 +67,20 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="runs/rfeddis")
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
+    seeds = parse_seeds(args.seeds)
     for dataset in args.datasets.split(","):
         out, names = Path(args.out) / dataset, NAMES[dataset]
         results, reports = {}, {}
         for spec in args.algorithms.split(","):
-            keep = spec.split(":")[0] in RELIABILITY
-            hist, exp, res = run_variant(spec, base_config(dataset, args), out, args.progress, keep_state=keep)
-            results[spec] = hist
-            print(dataset, spec, [round(a, 4) for a in hist[-1].get("test_accuracy", [])], flush=True)
-            if keep:
-                reports[spec] = exp.reliability(res.server, res.clients, jax.random.key(args.seed), noise_sigma=1.5)
-        text = (f"{dataset}, rounds: {args.rounds}, seed {args.seed}; cells: best over evaluated rounds (last round)\n\n"
-                + table(results, names, PAPER[dataset]) + "\n\nReliability after the last round (noise sigma 1.5 on "
+            results[spec] = run_seeds(spec, base_config(dataset, args), out, seeds, args.progress)
+            print(dataset, spec, [round(a, 4) for a in results[spec][0][-1].get("test_accuracy", [])], flush=True)
+            if spec.split(":")[0] in RELIABILITY:  # the first seed's final states, restored from its checkpoint
+                _, exp, res = run_variant(spec, base_config(dataset, args).replace(seed=seeds[0]),
+                                          seed_root(out, seeds[0], seeds), keep_state=True)
+                reports[spec] = exp.reliability(res.server, res.clients, jax.random.key(seeds[0]), noise_sigma=1.5)
+        text = (f"{dataset}, rounds: {args.rounds}, seeds {args.seeds}; cells: best over evaluated rounds (last round), "
+                "mean over seeds\n\n" + table(results, names, PAPER[dataset]) + "\n\nMean accuracy over clients:\n\n"
+                + seed_table(results) + "\n\nReliability after the last round (seed " + str(seeds[0]) + "; noise sigma 1.5 on "
                 "the normalised input; 'other' = the next client's test inputs):\n\n"
                 + reliability_table(reports, names) + "\n")
         (out / "table.md").write_text(text)

@@ -1,0 +1,59 @@
+"""The experiment scripts' seed statistics (experiments/common.py): mean ± std over seeds, by hand."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+from common import parse_seeds, plot_mean_accuracy, seed_root, seed_stats, seed_table, table  # noqa: E402
+
+
+def history(accs, per_client=None):
+    """metrics.jsonl rows of a run evaluated every round (round 1..R); the train-only row 0 has no accuracy."""
+    rows = [{"round": 0, "train_loss": [1.0]}]
+    for r, a in enumerate(accs, 1):
+        rows.append({"round": r, "mean_accuracy": a, "weighted_accuracy": a / 2,
+                     "test_accuracy": list(per_client[r - 1]) if per_client else [a, a]})
+    return rows
+
+
+SEED0 = history([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+SEED1 = history([0.2, 0.2, 0.2, 0.2, 0.2, 0.8])
+
+
+def test_seed_stats_are_mean_and_std_over_seeds_of_final_and_tail():
+    st = seed_stats([SEED0, SEED1], tail=5)
+    finals = [60.0, 80.0]
+    tails = [np.mean([20, 30, 40, 50, 60]), np.mean([20, 20, 20, 20, 80])]  # 40 and 32
+    assert st["final"] == pytest.approx((np.mean(finals), np.std(finals)))  # (70, 10)
+    assert st["tail"] == pytest.approx((np.mean(tails), np.std(tails)))  # (36, 4)
+    assert st["seeds"] == 2 and st["rounds"] == 6
+    assert seed_stats([SEED0], key="weighted_accuracy", tail=2)["final"] == pytest.approx((30.0, 0.0))
+
+
+def test_seed_table_rows():
+    text = seed_table({"fedavg": [SEED0, SEED1], "local:lr=0.1": [SEED0]}, paper={"local": 74.6})
+    lines = text.splitlines()
+    assert lines[2] == "| fedavg | 2 | 70.00 ± 10.00 | 36.00 ± 4.00 | - |"
+    assert lines[3] == "| local:lr=0.1 | 1 | 60.00 ± 0.00 | 40.00 ± 0.00 | 74.6 |"
+
+
+def test_per_client_table_averages_best_and_last_over_seeds():
+    a = history([0.5, 0.4], per_client=[(0.5, 0.7), (0.4, 0.9)])
+    b = history([0.5, 0.4], per_client=[(0.3, 0.1), (0.6, 0.2)])
+    row = table({"fedbn": [a, b]}, ["c0", "c1"], {"fedbn": (1.0, 2.0)}).splitlines()[2]
+    # best per client: seed a (50, 90), seed b (60, 20); last: a (40, 90), b (60, 20)
+    assert row == ("| fedbn | 55.00 ± 5.00 (50.00) | 55.00 ± 35.00 (55.00) | 55.00 ± 15.00 (52.50) "
+                   "| 1.00 / 2.00 |")
+
+
+def test_seeds_parse_and_lay_out_runs(tmp_path):
+    assert parse_seeds("0,1, 2") == [0, 1, 2]
+    for bad in ("", "1,1"):
+        with pytest.raises(SystemExit):
+            parse_seeds(bad)
+    assert seed_root(tmp_path, 3, [3]) == tmp_path
+    assert seed_root(tmp_path, 3, [1, 3]) == tmp_path / "seed3"
+    plot_mean_accuracy({"fedavg": [SEED0, SEED1]}, tmp_path / "a.png", "t")
+    assert (tmp_path / "a.png").stat().st_size > 1000
