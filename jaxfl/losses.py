@@ -96,3 +96,35 @@ def feature_norm(z, squared=False):
         return sq
     safe = jnp.where(sq > 0, sq, 1.0)  # sqrt has an infinite derivative at 0
     return jnp.where(sq > 0, jnp.sqrt(safe), 0.0)
+
+
+COS_EPS = 1e-8  # torch.nn.CosineSimilarity's default eps
+
+
+def cosine_similarity(a, b, eps: float = COS_EPS):
+    """Row-wise cos(a, b) = <a / max(|a|, eps), b / max(|b|, eps)>: a, b [B, D] -> [B]. The norm is
+    sqrt(max(|a|^2, eps^2)), so a zero row has a finite (zero) gradient."""
+    na = jnp.sqrt(jnp.maximum(jnp.sum(a * a, -1), eps * eps))
+    nb = jnp.sqrt(jnp.maximum(jnp.sum(b * b, -1), eps * eps))
+    return jnp.sum(a * b, -1) / (na * nb)
+
+
+def model_contrastive_loss(z, z_glob, z_prev, tau: float):
+    """Per-sample l_con = -log(e^{s_g} / (e^{s_g} + e^{s_p})), s_g = cos(z, z_glob)/tau, s_p = cos(z, z_prev)/tau.
+    z, z_glob, z_prev [B, D] -> [B]."""
+    s_g = cosine_similarity(z, z_glob) / tau
+    s_p = cosine_similarity(z, z_prev) / tau
+    return jnp.logaddexp(s_g, s_p) - s_g
+
+
+def class_log_prior(y, count, num_classes: int):
+    """log n_c, n_c = #{j < count : y_j = c}: the log class counts of one client's real training samples
+    (log 0 = -inf for an absent class; all zeros for a client without samples). y [M], count [] -> [C]."""
+    real = jnp.arange(y.shape[0]) < count
+    n = jnp.sum(real[:, None] * jax.nn.one_hot(y, num_classes), 0)
+    return jnp.log(jnp.where(count > 0, n, 1.0))
+
+
+def balanced_softmax_ce(logits, y, log_prior):
+    """Per-sample balanced-softmax CE: CE(logits + log_prior, y). logits [B, C], y [B], log_prior [C] -> [B]."""
+    return cross_entropy(logits + log_prior, y)

@@ -108,7 +108,7 @@ class Experiment:
         self.train_data, self.test_data = RaggedClients.from_clients(ds.train), RaggedClients.from_clients(ds.test)
         tx = client_optimizer(**cfg.client_training())
         preprocess = normalizer(*ds.normalize)
-        self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs, preprocess)
+        self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs, preprocess, lr=cfg.lr)
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
         self.algorithm = build_algorithm(cfg.algorithm, self.model, self.trainer, self.options, num_clients=n)
         self.strategy = strategy = cfg.strategy or default_strategy()

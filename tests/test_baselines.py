@@ -7,7 +7,7 @@ import pytest
 from conftest import (assert_trees_close, make_data, make_separable, make_trainer, run_rounds, setup_algorithm,
                       trained_rows)
 from jaxfl import make_evaluate, make_round
-from jaxfl.algorithms import ALGORITHMS, SHARING
+from jaxfl.algorithms import ALGORITHMS, SHARING, TAKES_NUM_CLIENTS
 from jaxfl.algorithms.fedrep import head_then_body
 from jaxfl.algorithms.fedavg import ce_loss
 from jaxfl.engine import client_keys
@@ -32,6 +32,10 @@ TINY_HYPERNET = dict(num_clients=len(COUNTS), embed_dim=4, hyper_hidden=8, hyper
 def setup(name, **opts):
     if name == "fedtp":  # a ViT algorithm
         return setup_algorithm(name, tiny_vit(), COUNTS, options=dict(TINY_HYPERNET, **opts))
+    if name == "pfedhn":  # 20 inner steps per round (official 50) keep the test short
+        opts = dict(inner_steps=20, **opts)
+    if name in TAKES_NUM_CLIENTS:  # a per-client table on the server, or 1/N server updates
+        opts = dict(num_clients=len(COUNTS), **opts)
     return setup_algorithm(name, model(), COUNTS, options=opts)
 
 

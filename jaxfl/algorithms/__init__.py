@@ -14,14 +14,28 @@ from .dapperfl import DapperFLOptions, dapperfl, dapperfl_masks
 from .ditto import DittoOptions, ditto
 from .fedavg import (FedAvgOptions, FedBNOptions, LocalOptions, fedavg, fedbn, in_part, is_batchnorm, local,
                      masked_averaging, path_mask)
+from .fedavg_ft import FedAvgFTOptions, fedavg_ft
+from .fedbabu import FedBABUOptions, fedbabu
+from .feddc import FedDCOptions, feddc
+from .feddrop import FedDropOptions, feddrop
+from .feddyn import FedDynOptions, feddyn
+from .fedmp import FedMPOptions, fedmp
+from .fedpac import FedPACOptions, fedpac
 from .fedper import FedPerOptions, fedper
 from .fedpick import FedPickOptions, fedpick
 from .fedprox import FedProxOptions, fedprox
 from .fedrep import FedRepOptions, fedrep
+from .fedrod import FedRoDOptions, fedrod
 from .fedselect import FedSelectOptions, fedselect
 from .fedtp import FedTPOptions, fedtp
+from .heterofl import HeteroFLOptions, heterofl
 from .lg_fedavg import LGFedAvgOptions, lg_fedavg
+from .moon import MOONOptions, moon
+from .nefl import NeFLOptions, nefl
+from .pfedhn import PFedHNOptions, pfedhn
+from .pfedme import PFedMeOptions, pfedme
 from .rfeddis import RFedDisOptions, rfeddis
+from .scaffold import ScaffoldOptions, scaffold
 
 
 class Registered(NamedTuple):
@@ -32,13 +46,20 @@ class Registered(NamedTuple):
 REGISTRY: dict[str, Registered] = {o.name: Registered(f, o) for f, o in (
     (local, LocalOptions), (fedavg, FedAvgOptions), (fedbn, FedBNOptions), (fedprox, FedProxOptions),
     (fedper, FedPerOptions), (fedrep, FedRepOptions), (lg_fedavg, LGFedAvgOptions), (ditto, DittoOptions),
+    # the five seed methods
     (fedpick, FedPickOptions), (rfeddis, RFedDisOptions), (fedselect, FedSelectOptions), (fedtp, FedTPOptions),
-    (dapperfl, DapperFLOptions))}
+    (dapperfl, DapperFLOptions),
+    # the baselines of their papers' tables: RFedDis, FedTP, FedSelect, DapperFL
+    (scaffold, ScaffoldOptions), (feddyn, FedDynOptions), (feddc, FedDCOptions), (moon, MOONOptions),
+    (fedrod, FedRoDOptions), (pfedme, PFedMeOptions), (pfedhn, PFedHNOptions),
+    (fedavg_ft, FedAvgFTOptions), (fedbabu, FedBABUOptions), (fedpac, FedPACOptions),
+    (feddrop, FedDropOptions), (fedmp, FedMPOptions), (heterofl, HeteroFLOptions), (nefl, NeFLOptions))}
 ALGORITHMS = {name: r.factory for name, r in REGISTRY.items()}
 # What each algorithm shares with the server and keeps on the client (README's table is built from this).
 SHARING = {name: r.options.sharing for name, r in REGISTRY.items()}
-# Factories that take the dataset's client count (the size of a per-client table on the server).
-TAKES_NUM_CLIENTS = ("fedtp",)
+# Factories that take the dataset's client count N: the size of a per-client table on the server (FedTP,
+# pFedHN), or the 1/N of a server update over all clients (SCAFFOLD, FedDyn, FedDC).
+TAKES_NUM_CLIENTS = ("fedtp", "pfedhn", "scaffold", "feddyn", "feddc")
 
 
 def options_class(name: str) -> type[Options]:
@@ -66,6 +87,8 @@ def build_algorithm(name: str, model, trainer, options: Options | dict | None = 
     return REGISTRY[name].factory(model, trainer, **opts.kwargs(), **extra)
 
 
-__all__ = ["ALGORITHMS", "REGISTRY", "SHARING", "algorithm_options", "build_algorithm", "dapperfl", "dapperfl_masks",
-           "ditto", "fedavg", "fedbn", "fedper", "fedpick", "fedselect", "fedtp", "fedprox", "fedrep", "in_part",
-           "is_batchnorm", "lg_fedavg", "local", "masked_averaging", "options_class", "path_mask", "rfeddis"]
+__all__ = ["ALGORITHMS", "REGISTRY", "SHARING", "algorithm_options", "build_algorithm", "dapperfl",
+           "dapperfl_masks", "ditto", "fedavg", "fedavg_ft", "fedbabu", "fedbn", "feddc", "feddrop", "feddyn",
+           "fedmp", "fedpac", "fedper", "fedpick", "fedprox", "fedrep", "fedrod", "fedselect", "fedtp", "heterofl",
+           "in_part", "is_batchnorm", "lg_fedavg", "local", "masked_averaging", "moon", "nefl", "options_class",
+           "path_mask", "pfedhn", "pfedme", "rfeddis", "scaffold"]

@@ -1,0 +1,107 @@
+"""FedDyn (Acar et al., ICLR 2021): federated learning with a dynamic regulariser that aligns the clients'
+stationary points with the global one.
+
+Paper (Alg. 1), with the server model theta^t and client i's gradient term grad_i (zero at the start):
+
+    theta_i = argmin CE_i(w) - <grad_i, w> + alpha/2 ||w - theta^t||^2
+    grad_i <- grad_i - alpha (theta_i - theta^t)
+    h      <- h - alpha/N sum_{i in S} (theta_i - theta^t)          (N: all clients)
+    theta^{t+1} = mean_{i in S} theta_i - h / alpha
+
+We keep, as the reference code does, the drift h_i = -grad_i / alpha = sum over i's rounds of
+(theta_i - theta^t) per client and hbar = -h / alpha = 1/N sum_i h_i on the server, so that
+
+    local loss   CE_i(w) + alpha <h_i, w> + alpha/2 ||w - theta^t||^2
+    h_i   <- h_i + (theta_i - theta^t)
+    hbar  <- hbar + 1/N sum_{i in S} (theta_i - theta^t)
+    theta^{t+1} = sum_{i in S} p_i theta_i + hbar               (p_i: the engine's aggregation weights)
+
+which is the paper's algorithm with no division by alpha. alpha = 0 is its alpha -> 0 limit: clients train
+plain CE (FedAvg's local update) but the server still adds the mean accumulated drift hbar, so FedDyn with
+alpha = 0 is NOT FedAvg (its first server model is 2 mean(theta_i) - theta^0). In its first round (h_i = 0) a
+FedDyn client trains exactly FedProx's objective with mu = alpha. BatchNorm running statistics are averaged
+as FedAvg does (they are not parameters). Every client predicts with the server model theta.
+
+Hyperparameters: ``alpha`` = 0.01, the reference code's CIFAR-10 example (``example_cifar_10.py``:
+alpha_coef = 1e-2; the paper searches {0.1, 0.01, 0.001}).
+
+Reference code read: alpemreacar/FedDyn (commit 48a19fac), ``utils_methods.py::train_FedDyn`` (client drift
+``local_param_list``, cloud model = mean of the selected clients' models + mean of all clients' drifts) and
+``utils_general.py::train_feddyn_mdl`` (loss CE + alpha <w, h_i - theta>, with alpha added to SGD's weight
+decay, i.e. alpha/2 ||w||^2: the same gradient as our alpha <h_i, w> + alpha/2 ||w - theta||^2). Deviations:
+- the reference divides alpha by each client's relative data size r_i = n_i N / sum_j n_j ("adaptive alpha");
+  we follow the paper (one alpha), the same when clients hold equal data (the RFedDis datasets);
+- the reference clips gradients at norm 10 and uses weight decay 1e-3 for every method (its FedAvg too); we
+  use jaxfl's client optimizer as configured, as for every other baseline;
+- the model mean uses the engine's weights (``--weighting``; uniform is the reference's mean); the drift
+  mean hbar is over all N clients, uniform, as in the paper and the code.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..aggregation import tree_weighted_mean
+from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
+from ..options import Options, option
+from .fedavg import ce_loss, init_variables
+from .scaffold import cohort_sum_over_n, tmap, tree_vdot, tree_zeros
+
+
+def dyn_term(params, anchor, drift, alpha: float):
+    """FedDyn's extra loss alpha <h_i, w> + alpha/2 ||w - theta||^2 (= -<grad_i, w> + alpha/2 ||w - theta||^2)."""
+    sq = tree_vdot(tmap(jnp.subtract, params, anchor), tmap(jnp.subtract, params, anchor))
+    return alpha * tree_vdot(drift, params) + 0.5 * alpha * sq
+
+
+@dataclasses.dataclass(frozen=True)
+class FedDynOptions(Options):
+    name = "feddyn"
+    sharing = ("all parameters and BN statistics (the server adds the clients' mean drift)",
+               "its gradient term grad_i = -alpha h_i (h_i: its accumulated drift)")
+    alpha: float = option(0.01, "alpha, weight of the dynamic regulariser -<grad_i, w> + alpha/2 ||w - theta||^2",
+                          lo=0.0)
+
+
+def feddyn(model, trainer: LocalTrainer, num_clients: int | None = None, **options) -> Algorithm:
+    """FedDyn with regulariser weight ``alpha``; num_clients: N, the run's client count (None: every client
+    takes part in every round); options: ``FedDynOptions``."""
+    o = FedDynOptions(**options).validate()
+    alpha = o.alpha
+    ce = ce_loss(model)
+
+    def init(key, sample_x):
+        variables = init_variables(model, trainer, key, sample_x)
+        zeros = tree_zeros(variables["params"])
+        return dict(variables, drift_mean=zeros), {"drift": zeros}
+
+    def local_update(server, client, data: ClientData, key, info: RoundInfo):
+        theta = server["params"]
+        anchor, drift = jax.lax.stop_gradient(theta), jax.lax.stop_gradient(client["drift"])
+
+        def loss_fn(p, s, xb, yb, w, k):
+            loss, aux = ce(p, s, xb, yb, w, k)
+            return (loss + dyn_term(p, anchor, drift, alpha) if alpha else loss), aux
+
+        params, stats, _, metrics = trainer.run(loss_fn, theta, server["batch_stats"], trainer.tx.init(theta),
+                                                data, key)
+        delta = tmap(jnp.subtract, params, theta)
+        return {"params": params, "batch_stats": stats, "delta": delta,
+                "drift": tmap(jnp.add, client["drift"], delta)}, metrics
+
+    def aggregate(server, clients, weights, info: RoundInfo):
+        avg = tree_weighted_mean({"params": clients["params"], "batch_stats": clients["batch_stats"]}, weights)
+        drift_mean = tmap(jnp.add, server["drift_mean"], cohort_sum_over_n(clients["delta"], weights, num_clients))
+        params = tmap(jnp.add, avg["params"], drift_mean)
+        return ({"params": params, "batch_stats": avg["batch_stats"], "drift_mean": drift_mean},
+                {"drift": clients["drift"]})
+
+    def predict(server, client, x, client_id=None):
+        return model.apply({"params": server["params"], "batch_stats": server["batch_stats"]}, x, train=False)
+
+    def predict_trained(server, trained, x, client_id=None):
+        return model.apply({"params": trained["params"], "batch_stats": trained["batch_stats"]}, x, train=False)
+
+    return Algorithm("feddyn", init, local_update, aggregate, predict, predict_trained)

@@ -1,0 +1,191 @@
+"""FedPAC (Xu, Tong, Huang, ICLR 2023): feature alignment to global prototypes + classifier collaboration.
+
+Model: the body f (``encoder``, features z = f(x) in R^d) is shared; the classifier g (``head``) is personal.
+Client i in round t, as in the official ``LocalUpdate_FedPAC``:
+
+1. Statistics (before training; eval mode, the received body): with n_i samples, n_ik of class k, p_ik = n_ik/n_i,
+   class means mu_ik = mean_{y=k} z,
+       v_i = ( sum_k p_ik E_{y=k}||z||^2 - sum_k p_ik^2 ||mu_ik||^2 ) / n_i,     H_i[k] = p_ik mu_ik   ([C, d]).
+   (``statistics_extraction``, including its final division by the data size n_i.)
+2. ``head_epochs`` (official 1) epochs on the head only with CE, then E epochs on the body only with
+       CE + lam * 1/(B d) sum_b ||z_b - c_{y_b}||^2          (torch ``MSELoss``: mean over batch and dimension),
+   c_k = the server's global prototype of class k, or the client's own pre-training class mean mu_ik when no
+   client of the last round had class k; no alignment term in round 0 (official ``round > 0``).
+3. Local prototypes after training (class means of z, eval mode) and class counts n_ik are uploaded.
+
+Server (``train_round_fedpac``): body and BN statistics of the body averaged with the engine's weights (official:
+data sizes); global prototypes c_k = sum_i n_ik mu'_ik / sum_i n_ik over this round's cohort (replaced each
+round; a class nobody had is marked absent); then for each cohort client i the weights of its new head
+       alpha_i = argmin_{alpha in simplex} alpha^T (diag(v) + D_i) alpha,   D_i[j, l] = <H_i - H_j, H_i - H_l>_F,
+entries below 1e-3 zeroed, and g_i <- sum_j alpha_ij g_j / sum_j alpha_ij over the cohort's trained heads.
+
+The QP: the official code calls cvxpy per client (``tools.get_head_agg_weight``); here ``simplex_qp`` is a pure,
+vmapped accelerated projected-gradient solver (FISTA, step 1 / (2 lambda_max), ``qp_iters`` iterations, Duchi et
+al.'s sort-based simplex projection), checked against an exact active-set enumeration in the tests. P is PSD by
+construction (v_i >= 0, D_i a Gram matrix), so the official eigenvalue clipping for a non-PSD P (and its
+"no solution: keep the local head" fallback) never applies and is omitted.
+
+Options (official ``options.py`` defaults): ``lam`` = 1.0, ``head_epochs`` = 1, ``combine_heads`` = True
+(``agg_g = 1``), ``qp_iters`` = 1000 (ours). Per client: its head (params and any head BN statistics). Server:
+the body, the global prototypes [C, d] and their class counts [C] (count 0: absent).
+
+Deviations: the official local optimiser is hard-coded (SGD momentum 0.5, weight decay 5e-4, head lr 0.1, body lr
+``--lr``); here both phases use the configured client optimizer (fresh each phase), as FedRep here does. The
+official post-training prototypes are taken in train mode (no difference for its BN-free CNN); here in eval mode,
+so they do not move BN statistics. A head with BN (jaxfl's MLPHead with hidden layers) has its statistics
+combined with the same alpha as its parameters.
+Official code read: JianXu95/FedPAC (commit 5770f4f), methods/fedpac.py, running.py (``train_round_fedpac``),
+tools.py (``protos_aggregation``, ``get_head_agg_weight``, ``agg_classifier_weighted_p``), options.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..aggregation import head_weights, tree_weighted_mean
+from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
+from ..losses import cross_entropy, weighted_mean_loss
+from ..options import Options, option
+from .fedavg import ce_loss, in_part, init_variables
+from .fedrep import only
+
+
+
+# -- feature statistics and prototypes ---------------------------------------------------------------------
+def class_feature_sums(model, variables, data: ClientData, num_classes: int, batch_size: int, preprocess):
+    """Over a client's real samples, in evaluation mode: S1 [C, d] = sum_{y=k} z, S2 [C] = sum_{y=k} ||z||^2,
+    N [C] = #{y = k}, with z = f(x) the encoder output; in batches, skipping the padding."""
+    b, m = batch_size, data.y.shape[0]
+    n_steps = (data.count + b - 1) // b
+
+    def step(t, sums):
+        idx = t * b + jnp.arange(b)
+        w = (idx < data.count).astype(jnp.float32)
+        idx = jnp.minimum(idx, m - 1)
+        z = model.apply(variables, preprocess(data.x[idx]), train=False, method="features")
+        onehot = jax.nn.one_hot(data.y[idx], num_classes) * w[:, None]
+        s1, s2, n = sums
+        return s1 + onehot.T @ z, s2 + onehot.T @ jnp.sum(z * z, -1), n + jnp.sum(onehot, 0)
+
+    d = jax.eval_shape(lambda x: model.apply(variables, preprocess(x), train=False, method="features"),
+                       data.x[:1]).shape[-1]
+    zeros = (jnp.zeros((num_classes, d)), jnp.zeros(num_classes), jnp.zeros(num_classes))
+    return jax.lax.fori_loop(0, n_steps, step, zeros)
+
+
+def client_statistics(S1, S2, N):
+    """(v, H, mu) of ``statistics_extraction`` from the class sums: n = sum N, p = N / n, mu_k = S1_k / N_k
+    (0 for an absent class), v = (sum_k p_k S2_k / N_k - sum_k p_k^2 ||mu_k||^2) / n, H = p[:, None] mu."""
+    n = jnp.maximum(jnp.sum(N), 1.0)
+    p = N / n
+    mu = S1 / jnp.maximum(N, 1.0)[:, None]
+    v = (jnp.sum(S2) / n - jnp.sum(p * p * jnp.sum(mu * mu, -1))) / n
+    return v, p[:, None] * mu, mu
+
+
+def global_prototypes(protos, counts):
+    """(c [C, d], total [C]): per class the count-weighted mean of the cohort's local prototypes protos [k, C, d]
+    with class counts [k, C] (official ``protos_aggregation``); a class no client has gets 0 and total 0."""
+    total = jnp.sum(counts, 0)
+    c = jnp.einsum("ik,ikd->kd", counts, protos) / jnp.maximum(total, 1.0)[:, None]
+    return c, total
+
+
+def alignment_loss(model, lam: float):
+    """loss_fn(params, stats, x, y, w, key, targets, gate) = CE + gate * lam * sum_b w_b ||z_b - targets[y_b]||^2
+    / (d sum_b w_b): FedPAC's body objective (the MSE is torch's mean over batch and dimension)."""
+    def feats_logits(module, x, train, mask):
+        z = module.encoder(x, train, mask)
+        return z, module.head(z, train, mask)
+
+    def loss_fn(params, stats, x, y, w, key, targets, gate):
+        (z, logits), updated = model.apply({"params": params, "batch_stats": stats}, x, True, w,
+                                           method=feats_logits, mutable=["batch_stats"],
+                                           rngs=None if key is None else {"dropout": key})
+        sq = jnp.sum(jnp.square(z - jax.lax.stop_gradient(targets[y])), -1) / z.shape[-1]
+        loss = weighted_mean_loss(cross_entropy(logits, y), w) + gate * lam * weighted_mean_loss(sq, w)
+        return loss, (updated["batch_stats"], logits)
+    return loss_fn
+
+
+# -- the algorithm -----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FedPACOptions(Options):
+    name = "fedpac"
+    sharing = ("body (encoder), class prototypes and feature statistics; heads for the combination",
+               "head (a convex combination of the cohort's heads)")
+    lam: float = option(1.0, "lambda, weight of the feature-alignment MSE to the global prototypes", lo=0.0)
+    head_epochs: int = option(1, "head-only CE epochs before the body epochs", minimum=0)
+    combine_heads: bool = option(True, "replace each head by its QP-weighted combination of the cohort's heads")
+    qp_iters: int = option(1000, "projected-gradient iterations of the simplex QP", minimum=1)
+
+
+def head_part(variables):
+    """The head's leaves of {"params", "batch_stats"} (a head without BN has no statistics)."""
+    return {k: {p: v for p, v in variables[k].items() if p == "head"} for k in ("params", "batch_stats")}
+
+
+def fedpac(model, trainer: LocalTrainer, **options) -> Algorithm:
+    """FedPAC: shared body aligned to global class prototypes, personal heads combined by a simplex QP."""
+    o = FedPACOptions(**options).validate()
+    head_tx, body_tx = only(trainer.tx, in_part("head")), only(trainer.tx, in_part("encoder"))
+    head_trainer = dataclasses.replace(trainer, tx=head_tx, epochs=o.head_epochs)
+    body_trainer = dataclasses.replace(trainer, tx=body_tx)
+    ce, align = ce_loss(model), alignment_loss(model, o.lam)
+
+    def merged(server, client):
+        return {k: {**server[k], **client[k]} for k in ("params", "batch_stats")}
+
+    def init(key, sample_x):
+        v = init_variables(model, trainer, key, sample_x)
+        x = trainer.preprocess(sample_x[:1])
+        z = jax.eval_shape(lambda: model.apply(v, x, train=False, method="features"))
+        c = jax.eval_shape(lambda: model.apply(v, x, train=False)).shape[-1]
+        server = dict(v, protos=jnp.zeros((c, z.shape[-1])), proto_count=jnp.zeros(c))
+        return server, head_part(v)
+
+    def stats(variables, data, c):
+        return class_feature_sums(model, variables, data, c, trainer.batch_size, trainer.preprocess)
+
+    def local_update(server, client, data: ClientData, key, info: RoundInfo):
+        c = server["protos"].shape[0]
+        v = merged(server, client)
+        s1, s2, n = stats(v, data, c)
+        var, h, mu = client_statistics(s1, s2, n)
+        targets = jnp.where((server["proto_count"] > 0)[:, None], server["protos"], mu)
+        gate = (info.round > 0).astype(jnp.float32)
+        params, bstats, metrics = v["params"], v["batch_stats"], None
+        if o.head_epochs:
+            params, bstats, _, metrics = head_trainer.run(ce, params, bstats, head_tx.init(params), data,
+                                                          jax.random.fold_in(key, 0))
+        if trainer.epochs:
+            fn = lambda p, s, x, y, w, k: align(p, s, x, y, w, k, targets, gate)
+            params, bstats, _, metrics = body_trainer.run(fn, params, bstats, body_tx.init(params), data,
+                                                          jax.random.fold_in(key, 1))
+        trained = {"params": params, "batch_stats": bstats}
+        s1_after, _, n_after = stats(trained, data, c)
+        protos = s1_after / jnp.maximum(n_after, 1.0)[:, None]
+        return dict(trained, v=var, h=h, protos=protos, counts=n), metrics
+
+    def aggregate(server, trained, weights, info=None):
+        body = lambda t: {k: {p: x for p, x in t[k].items() if p != "head"} for k in ("params", "batch_stats")}
+        mean = tree_weighted_mean(body(trained), weights)
+        protos, count = global_prototypes(trained["protos"], trained["counts"])
+        new_server = {k: {**server[k], **mean[k]} for k in ("params", "batch_stats")}
+        new_server.update(protos=protos, proto_count=count)
+        heads = head_part(trained)
+        if o.combine_heads:
+            A = head_weights(trained["v"], trained["h"], o.qp_iters)
+            heads = jax.tree_util.tree_map(
+                lambda x: (A.astype(x.dtype) @ x.reshape(x.shape[0], -1)).reshape(x.shape), heads)
+        return new_server, heads
+
+    def predict(server, client, x, client_id=None):
+        return model.apply(merged(server, client), x, train=False)
+
+    def predict_trained(server, trained, x, client_id=None):
+        return model.apply({"params": trained["params"], "batch_stats": trained["batch_stats"]}, x, train=False)
+
+    return Algorithm("fedpac", init, local_update, aggregate, predict, predict_trained)

@@ -1,0 +1,146 @@
+"""pFedMe (Dinh, Tran, Nguyen, NeurIPS 2020): personalized models theta_i regularised by Moreau envelopes.
+
+Client i holds a local copy w of the global model and, for every minibatch D_b of its local training,
+
+    theta <- argmin_theta  f_i(theta; D_b) + lambda/2 ||theta - w||^2         (approximately, by K inner steps:)
+        theta <- theta - plr (grad f_i(theta; D_b) + lambda (theta - w) + mu theta)      K times, same batch
+    w <- w - eta lambda (w - theta)                                           (the Moreau envelope's gradient)
+
+theta starts the round at the server's w (both official codes reload it) and is warm-started from one
+minibatch to the next; w starts at the server's w. The server then takes
+
+    w_global <- (1 - beta) w_global + beta sum_i p_i w_i,    p_i = n_i / sum_j n_j over the round's clients.
+
+The personalized model theta_i is what the client predicts with (the paper reports it). BatchNorm: every
+inner forward pass (at theta, train mode, padded samples masked) updates the running statistics, as PyTorch
+does; the client sends them with w and the server averages them with sample weights (no beta mixing, which
+could make a variance negative); the client keeps its own with theta.
+
+Engine mapping (no engine change): ``LocalTrainer.run`` drives the minibatch loop with w as its parameters;
+theta rides in the trainer's non-differentiated state next to the BatchNorm statistics, and the loss returns
+a value whose gradient in w is exactly lambda (w - theta_K) (the K inner steps run inside the loss, on the same
+batch, with w held constant). The trainer's optimizer applies that gradient: the outer step size eta is the
+run's ``--lr``. With plain SGD (``--momentum 0``, no weight decay) this is the paper's update above; with
+momentum or weight decay those act on the envelope gradient (the official outer step is plain SGD).
+
+Hyperparameters (options, defaults and their source):
+- ``lam`` lambda = 15: paper (CIFAR/MNIST), official CharlieDinh/pFedMe README (CIFAR-10 command) and FedTP's
+  re-implementation (``--pfedMe_lambda 15``).
+- ``inner_steps`` K = 5: official ``--K`` default and FedTP's ``--pfedMe_k``.
+- ``personal_lr`` = 0.01: official README's CIFAR-10 command (``--personal_learning_rate 0.01``); FedTP uses
+  its client lr 0.01 for the inner steps.
+- ``beta`` = 1: official ``--beta`` default and its CIFAR-10 command, and FedTP's comparison (its beta mixing is
+  commented out, i.e. beta = 1). The paper's beta = 2 runs are its MNIST/Synthetic ablations.
+- ``mu`` = 0: the extra ``mu theta`` term of the official ``pFedMeOptimizer``; FedTP sets it to 0
+  (``--pfedMe_mu 0``), CharlieDinh's code leaves its constructor default 0.001. It is not in the paper.
+
+State: server {"params": w, "batch_stats"}; per client {"personal": {"params": theta_i, "batch_stats"}} (only
+read by ``predict``: every round restarts theta from the server's w).
+
+Official code read: github.com/CharlieDinh/pFedMe @ caf24b1f (FLAlgorithms/users/userpFedMe.py,
+FLAlgorithms/optimizers/fedoptimizer.py ``pFedMeOptimizer``, FLAlgorithms/servers/serverbase.py
+``persionalized_aggregate_parameters``, main.py) and FedTP's version github.com/zhyczy/FedTP @ 3cca0d7
+(methods/method.py ``train_net_pfedMe``, optimizer/optimizer.py, main.py ``pfedMe``).
+
+Deviations: (1) the outer loop is the trainer's: ``--local-epochs`` full passes over the client's data, one
+outer step per minibatch, as FedTP's version does; CharlieDinh's code instead takes R = ``local_epochs`` (20)
+single minibatches, cycling its loader. (2) CharlieDinh trains every client every round and aggregates a
+sampled subset; here, as in FedTP's version, only the round's cohort trains. (3) The metrics' loss/accuracy are
+those of the last inner forward pass of each minibatch (CE at theta before its last inner step).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..aggregation import tree_weighted_mean
+from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
+from ..options import Options, option
+from .fedavg import ce_loss, init_variables
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedMeOptions(Options):
+    name = "pfedme"
+    sharing = ("the local copies w_i of the global model (and BN statistics), mixed in with weight beta",
+               "its personalized model theta_i (Moreau-envelope solution around w)")
+    lam: float = option(15.0, "lambda, weight of lambda/2 ||theta - w||^2 (the Moreau envelope)", lo=0.0)
+    inner_steps: int = option(5, "K, inner gradient steps on theta per minibatch", minimum=1)
+    personal_lr: float = option(0.01, "learning rate of the inner steps on theta", lo=0.0, lo_open=True)
+    beta: float = option(1.0, "server mixing: w <- (1 - beta) w + beta * mean(w_i)", lo=0.0, lo_open=True)
+    mu: float = option(0.0, "extra mu * theta term of the official inner step (FedTP: 0)", lo=0.0)
+
+
+def moreau_inner_steps(model, lam: float, inner_steps: int, personal_lr: float, mu: float = 0.0):
+    """inner(theta, stats, anchor, x, y, w, key) -> (theta_K, stats, (loss, logits) of the last inner pass).
+
+    K steps of theta <- theta - plr (grad CE(theta) + lam (theta - anchor) + mu theta) on one batch; every
+    forward pass updates the BatchNorm statistics; step k's dropout key is fold_in(key, k)."""
+    grad_ce = jax.value_and_grad(ce_loss(model), has_aux=True)
+
+    def step(theta, stats, anchor, x, y, w, key):
+        (loss, (stats, logits)), g = grad_ce(theta, stats, x, y, w, key)
+        theta = jax.tree_util.tree_map(lambda t, gt, a: t - personal_lr * (gt + lam * (t - a) + mu * t),
+                                       theta, g, anchor)
+        return theta, stats, (loss, logits)
+
+    def inner(theta, stats, anchor, x, y, w, key):
+        k0 = None if key is None else jax.random.fold_in(key, 0)
+        theta, stats, out = step(theta, stats, anchor, x, y, w, k0)  # the first one outside: fixes out's shape
+
+        def body(k, carry):
+            theta, stats, _ = carry
+            return step(theta, stats, anchor, x, y, w, None if key is None else jax.random.fold_in(key, k))
+
+        return jax.lax.fori_loop(1, inner_steps, body, (theta, stats, out))
+
+    return inner
+
+
+def envelope_loss(model, lam: float, inner_steps: int, personal_lr: float, mu: float = 0.0):
+    """A ``LocalTrainer`` loss over w whose state is {"theta", "batch_stats"}: it runs the K inner steps from the
+    state's theta toward stop_gradient(w) and returns (value, (new state, logits)) with value = CE of the last
+    inner pass and d value / d w = lam (w - theta_K), the gradient of the Moreau envelope."""
+    inner = moreau_inner_steps(model, lam, inner_steps, personal_lr, mu)
+
+    def loss_fn(params, state, x, y, w, key):
+        anchor = jax.lax.stop_gradient(params)
+        theta, stats, (loss, logits) = inner(state["theta"], state["batch_stats"], anchor, x, y, w, key)
+        sq = jax.tree_util.tree_map(lambda p, t: jnp.sum(jnp.square(p - t)), params, theta)
+        surrogate = 0.5 * lam * sum(jax.tree_util.tree_leaves(sq))
+        value = jax.lax.stop_gradient(loss) + surrogate - jax.lax.stop_gradient(surrogate)
+        return value, ({"theta": theta, "batch_stats": stats}, logits)
+
+    return loss_fn
+
+
+def pfedme(model, trainer: LocalTrainer, **options) -> Algorithm:
+    """pFedMe; options: ``PFedMeOptions``. The outer step is ``trainer.tx`` on lambda (w - theta)."""
+    o = PFedMeOptions(**options).validate()
+    loss_fn = envelope_loss(model, o.lam, o.inner_steps, o.personal_lr, o.mu)
+    beta = o.beta
+
+    def init(key, sample_x):
+        variables = init_variables(model, trainer, key, sample_x)
+        return variables, {"personal": variables}
+
+    def local_update(server, client, data: ClientData, key, info: RoundInfo = None):
+        w0 = server["params"]
+        state = {"theta": w0, "batch_stats": server["batch_stats"]}  # theta restarts at the server's w
+        w, state, _, metrics = trainer.run(loss_fn, w0, state, trainer.tx.init(w0), data, key)
+        return {"params": w, "batch_stats": state["batch_stats"],
+                "personal": {"params": state["theta"], "batch_stats": state["batch_stats"]}}, metrics
+
+    def aggregate(server, clients, weights, info: RoundInfo = None):
+        mean = tree_weighted_mean({"params": clients["params"], "batch_stats": clients["batch_stats"]}, weights)
+        if beta != 1.0:
+            mean["params"] = jax.tree_util.tree_map(lambda old, new: (1.0 - beta) * old + beta * new,
+                                                    server["params"], mean["params"])
+        return mean, {"personal": clients["personal"]}
+
+    def predict(server, client, x, client_id=None):
+        return model.apply(client["personal"], x, train=False)
+
+    return Algorithm("pfedme", init, local_update, aggregate, predict, predict)  # the trained row has "personal"
