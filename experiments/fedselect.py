@@ -29,11 +29,12 @@ from jaxfl.algorithms.fedavg import leaf_paths
 from jaxfl.blocks import overlap_ratio
 from jaxfl.config import RunConfig
 
-ALGORITHMS = ["fedselect", "local", "fedavg", "fedper", "fedrep", "lg_fedavg", "ditto"]
+ALGORITHMS = ["fedselect", "local", "fedavg", "fedper", "fedrep", "lg_fedavg", "ditto", "fedavg_ft", "fedbabu",
+              "fedpac"]
 SWEEP = ["fedselect:alpha=0.2", "fedselect:alpha=0.5", "fedselect:alpha=0.95"]
 # FedSelect Table 1, CIFAR-10 column (ResNet-18, 10 clients, 100 images each, mean personalized accuracy).
 PAPER = {"local": 74.60, "fedavg": 27.70, "ditto": 72.75, "fedrep": 67.60, "fedper": 75.40, "lg_fedavg": 77.65,
-         "fedselect": 82.25}
+         "fedselect": 82.25, "fedavg_ft": 75.30, "fedbabu": 75.45, "fedpac": 77.20}
 
 
 def base_config(dataset: str, args) -> RunConfig:

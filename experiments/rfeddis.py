@@ -27,10 +27,12 @@ from common import parse_seeds, plot_mean_accuracy, run_seeds, run_variant, seed
 from jaxfl.config import RunConfig
 from jaxfl.reliability import plot_uncertainty_density
 
-ALGORITHMS = ["rfeddis", "fedbn", "fedavg", "fedprox", "fedrep", "local"]
+ALGORITHMS = ["rfeddis", "fedbn", "fedavg", "fedprox", "fedrep", "local", "moon", "feddc", "feddyn", "scaffold"]
 # RFedDis Table II-a (100 rounds, 5 domains; we have 3 of them): MNIST-M, MNIST, USPS.
 PAPER = {"digits": {"local": (77.8, 94.4, 95.2), "fedavg": (76.9, 95.9, 95.6), "fedprox": (76.6, 95.8, 95.6),
-                    "fedrep": (78.6, 96.8, 96.9), "fedbn": (78.3, 96.6, 97.0), "rfeddis": (83.9, 97.2, 96.8)},
+                    "fedrep": (78.6, 96.8, 96.9), "fedbn": (78.3, 96.6, 97.0), "rfeddis": (83.9, 97.2, 96.8),
+                    "moon": (75.5, 95.7, 95.3), "feddc": (73.6, 96.0, 94.1), "feddyn": (81.4, 97.3, 96.8),
+                    "scaffold": (80.8, 97.2, 97.0)},
          "pacs": {}}
 NAMES = {"digits": ["MNIST-M", "MNIST", "USPS"], "pacs": ["art_painting", "cartoon", "photo", "sketch"]}
 RELIABILITY = ("rfeddis", "fedbn")  # the uncertainty of fedbn is 1 - max softmax probability
