@@ -133,7 +133,7 @@ class LocalTrainer:
     batch_size: int
     epochs: int
     preprocess: Callable = normalizer()
-    lr: float | None = None  # tx's base learning rate, for updates that divide by it (SCAFFOLD, FedDC); the runner sets it
+    lr: float | None = None  # tx's base lr, for updates that divide by it (SCAFFOLD, FedDC); the runner sets it
 
     def run(self, loss_fn, params, state, opt_state, data: ClientData, key):
         """Train one client.

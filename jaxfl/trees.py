@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 PyTree = Any
 PathPredicate = Callable[[tuple[str, ...]], bool]
@@ -55,3 +56,19 @@ def fill(base: dict, part: dict) -> dict:
 def tree_bytes(tree) -> int:
     """Total bytes of the array leaves of a pytree."""
     return int(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree)))
+
+
+def tree_vdot(a, b):
+    """<a, b> over a whole pytree: sum over leaves of sum(a * b). a, b: same structure -> []."""
+    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def tree_sq_distance(a, b):
+    """||a - b||^2 over a whole pytree: sum over leaves of sum((a - b)^2). a, b: same structure -> []."""
+    sq = jax.tree_util.tree_map(lambda x, y: jnp.sum(jnp.square(x - y)), a, b)
+    return sum(jax.tree_util.tree_leaves(sq))
+
+
+def tree_zeros(tree):
+    """Zeros shaped like every leaf of ``tree``."""
+    return jax.tree_util.tree_map(jnp.zeros_like, tree)

@@ -30,10 +30,15 @@ from ..losses import cross_entropy, feature_norm, weighted_mean_loss
 from ..errors import ConfigError
 from ..masks import channel_mask, in_out_channel_mask, magnitude_mask, tree_count, tree_density
 from ..options import Options, option
-from .fedavg import init_variables, leaf_paths
+from .fedavg import global_model_predictors, init_variables, leaf_paths
 
 RECOVER_MODES = ("global", "zero")
 DEVICE_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8)  # capability levels C1..C5 (paper section 4)
+
+
+def client_ratio(ratios, info: RoundInfo):
+    """rho of the client: its device level ``ratios[id mod L]``; ratios [L] -> []."""
+    return ratios[info.client_id % ratios.shape[0]]
 
 
 def fusion_coefficient(round_idx, alpha0: float = 0.9, alpha_min: float = 0.1, eps: float = 0.2):
@@ -124,7 +129,7 @@ def dapperfl(model, trainer: LocalTrainer, **options) -> Algorithm:
         return v, {}  # a client keeps nothing: its device level follows from its id
 
     def local_update(server, client, data: ClientData, key, info: RoundInfo):
-        rho = ratios[info.client_id % ratios.shape[0]]
+        rho = client_ratio(ratios, info)
         ones = jax.tree_util.tree_map(jnp.ones_like, server["params"])
         opt = trainer.tx.init(server["params"])
         params, stats, opt, m_dense = dense.run(loss_with(ones), server["params"], server["batch_stats"], opt,
@@ -150,10 +155,4 @@ def dapperfl(model, trainer: LocalTrainer, **options) -> Algorithm:
                                         weights)
         return {"params": params, "batch_stats": tree_weighted_mean(clients["batch_stats"], weights)}, {}
 
-    def predict(server, client, x, client_id=None):
-        return model.apply({"params": server["params"], "batch_stats": server["batch_stats"]}, x, train=False)
-
-    def predict_trained(server, trained, x, client_id=None):  # the client's own pruned model
-        return model.apply({"params": trained["params"], "batch_stats": trained["batch_stats"]}, x, train=False)
-
-    return Algorithm("dapperfl", init, local_update, aggregate, predict, predict_trained)
+    return Algorithm("dapperfl", init, local_update, aggregate, *global_model_predictors(model))

@@ -19,13 +19,12 @@ import dataclasses
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from ..aggregation import broadcast_clients, tree_masked_mean, tree_where
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..losses import cross_entropy, weighted_mean_loss
 from ..options import Options, option
-from ..trees import PathPredicate, fill, leaf_paths, path_mask, prune  # noqa: F401 (re-exported)
+from ..trees import PathPredicate, fill, leaf_paths, path_mask, prune, tree_sq_distance  # noqa: F401 (re-exported)
 
 
 def is_batchnorm(path: tuple[str, ...]) -> bool:
@@ -54,10 +53,27 @@ def ce_loss(model, prox_mu: float = 0.0):
                                       mutable=["batch_stats"], rngs=None if key is None else {"dropout": key})
         loss = weighted_mean_loss(cross_entropy(logits, y), w)
         if prox_mu:
-            sq = jax.tree_util.tree_map(lambda p, a: jnp.sum(jnp.square(p - a)), params, anchor)
-            loss = loss + 0.5 * prox_mu * sum(jax.tree_util.tree_leaves(sq))
+            loss = loss + 0.5 * prox_mu * tree_sq_distance(params, anchor)
         return loss, (updated["batch_stats"], logits)
     return loss_fn
+
+
+def model_variables(state):
+    """The model's {"params", "batch_stats"} out of a server or client state that also holds other things
+    (control variates, drifts, masks, a personal head)."""
+    return {"params": state["params"], "batch_stats": state["batch_stats"]}
+
+
+def global_model_predictors(model):
+    """(predict, predict_trained) of a method whose clients predict with the server's model: evaluation-mode
+    ``model.apply`` of the server's, respectively the just-trained row's, params and BN statistics."""
+    def predict(server, client, x, client_id=None):
+        return model.apply(model_variables(server), x, train=False)
+
+    def predict_trained(server, trained, x, client_id=None):
+        return model.apply(model_variables(trained), x, train=False)
+
+    return predict, predict_trained
 
 
 def init_variables(model, trainer: LocalTrainer, key, sample_x):

@@ -36,7 +36,7 @@ from typing import Callable
 
 from ..engine import Algorithm, ClientData, LocalTrainer
 from ..options import Options, option
-from .fedavg import ce_loss, fedavg, in_part
+from .fedavg import ce_loss, fedavg, in_part, model_variables
 from .fedrep import only
 
 
@@ -65,7 +65,7 @@ def with_fine_tuning(base: Algorithm, model, trainer: LocalTrainer, ft_epochs: i
     def local_update(server, client, data: ClientData, key, info):
         trained, metrics = base.local_update(server, client["base"], data, key, info)
         if reuse_trained:
-            tuned = {"params": trained["params"], "batch_stats": trained["batch_stats"]}
+            tuned = model_variables(trained)
         else:
             v = start(server, client["base"])
             p, s, _, ft_metrics = ft.run(loss, v["params"], v["batch_stats"], tx.init(v["params"]), data, key)
@@ -100,6 +100,6 @@ def fedavg_ft(model, trainer: LocalTrainer, **options) -> Algorithm:
     o = FedAvgFTOptions(**options).validate()
     epochs = trainer.epochs if o.ft_epochs is None else o.ft_epochs
     # FedAvg's clients keep nothing: the model each starts from (and fine-tunes) is the server's
-    start = lambda server, client: {"params": server["params"], "batch_stats": server["batch_stats"]}
+    start = lambda server, client: model_variables(server)
     return with_fine_tuning(fedavg(model, trainer), model, trainer, epochs, start=start,
                             reuse_trained=epochs == trainer.epochs, name="fedavg_ft")

@@ -47,8 +47,9 @@ import jax.numpy as jnp
 from ..aggregation import tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..options import Options, option
-from .fedavg import ce_loss, init_variables
-from .scaffold import cohort_sum_over_n, control_variate, optimizer_lr, tmap, tree_vdot, tree_zeros
+from ..trees import tree_vdot, tree_zeros
+from .fedavg import ce_loss, global_model_predictors, init_variables, model_variables
+from .scaffold import cohort_sum_over_n, control_variate, optimizer_lr, tmap
 
 
 def dc_term(params, anchor, drift, correction, alpha: float):
@@ -97,17 +98,11 @@ def feddc(model, trainer: LocalTrainer, num_clients: int | None = None, **option
                 "dg": tmap(jnp.subtract, g_new, client["g"])}, metrics
 
     def aggregate(server, clients, weights, info: RoundInfo):
-        avg = tree_weighted_mean({"params": clients["params"], "batch_stats": clients["batch_stats"]}, weights)
+        avg = tree_weighted_mean(model_variables(clients), weights)
         drift_mean = tmap(jnp.add, server["drift_mean"], cohort_sum_over_n(clients["delta"], weights, num_clients))
         g = tmap(jnp.add, server["g"], cohort_sum_over_n(clients["dg"], weights, num_clients))
         params = tmap(jnp.add, avg["params"], drift_mean)
         return ({"params": params, "batch_stats": avg["batch_stats"], "drift_mean": drift_mean, "g": g},
                 {"drift": clients["drift"], "g": clients["g"]})
 
-    def predict(server, client, x, client_id=None):
-        return model.apply({"params": server["params"], "batch_stats": server["batch_stats"]}, x, train=False)
-
-    def predict_trained(server, trained, x, client_id=None):
-        return model.apply({"params": trained["params"], "batch_stats": trained["batch_stats"]}, x, train=False)
-
-    return Algorithm("feddc", init, local_update, aggregate, predict, predict_trained)
+    return Algorithm("feddc", init, local_update, aggregate, *global_model_predictors(model))

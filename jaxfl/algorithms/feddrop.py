@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from ..engine import Algorithm, LocalTrainer
 from ..masks import keep_largest
 from ..options import Options, option
-from .dapperfl import DEVICE_RATIOS
-from .heterofl import CNN_MODELS, check_ratios, client_ratio, submodel_algorithm, unit_masks_to_params
+from .dapperfl import DEVICE_RATIOS, client_ratio
+from .heterofl import CNN_MODELS, check_ratios, submodel_algorithm, unit_masks_to_params
 
 
 def random_units(layers, key, ratio):

@@ -46,14 +46,14 @@ import jax.numpy as jnp
 from ..aggregation import tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..options import Options, option
-from .fedavg import ce_loss, init_variables
-from .scaffold import cohort_sum_over_n, tmap, tree_vdot, tree_zeros
+from ..trees import tree_sq_distance, tree_vdot, tree_zeros
+from .fedavg import ce_loss, global_model_predictors, init_variables, model_variables
+from .scaffold import cohort_sum_over_n, tmap
 
 
 def dyn_term(params, anchor, drift, alpha: float):
     """FedDyn's extra loss alpha <h_i, w> + alpha/2 ||w - theta||^2 (= -<grad_i, w> + alpha/2 ||w - theta||^2)."""
-    sq = tree_vdot(tmap(jnp.subtract, params, anchor), tmap(jnp.subtract, params, anchor))
-    return alpha * tree_vdot(drift, params) + 0.5 * alpha * sq
+    return alpha * tree_vdot(drift, params) + 0.5 * alpha * tree_sq_distance(params, anchor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,16 +92,10 @@ def feddyn(model, trainer: LocalTrainer, num_clients: int | None = None, **optio
                 "drift": tmap(jnp.add, client["drift"], delta)}, metrics
 
     def aggregate(server, clients, weights, info: RoundInfo):
-        avg = tree_weighted_mean({"params": clients["params"], "batch_stats": clients["batch_stats"]}, weights)
+        avg = tree_weighted_mean(model_variables(clients), weights)
         drift_mean = tmap(jnp.add, server["drift_mean"], cohort_sum_over_n(clients["delta"], weights, num_clients))
         params = tmap(jnp.add, avg["params"], drift_mean)
         return ({"params": params, "batch_stats": avg["batch_stats"], "drift_mean": drift_mean},
                 {"drift": clients["drift"]})
 
-    def predict(server, client, x, client_id=None):
-        return model.apply({"params": server["params"], "batch_stats": server["batch_stats"]}, x, train=False)
-
-    def predict_trained(server, trained, x, client_id=None):
-        return model.apply({"params": trained["params"], "batch_stats": trained["batch_stats"]}, x, train=False)
-
-    return Algorithm("feddyn", init, local_update, aggregate, predict, predict_trained)
+    return Algorithm("feddyn", init, local_update, aggregate, *global_model_predictors(model))

@@ -33,9 +33,9 @@ from ..aggregation import recovered_mean, tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..masks import tree_count, tree_density
 from ..options import Options, option
-from .dapperfl import DEVICE_RATIOS, dapperfl_masks
-from .fedavg import init_variables
-from .heterofl import check_ratios, client_ratio, masked_loss
+from .dapperfl import DEVICE_RATIOS, client_ratio, dapperfl_masks
+from .fedavg import init_variables, model_variables
+from .heterofl import check_ratios, masked_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,7 @@ def fedmp(model, trainer: LocalTrainer, **options) -> Algorithm:
         return {"params": params, "batch_stats": tree_weighted_mean(clients["batch_stats"], weights)}, {}
 
     def predict(server, client, x, client_id=None):
-        return model.apply({"params": server["params"], "batch_stats": server["batch_stats"]}, x, train=False)
+        return model.apply(model_variables(server), x, train=False)
 
     def predict_trained(server, trained, x, client_id=None):
         params = jax.tree_util.tree_map(jnp.multiply, trained["params"], trained["mask"])

@@ -48,7 +48,7 @@ from ..aggregation import head_weights, tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..losses import cross_entropy, weighted_mean_loss
 from ..options import Options, option
-from .fedavg import ce_loss, in_part, init_variables
+from .fedavg import ce_loss, in_part, init_variables, model_variables
 from .fedrep import only
 
 
@@ -186,6 +186,6 @@ def fedpac(model, trainer: LocalTrainer, **options) -> Algorithm:
         return model.apply(merged(server, client), x, train=False)
 
     def predict_trained(server, trained, x, client_id=None):
-        return model.apply({"params": trained["params"], "batch_stats": trained["batch_stats"]}, x, train=False)
+        return model.apply(model_variables(trained), x, train=False)
 
     return Algorithm("fedpac", init, local_update, aggregate, predict, predict_trained)

@@ -46,7 +46,7 @@ from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..losses import balanced_softmax_ce, class_log_prior, cross_entropy, weighted_mean_loss
 from ..models import Dense
 from ..options import Options, option
-from .fedavg import init_variables
+from .fedavg import init_variables, model_variables
 from .moon import REPRESENTATIONS, logits_and_representation
 
 
@@ -110,7 +110,7 @@ def fedrod(model, trainer: LocalTrainer, **options) -> Algorithm:
         return {"params": params["model"], "batch_stats": stats, "phead": params["phead"]}, metrics
 
     def aggregate(server, trained, weights, info=None):
-        shared = tree_weighted_mean({"params": trained["params"], "batch_stats": trained["batch_stats"]}, weights)
+        shared = tree_weighted_mean(model_variables(trained), weights)
         return shared, {"phead": trained["phead"]}
 
     def personalized(variables, phead, x):
@@ -121,6 +121,6 @@ def fedrod(model, trainer: LocalTrainer, **options) -> Algorithm:
         return personalized(server, client["phead"], x)
 
     def predict_trained(server, trained, x, client_id=None):
-        return personalized({"params": trained["params"], "batch_stats": trained["batch_stats"]}, trained["phead"], x)
+        return personalized(model_variables(trained), trained["phead"], x)
 
     return Algorithm("fedrod", init, local_update, aggregate, predict, predict_trained)

@@ -53,8 +53,8 @@ from ..errors import ConfigError
 from ..losses import cross_entropy, weighted_mean_loss
 from ..masks import tree_count, tree_density
 from ..options import Options, option
-from .dapperfl import DEVICE_RATIOS
-from .fedavg import init_variables
+from .dapperfl import DEVICE_RATIOS, client_ratio
+from .fedavg import init_variables, model_variables
 
 CNN_MODELS = ("digits_cnn", "small_cnn", "fedavg_cnn", "pfl_cnn", "alexnet_bn", "resnet10", "resnet10_slim",
               "resnet18", "resnet18_imagenet")
@@ -287,18 +287,13 @@ def submodel_algorithm(name: str, model, trainer: LocalTrainer, *, masks: Callab
         return new, {}
 
     def predict(server, client, x, client_id=None):
-        return model.apply({"params": server["params"], "batch_stats": server["batch_stats"]}, x, train=False)
+        return model.apply(model_variables(server), x, train=False)
 
     def predict_trained(server, trained, x, client_id=None):  # the client's own sub-model
         params = jax.tree_util.tree_map(jnp.multiply, trained["params"], trained["mask"]["params"])
         return model.apply({"params": params, "batch_stats": trained["batch_stats"]}, x, train=False)
 
     return Algorithm(name, init, local_update, aggregate, predict, predict_trained)
-
-
-def client_ratio(ratios, info: RoundInfo):
-    """rho of the client: its device level ``ratios[id mod L]`` (``dapperfl.py``'s rule)."""
-    return ratios[info.client_id % ratios.shape[0]]
 
 
 def check_ratios(name: str, ratios) -> None:

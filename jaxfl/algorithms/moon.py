@@ -52,7 +52,7 @@ from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..losses import cross_entropy, model_contrastive_loss, weighted_mean_loss
 from ..models import MLPHead
 from ..options import Options, option
-from .fedavg import init_variables
+from .fedavg import global_model_predictors, init_variables
 
 REPRESENTATIONS = ("penultimate", "features")
 
@@ -132,10 +132,4 @@ def moon(model, trainer: LocalTrainer, **options) -> Algorithm:
         # FedAvg over every parameter and statistic; each client keeps the model it just trained
         return tree_weighted_mean(trained, weights), {"prev": trained}
 
-    def predict(server, client, x, client_id=None):
-        return model.apply(server, x, train=False)
-
-    def predict_trained(server, trained, x, client_id=None):
-        return model.apply(trained, x, train=False)
-
-    return Algorithm("moon", init, local_update, aggregate, predict, predict_trained)
+    return Algorithm("moon", init, local_update, aggregate, *global_model_predictors(model))

@@ -53,12 +53,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from ..aggregation import tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..options import Options, option
-from .fedavg import ce_loss, init_variables
+from ..trees import tree_sq_distance
+from .fedavg import ce_loss, init_variables, model_variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +108,7 @@ def envelope_loss(model, lam: float, inner_steps: int, personal_lr: float, mu: f
     def loss_fn(params, state, x, y, w, key):
         anchor = jax.lax.stop_gradient(params)
         theta, stats, (loss, logits) = inner(state["theta"], state["batch_stats"], anchor, x, y, w, key)
-        sq = jax.tree_util.tree_map(lambda p, t: jnp.sum(jnp.square(p - t)), params, theta)
-        surrogate = 0.5 * lam * sum(jax.tree_util.tree_leaves(sq))
+        surrogate = 0.5 * lam * tree_sq_distance(params, theta)
         value = jax.lax.stop_gradient(loss) + surrogate - jax.lax.stop_gradient(surrogate)
         return value, ({"theta": theta, "batch_stats": stats}, logits)
 
@@ -134,7 +133,7 @@ def pfedme(model, trainer: LocalTrainer, **options) -> Algorithm:
                 "personal": {"params": state["theta"], "batch_stats": state["batch_stats"]}}, metrics
 
     def aggregate(server, clients, weights, info: RoundInfo = None):
-        mean = tree_weighted_mean({"params": clients["params"], "batch_stats": clients["batch_stats"]}, weights)
+        mean = tree_weighted_mean(model_variables(clients), weights)
         if beta != 1.0:
             mean["params"] = jax.tree_util.tree_map(lambda old, new: (1.0 - beta) * old + beta * new,
                                                     server["params"], mean["params"])

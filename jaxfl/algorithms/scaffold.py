@@ -49,18 +49,10 @@ from ..aggregation import tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..errors import ConfigError
 from ..options import Options, option
-from .fedavg import ce_loss, init_variables
+from ..trees import tree_vdot, tree_zeros
+from .fedavg import ce_loss, global_model_predictors, init_variables, model_variables
 
 tmap = jax.tree_util.tree_map
-
-
-def tree_vdot(a, b):
-    """sum over every leaf of sum(a * b)."""
-    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
-
-
-def tree_zeros(tree):
-    return tmap(jnp.zeros_like, tree)
 
 
 def optimizer_lr(trainer: LocalTrainer, lr: float | None = None, name: str = "scaffold") -> float:
@@ -128,17 +120,11 @@ def scaffold(model, trainer: LocalTrainer, num_clients: int | None = None, **opt
                 "dc": tmap(jnp.subtract, c_new, client["c"])}, metrics
 
     def aggregate(server, clients, weights, info: RoundInfo):
-        avg = tree_weighted_mean({"params": clients["params"], "batch_stats": clients["batch_stats"]}, weights)
+        avg = tree_weighted_mean(model_variables(clients), weights)
         params = avg["params"] if lr_g == 1.0 else tmap(lambda m, x: lr_g * m + (1.0 - lr_g) * x, avg["params"],
                                                          server["params"])
         dc = cohort_sum_over_n(clients["dc"], weights, num_clients)
         c = tmap(jnp.add, server["c"], dc)
         return {"params": params, "batch_stats": avg["batch_stats"], "c": c}, {"c": clients["c"]}
 
-    def predict(server, client, x, client_id=None):
-        return model.apply({"params": server["params"], "batch_stats": server["batch_stats"]}, x, train=False)
-
-    def predict_trained(server, trained, x, client_id=None):
-        return model.apply({"params": trained["params"], "batch_stats": trained["batch_stats"]}, x, train=False)
-
-    return Algorithm("scaffold", init, local_update, aggregate, predict, predict_trained)
+    return Algorithm("scaffold", init, local_update, aggregate, *global_model_predictors(model))
