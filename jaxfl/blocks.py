@@ -11,7 +11,8 @@ Masks over parameters              topk_mask, descending_rank, kth_smallest_nonn
                                    tree_density, leaf_density
 Aggregation over the client axis   weighted_mean, masked_mean, recovered_mean, tree_weighted_mean,
                                    tree_masked_mean, tree_where, broadcast_clients; simplex_projection,
-                                   simplex_qp, head_weights (FedPAC's classifier combination)
+                                   simplex_qp, head_weights (FedPAC's classifier combination);
+                                   finch_partition, cluster_prototypes (FPL's clustered prototypes)
 Hypernetwork (FedTP)               hypernetwork (-> Hypernet(init, apply)), init_embeddings, generate,
                                    hypernet_grads (VJP update), hypernet_surrogate_loss
 Evidential learning (RFedDis)      evidence, dirichlet_alpha, opinion, uncertainty, expected_probability,
@@ -21,22 +22,24 @@ Evidential learning (RFedDis)      evidence, dirichlet_alpha, opinion, uncertain
 Losses                             cross_entropy, weighted_mean_loss, correct_count, kl_divergence,
                                    symmetric_kl, reduce_kl, negative_entropy, feature_norm;
                                    cosine_similarity, model_contrastive_loss (MOON); class_log_prior,
-                                   balanced_softmax_ce (FedRoD)
+                                   balanced_softmax_ce (FedRoD); gaussian_cmi_bound (FedSR);
+                                   prototype_contrastive_loss (FPL)
 Metrics                            expected_calibration_error, auroc, sparsity_ratio, fisher_score,
                                    fisher_selection_probe, knn_predict,
                                    overlap_ratio, selection_ratio, sparsity_per_sample, count_params, layer_positions,
                                    masked_flops
 """
-from .aggregation import (broadcast_clients, head_weights, masked_mean, recovered_mean, simplex_projection,
-                          simplex_qp, tree_masked_mean, tree_weighted_mean, tree_where, weighted_mean)
+from .aggregation import (broadcast_clients, cluster_prototypes, finch_partition, head_weights, masked_mean,
+                          recovered_mean, simplex_projection, simplex_qp, tree_masked_mean, tree_weighted_mean,
+                          tree_where, weighted_mean)
 from .evidential import (annealing_coefficient, dirichlet_alpha, dirichlet_ce, disentangle_loss, ds_combine,
                          ds_combine_opinions, edl_loss, evidence, expected_probability, kl_to_uniform, opinion,
                          remove_true_evidence, softmax_kl_mean, uncertainty)
 from .hypernet import (Hypernet, generate, hypernet_grads, hypernet_surrogate_loss, hypernetwork,
                        init_embeddings)
 from .losses import (balanced_softmax_ce, class_log_prior, correct_count, cosine_similarity, cross_entropy,
-                     feature_norm, kl_divergence, model_contrastive_loss, negative_entropy, reduce_kl, symmetric_kl,
-                     weighted_mean_loss)
+                     feature_norm, gaussian_cmi_bound, kl_divergence, model_contrastive_loss, negative_entropy,
+                     prototype_contrastive_loss, reduce_kl, symmetric_kl, weighted_mean_loss)
 from .masks import (channel_mask, channel_scores, descending_rank, grow_mask, gumbel_sigmoid, hard_threshold,
                     in_out_channel_mask, keep_largest, kth_smallest_nonneg, leaf_density, logistic_noise, magnitude_mask, num_pruned,
                     relaxed_mask, split_features, straight_through, topk_mask, tree_count, tree_density,

@@ -128,3 +128,38 @@ def class_log_prior(y, count, num_classes: int):
 def balanced_softmax_ce(logits, y, log_prior):
     """Per-sample balanced-softmax CE: CE(logits + log_prior, y). logits [B, C], y [B], log_prior [C] -> [B]."""
     return cross_entropy(logits + log_prior, y)
+
+
+def gaussian_cmi_bound(z_mu, z_sigma, r_mu, r_sigma, scale):
+    """FedSR's conditional-mutual-information bound per sample: KL(N(c mu, (c sigma)^2) || N(r_mu, r_sigma^2))
+    summed over dimensions,
+
+        sum_d [ log r_sigma - log(c sigma) + ((c sigma)^2 + (c mu - r_mu)^2) / (2 r_sigma^2) - 1/2 ],
+
+    with z ~ N(mu, sigma^2) the sample's representation and N(r_mu, r_sigma^2) the reference distribution r(z|y)
+    of its class. z_mu, z_sigma, r_mu, r_sigma [B, d] (r rows already picked by label, sigmas > 0), scale c [] ->
+    [B]."""
+    s = scale * z_sigma
+    m = scale * z_mu
+    kl = jnp.log(r_sigma) - jnp.log(s) + (s * s + jnp.square(m - r_mu)) / (2.0 * r_sigma * r_sigma) - 0.5
+    return jnp.sum(kl, -1)
+
+
+def prototype_contrastive_loss(z, y, cluster, cluster_valid, unbiased, class_valid, tau: float):
+    """FPL's per-sample prototype loss (Huang et al., CVPR 2023): cluster-prototype InfoNCE + unbiased-prototype MSE,
+
+        l_b = [ -log( sum_{j valid} e^{s(b, y_b, j)} / sum_{c, j valid} e^{s(b, c, j)} )
+                + mean_d (z_b - u_{y_b})^2 ] * class_valid[y_b],     s(b, c, j) = cos(z_b, P_{c, j}) / tau,
+
+    the positives the clusters of the sample's class, the negatives every cluster of the other classes.
+    z [B, D], y [B], cluster P [C, S, D], cluster_valid [C, S], unbiased u [C, D], class_valid [C] -> [B]
+    (0 for a sample whose class has no prototype)."""
+    c, s, d = cluster.shape
+    flat = cluster.reshape(c * s, d)
+    sims = cosine_similarity(z[:, None, :], flat[None, :, :]).reshape(-1, c, s) / tau
+    sims = jnp.where(cluster_valid[None], sims, -1e30)  # finite: no NaN gradient where nothing is valid
+    pos = jnp.take_along_axis(sims, y[:, None, None], 1)[:, 0]
+    has = class_valid[y]
+    infonce = jax.nn.logsumexp(sims.reshape(-1, c * s), -1) - jax.nn.logsumexp(pos, -1)
+    mse = jnp.mean(jnp.square(z - unbiased[y]), -1)
+    return jnp.where(has, infonce + mse, 0.0)

@@ -27,8 +27,10 @@ from .fedprox import FedProxOptions, fedprox
 from .fedrep import FedRepOptions, fedrep
 from .fedrod import FedRoDOptions, fedrod
 from .fedselect import FedSelectOptions, fedselect
+from .fedsr import FedSROptions, fedsr
 from .fedtp import FedTPOptions, fedtp
 from .heterofl import HeteroFLOptions, heterofl
+from .fpl import FPLOptions, fpl
 from .lg_fedavg import LGFedAvgOptions, lg_fedavg
 from .moon import MOONOptions, moon
 from .nefl import NeFLOptions, nefl
@@ -53,7 +55,8 @@ REGISTRY: dict[str, Registered] = {o.name: Registered(f, o) for f, o in (
     (scaffold, ScaffoldOptions), (feddyn, FedDynOptions), (feddc, FedDCOptions), (moon, MOONOptions),
     (fedrod, FedRoDOptions), (pfedme, PFedMeOptions), (pfedhn, PFedHNOptions),
     (fedavg_ft, FedAvgFTOptions), (fedbabu, FedBABUOptions), (fedpac, FedPACOptions),
-    (feddrop, FedDropOptions), (fedmp, FedMPOptions), (heterofl, HeteroFLOptions), (nefl, NeFLOptions))}
+    (feddrop, FedDropOptions), (fedmp, FedMPOptions), (heterofl, HeteroFLOptions), (nefl, NeFLOptions),
+    (fedsr, FedSROptions), (fpl, FPLOptions))}
 ALGORITHMS = {name: r.factory for name, r in REGISTRY.items()}
 # What each algorithm shares with the server and keeps on the client (README's table is built from this).
 SHARING = {name: r.options.sharing for name, r in REGISTRY.items()}
@@ -89,6 +92,6 @@ def build_algorithm(name: str, model, trainer, options: Options | dict | None = 
 
 __all__ = ["ALGORITHMS", "REGISTRY", "SHARING", "algorithm_options", "build_algorithm", "dapperfl",
            "dapperfl_masks", "ditto", "fedavg", "fedavg_ft", "fedbabu", "fedbn", "feddc", "feddrop", "feddyn",
-           "fedmp", "fedpac", "fedper", "fedpick", "fedprox", "fedrep", "fedrod", "fedselect", "fedtp", "heterofl",
-           "in_part", "is_batchnorm", "lg_fedavg", "local", "masked_averaging", "moon", "nefl", "options_class",
-           "path_mask", "pfedhn", "pfedme", "rfeddis", "scaffold"]
+           "fedmp", "fedpac", "fedper", "fedpick", "fedprox", "fedrep", "fedrod", "fedselect", "fedsr", "fedtp",
+           "fpl", "heterofl", "in_part", "is_batchnorm", "lg_fedavg", "local", "masked_averaging", "moon", "nefl",
+           "options_class", "path_mask", "pfedhn", "pfedme", "rfeddis", "scaffold"]

@@ -1,0 +1,108 @@
+"""FPL, Federated Prototype Learning (Huang, Ye, Du et al., CVPR 2023, "Rethinking Federated Learning with Domain
+Shift: A Prototype View"): FedAvg whose local objective pulls features toward clustered class prototypes.
+
+Client i receives the global model and, once the server has prototypes, trains on batches with
+
+    L = CE(g(z), y) + mean_b l_b,      l_b = InfoNCE over cluster prototypes + MSE to the unbiased prototype
+                                       (``losses.prototype_contrastive_loss``, temperature tau),
+
+z = f(x) the encoder's output (the official ``net.features``), positives the cluster prototypes of the sample's
+class, negatives those of every other class, and l_b = 0 for a sample whose class has no prototype (the official
+loss divides by the batch size, those samples included). After training it uploads its local prototypes, the
+mean z of each class it holds. The server averages the model (FedAvg, the engine's sample weights) and, per
+class, clusters the cohort's local prototypes with FINCH (cosine, its last partition: ``aggregation.
+finch_partition``), keeps each cluster's mean as a cluster prototype and their plain mean as the class's
+unbiased prototype (``aggregation.cluster_prototypes``). Round 0 has no prototypes: CE only.
+
+State: the server holds the model and the prototypes of the last round ([C, max_clusters, D] with validity
+masks, and [C, D]); a client keeps nothing (the official ``local_protos`` are overwritten by every round a
+client takes part in and only this round's cohort's are clustered).
+
+Defaults: tau = 0.02 (official ``infoNCET``, DapperFL's Table 4). max_clusters = 32 slots per class: FINCH's last
+partition has at most K/2 clusters for a cohort of K >= 2 clients, so cohorts of up to 64 clients never lose a
+cluster; beyond, the most populous clusters are kept. The official optimizer (SGD, momentum 0.9, weight decay
+1e-5) is the run's client optimizer here.
+
+Deviations: the official local prototypes are the means of the training-mode features of the last local
+epoch's batches, taken while the model still moves; here they are the trained model's evaluation-mode features
+over the client's real samples (``fedpac.class_feature_sums``), so they do not depend on batch order and do not
+move BN statistics. FINCH runs in JAX (fixed shapes, checked against a NumPy/SciPy FINCH in the tests), not with
+sklearn/scipy on the host.
+Official code read: github.com/WenkeHuang/RethinkFL (models/fpl.py, utils/finch.py, utils/best_args.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..aggregation import cluster_prototypes, tree_weighted_mean
+from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
+from ..losses import cross_entropy, prototype_contrastive_loss, weighted_mean_loss
+from ..options import Options, option
+from .fedavg import global_model_predictors, init_variables, model_variables
+from .fedpac import class_feature_sums
+from .moon import logits_and_representation
+
+PROTOTYPE_KEYS = ("cluster", "cluster_valid", "unbiased", "class_valid")
+
+
+@dataclasses.dataclass(frozen=True)
+class FPLOptions(Options):
+    name = "fpl"
+    sharing = ("all parameters and BN statistics (FedAvg); class prototypes, clustered per class by FINCH",
+               "nothing")
+    tau: float = option(0.02, "temperature of the cluster-prototype InfoNCE", lo=0.0, lo_open=True)
+    max_clusters: int = option(32, "cluster prototypes kept per class (FINCH leaves <= cohort/2)", minimum=1)
+
+
+def fpl_loss(model, tau: float):
+    """loss_fn(params, stats, x, y, w, key, protos) -> (loss, (stats, logits)): mean_w CE + mean_w l_b, with
+    protos {"cluster", "cluster_valid", "unbiased", "class_valid"} (the server's, held fixed)."""
+    forward = logits_and_representation("features")
+
+    def loss_fn(params, stats, x, y, w, key, protos):
+        (logits, z), updated = model.apply({"params": params, "batch_stats": stats}, x, True, w, method=forward,
+                                           mutable=["batch_stats"], rngs=None if key is None else {"dropout": key})
+        p = jax.lax.stop_gradient(protos)
+        proto = prototype_contrastive_loss(z, y, p["cluster"], p["cluster_valid"], p["unbiased"],
+                                           p["class_valid"], tau)
+        loss = weighted_mean_loss(cross_entropy(logits, y), w) + weighted_mean_loss(proto, w)
+        return loss, (updated.get("batch_stats", {}), logits)
+    return loss_fn
+
+
+def fpl(model, trainer: LocalTrainer, **options) -> Algorithm:
+    """FPL: FedAvg + InfoNCE to FINCH-clustered class prototypes + MSE to their mean."""
+    o = FPLOptions(**options).validate()
+    loss_fn = fpl_loss(model, o.tau)
+
+    def init(key, sample_x):
+        v = init_variables(model, trainer, key, sample_x)
+        x = trainer.preprocess(sample_x[:1])
+        d = jax.eval_shape(lambda: model.apply(v, x, train=False, method="features")).shape[-1]
+        c = jax.eval_shape(lambda: model.apply(v, x, train=False)).shape[-1]
+        protos = {"cluster": jnp.zeros((c, o.max_clusters, d)), "cluster_valid": jnp.zeros((c, o.max_clusters), bool),
+                  "unbiased": jnp.zeros((c, d)), "class_valid": jnp.zeros(c, bool)}
+        return dict(v, **protos), {}
+
+    def local_update(server, client, data: ClientData, key, info: RoundInfo):
+        protos = {k: server[k] for k in PROTOTYPE_KEYS}
+        fn = lambda p, s, x, y, w, k: loss_fn(p, s, x, y, w, k, protos)
+        params, stats, _, metrics = trainer.run(fn, server["params"], server["batch_stats"],
+                                                trainer.tx.init(server["params"]), data, key)
+        trained = {"params": params, "batch_stats": stats}
+        c = server["unbiased"].shape[0]
+        s1, _, n = class_feature_sums(model, trained, data, c, trainer.batch_size, trainer.preprocess)
+        return dict(trained, protos=s1 / jnp.maximum(n, 1.0)[:, None], counts=n), metrics
+
+    def aggregate(server, trained, weights, info=None):
+        new = tree_weighted_mean(model_variables(trained), weights)
+        present = (trained["counts"] > 0) & (weights > 0)[:, None]  # a padded cohort row holds no class
+        cluster, cluster_valid, unbiased, class_valid = cluster_prototypes(trained["protos"], present,
+                                                                           o.max_clusters)
+        return dict(new, cluster=cluster, cluster_valid=cluster_valid, unbiased=unbiased,
+                    class_valid=class_valid), {}
+
+    return Algorithm("fpl", init, local_update, aggregate, *global_model_predictors(model))
