@@ -180,9 +180,12 @@ def channel_mask(kernel, ratio, axis=-1, ord=1):
 
 
 def in_out_channel_mask(kernel, ratio, ord=1):
-    """DapperFL mask for an inner conv / dense kernel [..., in, out]: input-channel mask times output-channel
-    mask, both at ``ratio`` and scored independently on the same kernel. Density ~ (1 - ratio)^2."""
-    return channel_mask(kernel, ratio, axis=-2, ord=ord) * channel_mask(kernel, ratio, axis=-1, ord=ord)
+    """DapperFL mask for an inner conv / dense kernel [..., in, out]: input-channel mask m_in times
+    output-channel mask m_out, both at ``ratio``, applied in the released code's order: m_in scored on the
+    kernel, m_out scored on the input-masked kernel K * m_in (torch's ``prune.ln_structured`` on dim 1, then
+    on dim 0, scores the already-masked weight). Density ~ (1 - ratio)^2."""
+    m_in = channel_mask(kernel, ratio, axis=-2, ord=ord)
+    return m_in * channel_mask(kernel * m_in, ratio, axis=-1, ord=ord)
 
 
 def magnitude_mask(x, ratio):

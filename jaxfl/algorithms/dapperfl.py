@@ -52,7 +52,9 @@ def dapperfl_masks(params, ratio):
     - stem conv and stem BN (paths with "stem"), biases: never pruned;
     - the first block's first conv (``layer1_0/conv1``) and the first shortcut conv: output channels only
       (L1 norm over the other axes);
-    - every other conv kernel: input mask x output mask, each at ``ratio``, scored independently (L1);
+    - every other conv kernel: input mask x output mask, each at ``ratio`` (L1), the output channels scored on
+      the input-masked kernel (the released code's two ``ln_structured`` calls; the spec says "independently",
+      which torch does not do);
     - BN scales (not the stem's): unstructured, the round(ratio C) smallest |gamma| are zeroed;
     - the final Dense kernel [in, K] of the head: input rows by their L2 norm over the outputs.
     Kept per group: n - round(ratio n) (half to even), the largest scores; ties keep the lower index.
