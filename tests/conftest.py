@@ -98,3 +98,12 @@ def info(round_idx, client_id, num_rounds=None):
     """A RoundInfo as the engine builds it (client_id: an int or a list of ints)."""
     from jaxfl.engine import RoundInfo
     return RoundInfo(jnp.asarray(round_idx, jnp.int32), jnp.asarray(client_id, jnp.int32), num_rounds)
+
+
+def padded_batch(seed=7, n=8, real=5, shape=(8, 8, 3), classes=4):
+    """(x, y, w): a batch of n images whose last n - real rows are padding (w = 0) holding garbage."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(n,) + shape), jnp.float32)
+    y = jnp.asarray(rng.integers(0, classes, n), jnp.int32)
+    w = jnp.asarray(np.arange(n) < real, jnp.float32)
+    return x, y, w

@@ -8,7 +8,7 @@ import pytest
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
-from conftest import assert_trees_close, make_data, make_trainer
+from conftest import assert_trees_close, make_data, make_trainer, padded_batch
 from jaxfl import build_algorithm, init_state, make_round
 from jaxfl.algorithms.fedsr import fedsr_loss, gaussian_representation, sampled_forward
 from jaxfl.algorithms.fpl import fpl_loss
@@ -38,15 +38,6 @@ def run(name, rounds, **opts):
         server, clients, _ = step(server, clients, data, r, ROOT)
         out.append((server, clients))
     return out
-
-
-def padded_batch(seed=7, n=8, real=5):
-    """A batch whose last n - real rows are padding (w = 0) holding garbage images."""
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.normal(size=(n, 8, 8, 3)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, 4, n), jnp.int32)
-    w = jnp.asarray(np.arange(n) < real, jnp.float32)
-    return x, y, w
 
 
 def assert_padding_free(loss_fn, params, stats):

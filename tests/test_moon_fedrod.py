@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conftest import assert_trees_close, info, make_data, make_trainer
+from conftest import assert_trees_close, info, make_data, make_trainer, padded_batch
 from jaxfl import build_algorithm, init_state, make_round
 from jaxfl.algorithms.fedavg import init_variables
 from jaxfl.algorithms.fedrod import fedrod_loss, real_mean
@@ -60,15 +60,6 @@ def cos(a, b):
                                 np.maximum(np.linalg.norm(b, axis=-1), 1e-8))
 
 
-def batch(seed=7, n=8, real=5):
-    """A batch whose last n - real rows are padding (w = 0) holding garbage images."""
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.normal(size=(n, 8, 8, 3)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, 4, n), jnp.int32)
-    w = jnp.asarray(np.arange(n) < real, jnp.float32)
-    return x, y, w
-
-
 # ---------------------------------------------------------------------------------------------------- MOON
 
 def test_moon_with_mu_zero_equals_fedavg_and_each_client_keeps_the_model_it_trained():
@@ -105,7 +96,7 @@ def test_moon_contrastive_term_matches_numpy_and_ignores_padding():
     m = model()
     sample = jnp.zeros((1, 8, 8, 3), jnp.uint8)
     local, glob, prev = (init_variables(m, make_trainer(), jax.random.key(k), sample) for k in (1, 2, 3))
-    x, y, w = batch()
+    x, y, w = padded_batch()
     real = np.asarray(w) > 0
     mu, tau = 2.0, 0.5
     penultimate, features = logits_and_representation("penultimate"), logits_and_representation("features")
@@ -170,7 +161,7 @@ def test_fedrod_balanced_softmax_and_personal_loss_match_numpy():
     rng = np.random.default_rng(0)
     phead = {"kernel": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
              "bias": jnp.asarray(rng.normal(size=4), jnp.float32)}
-    x, _, w = batch()
+    x, _, w = padded_batch()
     params = {"model": v["params"], "phead": phead}
     loss_fn = fedrod_loss(m)
 
@@ -213,7 +204,7 @@ def test_fedrod_predicts_generic_plus_personal_logits():
     data = make_data(list(COUNTS))
     server, clients = init_state(alg, jax.random.key(0), data.x[0], 3)
     client = jax.tree_util.tree_map(lambda a: a[0] + 0.1, clients)
-    x, _, _ = batch()
+    x, _, _ = padded_batch()
     m = model()
 
     @jax.jit
