@@ -19,6 +19,8 @@ Evidential learning (RFedDis)      evidence, dirichlet_alpha, opinion, uncertain
                                    ds_combine, ds_combine_opinions, dirichlet_ce, remove_true_evidence,
                                    kl_to_uniform, edl_loss, annealing_coefficient, softmax_kl_mean,
                                    disentangle_loss
+Gaussian processes (pFedGP)        polya_gamma_sample, polya_gamma_mean, expected_log_sigmoid, rbf_kernel,
+                                   masked_prior, gibbs_omega, gp_predictive, class_zero_probability
 Losses                             cross_entropy, weighted_mean_loss, correct_count, kl_divergence,
                                    symmetric_kl, reduce_kl, negative_entropy, feature_norm;
                                    cosine_similarity, model_contrastive_loss (MOON); class_log_prior,
@@ -35,6 +37,9 @@ from .aggregation import (broadcast_clients, cluster_prototypes, finch_partition
 from .evidential import (annealing_coefficient, dirichlet_alpha, dirichlet_ce, disentangle_loss, ds_combine,
                          ds_combine_opinions, edl_loss, evidence, expected_probability, kl_to_uniform, opinion,
                          remove_true_evidence, softmax_kl_mean, uncertainty)
+from .gp import (class_zero_probability, expected_log_sigmoid, gibbs_omega, masked_prior, polya_gamma_mean,
+                 polya_gamma_sample, rbf_kernel)
+from .gp import predictive as gp_predictive
 from .hypernet import (Hypernet, generate, hypernet_grads, hypernet_surrogate_loss, hypernetwork,
                        init_embeddings)
 from .losses import (balanced_softmax_ce, class_log_prior, correct_count, cosine_similarity, cross_entropy,
@@ -49,4 +54,4 @@ from .metrics import (auroc, count_params, expected_calibration_error, fisher_sc
                       masked_flops, overlap_ratio, selection_ratio, sparsity_per_sample, sparsity_ratio)
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in {
-    "aggregation", "evidential", "hypernet", "losses", "masks", "metrics"}]
+    "aggregation", "evidential", "gp", "hypernet", "losses", "masks", "metrics"}]
