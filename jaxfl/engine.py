@@ -75,6 +75,10 @@ class Algorithm(NamedTuple):
                                                            right after its local training (``trained``: the
                                                            row local_update returned), for evaluating before
                                                            aggregation (``eval_point="local"``)
+    prepare_predict(server, client, train, key) -> client     optional: what ``predict`` gets as ``client``,
+                                                           computed once per evaluation from the client's
+                                                           training set ``train`` (a ClientData row): a method
+                                                           that predicts from its data (pFedGP's GPs)
     """
     name: str
     init: Callable
@@ -82,6 +86,7 @@ class Algorithm(NamedTuple):
     aggregate: Callable
     predict: Callable
     predict_trained: Callable | None = None
+    prepare_predict: Callable | None = None
 
 
 OPTIMIZERS = ("sgd", "adam")
@@ -320,15 +325,22 @@ def split_output(out):
 
 def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_size=8,
                  preprocess: Callable = normalizer(), transform: Callable | None = None, mesh=None) -> Callable:
-    """Build predict_all(server, clients, data, key=None, ids=None) -> (logits [N, M, K], {name: [N, M]}).
+    """Build predict_all(server, clients, data, key=None, ids=None, train=None) -> (logits [N, M, K],
+    {name: [N, M]}).
 
     Every client predicts its own padded inputs in evaluation mode, in batches of ``eval_batch_size``
     (``lax.map``; M must be a multiple of it); rows past ``data.count`` are padding (mask them with
     ``data.sample_mask()``). ids [N]: the rows' client ids (default 0..N-1). ``transform(x, key)`` changes
     each preprocessed batch (e.g. input noise); batch j of client i gets ``fold_in(fold_in(key, i), j)``.
+    train: the clients' training sets (a ClientData, raw inputs), needed by an algorithm with
+    ``prepare_predict``, which turns (server, client, its preprocessed training set, fold_in(key, i)) into the
+    ``client`` its ``predict`` sees.
     """
-    def one(shared, client, x, cid):
+    def one(shared, client, x, cid, train=None):
         server, key = shared
+        if alg.prepare_predict is not None:
+            train = ClientData(preprocess(train.x), train.y, train.count)
+            client = alg.prepare_predict(server, client, train, jax.random.fold_in(key, cid))
         nb = x.shape[0] // eval_batch_size
 
         def batch(args):
@@ -342,9 +354,13 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_
         out = jax.lax.map(batch, (xs, jnp.arange(nb)))
         return jax.tree_util.tree_map(lambda a: a.reshape((nb * eval_batch_size,) + a.shape[2:]), out)
 
-    def predict_all(server, clients, data: ClientData, key=None, ids=None):
+    def predict_all(server, clients, data: ClientData, key=None, ids=None, train: ClientData | None = None):
         key = jax.random.key(0) if key is None else key
         ids = jnp.arange(data.num_clients, dtype=jnp.int32) if ids is None else jnp.asarray(ids, jnp.int32)
+        if alg.prepare_predict is not None:
+            if train is None:
+                raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
+            return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x, ids, train)
         return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x, ids)
 
     return predict_all
@@ -352,17 +368,18 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_
 
 def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy="vmap", chunk_size=8,
                   preprocess: Callable = normalizer(), mesh=None) -> Callable:
-    """Build evaluate(server, clients, data, ids=None) -> {"loss", "accuracy", "count", ...} per client [N].
+    """Build evaluate(server, clients, data, ids=None, train=None) -> {"loss", "accuracy", "count", ...} per
+    client [N].
 
     ids [N]: the rows' client ids (default 0..N-1). Means over each client's real test samples (padding counts
     nowhere) of CE and accuracy; if ``alg.predict`` returns (logits, {name: [B]}), each diagnostic is averaged
-    the same way under its name.
+    the same way under its name. train: the clients' training sets, for an algorithm with ``prepare_predict``.
     """
     predict_all = make_predict(alg, eval_batch_size=eval_batch_size, strategy=strategy, chunk_size=chunk_size,
                                preprocess=preprocess, mesh=mesh)
 
-    def evaluate(server, clients, data: ClientData, ids=None):
-        logits, extra = predict_all(server, clients, data, ids=ids)
+    def evaluate(server, clients, data: ClientData, ids=None, train: ClientData | None = None):
+        logits, extra = predict_all(server, clients, data, ids=ids, train=train)
         w = data.sample_mask()
         n = jnp.maximum(data.count.astype(jnp.float32), 1.0)
         sums = {"loss": jnp.sum(w * cross_entropy(logits, data.y), -1),

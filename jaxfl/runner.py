@@ -117,7 +117,7 @@ class Experiment:
                                      mesh=self.mesh, client_store=cfg.client_store, num_rounds=cfg.rounds)
         self.evaluate_fn = make_block_evaluate(self.algorithm, self.test_data, eval_batch_size=eval_bs,
                                                preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size,
-                                               mesh=self.mesh)
+                                               mesh=self.mesh, train=self.train_data)
         self.root = jax.random.key(cfg.seed)
         self.evaluate_trained_fn = None
         if cfg.eval_point == "local":  # the models right after local training, before aggregation

@@ -195,10 +195,14 @@ def place_rows(tree, mesh=None):
 
 
 def make_block_evaluate(alg: Algorithm, test: RaggedClients, *, eval_batch_size: int, preprocess,
-                        strategy: str = "map", chunk_size: int = 8, mesh=None, block: int = 64):
+                        strategy: str = "map", chunk_size: int = 8, mesh=None, block: int = 64,
+                        train: RaggedClients | None = None):
     """evaluate(server, store) -> {"loss", "accuracy", "count", diagnostics...} per client [N] (numpy), over
     blocks of ``block`` clients (a multiple of the device count), each padded to its largest test set rounded
-    to the step grid of ``eval_batch_size``."""
+    to the step grid of ``eval_batch_size``. train: the clients' training sets, gathered block by block the
+    same way, for an algorithm that predicts from them (``Algorithm.prepare_predict``)."""
+    if alg.prepare_predict is not None and train is None:
+        raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
     devices = 1 if mesh is None else mesh.devices.size
     block = max(devices, -(-min(block, test.num_clients) // devices) * devices)
     fn = jax.jit(make_evaluate(alg, eval_batch_size=eval_batch_size, strategy=strategy, chunk_size=chunk_size,
@@ -213,7 +217,12 @@ def make_block_evaluate(alg: Algorithm, test: RaggedClients, *, eval_batch_size:
             steps = grid_ceil(-(-int(test.counts[ids[real]].max()) // eval_batch_size))
             data = test.gather(bid, steps * eval_batch_size)
             safe = np.where(real, ids, 0).astype(np.int32)
-            m = fetch(fn(server, place_rows(store.gather(safe), mesh), place_rows(data, mesh), place_rows(safe, mesh)))
+            extra = {}
+            if alg.prepare_predict is not None:
+                t_steps = grid_ceil(-(-max(int(train.counts[ids[real]].max()), 1) // eval_batch_size))
+                extra["train"] = place_rows(train.gather(bid, t_steps * eval_batch_size), mesh)
+            m = fetch(fn(server, place_rows(store.gather(safe), mesh), place_rows(data, mesh), place_rows(safe, mesh),
+                         **extra))
             parts.append({k: np.asarray(v)[real] for k, v in m.items()})
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 

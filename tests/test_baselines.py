@@ -34,6 +34,8 @@ def setup(name, **opts):
         return setup_algorithm(name, tiny_vit(), COUNTS, options=dict(TINY_HYPERNET, **opts))
     if name == "pfedhn":  # 20 inner steps per round (official 50) keep the test short
         opts = dict(inner_steps=20, **opts)
+    if name == "pfedgp":  # fewer Gibbs chains and sweeps than the official 20/30 x 5
+        opts = dict(train_draws=4, test_draws=4, gibbs_steps=2, **opts)
     if name in TAKES_NUM_CLIENTS:  # a per-client table on the server, or 1/N server updates
         opts = dict(num_clients=len(COUNTS), **opts)
     return setup_algorithm(name, model(), COUNTS, options=opts)
@@ -196,7 +198,7 @@ def test_every_algorithm_matches_under_map_and_learns_a_separable_task(name):
             s_map, c_map, _ = by_map(s_map, c_map, data, r, ROOT)
         if r == 1:
             assert_trees_close((s, c), (s_map, c_map), atol=1e-5)
-    ev = jax.jit(make_evaluate(alg, eval_batch_size=8))(s, c, test)
+    ev = jax.jit(make_evaluate(alg, eval_batch_size=8))(s, c, test, train=data if alg.prepare_predict else None)
     assert ev["accuracy"].shape == (3,) and np.all(np.isfinite(ev["loss"]))
     # chance is 0.25; every method reaches >= 0.92 after 6 rounds here but the tiny hypernetwork ViT of
     # FedTP, which learns more slowly (0.77)

@@ -34,6 +34,7 @@ from .fpl import FPLOptions, fpl
 from .lg_fedavg import LGFedAvgOptions, lg_fedavg
 from .moon import MOONOptions, moon
 from .nefl import NeFLOptions, nefl
+from .pfedgp import PFedGPOptions, pfedgp
 from .pfedhn import PFedHNOptions, pfedhn
 from .pfedme import PFedMeOptions, pfedme
 from .rfeddis import RFedDisOptions, rfeddis
@@ -56,7 +57,7 @@ REGISTRY: dict[str, Registered] = {o.name: Registered(f, o) for f, o in (
     (fedrod, FedRoDOptions), (pfedme, PFedMeOptions), (pfedhn, PFedHNOptions),
     (fedavg_ft, FedAvgFTOptions), (fedbabu, FedBABUOptions), (fedpac, FedPACOptions),
     (feddrop, FedDropOptions), (fedmp, FedMPOptions), (heterofl, HeteroFLOptions), (nefl, NeFLOptions),
-    (fedsr, FedSROptions), (fpl, FPLOptions))}
+    (fedsr, FedSROptions), (fpl, FPLOptions), (pfedgp, PFedGPOptions))}
 ALGORITHMS = {name: r.factory for name, r in REGISTRY.items()}
 # What each algorithm shares with the server and keeps on the client (README's table is built from this).
 SHARING = {name: r.options.sharing for name, r in REGISTRY.items()}
@@ -94,4 +95,4 @@ __all__ = ["ALGORITHMS", "REGISTRY", "SHARING", "algorithm_options", "build_algo
            "dapperfl_masks", "ditto", "fedavg", "fedavg_ft", "fedbabu", "fedbn", "feddc", "feddrop", "feddyn",
            "fedmp", "fedpac", "fedper", "fedpick", "fedprox", "fedrep", "fedrod", "fedselect", "fedsr", "fedtp",
            "fpl", "heterofl", "in_part", "is_batchnorm", "lg_fedavg", "local", "masked_averaging", "moon", "nefl",
-           "options_class", "path_mask", "pfedhn", "pfedme", "rfeddis", "scaffold"]
+           "options_class", "path_mask", "pfedgp", "pfedhn", "pfedme", "rfeddis", "scaffold"]

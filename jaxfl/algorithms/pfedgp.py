@@ -1,0 +1,253 @@
+"""pFedGP (Achituve, Shamsian, Navon, Chechik, Fetaya, NeurIPS 2021): a shared network, personal GP classifiers.
+
+Every client classifies the shared network's embeddings z = f(x) (the model's encoder output; the head is not
+used) with a tree of binary Gaussian-process classifiers built on its own training set, as the official
+``pFedGPFull`` learner (pFedGP/tree.py, pFedGP_full_data.py, the "full" variant):
+
+- Tree: the root holds the client's classes; a node with more than two classes splits them in two by 2-means
+  on the class means of z (official: sklearn KMeans, 50 restarts; here the exact 2-means optimum by enumerating
+  every split for C <= 12 classes, Lloyd's iterations from the two farthest means beyond), two classes go one
+  to each side, and a side with two or more classes becomes a child node. Every node is a binary GP
+  (``jaxfl.gp``: RBF kernel on L2-normalised embeddings, outputscale 8, lengthscale 1, zero mean, Polya-Gamma
+  Gibbs sampling). The tree is rebuilt from the current network whenever the client trains or predicts.
+- Local objective (official ``predictive_likelihood``): per node, the node's samples are split per class at
+  random, ``predict_ratio`` = 1/2 of each class to be predicted, the rest to condition on; Gibbs sampling
+  (5 sweeps, 20 chains) on the conditioning half gives omega (held fixed), and the loss is the CE of the
+  predicted half, p(left) = mean over chains of exp(E[log sigma(f*)]); the losses of the nodes are summed.
+  ``inner_steps`` (official 1) full-batch steps per round (the whole training set is one batch), gradients
+  clipped to global norm 50 (official ``clip_grad_norm_``), with the run's client optimizer (official: SGD,
+  lr 0.05, momentum 0.9, weight decay 1e-3).
+- Server: the network is averaged (FedAvg with the engine's weights; the official code takes a plain mean).
+- Prediction (``prepare_predict``, official ``eval_model``): the tree is built from the client's whole training
+  set under the current network, each node's Gibbs chains (5 sweeps, 30 chains) condition on all the node's
+  training points, and class c's probability is the product along its path of p(left) or 1 - p(left); the
+  classes the client does not hold get probability 0 (the official labels live in the client's own label
+  space). ``predict`` returns log-probabilities.
+
+State: the server holds the network; a client keeps nothing (the GPs are rebuilt from its data every time).
+
+Deviations: each node's GP is computed over the client's whole (padded) sample set with masks, so that every
+client and node has the same static shapes; the masked points change nothing (tests), but a node costs as much
+as the root. The Polya-Gamma draws use a 200-term series with its exact mean for the tail (official: the
+pypolyagamma sampler). The tree's 2-means is exact (C <= 12) where the official KMeans is a 50-restart search.
+Official code read: github.com/IdanAchituve/pFedGP (pFedGP/, experiments/heterogeneous_class_dist/trainer.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .. import gp
+from ..aggregation import tree_weighted_mean
+from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
+from ..options import Options, option
+from .fedavg import init_variables, model_variables
+
+EXACT_SPLIT_CLASSES = 12  # up to this many classes the tree's 2-means is solved by enumerating every split
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedGPOptions(Options):
+    name = "pfedgp"
+    sharing = ("the network (FedAvg); the GP classifiers are rebuilt on each client from its own data",
+               "nothing: its tree of binary GPs is rebuilt from its training set")
+    inner_steps: int = option(1, "full-batch steps per round (the whole training set is one batch)", minimum=1)
+    predict_ratio: float = option(0.5, "share of each class predicted by the rest in the training objective",
+                                  lo=0.0, hi=1.0, lo_open=True)
+    gibbs_steps: int = option(5, "Gibbs sweeps (training and prediction)", minimum=1)
+    train_draws: int = option(20, "parallel Gibbs chains in training", minimum=1)
+    test_draws: int = option(30, "parallel Gibbs chains at prediction", minimum=1)
+    outputscale: float = option(8.0, "RBF kernel output scale", lo=0.0, lo_open=True)
+    lengthscale: float = option(1.0, "RBF kernel length scale", lo=0.0, lo_open=True)
+    grad_clip: float = option(50.0, "global-norm clipping of the network's gradient (0: none)", lo=0.0)
+
+
+# -- the class tree ----------------------------------------------------------------------------------------
+def _split_candidates(num_classes: int):
+    """[S, C] bool: every subset of the C classes containing class 0's side convention (all 2^(C-1) subsets
+    that hold the lowest class of a node are found by masking, so enumerate all 2^C)."""
+    return np.array(list(itertools.product([False, True], repeat=num_classes)), bool)
+
+
+def two_means_split(means, members):
+    """The left side of the 2-means split of the member classes' means [C, D] (members [C] bool, >= 3 of
+    them): the subset S that minimises sum_{c in S} ||m_c - mean_S||^2 + sum_{c in M \\ S} ||m_c - mean_{M\\S}||^2,
+    by enumeration for C <= 12 (every 2-means optimum), by 20 Lloyd iterations from the two farthest means beyond.
+    Returns [C] bool (a proper, non-empty subset of members, holding the lowest member class)."""
+    c = means.shape[0]
+    if c <= EXACT_SPLIT_CLASSES:
+        cand = jnp.asarray(_split_candidates(c))  # [S, C]
+        lowest = jnp.argmax(members)
+        ok = (jnp.all(~cand | members, 1) & jnp.any(cand, 1) & jnp.any(members & ~cand, 1) & cand[:, lowest])
+
+        def sse(side):
+            w = side.astype(means.dtype)
+            mu = (w @ means) / jnp.maximum(jnp.sum(w), 1.0)
+            return jnp.sum(w * jnp.sum(jnp.square(means - mu), -1))
+        cost = jax.vmap(lambda s: sse(s) + sse(members & ~s))(cand)
+        return cand[jnp.argmin(jnp.where(ok, cost, jnp.inf))]
+    d2 = jnp.sum(jnp.square(means[:, None] - means[None]), -1)
+    d2 = jnp.where(members[:, None] & members[None, :], d2, -1.0)
+    a, b = jnp.unravel_index(jnp.argmax(d2), d2.shape)
+    centers = jnp.stack([means[a], means[b]])
+
+    def lloyd(centers, _):
+        left = jnp.sum(jnp.square(means - centers[0]), -1) <= jnp.sum(jnp.square(means - centers[1]), -1)
+        w = jnp.stack([left & members, ~left & members]).astype(means.dtype)
+        new = (w @ means) / jnp.maximum(jnp.sum(w, 1, keepdims=True), 1.0)
+        return jnp.where(jnp.sum(w, 1, keepdims=True) > 0, new, centers), None
+    centers, _ = jax.lax.scan(lloyd, centers, None, length=20)
+    left = (jnp.sum(jnp.square(means - centers[0]), -1) <= jnp.sum(jnp.square(means - centers[1]), -1)) & members
+    return jnp.where(left[jnp.argmax(members)], left, members & ~left)
+
+
+def class_tree(means, present):
+    """The client's tree of binary splits, breadth first, as static-shape arrays over C - 1 node slots:
+    (members [C-1, C], left [C-1, C], active [C-1]); node 0 holds the present classes, a node with two classes
+    sends the lower one left, one with more splits by ``two_means_split``, and each side with >= 2 classes
+    becomes the next free slot. means [C, D] class means, present [C] bool."""
+    c = present.shape[0]
+    members = jnp.zeros((c - 1, c), bool).at[0].set(present)
+    left = jnp.zeros((c - 1, c), bool)
+    nxt = jnp.asarray(1)
+    for i in range(c - 1):
+        m = members[i]
+        size = jnp.sum(m)
+        first = jnp.arange(c) == jnp.argmax(m)
+        side = jnp.where(size > 2, two_means_split(means, m) if c > 2 else first, first & m)
+        side = jnp.where(size >= 2, side, False)
+        left = left.at[i].set(side)
+        for part in (side, m & ~side):
+            grow = (size >= 2) & (jnp.sum(part) >= 2) & (nxt < c - 1)
+            members = members.at[jnp.minimum(nxt, c - 2)].set(jnp.where(grow, part, members[jnp.minimum(nxt, c - 2)]))
+            nxt = nxt + grow
+    return members, left, jnp.sum(members, 1) >= 2
+
+
+def class_means(z, y, w, num_classes: int):
+    """(means [C, D], present [C]): the mean embedding of each class over the real samples (w = 1)."""
+    onehot = jax.nn.one_hot(y, num_classes) * w[:, None]
+    n = jnp.sum(onehot, 0)
+    return (onehot.T @ z) / jnp.maximum(n, 1.0)[:, None], n > 0
+
+
+def predict_half(key, y, w, ratio: float):
+    """[M] bool: per class, the floor(ratio n_c) real samples of lowest random rank go to the predicted half
+    (official stratified ``train_test_split``)."""
+    u = jax.random.uniform(key, y.shape)
+    real = w > 0
+    same = (y[:, None] == y[None, :]) & real[None, :] & real[:, None]
+    rank = jnp.sum(same & (u[None, :] < u[:, None]), 1)
+    n_c = jnp.sum(same, 1)
+    return real & (rank < jnp.floor(ratio * n_c))
+
+
+# -- the algorithm -----------------------------------------------------------------------------------------
+def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
+    """pFedGP (full variant, predictive-likelihood objective) on any ``Classifier``'s encoder."""
+    o = PFedGPOptions(**options).validate()
+    tx = trainer.tx if not o.grad_clip else optax.chain(optax.clip_by_global_norm(o.grad_clip), trainer.tx)
+    kernel = lambda a, b: gp.rbf_kernel(a, b, o.outputscale, o.lengthscale)
+
+    def embed(variables, x, w, train):
+        if train:
+            z, updated = model.apply(variables, x, True, w, method="features", mutable=["batch_stats"])
+            return z, updated.get("batch_stats", variables["batch_stats"])
+        return model.apply(variables, x, False, method="features"), variables["batch_stats"]
+
+    def node_p_left(key, z_cond, y_left, cond, z_new, draws):
+        """p(left) at z_new [P, D] of the GP conditioned on the points ``cond`` of z_cond [M, D]."""
+        K = gp.masked_prior(kernel(z_cond, z_cond), cond)
+        omega = gp.gibbs_omega(key, K, y_left, cond, o.gibbs_steps, draws)
+        kss = o.outputscale + gp.JITTER  # the RBF diagonal
+        mean, var = gp.predictive(K, kernel(z_cond, z_new), jnp.full(z_new.shape[:1], kss), y_left, cond, omega)
+        return gp.class_zero_probability(mean, var)
+
+    def tree_loss(z, y, w, num_classes, key):
+        means, present = class_means(jax.lax.stop_gradient(z), y, w, num_classes)
+        members, left, active = class_tree(means, present)
+        real = w > 0
+
+        def node(i):
+            k_split, k_gibbs = jax.random.split(jax.random.fold_in(key, i))
+            in_node = real & members[i][y]
+            held_out = predict_half(k_split, y, in_node.astype(w.dtype), o.predict_ratio)
+            cond = in_node & ~held_out
+            y_left = left[i][y]
+            p = node_p_left(k_gibbs, z, y_left, cond, z, o.train_draws)
+            p_true = jnp.where(y_left, p, 1.0 - p)
+            counted = held_out & active[i]
+            n = jnp.sum(counted)
+            loss = jnp.sum(jnp.where(counted, -jnp.log(p_true + 1e-12), 0.0)) / jnp.maximum(n, 1)
+            return loss, jnp.sum(counted & (p_true > 0.5)), n
+        loss, correct, n = (sum(t) for t in zip(*(node(i) for i in range(members.shape[0]))))
+        return loss, correct / jnp.maximum(n, 1)  # accuracy: the held-out points' split decisions
+
+    def init(key, sample_x):
+        v = init_variables(model, trainer, key, sample_x)
+        return v, {}
+
+    def local_update(server, client, data: ClientData, key, info: RoundInfo):
+        x = trainer.preprocess(data.x)
+        w = data.sample_mask().astype(jnp.float32)
+        num_classes = jax.eval_shape(lambda: model.apply(model_variables(server), x[:1], False)).shape[-1]
+
+        def loss_fn(params, stats, k):
+            z, new_stats = embed({"params": params, "batch_stats": stats}, x, w, True)
+            loss, accuracy = tree_loss(z, data.y, w, num_classes, k)
+            return loss, (new_stats, accuracy)
+
+        def step(carry, k):
+            params, stats, opt_state = carry
+            (loss, (stats, accuracy)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, k)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), stats, opt_state), (loss, accuracy)
+
+        params = server["params"]
+        (params, stats, _), (losses, accs) = jax.lax.scan(
+            step, (params, server["batch_stats"], tx.init(params)), jax.random.split(key, o.inner_steps))
+        metrics = {"loss": jnp.mean(losses), "accuracy": jnp.mean(accs), "seen": jnp.sum(w) * o.inner_steps,
+                   "steps": jnp.asarray(float(o.inner_steps))}
+        return {"params": params, "batch_stats": stats}, metrics
+
+    def aggregate(server, trained, weights, info=None):
+        return tree_weighted_mean(trained, weights), {}
+
+    def prepare_predict(server, client, train: ClientData, key):
+        variables = model_variables(server)
+        w = train.sample_mask().astype(jnp.float32)
+        z, _ = embed(variables, train.x, w, False)
+        num_classes = jax.eval_shape(lambda: model.apply(variables, train.x[:1], False)).shape[-1]
+        means, present = class_means(z, train.y, w, num_classes)
+        members, left, active = class_tree(means, present)
+        real = w > 0
+        cond = real[None, :] & jnp.take(members, train.y, axis=1)  # [nodes, M]
+        y_left = jnp.take(left, train.y, axis=1)
+        omegas = []
+        for i in range(members.shape[0]):
+            K = gp.masked_prior(kernel(z, z), cond[i])
+            omegas.append(gp.gibbs_omega(jax.random.fold_in(key, i), K, y_left[i], cond[i], o.gibbs_steps,
+                                         o.test_draws))
+        return {"z": z, "cond": cond, "y_left": y_left, "omega": jnp.stack(omegas), "members": members,
+                "left": left, "active": active, "present": present}
+
+    def predict(server, view, x, client_id=None):
+        z_new = model.apply(model_variables(server), x, False, method="features")
+        probs = jnp.where(view["present"], 1.0, 0.0) * jnp.ones((x.shape[0], 1))
+        K_all = kernel(view["z"], view["z"])
+        for i in range(view["members"].shape[0]):
+            cond = view["cond"][i]
+            K = gp.masked_prior(K_all, cond)
+            kss = jnp.full(z_new.shape[:1], o.outputscale + gp.JITTER)
+            mean, var = gp.predictive(K, kernel(view["z"], z_new), kss, view["y_left"][i], cond, view["omega"][i])
+            p = gp.class_zero_probability(mean, var)[:, None]
+            factor = jnp.where(view["left"][i], p, jnp.where(view["members"][i], 1.0 - p, 1.0))
+            probs = probs * jnp.where(view["active"][i], factor, 1.0)
+        return jnp.log(jnp.maximum(probs, 1e-30))
+
+    return Algorithm("pfedgp", init, local_update, aggregate, predict, None, prepare_predict)
