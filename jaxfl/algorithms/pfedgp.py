@@ -69,8 +69,8 @@ class PFedGPOptions(Options):
 
 # -- the class tree ----------------------------------------------------------------------------------------
 def _split_candidates(num_classes: int):
-    """[S, C] bool: every subset of the C classes containing class 0's side convention (all 2^(C-1) subsets
-    that hold the lowest class of a node are found by masking, so enumerate all 2^C)."""
+    """[2^C, C] bool: every subset of the C classes, one per row (``two_means_split`` keeps the proper subsets
+    of a node's classes that hold its lowest class)."""
     return np.array(list(itertools.product([False, True], repeat=num_classes)), bool)
 
 
