@@ -59,6 +59,10 @@ def test_class_tree_splits_groups_first_and_has_one_node_per_present_class_but_o
     assert children == {(0, 1), (3, 4)}
     for i in (1, 2):
         assert left[i].sum() == 1 and left[i][np.flatnonzero(members[i])[0]]  # two classes: the lower left
+    # two slots: the second group finds no slot and stays a leaf with both its classes
+    members2, _, active2 = class_tree(jnp.asarray(means), jnp.asarray(present), 2)
+    assert members2.shape == (2, 5) and int(jnp.sum(active2)) == 2
+    np.testing.assert_array_equal(members2[1], [1, 1, 0, 0, 0])
     # a client with two classes: one node
     members, left, active = class_tree(jnp.asarray(means), jnp.asarray([0, 1, 0, 1, 0], bool))
     assert int(jnp.sum(active)) == 1
@@ -100,6 +104,12 @@ def test_a_client_predicts_its_own_classes_from_its_training_set_and_padding_cha
     probs = np.exp(np.asarray(alg.predict(server, view, jnp.asarray(xt) / 255.0)))
     np.testing.assert_allclose(probs[:, [1, 3]], 0.0, atol=1e-20)
     np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-5)
+    # one GP node is all a two-class client needs: max_nodes=1 predicts the same
+    one = build_algorithm("pfedgp", small_cnn(num_classes=4, width=4), make_trainer(), max_nodes=1, **FAST)
+    view1 = one.prepare_predict(server, state, ClientData(jnp.asarray(x) / 255.0, jnp.asarray(y), jnp.asarray(24)),
+                                jax.random.key(1))
+    np.testing.assert_allclose(np.exp(np.asarray(one.predict(server, view1, jnp.asarray(xt) / 255.0))), probs,
+                               rtol=1e-5, atol=1e-7)
     # padding the training set with garbage rows changes no prediction
     pad = np.concatenate([x, np.full((8,) + x.shape[1:], 255.0, np.float32)]) / 255.0
     y_pad = np.concatenate([y, np.full(8, 3, np.int32)])

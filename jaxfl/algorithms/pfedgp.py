@@ -65,6 +65,8 @@ class PFedGPOptions(Options):
     outputscale: float = option(8.0, "RBF kernel output scale", lo=0.0, lo_open=True)
     lengthscale: float = option(1.0, "RBF kernel length scale", lo=0.0, lo_open=True)
     grad_clip: float = option(50.0, "global-norm clipping of the network's gradient (0: none)", lo=0.0)
+    max_nodes: int = option(0, "GP nodes per client tree (0: C - 1, every split); k - 1 suffices when no client "
+                            "holds more than k classes, and each node costs a full GP", minimum=0)
 
 
 # -- the class tree ----------------------------------------------------------------------------------------
@@ -106,16 +108,18 @@ def two_means_split(means, members):
     return jnp.where(left[jnp.argmax(members)], left, members & ~left)
 
 
-def class_tree(means, present):
-    """The client's tree of binary splits, breadth first, as static-shape arrays over C - 1 node slots:
-    (members [C-1, C], left [C-1, C], active [C-1]); node 0 holds the present classes, a node with two classes
-    sends the lower one left, one with more splits by ``two_means_split``, and each side with >= 2 classes
-    becomes the next free slot. means [C, D] class means, present [C] bool."""
+def class_tree(means, present, slots: int = 0):
+    """The client's tree of binary splits, breadth first, as static-shape arrays over S = C - 1 node slots (or
+    ``slots`` if smaller): (members [S, C], left [S, C], active [S]); node 0 holds the present classes, a node
+    with two classes sends the lower one left, one with more splits by ``two_means_split``, and each side with
+    >= 2 classes becomes the next free slot (a side finding no free slot stays a leaf holding several classes).
+    means [C, D] class means, present [C] bool."""
     c = present.shape[0]
-    members = jnp.zeros((c - 1, c), bool).at[0].set(present)
-    left = jnp.zeros((c - 1, c), bool)
+    s = min(slots, c - 1) if slots else c - 1
+    members = jnp.zeros((s, c), bool).at[0].set(present)
+    left = jnp.zeros((s, c), bool)
     nxt = jnp.asarray(1)
-    for i in range(c - 1):
+    for i in range(s):
         m = members[i]
         size = jnp.sum(m)
         first = jnp.arange(c) == jnp.argmax(m)
@@ -123,8 +127,9 @@ def class_tree(means, present):
         side = jnp.where(size >= 2, side, False)
         left = left.at[i].set(side)
         for part in (side, m & ~side):
-            grow = (size >= 2) & (jnp.sum(part) >= 2) & (nxt < c - 1)
-            members = members.at[jnp.minimum(nxt, c - 2)].set(jnp.where(grow, part, members[jnp.minimum(nxt, c - 2)]))
+            grow = (size >= 2) & (jnp.sum(part) >= 2) & (nxt < s)
+            slot = jnp.minimum(nxt, s - 1)
+            members = members.at[slot].set(jnp.where(grow, part, members[slot]))
             nxt = nxt + grow
     return members, left, jnp.sum(members, 1) >= 2
 
@@ -170,7 +175,7 @@ def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
 
     def tree_loss(z, y, w, num_classes, key):
         means, present = class_means(jax.lax.stop_gradient(z), y, w, num_classes)
-        members, left, active = class_tree(means, present)
+        members, left, active = class_tree(means, present, o.max_nodes)
         real = w > 0
 
         def node(i):
@@ -224,7 +229,7 @@ def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
         z, _ = embed(variables, train.x, w, False)
         num_classes = jax.eval_shape(lambda: model.apply(variables, train.x[:1], False)).shape[-1]
         means, present = class_means(z, train.y, w, num_classes)
-        members, left, active = class_tree(means, present)
+        members, left, active = class_tree(means, present, o.max_nodes)
         real = w > 0
         cond = real[None, :] & jnp.take(members, train.y, axis=1)  # [nodes, M]
         y_left = jnp.take(left, train.y, axis=1)
