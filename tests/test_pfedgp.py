@@ -125,7 +125,7 @@ def test_cli_runs_pfedgp(tmp_path, capsys):
     cfg = tmp_path / "run.toml"
     cfg.write_text('algorithm = "pfedgp"\nrounds = 1\nmodel = "small_cnn"\nimage_size = 12\n'
                    'samples_per_client = 20\ntest_per_client = 16\nbatch_size = 16\neval_batch_size = 16\n'
-                   '[pfedgp]\ntrain_draws = 4\ntest_draws = 4\ngibbs_steps = 2\n')
+                   '[pfedgp]\ntrain_draws = 4\ntest_draws = 4\ngibbs_steps = 2\nmax_nodes = 2\n')
     code = main(["run", "--config", str(cfg), "--out", str(tmp_path / "run")])
     assert code == 0
     assert (tmp_path / "run" / "metrics.jsonl").exists()
