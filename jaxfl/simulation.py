@@ -214,13 +214,12 @@ def make_block_evaluate(alg: Algorithm, test: RaggedClients, *, eval_batch_size:
             ids = np.arange(start, start + block)
             real = ids < test.num_clients
             bid = np.where(real, ids, -1)
-            steps = grid_ceil(-(-int(test.counts[ids[real]].max()) // eval_batch_size))
-            data = test.gather(bid, steps * eval_batch_size)
+            # each set padded to the block's largest, rounded to the step grid (few compiled shapes)
+            rows = lambda ragged: ragged.gather(bid, eval_batch_size * grid_ceil(
+                -(-int(ragged.counts[ids[real]].max()) // eval_batch_size)))
+            data = rows(test)
             safe = np.where(real, ids, 0).astype(np.int32)
-            extra = {}
-            if alg.prepare_predict is not None:
-                t_steps = grid_ceil(-(-max(int(train.counts[ids[real]].max()), 1) // eval_batch_size))
-                extra["train"] = place_rows(train.gather(bid, t_steps * eval_batch_size), mesh)
+            extra = {"train": place_rows(rows(train), mesh)} if alg.prepare_predict is not None else {}
             m = fetch(fn(server, place_rows(store.gather(safe), mesh), place_rows(data, mesh), place_rows(safe, mesh),
                          **extra))
             parts.append({k: np.asarray(v)[real] for k, v in m.items()})

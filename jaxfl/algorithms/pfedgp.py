@@ -165,18 +165,23 @@ def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
             return z, updated.get("batch_stats", variables["batch_stats"])
         return model.apply(variables, x, False, method="features"), variables["batch_stats"]
 
-    def node_p_left(key, z_cond, y_left, cond, z_new, draws):
-        """p(left) at z_new [P, D] of the GP conditioned on the points ``cond`` of z_cond [M, D]."""
-        K = gp.masked_prior(kernel(z_cond, z_cond), cond)
-        omega = gp.gibbs_omega(key, K, y_left, cond, o.gibbs_steps, draws)
-        kss = o.outputscale + gp.JITTER  # the RBF diagonal
-        mean, var = gp.predictive(K, kernel(z_cond, z_new), jnp.full(z_new.shape[:1], kss), y_left, cond, omega)
+    kss = o.outputscale + gp.JITTER  # a test point's prior variance: the RBF diagonal plus jitter
+
+    def node_omega(key, K_all, y_left, cond, draws):
+        """Polya-Gamma draws [draws, M] of the node's GP on the points ``cond``, K_all [M, M] = k(z, z)."""
+        return gp.gibbs_omega(key, gp.masked_prior(K_all, cond), y_left, cond, o.gibbs_steps, draws)
+
+    def node_p_left(K_all, K_s, y_left, cond, omega):
+        """p(left) [P] at the columns of K_s [M, P] of the node's GP on the points ``cond``, given omega."""
+        mean, var = gp.predictive(gp.masked_prior(K_all, cond), K_s, jnp.full(K_s.shape[1:], kss), y_left, cond,
+                                  omega)
         return gp.class_zero_probability(mean, var)
 
     def tree_loss(z, y, w, num_classes, key):
         means, present = class_means(jax.lax.stop_gradient(z), y, w, num_classes)
         members, left, active = class_tree(means, present, o.max_nodes)
         real = w > 0
+        K_all = kernel(z, z)  # every node's GP uses (masked rows of) the same kernel matrix
 
         def node(i):
             k_split, k_gibbs = jax.random.split(jax.random.fold_in(key, i))
@@ -184,7 +189,7 @@ def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
             held_out = predict_half(k_split, y, in_node.astype(w.dtype), o.predict_ratio)
             cond = in_node & ~held_out
             y_left = left[i][y]
-            p = node_p_left(k_gibbs, z, y_left, cond, z, o.train_draws)
+            p = node_p_left(K_all, K_all, y_left, cond, node_omega(k_gibbs, K_all, y_left, cond, o.train_draws))
             p_true = jnp.where(y_left, p, 1.0 - p)
             counted = held_out & active[i]
             n = jnp.sum(counted)
@@ -233,24 +238,20 @@ def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
         real = w > 0
         cond = real[None, :] & jnp.take(members, train.y, axis=1)  # [nodes, M]
         y_left = jnp.take(left, train.y, axis=1)
-        omegas = []
-        for i in range(members.shape[0]):
-            K = gp.masked_prior(kernel(z, z), cond[i])
-            omegas.append(gp.gibbs_omega(jax.random.fold_in(key, i), K, y_left[i], cond[i], o.gibbs_steps,
-                                         o.test_draws))
-        return {"z": z, "cond": cond, "y_left": y_left, "omega": jnp.stack(omegas), "members": members,
+        K_all = kernel(z, z)
+        omega = jnp.stack([node_omega(jax.random.fold_in(key, i), K_all, y_left[i], cond[i], o.test_draws)
+                           for i in range(members.shape[0])])
+        # the posterior's Cholesky factors ([nodes, draws, M, M]) are refactored per test batch: kept, they would
+        # cost far more memory than the few batches of a client's test set cost time
+        return {"z": z, "K": K_all, "cond": cond, "y_left": y_left, "omega": omega, "members": members,
                 "left": left, "active": active, "present": present}
 
     def predict(server, view, x, client_id=None):
         z_new = model.apply(model_variables(server), x, False, method="features")
         probs = jnp.where(view["present"], 1.0, 0.0) * jnp.ones((x.shape[0], 1))
-        K_all = kernel(view["z"], view["z"])
+        K_s = kernel(view["z"], z_new)
         for i in range(view["members"].shape[0]):
-            cond = view["cond"][i]
-            K = gp.masked_prior(K_all, cond)
-            kss = jnp.full(z_new.shape[:1], o.outputscale + gp.JITTER)
-            mean, var = gp.predictive(K, kernel(view["z"], z_new), kss, view["y_left"][i], cond, view["omega"][i])
-            p = gp.class_zero_probability(mean, var)[:, None]
+            p = node_p_left(view["K"], K_s, view["y_left"][i], view["cond"][i], view["omega"][i])[:, None]
             factor = jnp.where(view["left"][i], p, jnp.where(view["members"][i], 1.0 - p, 1.0))
             probs = probs * jnp.where(view["active"][i], factor, 1.0)
         return jnp.log(jnp.maximum(probs, 1e-30))
