@@ -31,7 +31,7 @@ from jaxfl.config import RunConfig
 
 ALGORITHMS = ["dapperfl", "fedavg", "fedprox:mu=0.1", "dapperfl:use_fusion=false",
               "dapperfl:gamma=0", "dapperfl:use_fusion=false:gamma=0",
-              "dapperfl:use_fusion=false:recover_mode=zero",  # the released code
+              "dapperfl:use_fusion=false:recover_mode=zero:bn_stats=unmasked",  # the released code
               "moon", "feddrop", "fedmp", "heterofl", "nefl", "fedsr", "fpl"]  # the paper's other baselines
 PAPER = {}  # the paper's digits domains (MNIST, USPS, SVHN, SYN) overlap ours in MNIST and USPS only
 MODELS = {"digits": "resnet10", "pacs": "resnet18"}

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
 from jaxfl import build_algorithm, init_state
-from jaxfl.algorithms.dapperfl import dapperfl, dapperfl_masks, fusion_coefficient
+from jaxfl.algorithms.dapperfl import bn_channel_masks, dapperfl, dapperfl_masks, fusion_coefficient
 from jaxfl.metrics import count_params
 from jaxfl.models import resnet10, small_cnn
 
@@ -110,3 +110,44 @@ def test_bad_options_are_named():
         dapperfl(small_cnn(4), make_trainer(), device_ratios=(0.2, 1.5))
     with pytest.raises(ValueError, match="recover_mode"):
         dapperfl(small_cnn(4), make_trainer(), recover_mode="mean")
+
+
+def test_bn_channel_masks_follow_the_feeding_conv_output_channels(resnet_params):
+    m = resnet10(10)
+    stats = m.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)["batch_stats"]
+    masks = dapperfl_masks(resnet_params, 0.4)
+    live = bn_channel_masks(masks, stats)
+    enc, lenc = masks["encoder"], live["encoder"]
+    for layer, conv, bn in (("layer1_0", "conv1", "bn1"), ("layer2_0", "conv2", "bn2"),
+                            ("layer2_0", "conv_shortcut", "bn_shortcut"), ("layer3_0", "conv1", "bn1")):
+        expect = np.asarray(enc[layer][conv]["kernel"]).any(axis=(0, 1, 2))
+        for stat in ("mean", "var"):
+            np.testing.assert_array_equal(np.asarray(lenc[layer][bn][stat]), expect.astype(np.float32))
+        assert 0 < expect.sum() < expect.size
+    assert np.all(np.asarray(lenc["bn_stem"]["mean"]) == 1)  # the stem is never pruned
+
+
+def test_bn_statistics_of_a_pruned_channel_follow_the_weights_rule():
+    """Client 1 pruned output channel 0 of conv1: under recovery it contributes the previous global
+    statistics of that channel (as it does its weights); unmasked, its near-zero statistics enter the mean."""
+    alg, data, server, clients, _ = setup()
+    k = server["params"]["encoder"]["conv1"]["kernel"]
+    c = k.shape[-1]
+    mask = jax.tree_util.tree_map(lambda x: jnp.ones((2,) + x.shape), server["params"])
+    mask["encoder"]["conv1"]["kernel"] = mask["encoder"]["conv1"]["kernel"].at[1, ..., 0].set(0.0)
+    g = {"encoder": {"bn1": {"mean": jnp.full((c,), 1.0), "var": jnp.full((c,), 2.0)}}}
+    s = {"encoder": {"bn1": {"mean": jnp.array([[3.0] * c, [0.0] * c]), "var": jnp.array([[4.0] * c, [0.0] * c])}}}
+    params = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), server["params"])
+    srv = {"params": server["params"], "batch_stats": g}
+    cl = {"params": params, "mask": mask, "batch_stats": s}
+    w = jnp.array([1.0, 3.0])
+    new, _ = alg.aggregate(srv, cl, w, info(0, [0, 1]))
+    # channel 0: G + .25 (s_0 - G) (client 1 recovered); the others: the plain weighted mean .25 s_0 + .75 s_1
+    np.testing.assert_allclose(new["batch_stats"]["encoder"]["bn1"]["mean"], [1 + 0.25 * 2] + [0.75] * (c - 1))
+    np.testing.assert_allclose(new["batch_stats"]["encoder"]["bn1"]["var"], [2 + 0.25 * 2] + [1.0] * (c - 1))
+    old = dapperfl(small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), bn_stats="unmasked")
+    new_u, _ = old.aggregate(srv, cl, w, info(0, [0, 1]))
+    np.testing.assert_allclose(new_u["batch_stats"]["encoder"]["bn1"]["mean"], [0.75] * c)
+    zero = dapperfl(small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), recover_mode="zero")
+    new_z, _ = zero.aggregate(srv, cl, w, info(0, [0, 1]))  # pruned statistics averaged as zeros
+    np.testing.assert_allclose(new_z["batch_stats"]["encoder"]["bn1"]["var"], [0.25 * 4] + [1.0] * (c - 1))

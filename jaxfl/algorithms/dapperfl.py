@@ -14,8 +14,12 @@ The server recovers and averages in one masked reduction (``blocks.recovered_mea
     W <- W + sum_i p_i M_i (w_i - W),  p_i = n_i / sum_j n_j            (``recover_mode="global"``, Eq. 6-7)
 
 or, as the released code does, averages the pruned entries as zeros: W <- sum_i p_i M_i w_i ("zero").
-BN running statistics are averaged with p_i, unmasked. The ``reference_code`` preset of ``fedavg``-style
-options is ``use_fusion=False, recover_mode="zero"``. Everything is evaluated with the global model.
+BN running statistics (``bn_stats="follow"``, default) follow the same rule channel by channel, with the mask
+of the conv output channel that feeds the BN (``bn_channel_masks``): a client that pruned the channel measured
+statistics of an all-zero input, which under recovery would be paired with the recovered, non-zero weights.
+``bn_stats="unmasked"`` averages them with p_i over all clients, as the released code does. The
+released-code preset is ``use_fusion=False, recover_mode="zero", bn_stats="unmasked"``. Everything is
+evaluated with the global model.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from ..options import Options, option
 from .fedavg import global_model_predictors, init_variables, leaf_paths
 
 RECOVER_MODES = ("global", "zero")
+BN_STATS = ("follow", "unmasked")
 DEVICE_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8)  # capability levels C1..C5 (paper section 4)
 
 
@@ -82,6 +87,25 @@ def dapperfl_masks(params, ratio):
     return jax.tree_util.tree_unflatten(treedef, [rule(p, x) for p, x in zip(paths, leaves)])
 
 
+def bn_channel_masks(mask, batch_stats):
+    """Per BN statistics leaf, 1.0 for the channels whose input the client computed: the BN ``.../bnX/{mean,
+    var}`` follows the conv ``.../convX/kernel`` of the same parent, and channel c is live when that kernel's
+    mask keeps any entry of output channel c. A BN with no such conv (the stem's, or a Dense's) is all ones.
+    Shapes: mask: params' structure, conv kernels [kh, kw, in, out]; batch_stats leaves [C] -> leaves [C].
+    """
+    masks = dict(zip(leaf_paths(mask), jax.tree_util.tree_leaves(mask)))
+
+    def rule(path, leaf):
+        bn = path[-2]
+        kernel = masks.get(path[:-2] + ("conv" + bn[2:], "kernel")) if bn.startswith("bn") else None
+        if kernel is None or kernel.ndim < 2 or kernel.shape[-1] != leaf.shape[-1]:
+            return jnp.ones_like(leaf)
+        return jnp.any(kernel != 0, axis=tuple(range(kernel.ndim - 1))).astype(leaf.dtype)
+
+    leaves, treedef = jax.tree_util.tree_flatten(batch_stats)
+    return jax.tree_util.tree_unflatten(treedef, [rule(p, x) for p, x in zip(leaf_paths(batch_stats), leaves)])
+
+
 @dataclasses.dataclass(frozen=True)
 class DapperFLOptions(Options):
     name = "dapperfl"
@@ -93,6 +117,9 @@ class DapperFLOptions(Options):
     use_fusion: bool = option(True, "fuse local and global weights before pruning (--no-...: released code)")
     recover_mode: str = option("global", "global (pruned entries keep W, paper) | zero (averaged as zeros, "
                                "released code)", choices=RECOVER_MODES)
+    bn_stats: str = option("follow", "follow (each BN channel's statistics aggregated by recover_mode, masked "
+                           "by the feeding conv's output channel) | unmasked (plain mean, released code)",
+                           choices=BN_STATS)
     dar_norm: str = option("l2", "l2 (||z||, code) | sq_l2 (||z||^2, paper)", choices=("l2", "sq_l2"))
     alpha0: float = option(0.9, "initial fusion weight of the global model", lo=0.0, hi=1.0)
     alpha_min: float = option(0.1, "floor of the fusion weight", lo=0.0, hi=1.0)
@@ -108,7 +135,7 @@ def dapperfl(model, trainer: LocalTrainer, **options) -> Algorithm:
         raise ConfigError("dapperfl.device_ratios must hold at least one ratio in [0, 1]")
     device_ratios, gamma, use_fusion, recover_mode, dar_norm = (o.device_ratios, o.gamma, o.use_fusion,
                                                                 o.recover_mode, o.dar_norm)
-    alpha0, alpha_min, fusion_eps = o.alpha0, o.alpha_min, o.fusion_eps
+    alpha0, alpha_min, fusion_eps, bn_stats = o.alpha0, o.alpha_min, o.fusion_eps, o.bn_stats
     ratios = jnp.asarray(device_ratios, jnp.float32)
     dense = dataclasses.replace(trainer, epochs=1)
     masked = dataclasses.replace(trainer, epochs=max(trainer.epochs - 1, 1))
@@ -148,13 +175,19 @@ def dapperfl(model, trainer: LocalTrainer, **options) -> Algorithm:
         metrics = dict(metrics, ratio=rho, kept_params=tree_count(mask), kept_fraction=tree_density(mask))
         return {"params": params, "batch_stats": stats, "mask": mask}, metrics
 
-    def aggregate(server, clients, weights, info: RoundInfo):
+    def masked_aggregate(values, masks, previous, weights):
         if recover_mode == "global":
-            params = jax.tree_util.tree_map(lambda x, m, g: recovered_mean(x, weights, m, g),
-                                            clients["params"], clients["mask"], server["params"])
+            return jax.tree_util.tree_map(lambda x, m, g: recovered_mean(x, weights, m, g), values, masks, previous)
+        return tree_weighted_mean(jax.tree_util.tree_map(jnp.multiply, values, masks), weights)
+
+    def aggregate(server, clients, weights, info: RoundInfo):
+        params = masked_aggregate(clients["params"], clients["mask"], server["params"], weights)
+        stats = clients["batch_stats"]
+        if bn_stats == "follow":
+            live = jax.vmap(bn_channel_masks)(clients["mask"], stats)
+            stats = masked_aggregate(stats, live, server["batch_stats"], weights)
         else:
-            params = tree_weighted_mean(jax.tree_util.tree_map(jnp.multiply, clients["params"], clients["mask"]),
-                                        weights)
-        return {"params": params, "batch_stats": tree_weighted_mean(clients["batch_stats"], weights)}, {}
+            stats = tree_weighted_mean(stats, weights)
+        return {"params": params, "batch_stats": stats}, {}
 
     return Algorithm("dapperfl", init, local_update, aggregate, *global_model_predictors(model))
