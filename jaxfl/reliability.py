@@ -39,17 +39,19 @@ def predict_proba(alg, server, clients, client_id: int, x, preprocess=normalizer
 
 def reliability_report(alg, server, clients, test: ClientData, key, *, preprocess=normalizer(),
                        noise_sigma: float = 1.5, ood_shift: int = 1, n_bins: int = 15,
-                       eval_batch_size: int = 256, strategy: str = "map") -> dict:
+                       eval_batch_size: int = 256, strategy: str = "map", train: ClientData | None = None) -> dict:
     """Per-client lists: accuracy, ece, uncertainty (clean), uncertainty_noisy, uncertainty_other,
     auroc_noisy, auroc_other; and the raw per-sample uncertainties ``u_clean``/``u_noisy``/``u_other`` (real
-    samples only) for density plots. ``test.y`` padding must be a multiple of ``eval_batch_size``."""
+    samples only) for density plots. ``test.y`` padding must be a multiple of ``eval_batch_size``. train: the
+    clients' training sets, for an algorithm that predicts from them (``prepare_predict``, e.g. pFedGP); the
+    "other" run keeps each client's own training set while its test inputs come from another client."""
     kw = dict(eval_batch_size=eval_batch_size, strategy=strategy, preprocess=preprocess)
     clean_fn = jax.jit(make_predict(alg, **kw))
     noisy_fn = jax.jit(make_predict(alg, transform=gaussian_noise(noise_sigma), **kw))
     other = jax.tree_util.tree_map(lambda a: jnp.roll(a, -ood_shift, axis=0), test)
-    runs = {"clean": (clean_fn(server, clients, test), test),
-            "noisy": (noisy_fn(server, clients, test, key), test),
-            "other": (clean_fn(server, clients, other), other)}
+    runs = {"clean": (clean_fn(server, clients, test, train=train), test),
+            "noisy": (noisy_fn(server, clients, test, key, train=train), test),
+            "other": (clean_fn(server, clients, other, train=train), other)}
     report = {k: [] for k in ("accuracy", "ece", "uncertainty", "uncertainty_noisy", "uncertainty_other",
                               "auroc_noisy", "auroc_other", "u_clean", "u_noisy", "u_other")}
     # fetch: gathered from every process when the clients are split over several (jaxfl.distributed)

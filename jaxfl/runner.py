@@ -158,8 +158,9 @@ class Experiment:
         """``reliability.reliability_report`` of these states on this run's test sets (kw: noise_sigma, ...)."""
         from .reliability import reliability_report
         clients = place_rows(clients, self.mesh)  # the stacked states, split like the test sets
+        train = None if self.algorithm.prepare_predict is None else place_rows(self.train_data.stacked(1), self.mesh)
         return reliability_report(self.algorithm, server, clients, self.test, key, preprocess=self.trainer.preprocess,
-                                  eval_batch_size=self.eval_batch_size, strategy=self.strategy, **kw)
+                                  eval_batch_size=self.eval_batch_size, strategy=self.strategy, train=train, **kw)
 
     def run(self, progress: bool = False, log=None) -> RunResult:
         """Train to ``cfg.rounds`` (resuming if asked): ``train(self, ...)``."""

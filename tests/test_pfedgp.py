@@ -11,6 +11,7 @@ from jaxfl import build_algorithm
 from jaxfl.algorithms.pfedgp import class_tree, predict_half, two_means_split
 from jaxfl.engine import ClientData, make_evaluate
 from jaxfl.models import small_cnn
+from jaxfl.reliability import reliability_report
 
 FAST = dict(train_draws=4, test_draws=6, gibbs_steps=3)
 
@@ -98,6 +99,9 @@ def test_a_client_predicts_its_own_classes_from_its_training_set_and_padding_cha
     assert float(ev["accuracy"][0]) >= 0.9  # an untrained network still separates these; the GP does the rest
     with pytest.raises(ValueError, match="training set"):
         make_evaluate(alg, eval_batch_size=8)(server, {}, test)
+    rep = reliability_report(alg, server, {}, test, jax.random.key(2), eval_batch_size=8, train=train)
+    np.testing.assert_allclose(rep["accuracy"][0], float(ev["accuracy"][0]), atol=1 / 16 + 1e-6)
+    assert np.isfinite(rep["ece"][0]) and len(rep["u_clean"][0]) == 16
     # the probabilities: absent classes 0, the client's two sum to 1
     view = alg.prepare_predict(server, state, ClientData(jnp.asarray(x) / 255.0, jnp.asarray(y), jnp.asarray(24)),
                                jax.random.key(1))
@@ -129,3 +133,16 @@ def test_cli_runs_pfedgp(tmp_path, capsys):
     code = main(["run", "--config", str(cfg), "--out", str(tmp_path / "run")])
     assert code == 0
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_experiment_reports_pfedgp_reliability_from_each_clients_training_set(tmp_path):
+    from jaxfl.config import RunConfig
+    from jaxfl.runner import Experiment
+    exp = Experiment(RunConfig(algorithm="pfedgp", rounds=1, model="small_cnn", image_size=12, samples_per_client=20,
+                               test_per_client=16, batch_size=16, eval_batch_size=16, out=str(tmp_path / "run"),
+                               options={"pfedgp": {"train_draws": 4, "test_draws": 4, "gibbs_steps": 2,
+                                           "max_nodes": 2}}))
+    result = exp.run()
+    rep = exp.reliability(result.server, result.clients, jax.random.key(3))
+    np.testing.assert_allclose(np.mean(rep["accuracy"]), result.history[-1]["mean_accuracy"], atol=0.1)
+    assert len(rep["accuracy"]) == exp.test.num_clients and all(np.isfinite(rep["auroc_noisy"]))
