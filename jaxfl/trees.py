@@ -23,9 +23,14 @@ def leaf_paths(tree) -> list[tuple[str, ...]]:
     return [tuple(map(_key_name, p)) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def map_with_paths(fn: Callable[[tuple[str, ...], Any], Any], tree):
+    """``tree_map`` whose function also gets each leaf's path (tuple of dict keys): fn(path, leaf)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: fn(tuple(map(_key_name, p)), x), tree)
+
+
 def path_mask(tree, predicate: PathPredicate):
     """A tree of Python bools: predicate(path) for each leaf, path = tuple of dict keys."""
-    return jax.tree_util.tree_map_with_path(lambda p, _: bool(predicate(tuple(map(_key_name, p)))), tree)
+    return map_with_paths(lambda path, _: bool(predicate(path)), tree)
 
 
 def prune(tree: dict, keep) -> dict:

@@ -34,6 +34,7 @@ from ..losses import cross_entropy, feature_norm, weighted_mean_loss
 from ..errors import ConfigError
 from ..masks import channel_mask, in_out_channel_mask, magnitude_mask, tree_count, tree_density
 from ..options import Options, option
+from ..trees import map_with_paths
 from .fedavg import global_model_predictors, init_variables, leaf_paths
 
 RECOVER_MODES = ("global", "zero")
@@ -83,8 +84,7 @@ def dapperfl_masks(params, ratio):
             return channel_mask(leaf, ratio, axis=-1, ord=1)
         return in_out_channel_mask(leaf, ratio, ord=1)
 
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    return jax.tree_util.tree_unflatten(treedef, [rule(p, x) for p, x in zip(paths, leaves)])
+    return map_with_paths(rule, params)
 
 
 def bn_channel_masks(mask, batch_stats):
@@ -102,8 +102,7 @@ def bn_channel_masks(mask, batch_stats):
             return jnp.ones_like(leaf)
         return jnp.any(kernel != 0, axis=tuple(range(kernel.ndim - 1))).astype(leaf.dtype)
 
-    leaves, treedef = jax.tree_util.tree_flatten(batch_stats)
-    return jax.tree_util.tree_unflatten(treedef, [rule(p, x) for p, x in zip(leaf_paths(batch_stats), leaves)])
+    return map_with_paths(rule, batch_stats)
 
 
 @dataclasses.dataclass(frozen=True)

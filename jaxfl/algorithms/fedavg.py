@@ -64,6 +64,11 @@ def model_variables(state):
     return {"params": state["params"], "batch_stats": state["batch_stats"]}
 
 
+def num_classes(model, variables, x) -> int:
+    """K, the size of the model's logits [B, K] on inputs x (shapes only: nothing is computed)."""
+    return jax.eval_shape(lambda: model.apply(variables, x[:1], False)).shape[-1]
+
+
 def global_model_predictors(model):
     """(predict, predict_trained) of a method whose clients predict with the server's model: evaluation-mode
     ``model.apply`` of the server's, respectively the just-trained row's, params and BN statistics."""

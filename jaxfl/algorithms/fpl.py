@@ -41,7 +41,7 @@ from ..aggregation import cluster_prototypes, tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..losses import cross_entropy, prototype_contrastive_loss, weighted_mean_loss
 from ..options import Options, option
-from .fedavg import global_model_predictors, init_variables, model_variables
+from .fedavg import global_model_predictors, init_variables, model_variables, num_classes
 from .fedpac import class_feature_sums
 from .moon import logits_and_representation
 
@@ -82,7 +82,7 @@ def fpl(model, trainer: LocalTrainer, **options) -> Algorithm:
         v = init_variables(model, trainer, key, sample_x)
         x = trainer.preprocess(sample_x[:1])
         d = jax.eval_shape(lambda: model.apply(v, x, train=False, method="features")).shape[-1]
-        c = jax.eval_shape(lambda: model.apply(v, x, train=False)).shape[-1]
+        c = num_classes(model, v, x)
         protos = {"cluster": jnp.zeros((c, o.max_clusters, d)), "cluster_valid": jnp.zeros((c, o.max_clusters), bool),
                   "unbiased": jnp.zeros((c, d)), "class_valid": jnp.zeros(c, bool)}
         return dict(v, **protos), {}

@@ -46,7 +46,7 @@ from .. import gp
 from ..aggregation import tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..options import Options, option
-from .fedavg import init_variables, model_variables
+from .fedavg import init_variables, model_variables, num_classes
 
 EXACT_SPLIT_CLASSES = 12  # up to this many classes the tree's 2-means is solved by enumerating every split
 
@@ -177,8 +177,8 @@ def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
                                   omega)
         return gp.class_zero_probability(mean, var)
 
-    def tree_loss(z, y, w, num_classes, key):
-        means, present = class_means(jax.lax.stop_gradient(z), y, w, num_classes)
+    def tree_loss(z, y, w, classes, key):
+        means, present = class_means(jax.lax.stop_gradient(z), y, w, classes)
         members, left, active = class_tree(means, present, o.max_nodes)
         real = w > 0
         K_all = kernel(z, z)  # every node's GP uses (masked rows of) the same kernel matrix
@@ -205,11 +205,11 @@ def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
     def local_update(server, client, data: ClientData, key, info: RoundInfo):
         x = trainer.preprocess(data.x)
         w = data.sample_mask().astype(jnp.float32)
-        num_classes = jax.eval_shape(lambda: model.apply(model_variables(server), x[:1], False)).shape[-1]
+        classes = num_classes(model, model_variables(server), x)
 
         def loss_fn(params, stats, k):
             z, new_stats = embed({"params": params, "batch_stats": stats}, x, w, True)
-            loss, accuracy = tree_loss(z, data.y, w, num_classes, k)
+            loss, accuracy = tree_loss(z, data.y, w, classes, k)
             return loss, (new_stats, accuracy)
 
         def step(carry, k):
@@ -232,8 +232,7 @@ def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
         variables = model_variables(server)
         w = train.sample_mask().astype(jnp.float32)
         z, _ = embed(variables, train.x, w, False)
-        num_classes = jax.eval_shape(lambda: model.apply(variables, train.x[:1], False)).shape[-1]
-        means, present = class_means(z, train.y, w, num_classes)
+        means, present = class_means(z, train.y, w, num_classes(model, variables, train.x))
         members, left, active = class_tree(means, present, o.max_nodes)
         real = w > 0
         cond = real[None, :] & jnp.take(members, train.y, axis=1)  # [nodes, M]
