@@ -25,7 +25,7 @@ HELP = {
     "eval_point": "aggregated (each client's model after the round) | local (right after its local training, "
                   "before aggregation, as FedSelect's code evaluates; needs every client in every round)",
     "weight_decay": "client weight decay, added to the gradient as torch does (default: the algorithm's paper "
-                    "value, FedTP 1e-5, else 0)",
+                    "value: FedTP 1e-5, pFedGP 1e-3, else 0)",
     "nesterov": "sgd: Nesterov momentum",
     "out": "output folder: metrics.jsonl, summary.json, accuracy.png, config.json, checkpoints/ (default: a new "
            "runs/<algorithm>-<dataset>-<time>); a non-empty folder needs --resume or --overwrite",

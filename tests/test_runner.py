@@ -234,6 +234,7 @@ def test_client_optimizer_follows_pytorch_and_fedtp_gets_its_papers_weight_decay
     np.testing.assert_allclose(upd["w"], [-0.1, -0.1], rtol=1e-4)  # Adam's first step is -lr * sign(g)
     # the preset: FedTP's official client optimizer has weight decay 1e-5, others none unless asked
     assert RunConfig(algorithm="fedtp").client_training()["weight_decay"] == 1e-5
+    assert RunConfig(algorithm="pfedgp").client_training()["weight_decay"] == 1e-3  # pFedGP's official SGD
     assert RunConfig(algorithm="fedavg").client_training()["weight_decay"] == 0.0
     assert RunConfig(algorithm="fedtp", weight_decay=0.0).client_training()["weight_decay"] == 0.0
     # config.json records the optimizer a run used

@@ -16,7 +16,7 @@ used) with a tree of binary Gaussian-process classifiers built on its own traini
   predicted half, p(left) = mean over chains of exp(E[log sigma(f*)]); the losses of the nodes are summed.
   ``inner_steps`` (official 1) full-batch steps per round (the whole training set is one batch), gradients
   clipped to global norm 50 (official ``clip_grad_norm_``), with the run's client optimizer (official: SGD,
-  lr 0.05, momentum 0.9, weight decay 1e-3).
+  lr 0.05, momentum 0.9, weight decay 1e-3; the weight decay is this method's preset, lr and momentum the run's).
 - Server: the network is averaged (FedAvg with the engine's weights; the official code takes a plain mean).
 - Prediction (``prepare_predict``, official ``eval_model``): the tree is built from the client's whole training
   set under the current network, each node's Gibbs chains (5 sweeps, 30 chains) condition on all the node's
@@ -56,6 +56,7 @@ class PFedGPOptions(Options):
     name = "pfedgp"
     sharing = ("the network (FedAvg); the GP classifiers are rebuilt on each client from its own data",
                "nothing: its tree of binary GPs is rebuilt from its training set")
+    train_preset = {"weight_decay": 1e-3}  # the official client optimizer: SGD, momentum 0.9, weight decay 1e-3
     inner_steps: int = option(1, "full-batch steps per round (the whole training set is one batch)", minimum=1)
     predict_ratio: float = option(0.5, "share of each class predicted by the rest in the training objective",
                                   lo=0.0, hi=1.0, lo_open=True)
