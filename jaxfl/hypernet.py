@@ -14,6 +14,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from .errors import ConfigError
+
 
 class Hypernet(NamedTuple):
     """init(key) -> params; apply(params, embedding [E]) -> {name: array of out_shapes[name]}."""
@@ -56,6 +58,14 @@ def hypernetwork(out_shapes: Mapping[str, Sequence[int]], embed_dim: int, hidden
                 for n in names}
 
     return Hypernet(init, apply)
+
+
+def require_table_size(method: str, num_clients) -> None:
+    """Raise ``ConfigError`` unless ``num_clients`` (the client-embedding table's size N) is a positive int: client
+    ids index the table, and under jit an id past a smaller table would silently read its last row."""
+    if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
+        raise ConfigError(f"{method} needs num_clients, the size of its client-embedding table (the run's client "
+                          f"count, a positive integer), got {num_clients!r}")
 
 
 def init_embeddings(key, num_clients: int, embed_dim: int):

@@ -100,4 +100,14 @@ def test_new_client_learns_only_an_embedding():
 
 def test_needs_a_vit():
     with pytest.raises(ValueError, match="ViT"):
-        fedtp(small_cnn(4), make_trainer())
+        fedtp(small_cnn(4), make_trainer(), num_clients=3)
+
+
+def test_the_hypernetwork_variants_need_their_tables_size():
+    # client ids index the embedding table; a table built too small would serve every later id its last row
+    from jaxfl.algorithms import pfedhn
+    for build in (lambda **kw: fedtp(vit(), make_trainer(), **kw), lambda **kw: pfedhn(small_cnn(4), make_trainer(), **kw)):
+        for bad in (None, 0, 2.0):
+            with pytest.raises(ValueError, match="num_clients"):
+                build(num_clients=bad)
+    fedtp(vit(), make_trainer(), variant="vanilla")  # no table: no size needed

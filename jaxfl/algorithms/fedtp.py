@@ -31,7 +31,7 @@ import optax
 from ..aggregation import tree_weighted_mean
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
 from ..errors import ConfigError
-from ..hypernet import generate, hypernet_grads, hypernetwork, init_embeddings
+from ..hypernet import generate, hypernet_grads, hypernetwork, init_embeddings, require_table_size
 from ..losses import cross_entropy, weighted_mean_loss
 from ..options import Options, option
 
@@ -73,9 +73,10 @@ class FedTPOptions(Options):
     hyper_decay: float = option(1e-3, "hypernetwork weight decay", lo=0.0)
 
 
-def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, **options) -> Algorithm:
+def fedtp(model, trainer: LocalTrainer, num_clients: int | None = None, **options) -> Algorithm:
     """FedTP on a ViT ``Classifier`` (``models.vit_small``); options: ``FedTPOptions``. num_clients: N, the size
-    of the embedding table (the run's client count). Hypernetwork: trunk of 1 + ``hyper_layers``
+    of the embedding table (the run's client count; required by the hypernetwork variant, whose client ids index
+    it). Hypernetwork: trunk of 1 + ``hyper_layers``
     Linear(``hyper_hidden``) layers, one head per block; optimizer SGD(``hyper_lr``, momentum) with weight decay
     ``hyper_decay`` (official code)."""
     o = FedTPOptions(**options).validate()
@@ -85,6 +86,8 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int = 1, **options) -> Algo
     if not hasattr(model.encoder, "qkv_shape"):
         raise ConfigError(f"fedtp needs a ViT (--model vit_small or vit_tiny), got a {type(model.encoder).__name__} "
                           f"encoder")
+    if variant == "hypernet":
+        require_table_size("fedtp", num_clients)
     depth = model.encoder.depth
     hnet, stack = qkv_hypernetwork(model, embed_dim, hyper_hidden, hyper_layers)
     hyper_tx = optax.chain(optax.add_decayed_weights(hyper_decay), optax.sgd(hyper_lr, momentum=hyper_momentum))

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import optax
 
 from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo, epoch_permutation
-from ..hypernet import generate, hypernet_grads, hypernetwork, init_embeddings
+from ..hypernet import generate, hypernet_grads, hypernetwork, init_embeddings, require_table_size
 from ..losses import correct_count
 from ..options import Options, option
 from ..trees import leaf_paths
@@ -176,10 +176,11 @@ def random_batch_steps(loss_fn, tx, steps: int, batch_size: int, preprocess, par
     return params, state, {"loss": sums[0] / seen, "accuracy": sums[1] / seen, "seen": sums[2], "steps": sums[3]}
 
 
-def pfedhn(model, trainer: LocalTrainer, num_clients: int = 1, **options) -> Algorithm:
+def pfedhn(model, trainer: LocalTrainer, num_clients: int | None = None, **options) -> Algorithm:
     """pFedHN on any ``Classifier``; options: ``PFedHNOptions``. num_clients: N, the size of the embedding table
-    (the run's client count)."""
+    (the run's client count; required: client ids index it)."""
     o = PFedHNOptions(**options).validate()
+    require_table_size("pfedhn", num_clients)
     embed_dim = o.embed_dim or auto_embed_dim(num_clients)
     hyper_tx, inner_tx = hyper_optimizer(o), inner_optimizer(o)
     loss_fn = ce_loss(model)
