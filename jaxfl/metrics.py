@@ -26,7 +26,7 @@ def expected_calibration_error(confidence, correct, n_bins: int = 15, weights=No
     conf = jnp.asarray(confidence, jnp.float32)
     w = _weights(conf.shape[0], weights)
     bins = jnp.clip(jnp.ceil(conf * n_bins).astype(jnp.int32) - 1, 0, n_bins - 1)
-    n_b = jax.ops.segment_sum(w, bins, n_bins)
+    # (n_b / n) |acc_b - conf_b| = |sum of correct in b - sum of confidence in b| / n: bin counts cancel
     acc_b = jax.ops.segment_sum(w * jnp.asarray(correct, jnp.float32), bins, n_bins)
     conf_b = jax.ops.segment_sum(w * conf, bins, n_bins)
     return jnp.sum(jnp.abs(acc_b - conf_b)) / jnp.maximum(jnp.sum(w), 1.0)
