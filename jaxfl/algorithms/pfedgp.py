@@ -196,8 +196,9 @@ def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
             n = jnp.sum(counted)
             loss = jnp.sum(jnp.where(counted, -jnp.log(p_true + 1e-12), 0.0)) / jnp.maximum(n, 1)
             return loss, jnp.sum(counted & (p_true > 0.5)), n
-        # the nodes as one batch (not a Python loop): one chain of batched LAPACK calls (see gp._lower_solve)
-        loss, correct, n = (jnp.sum(t) for t in jax.vmap(node)(jnp.arange(members.shape[0])))
+        # the nodes one after another in a lax.map, not a Python loop: one chain of batched LAPACK calls (see
+        # gp._lower_solve), and one node's [draws, M, M] buffers alive at a time
+        loss, correct, n = (jnp.sum(t) for t in jax.lax.map(node, jnp.arange(members.shape[0])))
         return loss, correct / jnp.maximum(n, 1)  # accuracy: the held-out points' split decisions
 
     def init(key, sample_x):
@@ -241,7 +242,7 @@ def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
         y_left = jnp.take(left, train.y, axis=1)
         K_all = kernel(z, z)
         keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(members.shape[0]))
-        omega = jax.vmap(lambda k, y, c: node_omega(k, K_all, y, c, o.test_draws))(keys, y_left, cond)
+        omega = jax.lax.map(lambda a: node_omega(a[0], K_all, a[1], a[2], o.test_draws), (keys, y_left, cond))
         # the posterior's Cholesky factors ([nodes, draws, M, M]) are refactored per test batch: kept, they would
         # cost far more memory than the few batches of a client's test set cost time
         return {"z": z, "K": K_all, "cond": cond, "y_left": y_left, "omega": omega, "members": members,
@@ -251,8 +252,8 @@ def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
         z_new = model.apply(model_variables(server), x, False, method="features")
         probs = jnp.where(view["present"], 1.0, 0.0) * jnp.ones((x.shape[0], 1))
         K_s = kernel(view["z"], z_new)
-        p = jax.vmap(lambda y, c, om: node_p_left(view["K"], K_s, y, c, om))(
-            view["y_left"], view["cond"], view["omega"])[:, :, None]  # [nodes, P, 1]
+        p = jax.lax.map(lambda a: node_p_left(view["K"], K_s, *a),
+                        (view["y_left"], view["cond"], view["omega"]))[:, :, None]  # [nodes, P, 1]
         factor = jnp.where(view["left"][:, None], p, jnp.where(view["members"][:, None], 1.0 - p, 1.0))
         probs = probs * jnp.prod(jnp.where(view["active"][:, None, None], factor, 1.0), 0)
         return jnp.log(jnp.maximum(probs, 1e-30))
