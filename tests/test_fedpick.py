@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conftest import assert_trees_close, make_data, run_rounds, setup_algorithm, trained_rows
+from conftest import assert_trees_close, run_rounds, setup_algorithm, trained_rows
 from jaxfl import blocks as B, make_evaluate
 from jaxfl.algorithms.fedavg import is_batchnorm
 from jaxfl.algorithms.fedpick import FedPickNet, FedPickOptions, PFSM

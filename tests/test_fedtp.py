@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
-from jaxfl import build_algorithm, init_state, make_round
+from jaxfl import build_algorithm, init_state
 from jaxfl.algorithms.fedtp import adapt_new_client, fedtp, split_qkv
 from jaxfl.hypernet import generate, hypernet_grads, hypernetwork
 from jaxfl.models import small_cnn, vit_small

@@ -2,7 +2,6 @@
 import math
 
 import chex
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np

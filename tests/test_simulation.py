@@ -7,7 +7,6 @@ import pytest
 from conftest import assert_trees_close, make_trainer
 from jaxfl import build_algorithm, init_state, make_round
 from jaxfl.data.ragged import RaggedClients
-from jaxfl.engine import ClientData
 from jaxfl.models import small_cnn
 from jaxfl.schedule import grid_ceil, lane_sizes, padded_work, plan_buckets
 from jaxfl.simulation import ClientStore, Simulation
