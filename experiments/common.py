@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from jaxfl.algorithms import options_class
-from jaxfl.checkpoint import Checkpointer
-from jaxfl.config import RunConfig
-from jaxfl.options import field_type
-from jaxfl.runner import Experiment, RunResult
+from jaxfl.core.options import field_type
+from jaxfl.run.checkpoint import Checkpointer
+from jaxfl.run.config import RunConfig
+from jaxfl.run.runner import Experiment, RunResult
 
 
 def _typed(tp, value: str, spec: str):

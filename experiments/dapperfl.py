@@ -25,9 +25,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from common import parse_seeds, plot_mean_accuracy, run_seeds, run_variant, seed_root, seed_table, table
-from jaxfl.config import RunConfig
+
+from jaxfl.run.config import RunConfig
+
 
 ALGORITHMS = ["dapperfl", "fedavg", "fedprox:mu=0.1", "dapperfl:use_fusion=false",
               "dapperfl:gamma=0", "dapperfl:use_fusion=false:gamma=0",

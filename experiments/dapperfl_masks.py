@@ -1,13 +1,13 @@
 """DapperFL's pruning masks per layer: the fraction of each weight tensor kept at each device level.
 
 For a model (default ``resnet10_slim``, DapperFL's CPU stand-in; ``--model resnet10`` for the paper's width) the
-script builds ``dapperfl_masks`` of its initial weights (plus N(0, 0.1^2) noise) at every ratio and prints, per masked leaf, the rule
+script builds ``pruning_masks`` of its initial weights (plus N(0, 0.1^2) noise) at every ratio and prints, per masked leaf, the rule
 that applies and the kept fraction; with ``--torch`` (needs PyTorch) it also applies the released code's torch
 calls (``prune.ln_structured`` on dim 1 then dim 0 for inner convs, dim 0 only for output-only convs,
 ``l1_unstructured`` on BN scales, ``ln_structured(n=2, dim=1)`` on the Linear) to the same weights and reports
 whether the kept entries are identical.
 
-    python experiments/dapperfl_masks.py --ratios 0.2,0.4,0.6,0.8 --torch
+    python experiments/pruning_masks.py --ratios 0.2,0.4,0.6,0.8 --torch
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import argparse
 import jax
 import numpy as np
 
-from jaxfl.algorithms.dapperfl import dapperfl_masks
+from jaxfl.algorithms._submodel import pruning_masks
+from jaxfl.core.trees import leaf_paths
 from jaxfl.models import MODELS
-from jaxfl.trees import leaf_paths
 
 
 def torch_masks(params, ratio: float, masks):
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), [
         x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(jax.tree_util.tree_leaves(params), keys)])
     paths = leaf_paths(params)
-    per_ratio = {r: dapperfl_masks(params, r) for r in ratios}
+    per_ratio = {r: pruning_masks(params, r) for r in ratios}
     header = "| leaf | shape | " + " | ".join(f"kept at {r}" for r in ratios) + " |"
     rows = [header, "|" + "---|" * (2 + len(ratios))]
     leaves = jax.tree_util.tree_leaves(params)

@@ -15,7 +15,9 @@ import argparse
 from pathlib import Path
 
 from common import parse_seeds, plot_mean_accuracy, run_seeds, seed_table, table
-from jaxfl.config import RunConfig
+
+from jaxfl.run.config import RunConfig
+
 
 ALGORITHMS = ["local", "fedavg", "fedprox", "fedper", "fedrep", "lg_fedavg", "fedbn", "fedpick"]
 # FedPick's Table II (300 rounds, mean of 5 runs, best test accuracy during training), our three domains.

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
-
 from common import parse_seeds, plot_mean_accuracy, run_seeds, run_variant, seed_root, seed_table
-from jaxfl.algorithms.fedavg import leaf_paths
-from jaxfl.blocks import overlap_ratio
-from jaxfl.config import RunConfig
+
+from jaxfl.core.trees import leaf_paths
+from jaxfl.ops.diagnostics import overlap_ratio
+from jaxfl.run.config import RunConfig
+
 
 ALGORITHMS = ["fedselect", "local", "fedavg", "fedper", "fedrep", "lg_fedavg", "ditto", "fedavg_ft", "fedbabu",
               "fedpac"]

@@ -20,7 +20,9 @@ import argparse
 from pathlib import Path
 
 from common import parse_seeds, plot_mean_accuracy, run_seeds, seed_table
-from jaxfl.config import RunConfig
+
+from jaxfl.run.config import RunConfig
+
 
 ALGORITHMS = ["fedtp", "fedtp:variant=vanilla", "fedavg"]
 # the rest of Tables II-III, run on request (--algorithms): on the ViT (-T) unless a model is given

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
-
 from common import parse_seeds, plot_mean_accuracy, run_seeds, run_variant, seed_root, seed_table, table
-from jaxfl.config import RunConfig
-from jaxfl.reliability import plot_uncertainty_density
+
+from jaxfl.run.config import RunConfig
+from jaxfl.run.plots import plot_uncertainty_density
+
 
 ALGORITHMS = ["rfeddis", "fedbn", "fedavg", "fedprox", "fedrep", "local", "moon", "feddc", "feddyn", "scaffold"]
 # RFedDis Table II-a (100 rounds, 5 domains; we have 3 of them): MNIST-M, MNIST, USPS.

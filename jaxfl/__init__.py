@@ -1,7 +1,11 @@
 """jaxfl: vectorized personalized federated learning in JAX.
 
-Pure building blocks (masks, aggregation, hypernetwork, evidential losses, metrics) live in
-``jaxfl.blocks`` and are re-exported here.
+Layers, each importing only the ones before it: ``errors`` and ``data`` (datasets, partitions, client
+arrays) -> ``core`` (the engine) -> ``ops`` (pure building blocks) and ``models`` (Flax modules) ->
+``algorithms`` (one file each) -> ``run`` (configuration, CLI, runner, checkpoints, reports).
+
+    from jaxfl import ops                 # masks, losses, evidential, hypernet, gp, qp, clustering, diagnostics
+    from jaxfl import build_algorithm, Stacked, LocalTrainer, client_optimizer
 """
 import os
 
@@ -11,12 +15,16 @@ import os
 # acts only if jaxfl is imported before jax (the CLI and experiments/ do); a value you set is kept.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from . import aggregation, blocks  # noqa: E402, evidential, hypernet, losses, masks, metrics, models, reliability
-from .algorithms import ALGORITHMS, build_algorithm
-from .blocks import *  # noqa: F401,F403  (the documented pure-function API)
-from .engine import (Algorithm, ClientData, LocalTrainer, RoundInfo, init_state, make_evaluate, make_predict,
-                     make_round, map_clients)
-from .reliability import predict_proba, reliability_report
-from .errors import ConfigError, DataError, JaxflError, NonFiniteError
+from . import ops  # noqa: E402
+from .algorithms import REGISTRY, build_algorithm, register  # noqa: E402
+from .core import (Algorithm, ClientStore, Evaluator, LocalTrainer, Ragged, RoundInfo, RunContext,  # noqa: E402
+                   Stacked, Step, client_optimizer, init_state, make_step, normalizer)
+from .data import ClientData, RaggedClients, load_dataset  # noqa: E402
+from .errors import ConfigError, DataError, JaxflError, NonFiniteError  # noqa: E402
+from .run import Experiment, RunConfig, predict_proba, reliability_report, run  # noqa: E402
 
 __version__ = "0.1.0"
+__all__ = ["Algorithm", "ClientData", "ClientStore", "ConfigError", "DataError", "Evaluator", "Experiment",
+           "JaxflError", "LocalTrainer", "NonFiniteError", "REGISTRY", "Ragged", "RaggedClients", "RoundInfo",
+           "RunConfig", "RunContext", "Stacked", "Step", "build_algorithm", "client_optimizer", "init_state",
+           "load_dataset", "make_step", "normalizer", "ops", "predict_proba", "register", "reliability_report", "run"]

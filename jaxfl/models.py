@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import check_choice
-from .metrics import count_params  # noqa: F401  (re-exported: models' parameter counts)
 
 
 def torch_kernel_init(key, shape, dtype=jnp.float32):
@@ -253,6 +252,135 @@ class PlainConvEncoder(nn.Module):
         return nn.relu(Dense(self.hidden, name="fc")(x.reshape(x.shape[0], -1)))
 
 
+class FlattenEncoder(nn.Module):
+    """The identity feature map z = flatten(x): logistic regression's encoder (it has no parameters)."""
+
+    def __call__(self, x, train: bool = False, mask=None):
+        return x.reshape(x.shape[0], -1)
+
+
+class MLPEncoder(nn.Module):
+    """flatten - (Dense(h) - ReLU) for each h in ``hidden``: McMahan et al.'s "2NN" body is (200, 200)."""
+    hidden: Sequence[int] = (200, 200)
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None):
+        x = x.reshape(x.shape[0], -1)
+        for i, h in enumerate(self.hidden):
+            x = nn.relu(Dense(h, name=f"fc{i + 1}")(x))
+        return x
+
+
+def _lstm_gates(z, c):
+    """(i, f, g, o) activations of the pre-activations z [..., 4H] (PyTorch / flax order), the new cell and
+    hidden state."""
+    i, f, g, o = jnp.split(z, 4, axis=-1)
+    i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+    c = f * c + i * g
+    return (i, f, g, o), c, o * jnp.tanh(c)
+
+
+def lstm_recurrence(unroll: int = 8) -> Callable:
+    """rec(xw [T, B, 4H], wh [H, 4H]) -> hs [T, B, H]: an LSTM over time whose input projections (x W_x + b)
+    are already in ``xw``; h_0 = c_0 = 0.
+
+    Its VJP is written out: the backward scan only carries dh, dc and multiplies dz_t by W_h^T (the gates are
+    kept from the forward pass, not recomputed), and the recurrent kernel's gradient is one matmul over all time
+    steps after the loop, dW_h = sum_t h_{t-1}^T dz_t. JAX's own scan transpose adds h_{t-1}^T dz_t into a
+    carried [H, 4H] accumulator at every step (a read and write of W_h's size per step): 2.3x slower per
+    train step of LEAF's character LSTM on CPU (batch 10, 80 steps).
+    """
+    def forward(xw, wh):
+        b, h = xw.shape[1], wh.shape[0]
+
+        def step(carry, x):
+            c, hp = carry
+            gates, c, hn = _lstm_gates(x + hp @ wh, c)
+            return (c, hn), (hn, c, jnp.concatenate(gates, -1))
+
+        zero = jnp.zeros((b, h), xw.dtype)
+        _, (hs, cs, gs) = jax.lax.scan(step, (zero, zero), xw, unroll=unroll)
+        return hs, (wh, hs, cs, gs)
+
+    @jax.custom_vjp
+    def rec(xw, wh):
+        return forward(xw, wh)[0]
+
+    def backward(res, dhs):
+        wh, hs, cs, gs = res
+        zero = jnp.zeros(hs.shape[1:], hs.dtype)
+        hprev = jnp.concatenate([zero[None], hs[:-1]], 0)
+        cprev = jnp.concatenate([zero[None], cs[:-1]], 0)
+
+        def step(carry, inputs):
+            dh_next, dc_next = carry
+            gates, cp, c, dh_out = inputs
+            i, f, g, o = jnp.split(gates, 4, axis=-1)
+            tc = jnp.tanh(c)
+            dh = dh_out + dh_next
+            dc = dc_next + dh * o * (1 - tc * tc)
+            dz = jnp.concatenate([dc * g * i * (1 - i), dc * cp * f * (1 - f), dc * i * (1 - g * g),
+                                  dh * tc * o * (1 - o)], -1)
+            return (dz @ wh.T, dc * f), dz
+
+        _, dz = jax.lax.scan(step, (zero, zero), (gs, cprev, cs, dhs), reverse=True, unroll=unroll)
+        return dz, jnp.einsum("tbh,tbk->hk", hprev, dz)
+
+    rec.defvjp(forward, backward)
+    return rec
+
+
+class LSTMLayer(nn.Module):
+    """One LSTM layer over a sequence, xs [B, T, D] -> hs [B, T, H], with flax ``OptimizedLSTMCell``'s parameters
+    (names, shapes, initialisers: input kernels ``i{i,f,g,o}`` lecun-normal without bias, recurrent kernels
+    ``h{i,f,g,o}`` orthogonal with zero bias) and its numbers up to float rounding. The input projections of
+    all time steps are one matmul before the time loop; the loop is ``lstm_recurrence``."""
+    features: int
+    unroll: int = 8
+
+    @nn.compact
+    def __call__(self, xs):
+        from flax.linen.recurrent import DenseParams
+        h = self.features
+        wi, wh, bh = [], [], []
+        for gate in "ifgo":
+            wi.append(DenseParams(h, use_bias=False, kernel_init=nn.initializers.lecun_normal(),
+                                  name=f"i{gate}")(xs[:, 0])[0])
+            kernel, bias = DenseParams(h, use_bias=True, kernel_init=nn.initializers.orthogonal(),
+                                       bias_init=nn.initializers.zeros_init(),
+                                       name=f"h{gate}")(jnp.zeros(xs.shape[:1] + (h,), xs.dtype))
+            wh.append(kernel)
+            bh.append(bias)
+        wi, wh, bh = jnp.concatenate(wi, -1), jnp.concatenate(wh, -1), jnp.concatenate(bh, -1)
+        xw = jnp.einsum("btd,dk->tbk", xs, wi) + bh
+        return lstm_recurrence(self.unroll)(xw, wh).transpose(1, 0, 2)
+
+
+class CharLSTMEncoder(nn.Module):
+    """LEAF's Shakespeare model body: token ids x [B, T] -> Embedding(vocab, embed) -> ``layers`` stacked
+    LSTMs of ``hidden`` units -> the last time step's hidden state z [B, hidden] (next-character prediction).
+
+    impl="fused" (default): ``LSTMLayer`` (input projections hoisted out of the time loop, a hand-written
+    backward); "flax": ``nn.RNN(nn.OptimizedLSTMCell)``. Same parameters, same numbers up to float rounding.
+    unroll: time steps per iteration of the loops over time."""
+    vocab: int = 80
+    embed: int = 8
+    hidden: int = 256
+    layers: int = 2
+    unroll: int = 8
+    impl: str = "fused"
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None):
+        h = nn.Embed(self.vocab, self.embed, name="embed")(x.astype(jnp.int32))
+        for i in range(self.layers):
+            if self.impl == "fused":
+                h = LSTMLayer(self.hidden, self.unroll, name=f"OptimizedLSTMCell_{i}")(h)
+            else:
+                h = nn.RNN(nn.OptimizedLSTMCell(self.hidden), unroll=self.unroll, name=f"lstm{i + 1}")(h)
+        return h[:, -1]
+
+
 class AlexNetEncoder(nn.Module):
     """FedBN's AlexNet with BatchNorm after every conv and dense layer, up to the 4096-d feature (d = 4096).
 
@@ -419,6 +547,28 @@ def pfl_cnn(num_classes: int = 10) -> Classifier:
     return Classifier(encoder=PlainConvEncoder((32, 64), 3, (1,), 128), head=MLPHead((), num_classes))
 
 
+def logreg(num_classes: int = 10) -> Classifier:
+    """Multinomial logistic regression: logits = W flatten(x) + b (7,850 parameters on 28x28 inputs, C = 10)."""
+    return Classifier(encoder=FlattenEncoder(), head=MLPHead((), num_classes))
+
+
+def mlp_2nn(num_classes: int = 10) -> Classifier:
+    """McMahan et al.'s "2NN": 784-200-200-C with ReLU (199,210 parameters at C = 10 on 28x28 inputs)."""
+    return Classifier(encoder=MLPEncoder((200, 200)), head=MLPHead((), num_classes))
+
+
+def femnist_cnn(num_classes: int = 62) -> Classifier:
+    """LEAF's FEMNIST CNN: conv5x5(32, 'same')-ReLU-pool-conv5x5(64, 'same')-ReLU-pool-Dense(2048)-ReLU-Dense(C)
+    (6,603,710 parameters on 28x28x1 inputs at C = 62)."""
+    return Classifier(encoder=PlainConvEncoder((32, 64), 5, (0, 1), 2048), head=MLPHead((), num_classes))
+
+
+def char_lstm(num_classes: int = 80) -> Classifier:
+    """LEAF's Shakespeare next-character model: Embedding(80, 8) - 2 x LSTM(256) - Dense(C); C = the
+    vocabulary (80: ``jaxfl.data.text.LEAF_CHARS``). Inputs are token ids [B, T]."""
+    return Classifier(encoder=CharLSTMEncoder(vocab=max(num_classes, 80)), head=MLPHead((), num_classes))
+
+
 def alexnet_bn(num_classes: int = 10) -> Classifier:
     """FedBN's AlexNet-BN: AlexNetEncoder (d = 4096) + Dense(C). 57,063,498 parameters at C = 10."""
     return Classifier(encoder=AlexNetEncoder(), head=MLPHead((), num_classes))
@@ -458,7 +608,8 @@ def vit_tiny(num_classes: int = 10) -> Classifier:
 
 MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg_cnn, "pfl_cnn": pfl_cnn,
           "alexnet_bn": alexnet_bn, "resnet10": resnet10, "resnet10_slim": resnet10_slim, "resnet18": resnet18,
-          "resnet18_imagenet": resnet18_imagenet, "vit_small": vit_small, "vit_tiny": vit_tiny}
+          "resnet18_imagenet": resnet18_imagenet, "vit_small": vit_small, "vit_tiny": vit_tiny, "logreg": logreg,
+          "mlp_2nn": mlp_2nn, "femnist_cnn": femnist_cnn, "char_lstm": char_lstm}
 
 
 def build_model(name: str, num_classes: int) -> Classifier:

@@ -14,7 +14,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxfl.engine import ClientData, LocalTrainer
+from jaxfl.core.trainer import LocalTrainer
+from jaxfl.data.clients import ClientData
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -67,37 +68,104 @@ def data_dir():
     return path
 
 
-def setup_algorithm(name, model, counts, m=None, **trainer_kw):
+def setup_algorithm(name, model, counts, m=None, num_rounds=None, **trainer_kw):
     """(alg, data, server, clients) for ``name`` on random client data with the given sample counts
-    (padded to ``m``); ``trainer_kw`` go to ``make_trainer``."""
-    from jaxfl import build_algorithm, init_state
+    (padded to ``m``); ``trainer_kw`` go to ``make_trainer``, ``options`` to the algorithm; the run context
+    has the client count and ``num_rounds``."""
+    from jaxfl.algorithms import build_algorithm
+    from jaxfl.core.step import init_state
+    from jaxfl.core.types import RunContext
     data = make_data(list(counts), m=m)
     opts = trainer_kw.pop("options", {})
-    alg = build_algorithm(name, model, make_trainer(**trainer_kw), **opts)
+    ctx = RunContext(num_clients=len(counts), num_rounds=num_rounds)
+    alg = build_algorithm(name, model, make_trainer(**trainer_kw), ctx, **opts)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(counts))
     return alg, data, server, clients
 
 
-def run_rounds(alg, data, server, clients, root, rounds=1, **round_kw):
-    """``rounds`` jitted rounds of ``make_round(alg, **round_kw)``; returns (server, clients, last metrics)."""
-    from jaxfl import make_round
-    fn = jax.jit(make_round(alg, **round_kw))
+def ragged(data: ClientData):
+    """The real samples of padded ClientData as RaggedClients (what the backends store)."""
+    from jaxfl.data.ragged import RaggedClients
+    x, y, n = np.asarray(data.x), np.asarray(data.y), np.asarray(data.count)
+    return RaggedClients.from_clients([(x[i, :c], y[i, :c]) for i, c in enumerate(n)])
+
+
+BACKENDS = ("stacked", "ragged")
+
+
+def make_backend(alg, data, backend="stacked", *, strategy="vmap", chunk_size=8, cohort_size=None,
+                 weighting="samples", mesh=None, num_rounds=None, batch_size=8):
+    """A ``Stacked`` or ``Ragged`` backend of ``alg`` over the real samples of padded ``data`` (the runner's
+    engine); ``batch_size`` only sets the padding grid (use the trainer's)."""
+    from jaxfl.core.backends import Ragged, Stacked
+    cls = {"stacked": Stacked, "ragged": Ragged}[backend]
+    kw = {"client_store": "device"} if backend == "ragged" else {}
+    return cls(alg, ragged(data), batch_size=batch_size, strategy=strategy, chunk_size=chunk_size,
+               cohort_size=cohort_size, weighting=weighting, mesh=mesh, num_rounds=num_rounds, **kw)
+
+
+def run_rounds(alg, data, server, clients, root, rounds=1, backend="stacked", **backend_kw):
+    """``rounds`` rounds of ``alg`` on a backend (``make_backend``) from (server, clients stacked [N]);
+    returns (server, clients, last round's metrics)."""
+    from jaxfl.core.backends import ClientStore
+    engine = make_backend(alg, data, backend, **backend_kw)
+    store = ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")  # a copy: rounds donate it
     for r in range(rounds):
-        server, clients, metrics = fn(server, clients, data, r, root)
+        server, metrics = engine.round(server, store, r, root)
+    return server, store.state, metrics
+
+
+def round_function(alg, backend="stacked", **backend_kw):
+    """fn(server, clients, data, round_idx, root) -> (server, clients, metrics): one round of ``alg`` on a
+    backend, built once per set of client sizes and reused (one compilation) for data of those sizes."""
+    from jaxfl.core.backends import ClientStore
+    engines = {}
+
+    def fn(server, clients, data, round_idx, root):
+        key = (data.x.shape, tuple(np.asarray(data.count).tolist()))
+        if key not in engines:
+            engines[key] = make_backend(alg, data, backend, **backend_kw)
+        engine = engines[key]
+        if backend == "stacked":
+            engine.load(ragged(data))
+        else:
+            engine.train = ragged(data)
+        store = ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")
+        server, metrics = engine.round(server, store, round_idx, root)
+        return server, store.state, metrics
+    return fn
+
+
+def evaluator(alg, test: ClientData, train: ClientData | None = None, eval_batch_size=8, **kw):
+    """The runner's ``Evaluator`` of ``alg`` on the real samples of padded ``test`` (and ``train``)."""
+    from jaxfl.core.evaluate import Evaluator
+    return Evaluator(alg, ragged(test), eval_batch_size=eval_batch_size, preprocess=make_trainer().preprocess,
+                     train=None if train is None else ragged(train), **kw)
+
+
+def run_step(alg, data, server, clients, root, rounds=1, strategy="vmap", num_rounds=None):
+    """``rounds`` rounds of the pure cohort step (``make_step``, jitted) with every client in the cohort and
+    ``data`` exactly as given (padding included): (server, clients, last metrics)."""
+    from jaxfl.core.step import make_step
+    cohort_step = make_step(alg, strategy=strategy, num_rounds=num_rounds)
+    step = jax.jit(lambda *args: cohort_step(*args))
+    ids = jnp.arange(data.num_clients)
+    for r in range(rounds):
+        server, clients, metrics = step(server, clients, data, ids, r, root)
     return server, clients, metrics
 
 
 def trained_rows(alg, data, server, clients, root, round_idx=0, num_rounds=None):
     """Every client's full state right after its local update of round ``round_idx`` (before aggregation),
     with the engine's per-client keys and RoundInfo: what the server averages, which clients do not keep."""
-    from jaxfl.engine import make_cohort_update
-    update = make_cohort_update(alg, strategy="vmap", num_rounds=num_rounds)
+    from jaxfl.core.step import cohort_train
+    update = cohort_train(alg, strategy="vmap", num_rounds=num_rounds)
     return update(server, clients, data, jnp.arange(data.num_clients), round_idx, root)[0]
 
 
 def info(round_idx, client_id, num_rounds=None):
     """A RoundInfo as the engine builds it (client_id: an int or a list of ints)."""
-    from jaxfl.engine import RoundInfo
+    from jaxfl.core.types import RoundInfo
     return RoundInfo(jnp.asarray(round_idx, jnp.int32), jnp.asarray(client_id, jnp.int32), num_rounds)
 
 

@@ -12,9 +12,9 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxfl import distributed  # noqa: E402
-from jaxfl.config import RunConfig  # noqa: E402
-from jaxfl.runner import Experiment  # noqa: E402
+from jaxfl.core import distributed  # noqa: E402
+from jaxfl.run.config import RunConfig  # noqa: E402
+from jaxfl.run.runner import Experiment  # noqa: E402
 
 pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 distributed.initialize(f"localhost:{port}", nproc, pid)

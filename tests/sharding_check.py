@@ -10,49 +10,46 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import make_data, make_trainer  # noqa: E402
-from jaxfl import build_algorithm, init_state, make_evaluate, make_round  # noqa: E402
-from jaxfl.distributed import client_mesh, replicate, shard_clients  # noqa: E402
+from conftest import make_backend, make_data, make_trainer, ragged  # noqa: E402
+from jaxfl.algorithms import build_algorithm  # noqa: E402
+from jaxfl.core.distributed import client_mesh  # noqa: E402
+from jaxfl.core.evaluate import Evaluator  # noqa: E402
 from jaxfl.models import small_cnn  # noqa: E402
 
 COUNTS = [24, 17, 9, 20]
 assert jax.device_count() == 4, jax.devices()
 
 
-def run(name, strategy, mesh=None, rounds=2, cohort=None):
+def run(name, strategy, mesh=None, rounds=2, cohort=None, backend="stacked"):
     data = make_data(COUNTS)
     alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer())
-    server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
-    if mesh is not None:
-        server, clients, data = replicate(server, mesh), shard_clients(clients, mesh), shard_clients(data, mesh)
-    fn = jax.jit(make_round(alg, strategy=strategy, mesh=mesh, cohort_size=cohort, num_rounds=rounds))
+    engine = make_backend(alg, data, backend, strategy=strategy, mesh=mesh, cohort_size=cohort, num_rounds=rounds)
+    server, store = engine.init(jax.random.key(0), data.x[0])
     for r in range(rounds):
-        server, clients, metrics = fn(server, clients, data, r, jax.random.key(1))
-    ev = jax.jit(make_evaluate(alg, eval_batch_size=8, strategy=strategy, mesh=mesh))(server, clients, data)
-    if mesh is not None:  # the client rows really live on the mesh's devices
-        for leaf in jax.tree_util.tree_leaves((clients, data))[:1]:  # fedavg keeps no client state
-            assert len(leaf.sharding.device_set) == mesh.devices.size, leaf.sharding
-    return jax.device_get((server, clients, metrics["loss"], ev["accuracy"]))
+        server, metrics = engine.round(server, store, r, jax.random.key(1))
+    ev = Evaluator(alg, ragged(data), eval_batch_size=8, preprocess=make_trainer().preprocess, strategy=strategy,
+                   mesh=mesh).metrics(server, store)
+    return jax.device_get((server, store.state, metrics["loss"], ev["accuracy"]))
 
 
 failed = False
-for name, strategy, meshes in (("fedavg", "vmap", (2,)), ("fedavg", "map", (2, 4)), ("fedbn", "map", (2,)),
-                               ("fedselect", "map", (2,))):
+for name, strategy, meshes, backend in (("fedavg", "vmap", (2,), "stacked"), ("fedavg", "map", (2, 4), "ragged"),
+                                        ("fedbn", "map", (2,), "stacked"), ("fedselect", "map", (2,), "ragged")):
     ref = run(name, strategy)
     for n in meshes:
-        out = run(name, strategy, client_mesh(n))
+        out = run(name, strategy, client_mesh(n), backend=backend)
         ok = all(np.allclose(a, b, atol=1e-5, rtol=1e-5)
                  for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
         failed |= not ok
-        print(f"{name} {strategy} devices={n}: {'equal' if ok else 'DIFFERENT'}", flush=True)
+        print(f"{name} {strategy} {backend} devices={n}: {'equal' if ok else 'DIFFERENT'}", flush=True)
 # partial participation: a cohort of 2 of the 4 clients, split over 2 devices
 ref, out = run("fedavg", "map", cohort=2), run("fedavg", "map", client_mesh(2), cohort=2)
 ok = all(np.allclose(a, b, atol=1e-5) for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
 failed |= not ok
 print(f"fedavg cohort=2 devices=2: {'equal' if ok else 'DIFFERENT'}")
 # the runner with --devices 2 (mesh over 2 devices) equals the unsharded runner
-from jaxfl.config import RunConfig  # noqa: E402
-from jaxfl.runner import Experiment  # noqa: E402
+from jaxfl.run.config import RunConfig  # noqa: E402
+from jaxfl.run.runner import Experiment  # noqa: E402
 tiny = dict(algorithm="fedbn", rounds=2, model="small_cnn", samples_per_client=40, test_per_client=20, clients_per_domain=2,
             batch_size=16)
 a = Experiment(RunConfig(**tiny)).run()

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfl.aggregation import masked_mean, tree_masked_mean, weighted_mean
+from jaxfl.core.aggregation import masked_mean, tree_masked_mean, weighted_mean
 
 
 class WeightedMeanTest(chex.TestCase):
@@ -52,7 +52,7 @@ class RecoveredMeanTest(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_identities(self):
-        from jaxfl.aggregation import recovered_mean
+        from jaxfl.core.aggregation import recovered_mean
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
         prev = jnp.asarray(rng.normal(size=5), jnp.float32)
@@ -68,15 +68,3 @@ class RecoveredMeanTest(chex.TestCase):
         np.testing.assert_allclose(fn(jnp.broadcast_to(prev, x.shape), w, m, prev), prev, rtol=1e-6)
         garbage = jnp.where(m, x, 1e6)  # values where m = 0 never matter
         np.testing.assert_allclose(fn(garbage, w, m, prev), out, rtol=1e-6)
-
-
-def test_tree_arithmetic_over_whole_pytrees():
-    from jaxfl.trees import tree_sq_distance, tree_vdot, tree_zeros
-    a = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0]]), "b": jnp.array([0.5])}
-    b = {"w": jnp.array([[0.0, 1.0], [1.0, 1.0]]), "b": jnp.array([-1.5])}
-    assert float(jax.jit(tree_vdot)(a, b)) == 1 * 0 + 2 * 1 + 3 * 1 + 4 * 1 + 0.5 * -1.5  # 8.25
-    assert float(jax.jit(tree_sq_distance)(a, b)) == 1 + 1 + 4 + 9 + 4  # 19
-    grad = jax.grad(tree_sq_distance)(a, b)  # d/da ||a - b||^2 = 2 (a - b)
-    np.testing.assert_allclose(grad["w"], 2 * (a["w"] - b["w"]))
-    zeros = tree_zeros(a)
-    assert zeros["w"].shape == (2, 2) and float(jnp.abs(zeros["w"]).sum() + jnp.abs(zeros["b"]).sum()) == 0.0

@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from jaxfl.cli import main
+from jaxfl.run.cli import main
+
 
 TINY = ["--model", "small_cnn", "--image-size", "12", "--samples-per-client", "20", "--rounds", "1"]
 

@@ -4,12 +4,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
-from jaxfl import build_algorithm, init_state
-from jaxfl.algorithms.dapperfl import bn_channel_masks, dapperfl, dapperfl_masks, fusion_coefficient
-from jaxfl.metrics import count_params
+
+from jaxfl.algorithms import build_algorithm
+from jaxfl.algorithms._submodel import pruning_masks
+from jaxfl.algorithms.dapperfl import bn_channel_masks, fusion_coefficient
+from jaxfl.core.step import init_state
+from jaxfl.core.trees import count_params
 from jaxfl.models import resnet10, small_cnn
+
 
 ROOT = jax.random.key(6)
 COUNTS = (24, 17, 9)
@@ -24,7 +27,7 @@ def resnet_params():
 
 @pytest.mark.parametrize("j,rho", list(enumerate((0.2, 0.4, 0.6, 0.8))))
 def test_kept_channel_counts_match_the_spec_table(resnet_params, j, rho):
-    masks = jax.jit(dapperfl_masks)(resnet_params, rho)
+    masks = jax.jit(pruning_masks)(resnet_params, rho)
     enc = masks["encoder"]
     out_only = np.asarray(enc["layer1_0"]["conv1"]["kernel"])  # output channels only
     assert out_only[0, 0, 0].sum() == KEPT[64][j] and np.all(out_only == out_only[:1, :1, :1])
@@ -48,10 +51,10 @@ def test_kept_channel_counts_match_the_spec_table(resnet_params, j, rho):
 
 
 def test_ratio_zero_keeps_everything_and_scores_pick_the_largest(resnet_params):
-    masks = dapperfl_masks(resnet_params, 0.0)
+    masks = pruning_masks(resnet_params, 0.0)
     assert all(bool(jnp.all(m == 1)) for m in jax.tree_util.tree_leaves(masks))
     k = resnet_params["encoder"]["layer1_0"]["conv1"]["kernel"]
-    m = dapperfl_masks(resnet_params, 0.5)["encoder"]["layer1_0"]["conv1"]["kernel"][0, 0, 0]
+    m = pruning_masks(resnet_params, 0.5)["encoder"]["layer1_0"]["conv1"]["kernel"][0, 0, 0]
     l1 = np.abs(np.asarray(k)).sum((0, 1, 2))
     assert l1[np.asarray(m) == 1].min() >= l1[np.asarray(m) == 0].max()
 
@@ -65,7 +68,7 @@ def test_fusion_schedule():
 def setup(**opts):
     data = make_data(list(COUNTS))
     trainer = make_trainer(epochs=opts.pop("epochs", 1))
-    alg = dapperfl(small_cnn(num_classes=4, width=4, hidden=(8,)), trainer, **opts)
+    alg = build_algorithm("dapperfl", small_cnn(num_classes=4, width=4, hidden=(8,)), trainer, **opts)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
     return alg, data, server, clients, trainer
 
@@ -92,7 +95,7 @@ def test_positions_pruned_everywhere_keep_the_previous_global_value():
     # entry 0: kept by both -> W + .25 (5 - 1) + .75 (9 - 1); entry 1: pruned by all -> 2; entry 2: only
     # client 0 keeps it -> W + .25 (7 - 3), not renormalised
     np.testing.assert_allclose(new["params"]["w"], [1 + 1 + 6, 2, 3 + 1])
-    zero_alg = dapperfl(small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), recover_mode="zero")
+    zero_alg = build_algorithm("dapperfl", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), recover_mode="zero")
     new0, _ = zero_alg.aggregate(srv, cl, jnp.array([1.0, 3.0]), info(0, [0, 1]))
     np.testing.assert_allclose(new0["params"]["w"], [0.25 * 5 + 0.75 * 9, 0.0, 0.25 * 7])
 
@@ -107,15 +110,15 @@ def test_clients_train_heterogeneous_masks_in_one_jit():
 
 def test_bad_options_are_named():
     with pytest.raises(ValueError, match="device_ratios"):
-        dapperfl(small_cnn(4), make_trainer(), device_ratios=(0.2, 1.5))
+        build_algorithm("dapperfl", small_cnn(4), make_trainer(), device_ratios=(0.2, 1.5))
     with pytest.raises(ValueError, match="recover_mode"):
-        dapperfl(small_cnn(4), make_trainer(), recover_mode="mean")
+        build_algorithm("dapperfl", small_cnn(4), make_trainer(), recover_mode="mean")
 
 
 def test_bn_channel_masks_follow_the_feeding_conv_output_channels(resnet_params):
     m = resnet10(10)
     stats = m.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)["batch_stats"]
-    masks = dapperfl_masks(resnet_params, 0.4)
+    masks = pruning_masks(resnet_params, 0.4)
     live = bn_channel_masks(masks, stats)
     enc, lenc = masks["encoder"], live["encoder"]
     for layer, conv, bn in (("layer1_0", "conv1", "bn1"), ("layer2_0", "conv2", "bn2"),
@@ -145,9 +148,9 @@ def test_bn_statistics_of_a_pruned_channel_follow_the_weights_rule():
     # channel 0: G + .25 (s_0 - G) (client 1 recovered); the others: the plain weighted mean .25 s_0 + .75 s_1
     np.testing.assert_allclose(new["batch_stats"]["encoder"]["bn1"]["mean"], [1 + 0.25 * 2] + [0.75] * (c - 1))
     np.testing.assert_allclose(new["batch_stats"]["encoder"]["bn1"]["var"], [2 + 0.25 * 2] + [1.0] * (c - 1))
-    old = dapperfl(small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), bn_stats="unmasked")
+    old = build_algorithm("dapperfl", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), bn_stats="unmasked")
     new_u, _ = old.aggregate(srv, cl, w, info(0, [0, 1]))
     np.testing.assert_allclose(new_u["batch_stats"]["encoder"]["bn1"]["mean"], [0.75] * c)
-    zero = dapperfl(small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), recover_mode="zero")
+    zero = build_algorithm("dapperfl", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), recover_mode="zero")
     new_z, _ = zero.aggregate(srv, cl, w, info(0, [0, 1]))  # pruned statistics averaged as zeros
     np.testing.assert_allclose(new_z["batch_stats"]["encoder"]["bn1"]["var"], [0.25 * 4] + [1.0] * (c - 1))

@@ -2,9 +2,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxfl.data import (DataConfig, dirichlet, iid, load_dataset, load_image_folder, load_npz, shards,
-                        split_like, stack_clients, to_channels, resize_images)
+from jaxfl.data.federated import DataConfig, load_dataset
+from jaxfl.data.partition import dirichlet, iid, shards, split_like
+from jaxfl.data.sources import load_image_folder, load_npz
+from jaxfl.data.transforms import resize_images, to_channels
 from jaxfl.errors import ConfigError, DataError
+
 
 LABELS = np.repeat(np.arange(10), 50)  # 500 samples, 50 per class
 
@@ -69,15 +72,6 @@ def test_split_like_follows_train_mix():
     assert _covers_once(t, 200)
     for tr, te in zip(p, t):
         assert set(np.unique(test_labels[te])) <= set(np.unique(LABELS[tr]))
-
-
-def test_stack_clients_pads_to_multiple():
-    clients = [(np.ones((5, 2, 2, 1), np.uint8), np.arange(5)), (np.ones((3, 2, 2, 1), np.uint8), np.arange(3))]
-    d = stack_clients(clients, multiple=4)
-    assert d.x.shape == (2, 8, 2, 2, 1) and list(d.count) == [5, 3]
-    assert d.x[1, 3:].sum() == 0
-    with pytest.raises(DataError, match="shape"):
-        stack_clients([clients[0], (np.ones((3, 4, 4, 1), np.uint8), np.arange(3))])
 
 
 def test_channel_and_size_conversion():
@@ -178,3 +172,45 @@ def test_tfds_missing_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake)
     with pytest.raises(DataError, match=r"pip install 'jaxfl\[tfds\]'"):
         load_dataset(DataConfig("tfds:mnist"))
+
+
+def test_text_windows_and_the_synthetic_text_preset():
+    from jaxfl.data import text
+    ids = text.encode("ab~c")  # an unknown character becomes a space
+    assert ids.tolist() == [text.LEAF_CHARS.index(c) for c in "ab c"] and len(text.LEAF_CHARS) == 80
+    x, y = text.windows(np.arange(10, dtype=np.int32), 4)
+    assert x.shape == (6, 4) and x[2].tolist() == [2, 3, 4, 5] and y.tolist() == [4, 5, 6, 7, 8, 9]
+    (tx, ty), (vx, vy) = text.text_client("abcdefghij" * 10, seq_len=5, test_fraction=0.2)
+    assert len(ty) == 80 - 5 and len(vy) == 20 - 5  # the test windows use only the last 20 characters
+    cfg = DataConfig("synthetic_text", num_clients=4, size_sigma=0.8)
+    ds, again = load_dataset(cfg), load_dataset(cfg)
+    assert ds.num_classes == 80 and ds.client_names == ["speaker0", "speaker1", "speaker2", "speaker3"]
+    for (x, y), (x2, _) in zip(ds.train, again.train):
+        assert x.dtype == np.int32 and x.shape[1] == 80 and 0 <= x.min() and x.max() < 80
+        np.testing.assert_array_equal(x[1:, :-1], x[:-1, 1:])  # consecutive windows
+        np.testing.assert_array_equal(y[:-1], x[1:, -1])      # the label is the next character
+        np.testing.assert_array_equal(x, x2)                  # seeded
+    sizes = [len(y) for _, y in ds.train]
+    assert len(set(sizes)) == 4  # log-normal client sizes
+    first = np.bincount(np.concatenate([y for _, y in ds.train[:1]]), minlength=80)
+    second = np.bincount(np.concatenate([y for _, y in ds.train[1:2]]), minlength=80)
+    assert np.abs(first / first.sum() - second / second.sum()).sum() > 0.1  # clients write differently
+
+
+def test_text_folder_and_leaf_json(tmp_path):
+    import json
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "hamlet.txt").write_text("To be, or not to be, that is the question. " * 20)
+    (tmp_path / "txt" / "lear.txt").write_text("Nothing will come of nothing. " * 20)
+    ds = load_dataset(DataConfig(f"text:{tmp_path / 'txt'}"))
+    assert ds.client_names == ["hamlet", "lear"] and all(len(y) > 0 for _, y in ds.test)
+    for split, n in (("train", 3), ("test", 1)):
+        (tmp_path / "leaf" / split).mkdir(parents=True)
+        users = {"A": {"x": ["a" * 80] * n, "y": ["b"] * n}, "B": {"x": ["c" * 80] * n, "y": ["d"] * n}}
+        (tmp_path / "leaf" / split / "all.json").write_text(json.dumps({"users": ["A", "B"], "user_data": users}))
+    leaf = load_dataset(DataConfig(f"leaf:{tmp_path / 'leaf'}"))
+    assert leaf.client_names == ["A", "B"] and [len(y) for _, y in leaf.train] == [3, 3]
+    from jaxfl.data.text import LEAF_CHARS
+    assert leaf.train[1][1].tolist() == [LEAF_CHARS.index("d")] * 3 and leaf.train[0][0].shape == (3, 80)
+    with pytest.raises(DataError, match="holds no .txt files"):
+        load_dataset(DataConfig(f"text:{tmp_path / 'leaf'}"))

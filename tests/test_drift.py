@@ -6,14 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from conftest import assert_trees_close, info, make_data, make_trainer, trained_rows
 
-from conftest import assert_trees_close, info, make_data, make_trainer
-from jaxfl import build_algorithm, init_state
+from jaxfl.algorithms import build_algorithm
+from jaxfl.algorithms._drift import optimizer_lr
 from jaxfl.algorithms.feddc import dc_term
 from jaxfl.algorithms.feddyn import dyn_term
-from jaxfl.algorithms.scaffold import optimizer_lr
-from jaxfl.engine import LocalTrainer, RoundInfo, aggregation_weights, client_keys, client_optimizer
+from jaxfl.core.cohort import client_keys
+from jaxfl.core.step import aggregation_weights, init_state
+from jaxfl.core.trainer import LocalTrainer, client_optimizer
+from jaxfl.core.types import RoundInfo, RunContext
 from jaxfl.models import small_cnn
+
 
 ROOT = jax.random.key(3)
 COUNTS = (24, 17, 9)
@@ -49,7 +53,7 @@ def setup(name, **opts):
     engine key and RoundInfo, then ``aggregate`` with sample weights). One client's jitted update serves the
     three: it compiles in about half the time of a whole cohort round (the engine path itself is covered by
     test_baselines' generic map/vmap test)."""
-    alg = build_algorithm(name, model(), trainer(), num_clients=len(COUNTS), **opts)
+    alg = build_algorithm(name, model(), trainer(), RunContext(num_clients=len(COUNTS)), **opts)
     server, clients = init_state(alg, jax.random.key(0), DATA.x[0], len(COUNTS))
     ids = jnp.arange(len(COUNTS))
 
@@ -83,8 +87,19 @@ def test_client_lr_is_read_from_the_optimizer():
     for tx, lr in [(client_optimizer("sgd", 0.02, momentum=0.9, weight_decay=1e-3), 0.02),
                    (client_optimizer("adam", 0.001), 0.001), (optax.sgd(0.1), 0.1)]:
         np.testing.assert_allclose(optimizer_lr(LocalTrainer(tx, 8, 1)), lr, rtol=1e-5)
-    assert optimizer_lr(trainer(), 0.3) == 0.3  # an explicit --scaffold.lr wins
-    assert optimizer_lr(LocalTrainer(optax.sgd(0.05), 8, 1, lr=0.07)) == 0.07  # the runner's --lr next
+    assert optimizer_lr(trainer(), 0.3) == 0.3  # an explicit --scaffold.lr (or the run's --lr) wins
+
+
+def test_the_runs_lr_reaches_the_control_variate_update():
+    # c_i+ = c_i - c + (x - y_i) / (K lr) with c_i = c = 0 and the same y_i: the run's lr (RunContext.lr, the
+    # runner's --lr) halved doubles c_i+; the optimizer's own lr (0.05) is the same in both
+    rows = []
+    for lr in (0.05, 0.1):
+        alg = build_algorithm("scaffold", model(), trainer(), RunContext(num_clients=len(COUNTS), lr=lr))
+        server, clients = init_state(alg, jax.random.key(0), DATA.x[0], len(COUNTS))
+        rows.append(trained_rows(alg, DATA, server, clients, ROOT))
+    assert_trees_close(rows[0]["c"], jax.tree_util.tree_map(lambda a: 2 * a, rows[1]["c"]), rtol=1e-5, atol=1e-7)
+    assert max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(rows[1]["c"])) > 1e-3
 
 
 def test_extra_loss_terms_match_numpy():
@@ -145,7 +160,7 @@ def test_scaffold_corrected_step_and_variate_updates_match_numpy():
 
 def test_scaffold_server_counts_all_clients_and_applies_the_global_lr():
     """Two of N = 5 clients report: c += (dc_1 + dc_4) / 5 (= |S|/N mean dc); x <- x + lr_g sum_i p_i dy_i."""
-    alg = build_algorithm("scaffold", model(), trainer(), num_clients=5, global_lr=0.5)
+    alg = build_algorithm("scaffold", model(), trainer(), RunContext(num_clients=5), global_lr=0.5)
     server, _ = alg.init(jax.random.key(0), DATA.x[0])
     rng = np.random.default_rng(2)
     server = dict(server, c=random_like(server["params"], rng))

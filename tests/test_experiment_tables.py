@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 from common import parse_seeds, plot_mean_accuracy, seed_root, seed_stats, seed_table, table  # noqa: E402
 

@@ -2,12 +2,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from conftest import assert_trees_close, run_rounds, setup_algorithm, trained_rows
-from jaxfl import blocks as B, make_evaluate
-from jaxfl.algorithms.fedavg import is_batchnorm
-from jaxfl.algorithms.fedpick import FedPickNet, FedPickOptions, PFSM
+
+from jaxfl import ops
+from jaxfl.algorithms._common import is_batchnorm
+from jaxfl.algorithms.fedpick import PFSM, FedPickNet, FedPickOptions
+from jaxfl.core.evaluate import make_evaluate
 from jaxfl.models import MLPHead, small_cnn
+
 
 ROOT = jax.random.key(11)
 COUNTS = (24, 17, 9)
@@ -140,7 +142,7 @@ def test_kl_reductions_differ_by_exactly_their_factors_and_the_paper_one_is_the_
     w = jnp.array([1.0, 1, 1, 1, 1, 0])  # 5 real samples, one padded
     base = fedpick_objective(out, y, w, 10.0, 0.001, 0.0)
     dis = {r: fedpick_objective(out, y, w, 10.0, 0.001, 10.0, r) - base for r in ("mean", "batchmean", "sum")}
-    per_sample = B.symmetric_kl(a_p, a_g)[:5]  # class sums of the real samples
+    per_sample = ops.losses.symmetric_kl(a_p, a_g)[:5]  # class sums of the real samples
     np.testing.assert_allclose(dis["mean"], 10.0 * per_sample.mean() / k, rtol=1e-5)
     np.testing.assert_allclose(dis["batchmean"], k * dis["mean"], rtol=1e-5)
     np.testing.assert_allclose(dis["sum"], 5 * dis["batchmean"], rtol=1e-5)

@@ -5,12 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_trees_close, info, make_data, make_trainer, round_function, run_rounds
 
-from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
-from jaxfl import build_algorithm, init_state
-from jaxfl.algorithms.fedselect import fedselect, is_maskable, mask_updates
-from jaxfl.algorithms.fedavg import path_mask
+from jaxfl.algorithms import build_algorithm
+from jaxfl.algorithms.fedselect import is_maskable, mask_updates
+from jaxfl.core.step import init_state
+from jaxfl.core.trees import path_mask
 from jaxfl.models import small_cnn
+
 
 ROOT = jax.random.key(3)
 COUNTS = (24, 17, 9)
@@ -33,7 +35,7 @@ def setup(model=None, **opts):
 
 
 def test_per_entry_mean_matches_a_hand_computed_three_client_example():
-    alg = fedselect(MLP(), make_trainer())
+    alg = build_algorithm("fedselect", MLP(), make_trainer())
     theta = jnp.array([[1., 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])
     personal = jnp.array([[0, 1, 0, 1], [0, 0, 1, 1], [1, 0, 0, 1]], bool)
     server = {"params": {"w": jnp.full(4, -1.0)}}
@@ -47,7 +49,7 @@ def test_per_entry_mean_matches_a_hand_computed_three_client_example():
 
 
 def test_personal_entries_are_untouched_and_the_last_round_does_not_aggregate():
-    alg = fedselect(MLP(), make_trainer())
+    alg = build_algorithm("fedselect", MLP(), make_trainer())
     theta = jax.random.normal(jax.random.key(1), (3, 50))
     personal = jax.random.bernoulli(jax.random.key(2), 0.4, (3, 50))
     clients = {"params": {"w": theta}, "mask": {"w": personal}, "pending": {"w": personal}}
@@ -62,7 +64,7 @@ def test_personal_entries_are_untouched_and_the_last_round_does_not_aggregate():
 def test_alpha_zero_is_fedavg_with_uniform_weights():
     data = make_data(list(COUNTS))
     trainer = make_trainer(lr=0.05, momentum=0.5)
-    select = fedselect(MLP(), trainer, alpha=0.0, grow_every=1)
+    select = build_algorithm("fedselect", MLP(), trainer, alpha=0.0, grow_every=1)
     avg = build_algorithm("fedavg", MLP(), trainer)
     outs = []
     for alg in (select, avg):
@@ -122,7 +124,7 @@ def test_mask_biases_lets_biases_grow_and_batch_stats_can_be_averaged():
 
 def test_masks_only_grow_on_schedule_and_uploads_shrink():
     alg, data, server, clients = setup(grow_every=2, alpha=0.5)
-    fn = jax.jit(__import__("jaxfl").make_round(alg, num_rounds=10))
+    fn = round_function(alg, num_rounds=10)
     masks, uploads = [], []
     s, c = server, clients
     for r in range(5):
@@ -150,6 +152,6 @@ def test_mask_updates_move_only_masked_entries():
 
 def test_bad_options_are_named():
     with pytest.raises(ValueError, match="alpha=1.5"):
-        fedselect(MLP(), make_trainer(), alpha=1.5)
+        build_algorithm("fedselect", MLP(), make_trainer(), alpha=1.5)
     with pytest.raises(ValueError, match="delta_ref"):
-        fedselect(MLP(), make_trainer(), delta_ref="start")
+        build_algorithm("fedselect", MLP(), make_trainer(), delta_ref="start")

@@ -6,15 +6,16 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import assert_trees_close, make_data, make_trainer, round_function, run_rounds, setup_algorithm
 
-from conftest import assert_trees_close, make_data, make_trainer, run_rounds, setup_algorithm
-from jaxfl import init_state
-from jaxfl.algorithms.fedavg import ce_loss, fedavg, in_part
-from jaxfl.algorithms.fedpac import alignment_loss, class_feature_sums, client_statistics, global_prototypes
-from jaxfl.blocks import head_weights, simplex_projection, simplex_qp
-from jaxfl.algorithms.fedrep import only
-from jaxfl.engine import client_keys
+from jaxfl.algorithms import build_algorithm
+from jaxfl.algorithms._common import ce_loss, class_feature_sums, in_part, only
+from jaxfl.algorithms.fedpac import alignment_loss, client_statistics, global_prototypes
+from jaxfl.core.cohort import client_keys
+from jaxfl.core.step import init_state
 from jaxfl.models import small_cnn
+from jaxfl.ops.qp import head_weights, simplex_projection, simplex_qp
+
 
 ROOT = jax.random.key(3)
 COUNTS = (24, 17, 9)
@@ -27,9 +28,8 @@ def model():
 @functools.lru_cache(maxsize=None)
 def history(name, **opts):
     """[(server, clients) after round 1, after round 2] of ``name`` from the common start (cached: jit once)."""
-    from jaxfl import make_round
     alg, data, server, clients = setup_algorithm(name, model(), COUNTS, options=opts)
-    fn, out = jax.jit(make_round(alg)), []
+    fn, out = round_function(alg), []
     for r in range(2):
         server, clients, _ = fn(server, clients, data, r, ROOT)
         out.append((server, clients))
@@ -50,7 +50,7 @@ def _fine_tune_fn():
     trainer = make_trainer()
 
     def one(server, epochs, x, y, count, key):
-        from jaxfl.engine import ClientData
+        from jaxfl.data.clients import ClientData
         t = dataclasses.replace(trainer, epochs=epochs)  # a traced epoch count: one compile for all
         p, s, _, _ = t.run(ce_loss(model()), server["params"], server["batch_stats"], trainer.tx.init(server["params"]),
                            ClientData(x, y, count), key)
@@ -110,7 +110,7 @@ def test_fedbabu_head_never_changes_and_the_body_is_fedavg_with_a_frozen_head():
         np.testing.assert_array_equal(a, b)
     # an independent computation: FedAvg whose optimizer gives the head zero updates
     trainer = make_trainer()
-    frozen = fedavg(model(), dataclasses.replace(trainer, tx=only(trainer.tx, in_part("encoder"))))
+    frozen = build_algorithm("fedavg", model(), dataclasses.replace(trainer, tx=only(trainer.tx, in_part("encoder"))))
     s, c = init_state(frozen, jax.random.key(0), data.x[0], len(COUNTS))
     ref, _, _ = run_rounds(frozen, data, s, c, ROOT, 2)
     assert_trees_close(server["params"], ref["params"], atol=1e-6, rtol=1e-5)
@@ -166,6 +166,9 @@ def test_simplex_projection_and_qp_against_brute_force():
     proj = np.asarray(jax.vmap(simplex_projection)(jnp.asarray(v, jnp.float32)))
     np.testing.assert_allclose(proj.sum(1), 1.0, atol=1e-6)
     assert np.all(proj >= 0)
+    import optax  # the same projection as optax's (which rounds theta differently)
+    np.testing.assert_allclose(proj, jax.vmap(optax.projections.projection_simplex)(jnp.asarray(v, jnp.float32)),
+                               atol=1e-6)
     for x, p in zip(v[:5], proj):  # the projection is the nearest point: no random simplex point is closer
         pts = rng.dirichlet(np.ones(5), 2000)
         assert np.sum((x - p) ** 2) <= np.min(np.sum((pts - x) ** 2, 1)) + 1e-6

@@ -5,15 +5,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_trees_close, make_data, make_trainer, padded_batch, round_function
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
-from conftest import assert_trees_close, make_data, make_trainer, padded_batch
-from jaxfl import build_algorithm, init_state, make_round
+from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms.fedsr import fedsr_loss, gaussian_representation, sampled_forward
 from jaxfl.algorithms.fpl import fpl_loss
-from jaxfl.blocks import cluster_prototypes, finch_partition, gaussian_cmi_bound, prototype_contrastive_loss
+from jaxfl.core.step import init_state
 from jaxfl.models import small_cnn
+from jaxfl.ops.clustering import cluster_prototypes, finch_partition
+from jaxfl.ops.losses import gaussian_cmi_bound, prototype_contrastive_loss
+
 
 ROOT = jax.random.key(3)
 COUNTS = (24, 17, 9)
@@ -31,7 +34,7 @@ def algorithm(name, **opts):
 def run(name, rounds, **opts):
     data = make_data(list(COUNTS))
     alg = algorithm(name, **opts)
-    step = jax.jit(make_round(alg, strategy="vmap"))
+    step = round_function(alg)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], data.num_clients)
     out = [(server, clients)]
     for r in range(rounds):

@@ -4,12 +4,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
-from jaxfl import build_algorithm, init_state
-from jaxfl.algorithms.fedtp import adapt_new_client, fedtp, split_qkv
-from jaxfl.hypernet import generate, hypernet_grads, hypernetwork
+
+from jaxfl.algorithms import build_algorithm
+from jaxfl.algorithms.fedtp import adapt_new_client, split_qkv
+from jaxfl.core.step import init_state
+from jaxfl.core.types import RunContext
 from jaxfl.models import small_cnn, vit_small
+from jaxfl.ops.hypernet import generate, hypernet_grads, hypernetwork
+
 
 ROOT = jax.random.key(4)
 COUNTS = (24, 17, 9, 12)
@@ -23,7 +26,7 @@ def vit():
 def setup(**opts):
     data = make_data(list(COUNTS))
     trainer = make_trainer(lr=0.05, momentum=0.5)
-    alg = fedtp(vit(), trainer, num_clients=len(COUNTS), **dict(HYPER, **opts))
+    alg = build_algorithm("fedtp", vit(), trainer, RunContext(num_clients=len(COUNTS)), **dict(HYPER, **opts))
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
     return alg, data, server, clients, trainer
 
@@ -72,7 +75,7 @@ def test_server_step_is_sgd_on_the_vjp_of_the_weight_changes_and_skips_unsampled
 def test_vanilla_without_personalization_is_fedavg_on_the_same_vit():
     data = make_data(list(COUNTS))
     trainer = make_trainer(lr=0.05, momentum=0.5)
-    ours = fedtp(vit(), trainer, variant="vanilla", personalize=False)
+    ours = build_algorithm("fedtp", vit(), trainer, variant="vanilla", personalize=False)
     avg = build_algorithm("fedavg", vit(), trainer)
     outs = []
     for alg in (ours, avg):
@@ -100,14 +103,14 @@ def test_new_client_learns_only_an_embedding():
 
 def test_needs_a_vit():
     with pytest.raises(ValueError, match="ViT"):
-        fedtp(small_cnn(4), make_trainer(), num_clients=3)
+        build_algorithm("fedtp", small_cnn(4), make_trainer(), RunContext(num_clients=3))
 
 
 def test_the_hypernetwork_variants_need_their_tables_size():
     # client ids index the embedding table; a table built too small would serve every later id its last row
-    from jaxfl.algorithms import pfedhn
-    for build in (lambda **kw: fedtp(vit(), make_trainer(), **kw), lambda **kw: pfedhn(small_cnn(4), make_trainer(), **kw)):
+    for build in (lambda ctx: build_algorithm("fedtp", vit(), make_trainer(), ctx),
+                  lambda ctx: build_algorithm("pfedhn", small_cnn(4), make_trainer(), ctx)):
         for bad in (None, 0, 2.0):
             with pytest.raises(ValueError, match="num_clients"):
-                build(num_clients=bad)
-    fedtp(vit(), make_trainer(), variant="vanilla")  # no table: no size needed
+                build(RunContext(num_clients=bad))
+    build_algorithm("fedtp", vit(), make_trainer(), variant="vanilla")  # no table: no size needed

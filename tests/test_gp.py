@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfl import gp
+from jaxfl.ops import gp
 
 
 @pytest.mark.parametrize("c", [0.0, 1.0, 3.0, -2.0])
@@ -161,7 +161,7 @@ def test_predictive_gradient_equals_autodiff_of_the_explicit_formula():
 
 LIVENESS = """
 import jax, jax.numpy as jnp
-from jaxfl import gp
+from jaxfl.ops import gp
 n = 300
 z = jax.random.normal(jax.random.key(0), (n, 16))
 y0, valid = jnp.arange(n) % 2 == 0, jnp.ones(n, bool)

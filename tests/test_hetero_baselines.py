@@ -4,14 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import assert_trees_close, info, run_rounds, setup_algorithm
-from jaxfl.engine import make_cohort_update
-from jaxfl.algorithms.dapperfl import dapperfl_masks
+
+from jaxfl.algorithms._submodel import forward_layers, pruning_masks, width_masks
 from jaxfl.algorithms.feddrop import random_units
-from jaxfl.algorithms.heterofl import forward_layers, width_masks
 from jaxfl.algorithms.nefl import submodel_of_level
+from jaxfl.core.step import cohort_train
 from jaxfl.models import resnet10_slim, small_cnn
+
 
 ROOT = jax.random.key(4)
 COUNTS = (24, 17, 9)
@@ -32,7 +32,7 @@ def resnet():
 
 def trained_rows(alg, data, server, clients, root):
     """Every client's trained row of round 0 (jitted: the engine's cohort update, before aggregation)."""
-    update = jax.jit(make_cohort_update(alg, strategy="vmap"))
+    update = jax.jit(cohort_train(alg, strategy="vmap"))
     return update(server, clients, data, jnp.arange(data.num_clients), 0, root)[0]
 
 
@@ -106,7 +106,7 @@ def test_small_cnn_flatten_and_client_levels():
     _, _, s_mp, _, rows_mp = setup_rows("fedmp")
     m = rows_mp["mask"]
     for i, rho in enumerate((0.0, 0.2, 0.4)):  # FedMP prunes the global model at the client's level
-        assert_trees_close(jax.tree_util.tree_map(lambda a: a[i], m), dapperfl_masks(s_mp["params"], rho), atol=0)
+        assert_trees_close(jax.tree_util.tree_map(lambda a: a[i], m), pruning_masks(s_mp["params"], rho), atol=0)
     assert submodel_of_level((0.04, 0.16, 0.36, 0.64, 1.0), (0.0, 0.2, 0.4, 0.6, 0.8)) == (4, 3, 2, 1, 0)
 
 

@@ -3,8 +3,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfl.models import BatchNorm, build_model, conv2d_matmul, count_params, digits_cnn, max_pool2
+from jaxfl.core.trees import count_params
 from jaxfl.errors import ConfigError
+from jaxfl.models import BatchNorm, build_model, conv2d_matmul, digits_cnn, max_pool2
 
 
 @pytest.mark.parametrize("stride,padding,k", [(1, 2, 5), (1, 1, 3), (2, 1, 3), (4, 2, 11)])
@@ -41,7 +42,7 @@ def test_max_last_value_and_gradient_to_the_first_argmax():
 def test_jitted_gradient_of_a_masked_conv_pool_net_equals_eager_and_finite_differences():
     # Regression: with the default max gradient (winner found by comparing the input with the max again),
     # XLA:CPU recomputed the input with other rounding and this gradient was 45% off under jit.
-    from jaxfl.losses import cross_entropy, weighted_mean_loss
+    from jaxfl.core.metrics import cross_entropy, weighted_mean_loss
     from jaxfl.models import small_cnn
     model = small_cnn(num_classes=4, width=4)
     rng = np.random.default_rng(0)
@@ -109,9 +110,9 @@ def test_unknown_model_lists_valid():
 
 
 # --- backbones for the paper comparisons -----------------------------------------------------------------
-from jaxfl.metrics import count_params as count_kept  # noqa: E402
-from jaxfl.models import (adaptive_avg_pool, alexnet_bn, max_pool, resnet10, resnet10_slim, resnet18,
-                          vit_small)  # noqa: E402
+from jaxfl.core.trees import count_params as count_kept  # noqa: E402
+from jaxfl.models import (adaptive_avg_pool, alexnet_bn, max_pool, resnet10, resnet10_slim, resnet18,  # noqa: E402
+                          vit_small)
 
 
 @pytest.mark.parametrize("factory,shape,expected", [
@@ -128,6 +129,58 @@ def test_parameter_counts(factory, shape, expected):
     v = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(shape))
     assert count_kept(v["params"]) == expected
     assert jax.eval_shape(model.apply, v, jnp.zeros(shape)).shape == (1, 10)
+
+
+@pytest.mark.parametrize("name,x,expected,classes", [
+    ("logreg", jnp.zeros((2, 28, 28, 1)), 7_850, 10),              # 784 x 10 + 10
+    ("mlp_2nn", jnp.zeros((2, 28, 28, 1)), 199_210, 10),           # McMahan et al.: 784-200-200-10
+    ("femnist_cnn", jnp.zeros((2, 28, 28, 1)), 6_603_710, 62),     # LEAF: 832 + 51,264 + 6,424,576 + 127,038
+    ("char_lstm", jnp.zeros((2, 80), jnp.int32), 817_872, 80),     # LEAF: 640 + 271,360 + 525,312 + 20,560
+])
+def test_small_models_have_their_papers_sizes(name, x, expected, classes):
+    model = build_model(name, classes)
+    v = jax.eval_shape(model.init, jax.random.key(0), x)
+    assert count_kept(v["params"]) == expected
+    assert jax.eval_shape(model.apply, v, x).shape == (2, classes)
+
+
+def test_char_lstm_reads_token_order_and_only_the_last_step_feeds_the_head():
+    model = build_model("char_lstm", 80)
+    x = jax.random.randint(jax.random.key(1), (3, 20), 0, 80)
+    v = model.init(jax.random.key(0), x)
+    out = model.apply(v, x)
+    assert not np.allclose(out, model.apply(v, x[:, ::-1]), atol=1e-6)  # order matters
+    z = model.apply(v, x, method="features")
+    assert z.shape == (3, 256)
+    np.testing.assert_allclose(out, z @ v["params"]["head"]["fc1"]["linear"]["kernel"]
+                               + v["params"]["head"]["fc1"]["linear"]["bias"], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_char_lstm_matches_flax_lstm_cells_in_values_and_gradients():
+    # the default LSTM layer (input projections hoisted, hand-written VJP) against nn.RNN(OptimizedLSTMCell):
+    # the same parameter tree and initial values, the same logits and gradients; under vmap over clients too
+    from jaxfl.models import CharLSTMEncoder, Classifier, MLPHead
+    fused = build_model("char_lstm", 80)
+    ref = Classifier(CharLSTMEncoder(impl="flax", unroll=1), MLPHead((), 80))
+    x = jax.random.randint(jax.random.key(1), (4, 2, 13), 0, 80)  # 4 clients x 2 sequences of 13 characters
+    y = jax.random.randint(jax.random.key(2), (4, 2), 0, 80)
+    v = fused.init(jax.random.key(0), x[0])
+    v_ref = ref.init(jax.random.key(0), x[0])
+    assert jax.tree_util.tree_structure(v) == jax.tree_util.tree_structure(v_ref)
+    for a, b in zip(jax.tree_util.tree_leaves(v), jax.tree_util.tree_leaves(v_ref)):
+        np.testing.assert_array_equal(a, b)
+    stacked = jax.tree_util.tree_map(lambda a: jnp.stack([a * (1 + 0.1 * i) for i in range(4)]), v["params"])
+
+    def loss(model):
+        def f(p, x, y):
+            logits = model.apply({"params": p}, x)
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+        return jax.jit(jax.vmap(jax.value_and_grad(f)))
+
+    (l1, g1), (l2, g2) = loss(fused)(stacked, x, y), loss(ref)(stacked, x, y)
+    np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(b))))
 
 
 def test_pools_match_reference_windows():

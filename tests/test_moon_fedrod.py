@@ -4,15 +4,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import assert_trees_close, info, make_data, make_trainer, padded_batch, round_function
 
-from conftest import assert_trees_close, info, make_data, make_trainer, padded_batch
-from jaxfl import build_algorithm, init_state, make_round
-from jaxfl.algorithms.fedavg import init_variables
+from jaxfl.algorithms import build_algorithm
+from jaxfl.algorithms._common import init_variables, logits_and_representation
 from jaxfl.algorithms.fedrod import fedrod_loss, real_mean
-from jaxfl.blocks import balanced_softmax_ce, class_log_prior
-from jaxfl.algorithms.moon import logits_and_representation, moon_loss
-from jaxfl.engine import ClientData, make_cohort_update
+from jaxfl.algorithms.moon import moon_loss
+from jaxfl.core.step import cohort_train, init_state
+from jaxfl.data.clients import ClientData
 from jaxfl.models import small_cnn
+from jaxfl.ops.losses import balanced_softmax_ce, class_log_prior
+
 
 ROOT = jax.random.key(3)
 COUNTS = (24, 17, 9)
@@ -30,7 +32,7 @@ def algorithm(name, **opts):
 
 @functools.lru_cache(maxsize=None)
 def round_fn(name, **opts):
-    return jax.jit(make_round(algorithm(name, **opts), strategy="vmap"))
+    return round_function(algorithm(name, **opts))
 
 
 def balanced_data():
@@ -62,17 +64,24 @@ def cos(a, b):
 
 # ---------------------------------------------------------------------------------------------------- MOON
 
-def test_moon_with_mu_zero_equals_fedavg_and_each_client_keeps_the_model_it_trained():
-    data = make_data(list(COUNTS))
-    avg = run("fedavg", data, 2)
-    # MOON's round from its parts: the cohort's local updates, then its aggregate
-    alg = algorithm("moon", mu=0.0)
-    update = jax.jit(make_cohort_update(alg))
+def round_parts(name, data, rounds, **opts):
+    """[(server, clients, trained rows)] per round from a round's parts: the cohort's local updates (jitted),
+    then the algorithm's aggregate, with every client in the cohort and sample weights."""
+    alg = algorithm(name, **opts)
+    update = jax.jit(cohort_train(alg))
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
-    ids, w = jnp.arange(len(COUNTS)), jnp.asarray(COUNTS, jnp.float32)
-    for r in range(2):
+    ids, w, out = jnp.arange(len(COUNTS)), jnp.asarray(COUNTS, jnp.float32), []
+    for r in range(rounds):
         trained, _ = update(server, clients, data, ids, r, ROOT)
         server, clients = alg.aggregate(server, trained, w, info(r, list(range(len(COUNTS)))))
+        out.append((server, clients, trained))
+    return out
+
+
+def test_moon_with_mu_zero_equals_fedavg_and_each_client_keeps_the_model_it_trained():
+    data = make_data(list(COUNTS))
+    avg = round_parts("fedavg", data, 2)
+    for r, (server, clients, trained) in enumerate(round_parts("moon", data, 2, mu=0.0)):
         # the previous model a client keeps is exactly the model it trained (params and BN statistics)
         assert leaves_equal(clients["prev"], trained)
         kernel = np.asarray(trained["params"]["head"]["fc2"]["linear"]["kernel"])

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxfl import distributed
+from jaxfl.core import distributed
 from jaxfl.errors import ConfigError
+
 
 SCRIPT = Path(__file__).with_name("multihost_check.py")
 
@@ -54,6 +55,6 @@ def test_initialize_rejects_bad_arguments(kwargs, match):
 
 
 def test_cli_rejects_bad_process_id(capsys):
-    from jaxfl.cli import main
+    from jaxfl.run.cli import main
     assert main(["run", "--num-processes", "2", "--process-id", "5", "--coordinator-address", "localhost:1"]) == 2
     assert "process_id=5 must be in [0, 2)" in capsys.readouterr().err

@@ -5,9 +5,9 @@ import time
 import numpy as np
 import pytest
 
-from jaxfl.data.partition import (PARTITIONS, _repair, client_sizes, dirichlet, dirichlet_quantity, iid,
-                                  partition)
+from jaxfl.data.partition import PARTITIONS, _repair, client_sizes, dirichlet, dirichlet_quantity, iid, partition
 from jaxfl.errors import ConfigError, DataError
+
 
 BIG = np.repeat(np.arange(10), 5000)  # 50,000 samples, 10 classes x 5,000
 SMALL = np.repeat(np.arange(10), 50)  # 500 samples

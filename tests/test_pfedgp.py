@@ -5,13 +5,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import evaluator, make_trainer
 
-from conftest import make_trainer
-from jaxfl import build_algorithm
+from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms.pfedgp import class_tree, predict_half, two_means_split
-from jaxfl.engine import ClientData, make_evaluate
+from jaxfl.core.evaluate import make_evaluate
+from jaxfl.data.clients import ClientData
 from jaxfl.models import small_cnn
-from jaxfl.reliability import reliability_report
+from jaxfl.run.reliability import reliability_report
+
 
 FAST = dict(train_draws=4, test_draws=6, gibbs_steps=3)
 
@@ -99,7 +101,7 @@ def test_a_client_predicts_its_own_classes_from_its_training_set_and_padding_cha
     assert float(ev["accuracy"][0]) >= 0.9  # an untrained network still separates these; the GP does the rest
     with pytest.raises(ValueError, match="training set"):
         make_evaluate(alg, eval_batch_size=8)(server, {}, test)
-    rep = reliability_report(alg, server, {}, test, jax.random.key(2), eval_batch_size=8, train=train)
+    rep = reliability_report(evaluator(alg, test, train), server, {}, jax.random.key(2))
     np.testing.assert_allclose(rep["accuracy"][0], float(ev["accuracy"][0]), atol=1 / 16 + 1e-6)
     assert np.isfinite(rep["ece"][0]) and len(rep["u_clean"][0]) == 16
     # the probabilities: absent classes 0, the client's two sum to 1
@@ -125,7 +127,7 @@ def test_a_client_predicts_its_own_classes_from_its_training_set_and_padding_cha
 
 
 def test_cli_runs_pfedgp(tmp_path, capsys):
-    from jaxfl.cli import main
+    from jaxfl.run.cli import main
     cfg = tmp_path / "run.toml"
     cfg.write_text('algorithm = "pfedgp"\nrounds = 1\nmodel = "small_cnn"\nimage_size = 12\n'
                    'samples_per_client = 20\ntest_per_client = 16\nbatch_size = 16\neval_batch_size = 16\n'
@@ -136,8 +138,8 @@ def test_cli_runs_pfedgp(tmp_path, capsys):
 
 
 def test_an_experiment_reports_pfedgp_reliability_from_each_clients_training_set(tmp_path):
-    from jaxfl.config import RunConfig
-    from jaxfl.runner import Experiment
+    from jaxfl.run.config import RunConfig
+    from jaxfl.run.runner import Experiment
     exp = Experiment(RunConfig(algorithm="pfedgp", rounds=1, model="small_cnn", image_size=12, samples_per_client=20,
                                test_per_client=16, batch_size=16, eval_batch_size=16, out=str(tmp_path / "run"),
                                options={"pfedgp": {"train_draws": 4, "test_draws": 4, "gibbs_steps": 2,
@@ -145,4 +147,4 @@ def test_an_experiment_reports_pfedgp_reliability_from_each_clients_training_set
     result = exp.run()
     rep = exp.reliability(result.server, result.clients, jax.random.key(3))
     np.testing.assert_allclose(np.mean(rep["accuracy"]), result.history[-1]["mean_accuracy"], atol=0.1)
-    assert len(rep["accuracy"]) == exp.test.num_clients and all(np.isfinite(rep["auroc_noisy"]))
+    assert len(rep["accuracy"]) == exp.test_data.num_clients and all(np.isfinite(rep["auroc_noisy"]))

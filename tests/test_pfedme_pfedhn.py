@@ -2,14 +2,16 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
-from jaxfl import build_algorithm, init_state
-from jaxfl.algorithms.fedavg import ce_loss, init_variables
-from jaxfl.algorithms.pfedhn import TargetLayout, pfedhn
-from jaxfl.algorithms.pfedme import pfedme
-from jaxfl.hypernet import hypernetwork
+
+from jaxfl.algorithms import build_algorithm
+from jaxfl.algorithms._common import ce_loss, init_variables
+from jaxfl.algorithms.pfedhn import TargetLayout
+from jaxfl.core.step import init_state
+from jaxfl.core.types import RunContext
 from jaxfl.models import small_cnn
+from jaxfl.ops.hypernet import hypernetwork
+
 
 ROOT = jax.random.key(5)
 COUNTS = (16, 11, 6)
@@ -42,7 +44,7 @@ def test_pfedme_with_one_inner_step_and_eta_lambda_one_is_fedavg():
     """K = 1 and eta * lambda = 1: theta_1 = w - plr grad f(w) and w <- w - eta lambda (w - theta_1) = theta_1, so
     each client takes plain SGD(plr) steps and beta = 1 averages them: FedAvg with lr plr (theta = w throughout)."""
     data = make_data(list(COUNTS))
-    ours = pfedme(model(), make_trainer(lr=0.5, momentum=0.0), lam=2.0, inner_steps=1, personal_lr=0.05)
+    ours = build_algorithm("pfedme", model(), make_trainer(lr=0.5, momentum=0.0), lam=2.0, inner_steps=1, personal_lr=0.05)
     avg = build_algorithm("fedavg", model(), make_trainer(lr=0.05, momentum=0.0))
     s_ours, _, _ = run_rounds(ours, data, *init(ours, data), ROOT, rounds=2)
     s_avg, _, _ = run_rounds(avg, data, *init(avg, data), ROOT, rounds=2)
@@ -53,7 +55,7 @@ def test_pfedme_with_lambda_zero_keeps_w_and_trains_theta_locally():
     """lambda = 0: w never moves (the server stays at its start) and theta is plain local SGD(plr) from w, i.e.
     the first round of local training (K = 1)."""
     data = make_data(list(COUNTS))
-    ours = pfedme(model(), make_trainer(lr=0.05, momentum=0.5), lam=0.0, inner_steps=1, personal_lr=0.05)
+    ours = build_algorithm("pfedme", model(), make_trainer(lr=0.05, momentum=0.5), lam=0.0, inner_steps=1, personal_lr=0.05)
     loc = build_algorithm("local", model(), make_trainer(lr=0.05, momentum=0.0))
     server, clients = init(ours, data)
     s1, c1, _ = run_rounds(ours, data, server, clients, ROOT, rounds=1)
@@ -67,7 +69,7 @@ def test_pfedme_one_local_step_against_a_hand_computation():
     theta <- theta - plr (g(theta) + lam (theta - w) + mu theta), then w <- w - eta lam (w - theta_2)."""
     lam, plr, mu, eta = 3.0, 0.1, 0.01, 0.05
     data = make_data([6])
-    alg = pfedme(model(), make_trainer(lr=eta, momentum=0.0), lam=lam, inner_steps=2, personal_lr=plr, mu=mu)
+    alg = build_algorithm("pfedme", model(), make_trainer(lr=eta, momentum=0.0), lam=lam, inner_steps=2, personal_lr=plr, mu=mu)
     server, clients = init(alg, data)
     row, metrics = jax.jit(alg.local_update)(server, tmap(lambda a: a[0], clients), data.take(0),
                                              jax.random.key(1), info(0, 0))
@@ -94,7 +96,7 @@ def test_pfedme_server_mixes_with_beta_and_clients_keep_and_predict_with_theta()
     theta_i (and its statistics) and predicts with it."""
     beta = 2.0
     data = make_data(list(COUNTS))
-    alg = pfedme(model(), make_trainer(), beta=beta)
+    alg = build_algorithm("pfedme", model(), make_trainer(), beta=beta)
     server, _ = init(alg, data)
     keys = jax.random.split(jax.random.key(9), 4)
     noisy = lambda k, tree: tmap(lambda a: a[None] + jax.random.normal(k, (3,) + a.shape), tree)
@@ -121,12 +123,12 @@ def test_pfedme_server_mixes_with_beta_and_clients_keep_and_predict_with_theta()
 
 # ---------------------------------------------------------------------------------------------------- pFedHN
 
-HN = dict(num_clients=len(COUNTS), embed_dim=3, hyper_hidden=8, hyper_layers=1)
+HN = dict(embed_dim=3, hyper_hidden=8, hyper_layers=1)
 
 
 def hn_setup(**opts):
     data = make_data(list(COUNTS))
-    alg = pfedhn(model(), make_trainer(), **dict(HN, **opts))
+    alg = build_algorithm("pfedhn", model(), make_trainer(), RunContext(num_clients=len(COUNTS)), **dict(HN, **opts))
     return alg, data, *init(alg, data)
 
 

@@ -1,18 +1,23 @@
 """RFedDis: model size, what is shared, reduction to FedBN with an evidential head, annealing, prediction and
 reliability reporting."""
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_trees_close, evaluator, make_data, make_trainer, setup_algorithm
 
-import conftest
-from conftest import assert_trees_close, make_data, make_trainer, setup_algorithm
-from jaxfl import blocks as B
-from jaxfl import init_state, make_evaluate, predict_proba, reliability_report
-from jaxfl.algorithms.fedavg import is_batchnorm, masked_averaging
-from jaxfl.algorithms.rfeddis import RFedDisNet, fused_alpha, rfeddis
-from jaxfl.metrics import count_params
+from jaxfl import ops
+from jaxfl.algorithms import build_algorithm
+from jaxfl.algorithms._averaging import masked_averaging
+from jaxfl.algorithms._common import is_batchnorm
+from jaxfl.algorithms.rfeddis import RFedDisNet, fused_alpha
+from jaxfl.core.evaluate import make_evaluate
+from jaxfl.core.step import init_state
+from jaxfl.core.trees import count_params
 from jaxfl.models import MLPHead, digits_cnn, small_cnn
+from jaxfl.run.reliability import predict_proba, reliability_report
+
 
 ROOT = jax.random.key(5)
 T = 4  # the runs' total rounds: the annealing horizon lam(t) = min(1, t / T)
@@ -81,14 +86,14 @@ def test_without_local_head_and_dis_it_is_fedbn_with_an_evidential_head():
                                mutable=["batch_stats"])
         lam = jnp.minimum(1.0, info.round / rounds)
         alpha = jax.nn.softplus(z) + 1.0
-        per = B.cross_entropy(z, y) + B.dirichlet_ce(alpha, y) + lam * B.kl_to_uniform(
-            B.remove_true_evidence(alpha, y))
+        per = ops.losses.cross_entropy(z, y) + ops.evidential.dirichlet_ce(alpha, y) + lam * ops.evidential.kl_to_uniform(
+            ops.evidential.remove_true_evidence(alpha, y))
         return jnp.sum(w * per) / jnp.maximum(jnp.sum(w), 1.0), (updated["batch_stats"], z)
 
     trainer = make_trainer()
     ref = masked_averaging("fedbn_edl", net, trainer, share_param=lambda p: not is_batchnorm(p),
                            share_stats=False, loss_uses_info=True, loss=evidential_loss)
-    ours = rfeddis(net, trainer, use_local_head=False, use_dis=False)
+    ours = build_algorithm("rfeddis", net, trainer, use_local_head=False, use_dis=False)
     data = make_data(list(COUNTS))
     outs = []
     for alg in (ref, ours):
@@ -118,9 +123,9 @@ def test_fusion_sum_and_head_ce_switches_change_the_loss():
 def test_fused_alpha_is_dempster_shafer_or_summed_logits():
     z_g, z_l = jax.random.normal(jax.random.key(1), (2, 5, 4))
     out = {"z_g": z_g, "z_l": z_l}
-    np.testing.assert_allclose(fused_alpha(out), B.ds_combine(B.dirichlet_alpha(z_g), B.dirichlet_alpha(z_l)))
-    np.testing.assert_allclose(fused_alpha(out, "sum"), B.dirichlet_alpha(z_g + z_l))
-    np.testing.assert_allclose(fused_alpha({"z_g": z_g}), B.dirichlet_alpha(z_g))
+    np.testing.assert_allclose(fused_alpha(out), ops.evidential.ds_combine(ops.evidential.dirichlet_alpha(z_g), ops.evidential.dirichlet_alpha(z_l)))
+    np.testing.assert_allclose(fused_alpha(out, "sum"), ops.evidential.dirichlet_alpha(z_g + z_l))
+    np.testing.assert_allclose(fused_alpha({"z_g": z_g}), ops.evidential.dirichlet_alpha(z_g))
 
 
 def test_prediction_reports_fused_probability_and_uncertainty():
@@ -130,14 +135,14 @@ def test_prediction_reports_fused_probability_and_uncertainty():
     probs, u = predict_proba(alg, s, c, 1, x)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
     # by hand: alpha_F from client 1's merged variables
-    from jaxfl.trees import fill
+    from jaxfl.core.trees import fill
     client = jax.tree_util.tree_map(lambda a: a[1], c)  # its personal leaves; the rest is the server's
-    from jaxfl.trees import leaf_paths, prune
+    from jaxfl.core.trees import leaf_paths, prune
     personal = jax.tree_util.tree_map(lambda m: not m, alg_masks(s))
     assert leaf_paths(client) == leaf_paths(prune({k: s[k] for k in personal}, personal))
     variables = {k: fill(s[k], client[k]) for k in ("params", "batch_stats")}
     net = RFedDisNet(model().encoder, MLPHead((8,), 4), MLPHead((8,), 4))
-    from jaxfl.engine import normalizer
+    from jaxfl.core.trainer import normalizer
     alpha = fused_alpha(net.apply(variables, normalizer()(x), train=False))
     np.testing.assert_allclose(u, 4.0 / alpha.sum(-1), rtol=1e-5)
     np.testing.assert_allclose(probs, alpha / alpha.sum(-1, keepdims=True), rtol=1e-5)
@@ -146,7 +151,7 @@ def test_prediction_reports_fused_probability_and_uncertainty():
 
 
 def alg_masks(server):
-    from jaxfl.algorithms.fedavg import path_mask
+    from jaxfl.core.trees import path_mask
     share = lambda p: not is_batchnorm(p) and p[0] in ("encoder", "head")
     return {"params": path_mask(server["params"], share), "batch_stats": path_mask(server["batch_stats"], lambda p: False)}
 
@@ -155,7 +160,7 @@ def test_reliability_report_with_no_noise_and_no_shift_is_chance_level_separatio
     alg, data, server, clients = setup()
     s, c, _ = run_rounds(alg, data, server, clients, ROOT, rounds=2)
     test = make_data(list(COUNTS), m=24, seed=1)
-    rep = reliability_report(alg, s, c, test, jax.random.key(0), noise_sigma=0.0, ood_shift=3, eval_batch_size=8)
+    rep = reliability_report(evaluator(alg, test), s, c, jax.random.key(0), noise_sigma=0.0, ood_shift=3)
     np.testing.assert_allclose(rep["auroc_noisy"], 0.5)  # identical inputs: every pair ties
     np.testing.assert_allclose(rep["auroc_other"], 0.5)  # shift by N: each client sees its own inputs
     np.testing.assert_allclose(rep["uncertainty_noisy"], rep["uncertainty"], rtol=1e-6)
@@ -164,5 +169,5 @@ def test_reliability_report_with_no_noise_and_no_shift_is_chance_level_separatio
     np.testing.assert_allclose(rep["uncertainty"], ev["uncertainty"], rtol=1e-5)
     assert [len(u) for u in rep["u_clean"]] == list(COUNTS)
     assert all(0 <= e <= 1 for e in rep["ece"])
-    noisy = reliability_report(alg, s, c, test, jax.random.key(0), noise_sigma=5.0, eval_batch_size=8)
+    noisy = reliability_report(evaluator(alg, test), s, c, jax.random.key(0), noise_sigma=5.0)
     assert not np.allclose(noisy["uncertainty_noisy"], noisy["uncertainty"])

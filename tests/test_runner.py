@@ -4,12 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import assert_trees_close
-from jaxfl.cli import main
-from jaxfl.config import RunConfig
+
 from jaxfl.errors import ConfigError, NonFiniteError
-from jaxfl.runner import Experiment, summarize
+from jaxfl.run.cli import main
+from jaxfl.run.config import RunConfig
+from jaxfl.run.runner import Experiment, summarize
+
 
 TINY = dict(dataset="default", model="small_cnn", image_size=12, samples_per_client=40, test_per_client=30,
             batch_size=16, eval_batch_size=32, lr=0.05)
@@ -107,22 +108,22 @@ def test_resume_drops_a_torn_last_line_and_refuses_a_log_that_disagrees(tmp_path
 def test_nan_stops_with_round_and_client_and_keeps_last_checkpoint(tmp_path):
     cfg = RunConfig(algorithm="local", rounds=5, out=str(tmp_path), checkpoint_every=1, **TINY)
     exp = Experiment(cfg)
-    clean_round = exp.round_fn
+    clean_rounds = exp.run_rounds
 
-    def poisoned_round(server, store, r, **kw):
-        if r == 2:  # before round 3, client 1's state turns NaN (as a diverging client's would)
+    def poisoned_rounds(server, store, first, count):
+        if first == 2:  # before round 3, client 1's state turns NaN (as a diverging client's would)
             store.set(jax.tree_util.tree_map(
                 lambda a: np.asarray(a).copy() if not np.issubdtype(a.dtype, np.floating) else
                 np.where(np.arange(len(a)).reshape((-1,) + (1,) * (a.ndim - 1)) == 1, np.nan, a), store.state))
-        return clean_round(server, store, r, **kw)
-    exp.round_fn = poisoned_round
+        return clean_rounds(server, store, first, count)
+    exp.run_rounds = poisoned_rounds
     with pytest.raises(NonFiniteError, match=r"in round 3 on client\(s\) sk-digits-photo;.*last good checkpoint: round 2"):
         exp.run()
     kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert kept[-1] == 2
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     # the last good checkpoint restores and holds finite numbers
-    from jaxfl.checkpoint import Checkpointer
+    from jaxfl.run.checkpoint import Checkpointer
     server, store = exp.init()
     server, clients = Checkpointer(tmp_path / "checkpoints").restore(2, server, store.state)
     assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves((server, clients)))
@@ -143,7 +144,7 @@ def test_summary_names_last_best_mean_and_per_client_best():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'; valid: local, fedavg, fedbn"),
+    (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'; valid: dapperfl, ditto, fedavg"),
     (["--dataset", "svhn"], "unknown dataset 'svhn'; valid: default, digits, pacs"),
     (["--momentum", "1.5"], "momentum=1.5 is outside [0.0, 1.0]"),
     (["--participation", "0"], "participation=0.0 is outside (0.0, 1.0]"),
@@ -196,7 +197,7 @@ def test_algorithm_options_come_from_the_algorithms_table():
     ({"algorithm": "dapperfl", "dapperfl": {"device_ratios": [0.2, 1.5]}}, "dapperfl.device_ratios=1.5 must be in"),
 ])
 def test_bad_algorithm_options_are_named(values, message):
-    from jaxfl.config import validate
+    from jaxfl.run.config import validate
     with pytest.raises(ConfigError) as e:
         validate(RunConfig.from_dict(values))
     assert message in str(e.value)
@@ -224,7 +225,8 @@ def test_cli_options_are_addressed_by_algorithm(tmp_path, capsys):
 
 def test_client_optimizer_follows_pytorch_and_fedtp_gets_its_papers_weight_decay(tmp_path):
     import optax
-    from jaxfl.engine import client_optimizer
+
+    from jaxfl.core.trainer import client_optimizer
     w, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, 0.5])}
     tx = client_optimizer("sgd", lr=0.1, momentum=0.0, weight_decay=0.01)
     upd, _ = tx.update(g, tx.init(w), w)
@@ -257,3 +259,40 @@ def test_eval_point_local_evaluates_each_model_right_after_its_local_training():
     np.testing.assert_array_equal(sel_local[1], sel_agg[1])
     with pytest.raises(ConfigError, match="every client must train every round"):
         Experiment(RunConfig(algorithm="fedselect", eval_point="local", clients_per_round=2, **TINY))
+
+
+def _strip_time(history):
+    return [{k: v for k, v in h.items() if k not in ("time_s", "compile_s", "host_share")} for h in history]
+
+
+def test_rounds_kept_on_the_device_give_the_same_run_for_any_rounds_per_call_and_resume(tmp_path):
+    # K = 4 rounds per call, evaluation every 3 rounds and checkpoints every 2 cut the calls into 2, 1, 1, 2, ...
+    # rounds: the same numbers, bit for bit, as one round per call; and a resumed run too
+    base = dict(algorithm="fedbn", backend="stacked", rounds=7, eval_every=3, clients_per_domain=2,
+                clients_per_round=4, **TINY)
+    one = Experiment(RunConfig(rounds_per_call=1, **base)).run()
+    four = Experiment(RunConfig(rounds_per_call=4, out=str(tmp_path / "k4"), checkpoint_every=2, **base)).run()
+    assert _strip_time(one.history) == _strip_time(four.history)
+    assert_trees_close((one.server, one.clients), (four.server, four.clients), atol=0, rtol=0)
+    assert [h["round"] for h in four.history if "test_accuracy" in h] == [3, 6, 7]
+    assert all(0.0 <= h["host_share"] <= 1.0 for h in four.history)
+    part = Experiment(RunConfig(rounds_per_call=4, out=str(tmp_path / "part"), checkpoint_every=2,
+                                **dict(base, rounds=4))).run()
+    resumed = Experiment(RunConfig(rounds_per_call=4, out=str(tmp_path / "part"), checkpoint_every=2, resume=True,
+                                   **base)).run()
+    # (the shorter run evaluated after its last round, 4; the rounds' training is the same)
+    train_only = lambda hs: [{k: v for k, v in h.items() if not k.startswith("test_") and "accuracy" not in k or
+                              k == "train_accuracy"} for h in _strip_time(hs)]
+    assert len(part.history) == 4 and train_only(resumed.history) == train_only(one.history)
+    assert _strip_time(resumed.history)[4:] == _strip_time(one.history)[4:]
+    assert_trees_close((one.server, one.clients), (resumed.server, resumed.clients), atol=0, rtol=0)
+
+
+def test_the_backends_agree_through_the_runner_and_rounds_per_call_needs_the_stacked_one():
+    runs = [Experiment(RunConfig(algorithm="fedbn", rounds=3, backend=b, clients_per_round=2, **TINY)).run()
+            for b in ("stacked", "ragged")]
+    assert [h["clients_trained"] for h in runs[0].history] == [h["clients_trained"] for h in runs[1].history]
+    np.testing.assert_allclose(runs[0].history[-1]["test_accuracy"], runs[1].history[-1]["test_accuracy"], atol=0.05)
+    assert_trees_close(runs[0].clients, runs[1].clients, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ConfigError, match="rounds_per_call=4 keeps rounds on the device: it needs --backend stacked"):
+        Experiment(RunConfig(rounds_per_call=4, backend="ragged", **TINY))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxfl.distributed import client_mesh
+from jaxfl.core.distributed import client_mesh
 
 
 def test_sharded_rounds_equal_single_device_rounds():

@@ -7,9 +7,9 @@ In round t (0-based r = t - 1) it loads the global model W (params and BN statis
    "l2", the code) or ||z||_2^2 ("sq_l2", the paper);
 2. fuses w = a_t W + (1 - a_t) w_hat, a_t = max((1 - eps)^r alpha0, alpha_min), skipped when r = 0 (W is then
    the random init) or when ``use_fusion`` is off (the released code never fuses);
-3. builds its mask M_i from the fused weights at ratio rho_i (``dapperfl_masks``: the spec's per-layer rules);
+3. builds its mask M_i from the fused weights at ratio rho_i (``pruning_masks``: the spec's per-layer rules);
 4. trains E - 1 more epochs of the masked model (the forward pass always uses w * M; momentum carries over).
-The server recovers and averages in one masked reduction (``blocks.recovered_mean``):
+The server recovers and averages in one masked reduction (``core.aggregation.recovered_mean``):
 
     W <- W + sum_i p_i M_i (w_i - W),  p_i = n_i / sum_j n_j            (``recover_mode="global"``, Eq. 6-7)
 
@@ -28,63 +28,25 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..aggregation import recovered_mean, tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..losses import cross_entropy, feature_norm, weighted_mean_loss
-from ..errors import ConfigError
-from ..masks import channel_mask, in_out_channel_mask, magnitude_mask, tree_count, tree_density
-from ..options import Options, option
-from ..trees import map_with_paths
-from .fedavg import global_model_predictors, init_variables, leaf_paths
+from ..core.aggregation import recovered_mean, tree_weighted_mean
+from ..core.metrics import cross_entropy, weighted_mean_loss
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.trees import leaf_paths, map_with_paths
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ..ops.losses import feature_norm
+from ..ops.masks import tree_count, tree_density
+from ._common import global_model_predictors, init_variables
+from ._registry import register
+from ._submodel import DEVICE_RATIOS, check_ratios, client_ratio, pruning_masks
+
 
 RECOVER_MODES = ("global", "zero")
 BN_STATS = ("follow", "unmasked")
-DEVICE_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8)  # capability levels C1..C5 (paper section 4)
-
-
-def client_ratio(ratios, info: RoundInfo):
-    """rho of the client: its device level ``ratios[id mod L]``; ratios [L] -> []."""
-    return ratios[info.client_id % ratios.shape[0]]
-
-
 def fusion_coefficient(round_idx, alpha0: float = 0.9, alpha_min: float = 0.1, eps: float = 0.2):
     """a = max((1 - eps)^r alpha0, alpha_min) for the 0-based round r (0.9, 0.72, 0.576, ... then 0.1)."""
     return jnp.maximum((1.0 - eps) ** jnp.asarray(round_idx, jnp.float32) * alpha0, alpha_min)
-
-
-def dapperfl_masks(params, ratio):
-    """The spec's per-layer pruning masks (0/1 floats of params' structure) at ``ratio`` (may be traced):
-
-    - stem conv and stem BN (paths with "stem"), biases: never pruned;
-    - the first block's first conv (``layer1_0/conv1``) and the first shortcut conv: output channels only
-      (L1 norm over the other axes);
-    - every other conv kernel: input mask x output mask, each at ``ratio`` (L1), the output channels scored on
-      the input-masked kernel (the released code's two ``ln_structured`` calls; the spec says "independently",
-      which torch does not do);
-    - BN scales (not the stem's): unstructured, the round(ratio C) smallest |gamma| are zeroed;
-    - the final Dense kernel [in, K] of the head: input rows by their L2 norm over the outputs.
-    Kept per group: n - round(ratio n) (half to even), the largest scores; ties keep the lower index.
-    """
-    paths = leaf_paths(params)
-    first_shortcut = next((p for p in paths if p[-2:] == ("conv_shortcut", "kernel")), None)
-    head_kernels = [p for p in paths if p[0] == "head" and p[-1] == "kernel"]
-    last_head = head_kernels[-1] if head_kernels else None
-
-    def rule(path, leaf):
-        name = path[-1]
-        if name == "bias" or any("stem" in k for k in path):
-            return jnp.ones_like(leaf)
-        if name == "scale":
-            return magnitude_mask(leaf, ratio)
-        if name != "kernel":
-            return jnp.ones_like(leaf)
-        if path == last_head:
-            return channel_mask(leaf, ratio, axis=0, ord=2)
-        if path[-2:] == ("conv1", "kernel") and "layer1_0" in path or path == first_shortcut:
-            return channel_mask(leaf, ratio, axis=-1, ord=1)
-        return in_out_channel_mask(leaf, ratio, ord=1)
-
-    return map_with_paths(rule, params)
 
 
 def bn_channel_masks(mask, batch_stats):
@@ -124,14 +86,14 @@ class DapperFLOptions(Options):
     alpha_min: float = option(0.1, "floor of the fusion weight", lo=0.0, hi=1.0)
     fusion_eps: float = option(0.2, "decay of the fusion weight per round", lo=0.0, hi=1.0)
 
+    def check(self) -> None:
+        check_ratios("dapperfl", self.device_ratios, below_one=False)
 
-def dapperfl(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(DapperFLOptions)
+def dapperfl(model, trainer: LocalTrainer, o: DapperFLOptions, ctx: RunContext) -> Algorithm:
     """DapperFL on a ``Classifier`` (encoder features z = the DAR input); options: ``DapperFLOptions``.
     ``trainer.epochs`` = E: 1 dense epoch, then E - 1 masked ones. ``device_ratios``: rho per capability
     level, client i gets level i mod len."""
-    o = DapperFLOptions(**options).validate()
-    if not o.device_ratios:
-        raise ConfigError("dapperfl.device_ratios must hold at least one ratio in [0, 1]")
     device_ratios, gamma, use_fusion, recover_mode, dar_norm = (o.device_ratios, o.gamma, o.use_fusion,
                                                                 o.recover_mode, o.dar_norm)
     alpha0, alpha_min, fusion_eps, bn_stats = o.alpha0, o.alpha_min, o.fusion_eps, o.bn_stats
@@ -165,7 +127,7 @@ def dapperfl(model, trainer: LocalTrainer, **options) -> Algorithm:
         if use_fusion:
             a = jnp.where(info.round > 0, fusion_coefficient(info.round, alpha0, alpha_min, fusion_eps), 0.0)
             params = jax.tree_util.tree_map(lambda g, w: a * g + (1.0 - a) * w, server["params"], params)
-        mask = dapperfl_masks(params, rho)
+        mask = pruning_masks(params, rho)
         params = jax.tree_util.tree_map(jnp.multiply, params, mask)
         metrics = m_dense
         if trainer.epochs > 1:

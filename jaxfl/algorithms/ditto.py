@@ -13,10 +13,13 @@ import dataclasses
 
 import jax
 
-from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer
-from ..options import Options, option
-from .fedavg import ce_loss, init_variables
+from ..core.aggregation import tree_weighted_mean
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RunContext
+from ..data.clients import ClientData
+from ._common import ce_loss, init_variables
+from ._registry import register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +29,9 @@ class DittoOptions(Options):
     lam: float = option(0.1, "lambda, the weight of lambda/2 ||v - w_global||^2 on the personal model", lo=0.0)
 
 
-def ditto(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(DittoOptions)
+def ditto(model, trainer: LocalTrainer, o: DittoOptions, ctx: RunContext) -> Algorithm:
     """Ditto with personal regularisation ``lam`` (lambda)."""
-    o = DittoOptions(**options).validate()
     global_loss, personal_loss = ce_loss(model), ce_loss(model, prox_mu=o.lam)
 
     def init(key, sample_x):

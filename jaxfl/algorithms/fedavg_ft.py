@@ -1,7 +1,7 @@
 """FedAvg+FT: FedAvg, each client evaluated with the global model fine-tuned on its own data.
 
 A baseline of FedSelect's comparison (Table 1; fedselect spec section 5 and note 17: "FedAvg+FT fine-tunes
-for E epochs before evaluation"). Training is FedAvg unchanged (``fedavg.fedavg``): client i starts round t from
+for E epochs before evaluation"). Training is FedAvg unchanged (``fedavg``): client i starts round t from
 the global model w^t, runs the trainer's E epochs of weighted CE, the server averages every parameter and BN
 statistic with the engine's weights, w^{t+1} = sum_i p_i w_i^t. Fine-tuning never reaches the server.
 
@@ -32,58 +32,13 @@ No official code: FedSelect's authors' baseline code is not public; the fine-tun
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
-from ..engine import Algorithm, ClientData, LocalTrainer
-from ..options import Options, option
-from .fedavg import ce_loss, fedavg, in_part, model_variables
-from .fedrep import only
-
-
-def with_fine_tuning(base: Algorithm, model, trainer: LocalTrainer, ft_epochs: int, *, start: Callable,
-                     parts: tuple[str, ...] | None = None, reuse_trained: bool = False,
-                     name: str | None = None) -> Algorithm:
-    """``base`` whose clients are evaluated with a model fine-tuned from the global model they received.
-
-    start(server, base_client) -> {"params", "batch_stats"}: the model a client fine-tunes from (its round's
-        starting model). parts: the parameter groups fine-tuned ("encoder", "head"; None: all).
-    reuse_trained: the base's trained row *is* the fine-tune (same start, loss, epochs, key): keep it.
-    Client state: {"base": the base's client state, "tuned": the fine-tuned model}; the base's server unchanged.
-    The fine-tuning run uses the client's round key (so for FedAvg with ft_epochs = E it equals the training).
-    """
-    name = name or base.name
-    if ft_epochs == 0:
-        return base._replace(name=name)
-    tx = trainer.tx if parts is None else only(trainer.tx, in_part(*parts))
-    ft = dataclasses.replace(trainer, tx=tx, epochs=ft_epochs)
-    loss = ce_loss(model)
-
-    def init(key, sample_x):
-        server, client = base.init(key, sample_x)
-        return server, {"base": client, "tuned": start(server, client)}
-
-    def local_update(server, client, data: ClientData, key, info):
-        trained, metrics = base.local_update(server, client["base"], data, key, info)
-        if reuse_trained:
-            tuned = model_variables(trained)
-        else:
-            v = start(server, client["base"])
-            p, s, _, ft_metrics = ft.run(loss, v["params"], v["batch_stats"], tx.init(v["params"]), data, key)
-            tuned = {"params": p, "batch_stats": s}
-            metrics = dict(metrics, ft_loss=ft_metrics["loss"])
-        return {"base": trained, "tuned": tuned}, metrics
-
-    def aggregate(server, trained, weights, info):
-        server, clients = base.aggregate(server, trained["base"], weights, info)
-        return server, {"base": clients, "tuned": trained["tuned"]}
-
-    def predict(server, client, x, client_id=None):
-        return model.apply(client["tuned"], x, train=False)
-
-    def predict_trained(server, trained, x, client_id=None):
-        return model.apply(trained["tuned"], x, train=False)
-
-    return Algorithm(name, init, local_update, aggregate, predict, predict_trained)
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RunContext
+from ._common import model_variables, with_fine_tuning
+from ._registry import register
+from .fedavg import FedAvgOptions, fedavg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +50,11 @@ class FedAvgFTOptions(Options):
                                          "0: plain FedAvg)", minimum=0)
 
 
-def fedavg_ft(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(FedAvgFTOptions)
+def fedavg_ft(model, trainer: LocalTrainer, o: FedAvgFTOptions, ctx: RunContext) -> Algorithm:
     """FedAvg+FT: FedAvg, each client evaluated with w^t fine-tuned ``ft_epochs`` epochs (None: E)."""
-    o = FedAvgFTOptions(**options).validate()
     epochs = trainer.epochs if o.ft_epochs is None else o.ft_epochs
     # FedAvg's clients keep nothing: the model each starts from (and fine-tunes) is the server's
     start = lambda server, client: model_variables(server)
-    return with_fine_tuning(fedavg(model, trainer), model, trainer, epochs, start=start,
+    return with_fine_tuning(fedavg(model, trainer, FedAvgOptions(), ctx), model, trainer, epochs, start=start,
                             reuse_trained=epochs == trainer.epochs, name="fedavg_ft")

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer
-from ..options import Options, option
-from .fedavg import ce_loss, in_part, init_variables
-from .fedavg_ft import with_fine_tuning
-from .fedrep import only
+from ..core.aggregation import tree_weighted_mean
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RunContext
+from ..data.clients import ClientData
+from ._common import ce_loss, in_part, init_variables, only, with_fine_tuning
+from ._registry import register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +76,10 @@ def fedbabu_body(model, trainer: LocalTrainer) -> Algorithm:
     return Algorithm("fedbabu", init, local_update, aggregate, predict, predict_trained)
 
 
-def fedbabu(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(FedBABUOptions)
+def fedbabu(model, trainer: LocalTrainer, o: FedBABUOptions, ctx: RunContext) -> Algorithm:
     """FedBABU: body-only federated training under a frozen random head; evaluation after ``ft_epochs`` of
     fine-tuning (``ft_part``: "full" or "head") from the global model."""
-    o = FedBABUOptions(**options).validate()
     start = lambda server, client: server
     return with_fine_tuning(fedbabu_body(model, trainer), model, trainer, o.ft_epochs, start=start,
                             parts=None if o.ft_part == "full" else ("head",), name="fedbabu")

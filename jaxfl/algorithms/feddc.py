@@ -43,19 +43,22 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..options import Options, option
-from ..trees import tree_vdot, tree_zeros
-from .fedavg import ce_loss, global_model_predictors, init_variables, model_variables
-from .scaffold import cohort_sum_over_n, control_variate, optimizer_lr, tmap
+from ..core.aggregation import tree_weighted_mean
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ._common import ce_loss, global_model_predictors, init_variables, model_variables
+from ._drift import cohort_sum_over_n, control_variate, optimizer_lr
+from ._registry import register
 
 
 def dc_term(params, anchor, drift, correction, alpha: float):
     """FedDC's extra loss alpha/2 ||w + h_i - theta||^2 + <G - G_i, w> (``correction`` = G - G_i)."""
-    gap = tmap(lambda w, h, t: w + h - t, params, drift, anchor)
-    return 0.5 * alpha * tree_vdot(gap, gap) + tree_vdot(correction, params)
+    gap = jax.tree_util.tree_map(lambda w, h, t: w + h - t, params, drift, anchor)
+    return 0.5 * alpha * optax.tree.vdot(gap, gap) + optax.tree.vdot(correction, params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,22 +71,22 @@ class FedDCOptions(Options):
                               "client optimizer's)", lo=0.0, lo_open=True)
 
 
-def feddc(model, trainer: LocalTrainer, num_clients: int | None = None, **options) -> Algorithm:
-    """FedDC with drift penalty ``alpha``; num_clients: N, the run's client count (None: every client takes part
+@register(FedDCOptions)
+def feddc(model, trainer: LocalTrainer, o: FedDCOptions, ctx: RunContext) -> Algorithm:
+    """FedDC with drift penalty ``alpha``; ctx.num_clients: N, the run's client count (None: every client takes part
     in every round); options: ``FedDCOptions``."""
-    o = FedDCOptions(**options).validate()
-    alpha, lr = o.alpha, optimizer_lr(trainer, o.lr, "feddc")
+    alpha, lr = o.alpha, optimizer_lr(trainer, ctx.lr if o.lr is None else o.lr, "feddc")
     ce = ce_loss(model)
 
     def init(key, sample_x):
         variables = init_variables(model, trainer, key, sample_x)
-        zeros = tree_zeros(variables["params"])
+        zeros = optax.tree.zeros_like(variables["params"])
         return dict(variables, drift_mean=zeros, g=zeros), {"drift": zeros, "g": zeros}
 
     def local_update(server, client, data: ClientData, key, info: RoundInfo):
         theta = server["params"]
         anchor, drift = jax.lax.stop_gradient(theta), jax.lax.stop_gradient(client["drift"])
-        correction = jax.lax.stop_gradient(tmap(jnp.subtract, server["g"], client["g"]))  # G - G_i
+        correction = jax.lax.stop_gradient(jax.tree_util.tree_map(jnp.subtract, server["g"], client["g"]))  # G - G_i
 
         def loss_fn(p, s, xb, yb, w, k):
             loss, aux = ce(p, s, xb, yb, w, k)
@@ -91,17 +94,18 @@ def feddc(model, trainer: LocalTrainer, num_clients: int | None = None, **option
 
         params, stats, _, metrics = trainer.run(loss_fn, theta, server["batch_stats"], trainer.tx.init(theta),
                                                 data, key)
-        delta = tmap(jnp.subtract, params, theta)
+        delta = jax.tree_util.tree_map(jnp.subtract, params, theta)
         g_new = control_variate(client["g"], server["g"], theta, params, metrics["steps"], lr)
         return {"params": params, "batch_stats": stats, "delta": delta,
-                "drift": tmap(jnp.add, client["drift"], delta), "g": g_new,
-                "dg": tmap(jnp.subtract, g_new, client["g"])}, metrics
+                "drift": jax.tree_util.tree_map(jnp.add, client["drift"], delta), "g": g_new,
+                "dg": jax.tree_util.tree_map(jnp.subtract, g_new, client["g"])}, metrics
 
     def aggregate(server, clients, weights, info: RoundInfo):
         avg = tree_weighted_mean(model_variables(clients), weights)
-        drift_mean = tmap(jnp.add, server["drift_mean"], cohort_sum_over_n(clients["delta"], weights, num_clients))
-        g = tmap(jnp.add, server["g"], cohort_sum_over_n(clients["dg"], weights, num_clients))
-        params = tmap(jnp.add, avg["params"], drift_mean)
+        drift_mean = jax.tree_util.tree_map(jnp.add, server["drift_mean"],
+                                            cohort_sum_over_n(clients["delta"], weights, ctx.num_clients))
+        g = jax.tree_util.tree_map(jnp.add, server["g"], cohort_sum_over_n(clients["dg"], weights, ctx.num_clients))
+        params = jax.tree_util.tree_map(jnp.add, avg["params"], drift_mean)
         return ({"params": params, "batch_stats": avg["batch_stats"], "drift_mean": drift_mean, "g": g},
                 {"drift": clients["drift"], "g": clients["g"]})
 

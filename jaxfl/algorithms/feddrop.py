@@ -4,7 +4,7 @@ learning by reducing client resource requirements"): each client trains a random
 Official code: the paper released none, and the DapperFL repository (github.com/jyzgh/DapperFL @ d02b3b2) ships
 only its hyperparameters (``utils/best_args.py``: ``'feddrop': {'pr_strategy': '0.6'}``, i.e. one uniform drop
 ratio 0.6 for every client; the paper's App. A: "a uniform compression ratio for all clients"). This follows the
-paper's method on jaxfl's sub-model machinery (``heterofl.py``).
+paper's method on jaxfl's sub-model machinery (``_submodel.py``).
 
 Round t, client i with drop ratio rho_i = ``device_ratios[i mod L]``: by default DapperFL's capability levels
 (0, 0.2, 0.4, 0.6, 0.8), as the other sub-model baselines; the ``digits`` / ``office`` presets are DapperFL's
@@ -32,11 +32,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..engine import Algorithm, LocalTrainer
-from ..masks import keep_largest
-from ..options import Options, option
-from .dapperfl import DEVICE_RATIOS, client_ratio
-from .heterofl import CNN_MODELS, check_ratios, submodel_algorithm, unit_masks_to_params
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RunContext
+from ..ops.masks import keep_largest
+from ._registry import register
+from ._submodel import CNN_MODELS, DEVICE_RATIOS, check_ratios, client_ratio, submodel_algorithm, unit_masks_to_params
 
 
 def random_units(layers, key, ratio):
@@ -65,12 +66,14 @@ class FedDropOptions(Options):
                                                      "..., 0.8; digits / office: 0.6 for all, DapperFL's runs)",
                                                      lo=0.0, hi=1.0)
 
+    def check(self) -> None:
+        if self.device_ratios is not None:
+            check_ratios("feddrop", self.device_ratios)
 
-def feddrop(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(FedDropOptions)
+def feddrop(model, trainer: LocalTrainer, o: FedDropOptions, ctx: RunContext) -> Algorithm:
     """Federated Dropout on a CNN ``Classifier``; options: ``FedDropOptions``."""
-    o = FedDropOptions(**options).validate()
     device_ratios = DEVICE_RATIOS if o.device_ratios is None else o.device_ratios
-    check_ratios("feddrop", device_ratios)
     ratios = jnp.asarray(device_ratios, jnp.float32)
 
     def masks(layers, v, data, key, info, labels):

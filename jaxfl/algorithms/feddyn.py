@@ -42,18 +42,22 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..options import Options, option
-from ..trees import tree_sq_distance, tree_vdot, tree_zeros
-from .fedavg import ce_loss, global_model_predictors, init_variables, model_variables
-from .scaffold import cohort_sum_over_n, tmap
+from ..core.aggregation import tree_weighted_mean
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ._common import ce_loss, global_model_predictors, init_variables, model_variables
+from ._drift import cohort_sum_over_n
+from ._registry import register
 
 
 def dyn_term(params, anchor, drift, alpha: float):
     """FedDyn's extra loss alpha <h_i, w> + alpha/2 ||w - theta||^2 (= -<grad_i, w> + alpha/2 ||w - theta||^2)."""
-    return alpha * tree_vdot(drift, params) + 0.5 * alpha * tree_sq_distance(params, anchor)
+    sq_distance = optax.tree.norm(optax.tree.sub(params, anchor), squared=True)
+    return alpha * optax.tree.vdot(drift, params) + 0.5 * alpha * sq_distance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +69,16 @@ class FedDynOptions(Options):
                           lo=0.0)
 
 
-def feddyn(model, trainer: LocalTrainer, num_clients: int | None = None, **options) -> Algorithm:
-    """FedDyn with regulariser weight ``alpha``; num_clients: N, the run's client count (None: every client
+@register(FedDynOptions)
+def feddyn(model, trainer: LocalTrainer, o: FedDynOptions, ctx: RunContext) -> Algorithm:
+    """FedDyn with regulariser weight ``alpha``; ctx.num_clients: N, the run's client count (None: every client
     takes part in every round); options: ``FedDynOptions``."""
-    o = FedDynOptions(**options).validate()
     alpha = o.alpha
     ce = ce_loss(model)
 
     def init(key, sample_x):
         variables = init_variables(model, trainer, key, sample_x)
-        zeros = tree_zeros(variables["params"])
+        zeros = optax.tree.zeros_like(variables["params"])
         return dict(variables, drift_mean=zeros), {"drift": zeros}
 
     def local_update(server, client, data: ClientData, key, info: RoundInfo):
@@ -87,14 +91,15 @@ def feddyn(model, trainer: LocalTrainer, num_clients: int | None = None, **optio
 
         params, stats, _, metrics = trainer.run(loss_fn, theta, server["batch_stats"], trainer.tx.init(theta),
                                                 data, key)
-        delta = tmap(jnp.subtract, params, theta)
+        delta = jax.tree_util.tree_map(jnp.subtract, params, theta)
         return {"params": params, "batch_stats": stats, "delta": delta,
-                "drift": tmap(jnp.add, client["drift"], delta)}, metrics
+                "drift": jax.tree_util.tree_map(jnp.add, client["drift"], delta)}, metrics
 
     def aggregate(server, clients, weights, info: RoundInfo):
         avg = tree_weighted_mean(model_variables(clients), weights)
-        drift_mean = tmap(jnp.add, server["drift_mean"], cohort_sum_over_n(clients["delta"], weights, num_clients))
-        params = tmap(jnp.add, avg["params"], drift_mean)
+        drift_mean = jax.tree_util.tree_map(jnp.add, server["drift_mean"],
+                                            cohort_sum_over_n(clients["delta"], weights, ctx.num_clients))
+        params = jax.tree_util.tree_map(jnp.add, avg["params"], drift_mean)
         return ({"params": params, "batch_stats": avg["batch_stats"], "drift_mean": drift_mean},
                 {"drift": clients["drift"]})
 

@@ -9,7 +9,7 @@ pruning and recovery machinery its baselines share (``models/dapperfl.py`` ``_re
 ``models/utils/federated_model.py`` ``aggregate_nets``). So FedMP here is DapperFL's pruning rule without
 fusion and without DAR, applied to the global model before local training (FedMP prunes at the server):
 
-1. M_i = ``dapperfl_masks(W, rho_i)``: L1 filter ranking (input x output channels) for conv kernels, L2 input
+1. M_i = ``pruning_masks(W, rho_i)``: L1 filter ranking (input x output channels) for conv kernels, L2 input
    rows of the output layer, unstructured |gamma| for BatchNorm scales; stem and biases kept;
    rho_i = ``device_ratios[i mod L]``;
 2. the client trains w * M_i (start w = W * M_i) for E epochs with plain CE;
@@ -29,13 +29,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..aggregation import recovered_mean, tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..masks import tree_count, tree_density
-from ..options import Options, option
-from .dapperfl import DEVICE_RATIOS, client_ratio, dapperfl_masks
-from .fedavg import init_variables, model_variables
-from .heterofl import check_ratios, masked_loss
+from ..core.aggregation import recovered_mean, tree_weighted_mean
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ..ops.masks import tree_count, tree_density
+from ._common import init_variables, model_variables
+from ._registry import register
+from ._submodel import DEVICE_RATIOS, check_ratios, client_ratio, masked_loss, pruning_masks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +48,12 @@ class FedMPOptions(Options):
     device_ratios: tuple[float, ...] = option(DEVICE_RATIOS, "pruning ratio per device level, comma-separated; "
                                               "client i gets level i mod len", lo=0.0, hi=1.0)
 
+    def check(self) -> None:
+        check_ratios("fedmp", self.device_ratios)
 
-def fedmp(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(FedMPOptions)
+def fedmp(model, trainer: LocalTrainer, o: FedMPOptions, ctx: RunContext) -> Algorithm:
     """FedMP on a ``Classifier``; options: ``FedMPOptions``."""
-    o = FedMPOptions(**options).validate()
-    check_ratios("fedmp", o.device_ratios)
     ratios = jnp.asarray(o.device_ratios, jnp.float32)
 
     def init(key, sample_x):
@@ -58,7 +61,7 @@ def fedmp(model, trainer: LocalTrainer, **options) -> Algorithm:
 
     def local_update(server, client, data: ClientData, key, info: RoundInfo):
         rho = client_ratio(ratios, info)
-        mask = dapperfl_masks(server["params"], rho)  # pruned from the global model, before training
+        mask = pruning_masks(server["params"], rho)  # pruned from the global model, before training
         params = jax.tree_util.tree_map(jnp.multiply, server["params"], mask)
         opt = trainer.tx.init(params)
         params, stats, _, metrics = trainer.run(masked_loss(model, mask), params, server["batch_stats"], opt,

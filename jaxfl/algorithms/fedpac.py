@@ -44,37 +44,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..aggregation import head_weights, tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..losses import cross_entropy, weighted_mean_loss
-from ..options import Options, option
-from .fedavg import ce_loss, in_part, init_variables, model_variables
-from .fedrep import only
-
+from ..core.aggregation import tree_weighted_mean
+from ..core.metrics import cross_entropy, weighted_mean_loss
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ..ops.qp import head_weights
+from ._common import ce_loss, class_feature_sums, in_part, init_variables, model_variables, only
+from ._registry import register
 
 
 # -- feature statistics and prototypes ---------------------------------------------------------------------
-def class_feature_sums(model, variables, data: ClientData, num_classes: int, batch_size: int, preprocess):
-    """Over a client's real samples, in evaluation mode: S1 [C, d] = sum_{y=k} z, S2 [C] = sum_{y=k} ||z||^2,
-    N [C] = #{y = k}, with z = f(x) the encoder output; in batches, skipping the padding."""
-    b, m = batch_size, data.y.shape[0]
-    n_steps = (data.count + b - 1) // b
-
-    def step(t, sums):
-        idx = t * b + jnp.arange(b)
-        w = (idx < data.count).astype(jnp.float32)
-        idx = jnp.minimum(idx, m - 1)
-        z = model.apply(variables, preprocess(data.x[idx]), train=False, method="features")
-        onehot = jax.nn.one_hot(data.y[idx], num_classes) * w[:, None]
-        s1, s2, n = sums
-        return s1 + onehot.T @ z, s2 + onehot.T @ jnp.sum(z * z, -1), n + jnp.sum(onehot, 0)
-
-    d = jax.eval_shape(lambda x: model.apply(variables, preprocess(x), train=False, method="features"),
-                       data.x[:1]).shape[-1]
-    zeros = (jnp.zeros((num_classes, d)), jnp.zeros(num_classes), jnp.zeros(num_classes))
-    return jax.lax.fori_loop(0, n_steps, step, zeros)
-
-
 def client_statistics(S1, S2, N):
     """(v, H, mu) of ``statistics_extraction`` from the class sums: n = sum N, p = N / n, mu_k = S1_k / N_k
     (0 for an absent class), v = (sum_k p_k S2_k / N_k - sum_k p_k^2 ||mu_k||^2) / n, H = p[:, None] mu."""
@@ -127,9 +108,9 @@ def head_part(variables):
     return {k: {p: v for p, v in variables[k].items() if p == "head"} for k in ("params", "batch_stats")}
 
 
-def fedpac(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(FedPACOptions)
+def fedpac(model, trainer: LocalTrainer, o: FedPACOptions, ctx: RunContext) -> Algorithm:
     """FedPAC: shared body aligned to global class prototypes, personal heads combined by a simplex QP."""
-    o = FedPACOptions(**options).validate()
     head_tx, body_tx = only(trainer.tx, in_part("head")), only(trainer.tx, in_part("encoder"))
     head_trainer = dataclasses.replace(trainer, tx=head_tx, epochs=o.head_epochs)
     body_trainer = dataclasses.replace(trainer, tx=body_tx)

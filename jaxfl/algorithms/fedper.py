@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..engine import Algorithm
-from .fedavg import LocalBNOption, in_part, keep_bn_local, masked_averaging
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RunContext
+from ._averaging import LocalBNOption, keep_bn_local, masked_averaging
+from ._common import in_part
+from ._registry import register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,8 +21,8 @@ class FedPerOptions(LocalBNOption):
     sharing = ("encoder (body)", "head")
 
 
-def fedper(model, trainer, **options) -> Algorithm:
+@register(FedPerOptions)
+def fedper(model, trainer: LocalTrainer, o: FedPerOptions, ctx: RunContext) -> Algorithm:
     """FedPer: share ``encoder``, keep ``head`` personal; ``local_bn`` also keeps BatchNorm personal."""
-    o = FedPerOptions(**options).validate()
     share = keep_bn_local(in_part("encoder"), o.local_bn)
     return masked_averaging("fedper", model, trainer, share_param=share, share_stats=share)

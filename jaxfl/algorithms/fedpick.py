@@ -2,7 +2,7 @@
 
 Per sample, the client's mask network phi (Dense(d, d/2)-ReLU-Dense(d/2, d), no BN) turns the shared
 encoder's features z_g into mask logits z_l; m = ST(1[sigmoid((z_l + L)/tau) >= 0.5]) with logistic noise L
-in training only (``blocks.relaxed_mask``). z_p = z_g * m feeds the personal head h_p, z_u = z_g * (1 - m)
+in training only (``ops.masks.relaxed_mask``). z_p = z_g * m feeds the personal head h_p, z_u = z_g * (1 - m)
 the "irrelevant" head h_u. With a_* the logits of h_g(z_g), h_p(z_p), h_u(z_u):
 
     L = CE(a_g, y) + lam_lce CE(a_p, y) + lam_ent sum_c p_u log p_u + lam_dis [KL(p_p||p_g) + KL(p_g||p_p)]
@@ -20,13 +20,18 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
-from ..engine import Algorithm
-from ..losses import KL_REDUCTIONS, cross_entropy, negative_entropy, reduce_kl, symmetric_kl, weighted_mean_loss
-from ..masks import relaxed_mask, split_features
-from ..metrics import sparsity_per_sample
+from ..core.metrics import cross_entropy, weighted_mean_loss
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RunContext
 from ..models import Dense, MLPHead
-from ..options import Options, option
-from .fedavg import is_batchnorm, masked_averaging
+from ..ops.diagnostics import sparsity_per_sample
+from ..ops.losses import KL_REDUCTIONS, negative_entropy, reduce_kl, symmetric_kl
+from ..ops.masks import relaxed_mask, split_features
+from ._averaging import masked_averaging
+from ._common import is_batchnorm
+from ._registry import register
+
 
 # fedpick spec section 3: (tau, lam_lce, lam_ent, lam_dis) per dataset.
 DIGITS = {"tau": 10.0, "lam_lce": 10.0, "lam_ent": 0.001, "lam_dis": 10.0}
@@ -109,14 +114,14 @@ class FedPickNet(nn.Module):
         return out
 
 
-def fedpick(model, trainer, **options) -> Algorithm:
+@register(FedPickOptions)
+def fedpick(model, trainer: LocalTrainer, o: FedPickOptions, ctx: RunContext) -> Algorithm:
     """FedPick on a ``Classifier`` (its encoder and head become the shared encoder and global head); options:
     ``FedPickOptions`` (tau and lam_* left None take the Digits values).
 
     pfsm_head: "same" (h_p, h_u copy the global head's architecture) or "linear". Ablations: use_pfsm=False
     (FedBN), soft_mask (m = m_s, no threshold), no_ensemble (predict a_g), share_bn, share_pfsm, lam_* = 0.
     """
-    o = FedPickOptions(**options).with_preset(None).validate()
     tau, lam_lce, lam_ent, lam_dis = o.tau, o.lam_lce, o.lam_ent, o.lam_dis
     use_pfsm, soft_mask, no_ensemble, share_bn, share_pfsm = (o.use_pfsm, o.soft_mask, o.no_ensemble, o.share_bn,
                                                               o.share_pfsm)

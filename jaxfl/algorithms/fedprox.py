@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..engine import Algorithm
-from ..options import option
-from .fedavg import LocalBNOption, keep_bn_local, masked_averaging
+from ..core.options import option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RunContext
+from ._averaging import LocalBNOption, keep_bn_local, masked_averaging
+from ._registry import register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +23,8 @@ class FedProxOptions(LocalBNOption):
     mu: float = option(0.01, "weight of the proximal term mu/2 ||w - w_global||^2", lo=0.0)
 
 
-def fedprox(model, trainer, **options) -> Algorithm:
+@register(FedProxOptions)
+def fedprox(model, trainer: LocalTrainer, o: FedProxOptions, ctx: RunContext) -> Algorithm:
     """FedProx with proximal weight ``mu``; ``local_bn`` keeps BatchNorm per client (FedBN-style)."""
-    o = FedProxOptions(**options).validate()
     return masked_averaging("fedprox", model, trainer, share_param=keep_bn_local(lambda p: True, o.local_bn),
                             share_stats=not o.local_bn, prox_mu=o.mu)

@@ -10,18 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import optax
 
-from ..engine import Algorithm, LocalTrainer
-from ..options import option
-from .fedavg import LocalBNOption, in_part, keep_bn_local, masked_averaging, path_mask
-
-
-def only(tx: optax.GradientTransformation, trainable) -> optax.GradientTransformation:
-    """``tx`` on the leaves where ``trainable(path)`` holds; zero updates (frozen) elsewhere."""
-    labels = lambda params: jax.tree_util.tree_map(
-        lambda t: "train" if t else "freeze", path_mask(params, trainable))
-    return optax.multi_transform({"train": tx, "freeze": optax.set_to_zero()}, labels)
+from ..core.options import option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RunContext
+from ._averaging import LocalBNOption, keep_bn_local, masked_averaging
+from ._common import in_part, only
+from ._registry import register
 
 
 def head_then_body(head_epochs: int):
@@ -47,9 +42,9 @@ class FedRepOptions(LocalBNOption):
     head_epochs: int = option(4, "head-only epochs before the body epochs (--local-epochs)", minimum=0)
 
 
-def fedrep(model, trainer, **options) -> Algorithm:
+@register(FedRepOptions)
+def fedrep(model, trainer: LocalTrainer, o: FedRepOptions, ctx: RunContext) -> Algorithm:
     """FedRep: share ``encoder``, personal ``head``; ``head_epochs`` head-only epochs, then body-only epochs."""
-    o = FedRepOptions(**options).validate()
     share = keep_bn_local(in_part("encoder"), o.local_bn)
     return masked_averaging("fedrep", model, trainer, share_param=share, share_stats=share,
                             train=head_then_body(o.head_epochs))

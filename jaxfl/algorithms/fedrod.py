@@ -41,13 +41,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..losses import balanced_softmax_ce, class_log_prior, cross_entropy, weighted_mean_loss
+from ..core.aggregation import tree_weighted_mean
+from ..core.metrics import cross_entropy, weighted_mean_loss
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
 from ..models import Dense
-from ..options import Options, option
-from .fedavg import init_variables, model_variables
-from .moon import REPRESENTATIONS, logits_and_representation
+from ..ops.losses import balanced_softmax_ce, class_log_prior
+from ._common import REPRESENTATIONS, init_variables, logits_and_representation, model_variables
+from ._registry import register
 
 
 def real_mean(per_sample, w):
@@ -87,9 +90,9 @@ class FedRoDOptions(Options):
                                  "head's last layer) | features (encoder output z)", choices=REPRESENTATIONS)
 
 
-def fedrod(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(FedRoDOptions)
+def fedrod(model, trainer: LocalTrainer, o: FedRoDOptions, ctx: RunContext) -> Algorithm:
     """FedRoD (linear personal head) on any ``Classifier``; options: ``FedRoDOptions``."""
-    o = FedRoDOptions(**options).validate()
     tx = optax.multi_transform({"model": trainer.tx, "phead": optax.sgd(o.head_lr)},
                                lambda p: {k: jax.tree_util.tree_map(lambda _: k, v) for k, v in p.items()})
     local_trainer = dataclasses.replace(trainer, tx=tx)

@@ -5,7 +5,7 @@ Local training is LocalAlt: ``la_epochs`` times, one pass updating only the pers
 (theta -= lr g * m) and one pass updating only the global ones (theta -= lr g * (1 - m)). In rounds r with
 r % K == 0 and r > 0 (``grow_every`` = K), per maskable tensor W (kernels and BatchNorm scales; biases are
 global unless ``mask_biases``): if frac_personal(W) <= alpha, the top ``rate`` fraction of the still-global entries by
-|W_now - W_ref| become personal (``blocks.grow_mask``; ``grow_rate`` = p); W_ref is the client's parameters at its previous
+|W_now - W_ref| become personal (``ops.masks.grow_mask``; ``grow_rate`` = p); W_ref is the client's parameters at its previous
 mask update (``delta_ref="snapshot"``, the official code) or at the start of the round ("round_start", the
 paper). Personal entries never revert.
 
@@ -22,16 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
-from ..aggregation import masked_mean, weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..masks import tree_count, tree_density, tree_grow_mask, tree_size
-from ..options import Options, option
-from .fedavg import ce_loss, init_variables, path_mask
+from ..core.aggregation import masked_mean, weighted_mean
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.trees import path_mask
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ..ops.masks import tree_count, tree_density, tree_grow_mask, tree_size
+from ._common import ce_loss, init_variables
+from ._registry import register
+
 
 DELTA_REFS = ("snapshot", "round_start")
 
@@ -94,13 +98,13 @@ class FedSelectOptions(Options):
                                          "(default local)")
 
 
-def fedselect(model: nn.Module, trainer: LocalTrainer, **options) -> Algorithm:
+@register(FedSelectOptions)
+def fedselect(model, trainer: LocalTrainer, o: FedSelectOptions, ctx: RunContext) -> Algorithm:
     """FedSelect (options: ``FedSelectOptions``). alpha: personalization limit per tensor (0: never grow,
     which is FedAvg with LocalAlt); grow_rate: fraction p of a tensor's global entries promoted per growth;
     grow_every: K; la_epochs: E; the run's last round (``RoundInfo.is_last``) does not aggregate;
     mask_biases: biases can become personal too; aggregate_batch_stats: average the BatchNorm statistics over
     the round's clients (the code keeps them local)."""
-    o = FedSelectOptions(**options).validate()
     alpha, grow_rate, grow_every, la_epochs, delta_ref = o.alpha, o.grow_rate, o.grow_every, o.la_epochs, o.delta_ref
     weight_by_n, mask_biases, aggregate_batch_stats = o.weight_by_n, o.mask_biases, o.aggregate_batch_stats
     loss_fn = ce_loss(model)

@@ -38,10 +38,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..losses import cross_entropy, feature_norm, gaussian_cmi_bound, weighted_mean_loss
-from ..options import Options, option
+from ..core.aggregation import tree_weighted_mean
+from ..core.metrics import cross_entropy, weighted_mean_loss
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ..ops.losses import feature_norm, gaussian_cmi_bound
+from ._registry import register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +106,9 @@ def fedsr_loss(model, l2r: float, cmi: float):
     return loss_fn
 
 
-def fedsr(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(FedSROptions)
+def fedsr(model, trainer: LocalTrainer, o: FedSROptions, ctx: RunContext) -> Algorithm:
     """FedSR: FedAvg with a Gaussian representation, its L2 norm and a CMI bound to per-client class priors."""
-    o = FedSROptions(**options).validate()
     loss_fn = fedsr_loss(model, o.l2r, o.cmi)
 
     def init(key, sample_x):

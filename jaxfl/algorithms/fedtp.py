@@ -10,7 +10,7 @@ Personal W = {W_qkv^l} [depth, D, 3 heads dim_head]:
 
       g_phi, g_Z = VJP of (phi, Z) -> [h(phi; Z[i])]_{i in cohort} with cotangent p_i (W_i^0 - W_i^K)
 
-  (``blocks.hypernet_grads``; the official code's sign, i.e. gradient descent on
+  (``ops.hypernet.hypernet_grads``; the official code's sign, i.e. gradient descent on
   0.5 sum_i p_i ||h(phi; z_i) - W_i^K||^2). Rows of Z of unsampled clients get zero gradient (weight decay and
   momentum still act on the whole table, as the code's optimizer does). The hypernetwork exists once, on the
   server.
@@ -28,12 +28,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
+from ..core.aggregation import tree_weighted_mean
+from ..core.metrics import cross_entropy, weighted_mean_loss
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
 from ..errors import ConfigError
-from ..hypernet import generate, hypernet_grads, hypernetwork, init_embeddings, require_table_size
-from ..losses import cross_entropy, weighted_mean_loss
-from ..options import Options, option
+from ..ops.hypernet import generate, hypernet_grads, hypernetwork, init_embeddings, require_table_size
+from ._registry import register
+
 
 VARIANTS = ("hypernet", "vanilla")
 
@@ -73,13 +77,13 @@ class FedTPOptions(Options):
     hyper_decay: float = option(1e-3, "hypernetwork weight decay", lo=0.0)
 
 
-def fedtp(model, trainer: LocalTrainer, num_clients: int | None = None, **options) -> Algorithm:
-    """FedTP on a ViT ``Classifier`` (``models.vit_small``); options: ``FedTPOptions``. num_clients: N, the size
+@register(FedTPOptions)
+def fedtp(model, trainer: LocalTrainer, o: FedTPOptions, ctx: RunContext) -> Algorithm:
+    """FedTP on a ViT ``Classifier`` (``models.vit_small``); options: ``FedTPOptions``. ctx.num_clients: N, the size
     of the embedding table (the run's client count; required by the hypernetwork variant, whose client ids index
     it). Hypernetwork: trunk of 1 + ``hyper_layers``
     Linear(``hyper_hidden``) layers, one head per block; optimizer SGD(``hyper_lr``, momentum) with weight decay
     ``hyper_decay`` (official code)."""
-    o = FedTPOptions(**options).validate()
     variant, personalize, embed_dim = o.variant, o.personalize, o.embed_dim
     hyper_hidden, hyper_layers, hyper_lr, hyper_momentum, hyper_decay = (
         o.hyper_hidden, o.hyper_layers, o.hyper_lr, o.hyper_momentum, o.hyper_decay)
@@ -87,7 +91,7 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int | None = None, **option
         raise ConfigError(f"fedtp needs a ViT (--model vit_small or vit_tiny), got a {type(model.encoder).__name__} "
                           f"encoder")
     if variant == "hypernet":
-        require_table_size("fedtp", num_clients)
+        require_table_size("fedtp", ctx.num_clients)
     depth = model.encoder.depth
     hnet, stack = qkv_hypernetwork(model, embed_dim, hyper_hidden, hyper_layers)
     hyper_tx = optax.chain(optax.add_decayed_weights(hyper_decay), optax.sgd(hyper_lr, momentum=hyper_momentum))
@@ -111,7 +115,7 @@ def fedtp(model, trainer: LocalTrainer, num_clients: int | None = None, **option
         client = {}
         if variant == "hypernet":
             hp = hnet.init(k_hnet)
-            z = init_embeddings(k_emb, num_clients, embed_dim)
+            z = init_embeddings(k_emb, ctx.num_clients, embed_dim)
             server.update(hnet=hp, embeddings=z, hyper_opt=hyper_tx.init((hp, z)))
         elif personalize:
             client["qkv"] = w

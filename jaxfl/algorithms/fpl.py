@@ -37,13 +37,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..aggregation import cluster_prototypes, tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..losses import cross_entropy, prototype_contrastive_loss, weighted_mean_loss
-from ..options import Options, option
-from .fedavg import global_model_predictors, init_variables, model_variables, num_classes
-from .fedpac import class_feature_sums
-from .moon import logits_and_representation
+from ..core.aggregation import tree_weighted_mean
+from ..core.metrics import cross_entropy, weighted_mean_loss
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ..ops.clustering import cluster_prototypes
+from ..ops.losses import prototype_contrastive_loss
+from ._common import (class_feature_sums, global_model_predictors, init_variables, logits_and_representation,
+                      model_variables, num_classes)
+from ._registry import register
+
 
 PROTOTYPE_KEYS = ("cluster", "cluster_valid", "unbiased", "class_valid")
 
@@ -73,9 +78,9 @@ def fpl_loss(model, tau: float):
     return loss_fn
 
 
-def fpl(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(FPLOptions)
+def fpl(model, trainer: LocalTrainer, o: FPLOptions, ctx: RunContext) -> Algorithm:
     """FPL: FedAvg + InfoNCE to FINCH-clustered class prototypes + MSE to their mean."""
-    o = FPLOptions(**options).validate()
     loss_fn = fpl_loss(model, o.tau)
 
     def init(key, sample_x):

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..engine import Algorithm
-from ..options import option
-from .fedavg import LocalBNOption, in_part, keep_bn_local, masked_averaging
+from ..core.options import option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RunContext
+from ._averaging import LocalBNOption, keep_bn_local, masked_averaging
+from ._common import in_part
+from ._registry import register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,9 +23,9 @@ class LGFedAvgOptions(LocalBNOption):
     warmup_rounds: int = option(0, "rounds of full averaging before the body goes personal", minimum=0)
 
 
-def lg_fedavg(model, trainer, **options) -> Algorithm:
+@register(LGFedAvgOptions)
+def lg_fedavg(model, trainer: LocalTrainer, o: LGFedAvgOptions, ctx: RunContext) -> Algorithm:
     """LG-FedAvg: share ``head``, keep ``encoder`` personal, after ``warmup_rounds`` of full averaging."""
-    o = LGFedAvgOptions(**options).validate()
     share = keep_bn_local(in_part("head"), o.local_bn)
     return masked_averaging("lg_fedavg", model, trainer, share_param=share, share_stats=share,
                             warmup_rounds=o.warmup_rounds)

@@ -47,33 +47,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..losses import cross_entropy, model_contrastive_loss, weighted_mean_loss
-from ..models import MLPHead
-from ..options import Options, option
-from .fedavg import global_model_predictors, init_variables
-
-REPRESENTATIONS = ("penultimate", "features")
-
-
-def logits_and_representation(representation: str = "penultimate"):
-    """A ``Classifier`` method (for ``model.apply(..., method=...)``): (logits, representation) in one pass.
-
-    "penultimate": the input of the head's last Dense (the last hidden ReLU of an ``MLPHead`` with hidden
-    layers; the encoder output z otherwise); "features": the encoder output z.
-    """
-    if representation not in REPRESENTATIONS:
-        raise ValueError(f"representation {representation!r} is not one of {REPRESENTATIONS}")
-
-    def forward(module, x, train: bool = False, mask=None):
-        z = module.encoder(x, train, mask)
-        head = module.head
-        if representation == "penultimate" and isinstance(head, MLPHead) and len(head.hidden):
-            logits, taps = head(z, train, mask, taps=True)
-            return logits, taps[f"relu{len(head.hidden)}"]
-        return head(z, train, mask), z
-    return forward
+from ..core.aggregation import tree_weighted_mean
+from ..core.metrics import cross_entropy, weighted_mean_loss
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ..ops.losses import model_contrastive_loss
+from ._common import REPRESENTATIONS, global_model_predictors, init_variables, logits_and_representation
+from ._registry import register
 
 
 def moon_loss(model, mu: float, tau: float, representation: str = "penultimate"):
@@ -112,9 +94,9 @@ class MOONOptions(Options):
                                  "features (encoder output z)", choices=REPRESENTATIONS)
 
 
-def moon(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(MOONOptions)
+def moon(model, trainer: LocalTrainer, o: MOONOptions, ctx: RunContext) -> Algorithm:
     """MOON with contrastive weight ``mu`` and temperature ``tau`` on any ``Classifier``."""
-    o = MOONOptions(**options).with_preset(None).validate()
     loss_fn = moon_loss(model, o.mu, o.tau, o.representation)
 
     def init(key, sample_x):

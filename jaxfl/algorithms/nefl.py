@@ -36,12 +36,14 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from ..aggregation import masked_mean
-from ..engine import Algorithm, LocalTrainer
+from ..core.aggregation import masked_mean
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RunContext
 from ..errors import ConfigError
-from ..options import Options, option
-from .dapperfl import DEVICE_RATIOS
-from .heterofl import CNN_MODELS, check_ratios, forward_layers, submodel_algorithm, width_masks
+from ._registry import register
+from ._submodel import CNN_MODELS, DEVICE_RATIOS, check_ratios, forward_layers, submodel_algorithm, width_masks
+
 
 NEFL_PS = (0.04, 0.16, 0.36, 0.64, 1.0)
 
@@ -79,13 +81,14 @@ class NeFLOptions(Options):
                                               lo=0.0, hi=1.0)
     uniform: bool = option(True, "every client weighs 1 in the averages (NeFedAvg); --no-: engine weights")
 
+    def check(self) -> None:
+        check_ratios("nefl", self.device_ratios)
+        if not self.ps:
+            raise ConfigError("nefl.ps must hold at least one model size in (0, 1]")
 
-def nefl(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(NeFLOptions)
+def nefl(model, trainer: LocalTrainer, o: NeFLOptions, ctx: RunContext) -> Algorithm:
     """NeFL-W on a CNN ``Classifier``; options: ``NeFLOptions``."""
-    o = NeFLOptions(**options).validate()
-    check_ratios("nefl", o.device_ratios)
-    if not o.ps:
-        raise ConfigError("nefl.ps must hold at least one model size in (0, 1]")
     widths = jnp.asarray([math.sqrt(p) for p in o.ps], jnp.float32)
     level_model = jnp.asarray(submodel_of_level(o.ps, o.device_ratios), jnp.int32)
     num_models = len(o.ps)

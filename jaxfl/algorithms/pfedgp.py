@@ -42,11 +42,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .. import gp
-from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..options import Options, option
-from .fedavg import init_variables, model_variables, num_classes
+from ..core.aggregation import tree_weighted_mean
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ..ops import gp
+from ._common import init_variables, model_variables, num_classes
+from ._registry import register
+
 
 EXACT_SPLIT_CLASSES = 12  # up to this many classes the tree's 2-means is solved by enumerating every split
 
@@ -154,9 +158,9 @@ def predict_half(key, y, w, ratio: float):
 
 
 # -- the algorithm -----------------------------------------------------------------------------------------
-def pfedgp(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(PFedGPOptions)
+def pfedgp(model, trainer: LocalTrainer, o: PFedGPOptions, ctx: RunContext) -> Algorithm:
     """pFedGP (full variant, predictive-likelihood objective) on any ``Classifier``'s encoder."""
-    o = PFedGPOptions(**options).validate()
     tx = trainer.tx if not o.grad_clip else optax.chain(optax.clip_by_global_norm(o.grad_clip), trainer.tx)
     kernel = lambda a, b: gp.rbf_kernel(a, b, o.outputscale, o.lengthscale)
 

@@ -56,12 +56,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo, epoch_permutation
-from ..hypernet import generate, hypernet_grads, hypernetwork, init_embeddings, require_table_size
-from ..losses import correct_count
-from ..options import Options, option
-from ..trees import leaf_paths
-from .fedavg import ce_loss, init_variables, is_batchnorm
+from ..core.metrics import correct_count
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer, epoch_permutation
+from ..core.trees import leaf_paths
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ..ops.hypernet import generate, hypernet_grads, hypernetwork, init_embeddings, require_table_size
+from ._common import ce_loss, init_variables, is_batchnorm
+from ._registry import register
+
 
 HYPER_OPTIMIZERS = ("sgd", "adam")
 
@@ -152,7 +156,7 @@ def inner_optimizer(o: PFedHNOptions) -> optax.GradientTransformation:
 
 def random_batch_steps(loss_fn, tx, steps: int, batch_size: int, preprocess, params, state, data: ClientData, key):
     """``steps`` optimizer steps of one client, step t on the first ``batch_size`` samples of a fresh permutation
-    (``engine.epoch_permutation`` with key fold_in(key, t): real samples first, padding weighted 0). A client
+    (``core.trainer.epoch_permutation`` with key fold_in(key, t): real samples first, padding weighted 0). A client
     without samples takes no step. Returns (params, state, metrics) with LocalTrainer's metrics."""
     b, m = batch_size, data.y.shape[0]
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -176,12 +180,12 @@ def random_batch_steps(loss_fn, tx, steps: int, batch_size: int, preprocess, par
     return params, state, {"loss": sums[0] / seen, "accuracy": sums[1] / seen, "seen": sums[2], "steps": sums[3]}
 
 
-def pfedhn(model, trainer: LocalTrainer, num_clients: int | None = None, **options) -> Algorithm:
-    """pFedHN on any ``Classifier``; options: ``PFedHNOptions``. num_clients: N, the size of the embedding table
+@register(PFedHNOptions)
+def pfedhn(model, trainer: LocalTrainer, o: PFedHNOptions, ctx: RunContext) -> Algorithm:
+    """pFedHN on any ``Classifier``; options: ``PFedHNOptions``. ctx.num_clients: N, the size of the embedding table
     (the run's client count; required: client ids index it)."""
-    o = PFedHNOptions(**options).validate()
-    require_table_size("pfedhn", num_clients)
-    embed_dim = o.embed_dim or auto_embed_dim(num_clients)
+    require_table_size("pfedhn", ctx.num_clients)
+    embed_dim = o.embed_dim or auto_embed_dim(ctx.num_clients)
     hyper_tx, inner_tx = hyper_optimizer(o), inner_optimizer(o)
     loss_fn = ce_loss(model)
 
@@ -202,7 +206,7 @@ def pfedhn(model, trainer: LocalTrainer, num_clients: int | None = None, **optio
         _, hnet = target(tuple(sample_x.shape[1:]), jnp.dtype(sample_x.dtype))
         k_hnet, k_emb = jax.random.split(jax.random.fold_in(key, 1))
         params = {"hnet": bn_scales_start_at_one(hnet.init(k_hnet)),
-                  "embeddings": init_embeddings(k_emb, num_clients, embed_dim)}
+                  "embeddings": init_embeddings(k_emb, ctx.num_clients, embed_dim)}
         return {"params": params, "hyper_opt": hyper_tx.init(params)}, {"batch_stats": stats}
 
     def local_update(server, client, data: ClientData, key, info: RoundInfo):

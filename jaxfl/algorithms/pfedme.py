@@ -53,12 +53,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import optax
 
-from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..options import Options, option
-from ..trees import tree_sq_distance
-from .fedavg import ce_loss, init_variables, model_variables
+from ..core.aggregation import tree_weighted_mean
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ._common import ce_loss, init_variables, model_variables
+from ._registry import register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,16 +111,16 @@ def envelope_loss(model, lam: float, inner_steps: int, personal_lr: float, mu: f
     def loss_fn(params, state, x, y, w, key):
         anchor = jax.lax.stop_gradient(params)
         theta, stats, (loss, logits) = inner(state["theta"], state["batch_stats"], anchor, x, y, w, key)
-        surrogate = 0.5 * lam * tree_sq_distance(params, theta)
+        surrogate = 0.5 * lam * optax.tree.norm(optax.tree.sub(params, theta), squared=True)
         value = jax.lax.stop_gradient(loss) + surrogate - jax.lax.stop_gradient(surrogate)
         return value, ({"theta": theta, "batch_stats": stats}, logits)
 
     return loss_fn
 
 
-def pfedme(model, trainer: LocalTrainer, **options) -> Algorithm:
+@register(PFedMeOptions)
+def pfedme(model, trainer: LocalTrainer, o: PFedMeOptions, ctx: RunContext) -> Algorithm:
     """pFedMe; options: ``PFedMeOptions``. The outer step is ``trainer.tx`` on lambda (w - theta)."""
-    o = PFedMeOptions(**options).validate()
     loss_fn = envelope_loss(model, o.lam, o.inner_steps, o.personal_lr, o.mu)
     beta = o.beta
 

@@ -2,7 +2,7 @@
 
 A shared encoder feeds two heads of the same architecture: the global head ``head`` (averaged) and the local
 head ``local_head`` (kept). Each head's logits z_v give evidence e_v = softplus(z_v), alpha_v = e_v + 1; the
-two opinions are fused in closed form, alpha_F = 1 + e_G + e_L + e_G e_L / K (``blocks.ds_combine``). With h_v
+two opinions are fused in closed form, alpha_F = 1 + e_G + e_L + e_G e_L / K (``ops.evidential.ds_combine``). With h_v
 a head's hidden feature (``dis_feature``) and lam(t) = min(1, t/T) for the 0-based round t of T:
 
     L = CE(z_G, y) + CE(z_L, y) + sum_{v in G, L, F} [psi(S_v) - psi(alpha_v,y) + lam KL(Dir(alpha~_v) || Dir(1))]
@@ -23,13 +23,17 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
-from ..engine import Algorithm
-from ..evidential import (annealing_coefficient, dirichlet_alpha, disentangle_loss, ds_combine, edl_loss,
-                          expected_probability, uncertainty)
-from ..losses import cross_entropy, weighted_mean_loss
+from ..core.metrics import cross_entropy, weighted_mean_loss
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RunContext
 from ..models import MLPHead
-from ..options import Options, option
-from .fedavg import is_batchnorm, masked_averaging
+from ..ops.evidential import (annealing_coefficient, dirichlet_alpha, disentangle_loss, ds_combine, edl_loss,
+                              expected_probability, uncertainty)
+from ._averaging import masked_averaging
+from ._common import is_batchnorm
+from ._registry import register
+
 
 FUSIONS = ("ds", "sum")
 
@@ -80,14 +84,14 @@ class RFedDisOptions(Options):
     dis_feature: str = option("relu1", "head tap used as the disentangling feature: relu1 | fc1 | relu2 | fc2 ...")
 
 
-def rfeddis(model, trainer, **options) -> Algorithm:
+@register(RFedDisOptions)
+def rfeddis(model, trainer: LocalTrainer, o: RFedDisOptions, ctx: RunContext) -> Algorithm:
     """RFedDis on a ``Classifier`` whose head is an ``MLPHead``; both heads copy its architecture (a linear
     head gets one hidden layer of 512 so that there is a hidden feature to disentangle). Options:
     ``RFedDisOptions``.
 
     The annealing lam(t) = min(1, t/T) takes t and T (the run's round count) from the engine's ``RoundInfo``.
     """
-    o = RFedDisOptions(**options).validate()
     share_global_head, use_local_head, use_dis, head_ce = o.share_global_head, o.use_local_head, o.use_dis, o.head_ce
     fusion, kl_reduction, dis_feature = o.fusion, o.kl_reduction, o.dis_feature
     hidden = tuple(model.head.hidden) or (512,)

@@ -40,48 +40,19 @@ x <- lr_g mean(y_i) + (1 - lr_g) x, c += 1/N sum dc_i as above. Deviations, and 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from ..aggregation import tree_weighted_mean
-from ..engine import Algorithm, ClientData, LocalTrainer, RoundInfo
-from ..errors import ConfigError
-from ..options import Options, option
-from ..trees import tree_vdot, tree_zeros
-from .fedavg import ce_loss, global_model_predictors, init_variables, model_variables
-
-tmap = jax.tree_util.tree_map
-
-
-def optimizer_lr(trainer: LocalTrainer, lr: float | None = None, name: str = "scaffold") -> float:
-    """The client learning rate: ``lr`` if given, else ``trainer.lr`` (the runner sets it), else minus the first
-    update the trainer's optimizer makes from a unit gradient at w = 0 (lr for SGD, with or without momentum
-    and weight decay, and for Adam)."""
-    if lr is not None or trainer.lr is not None:
-        return float(lr if lr is not None else trainer.lr)
-    zero = jnp.zeros((), jnp.float32)
-    update, _ = trainer.tx.update(jnp.ones((), jnp.float32), trainer.tx.init(zero), zero)
-    step = -float(update)
-    if not (math.isfinite(step) and step > 0):
-        raise ConfigError(f"{name} cannot read the client learning rate from the optimizer (its first step is "
-                          f"{step}); pass --{name}.lr")
-    return step
-
-
-def cohort_sum_over_n(tree, weights, num_clients: int | None):
-    """1/N sum_{i in S} tree_i (= |S|/N times the cohort mean); N: ``num_clients`` or, if None, the cohort size."""
-    k = weights.shape[0]
-    mean = tree_weighted_mean(tree, jnp.ones((k,), jnp.float32))
-    scale = 1.0 if num_clients is None else k / num_clients
-    return mean if scale == 1.0 else tmap(lambda m: m * scale, mean)
-
-
-def control_variate(c_i, c, x, y, steps, lr: float):
-    """SCAFFOLD option II: c_i+ = c_i - c + (x - y) / (K lr), K = ``steps``."""
-    k_lr = jnp.maximum(steps, 1.0) * lr
-    return tmap(lambda ci, cg, xx, yy: ci - cg + (xx - yy) / k_lr, c_i, c, x, y)
+from ..core.aggregation import tree_weighted_mean
+from ..core.options import Options, option
+from ..core.trainer import LocalTrainer
+from ..core.types import Algorithm, RoundInfo, RunContext
+from ..data.clients import ClientData
+from ._common import ce_loss, global_model_predictors, init_variables, model_variables
+from ._drift import cohort_sum_over_n, control_variate, optimizer_lr
+from ._registry import register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,37 +65,37 @@ class ScaffoldOptions(Options):
                               "optimizer's)", lo=0.0, lo_open=True)
 
 
-def scaffold(model, trainer: LocalTrainer, num_clients: int | None = None, **options) -> Algorithm:
-    """SCAFFOLD (option II control variates); num_clients: N, the run's client count (None: every client takes
+@register(ScaffoldOptions)
+def scaffold(model, trainer: LocalTrainer, o: ScaffoldOptions, ctx: RunContext) -> Algorithm:
+    """SCAFFOLD (option II control variates); ctx.num_clients: N, the run's client count (None: every client takes
     part in every round); options: ``ScaffoldOptions``."""
-    o = ScaffoldOptions(**options).validate()
-    lr, lr_g = optimizer_lr(trainer, o.lr), o.global_lr
+    lr, lr_g = optimizer_lr(trainer, ctx.lr if o.lr is None else o.lr), o.global_lr
     ce = ce_loss(model)
 
     def init(key, sample_x):
         variables = init_variables(model, trainer, key, sample_x)
-        zeros = tree_zeros(variables["params"])
+        zeros = optax.tree.zeros_like(variables["params"])
         return dict(variables, c=zeros), {"c": zeros}
 
     def local_update(server, client, data: ClientData, key, info: RoundInfo):
         x = server["params"]
-        correction = jax.lax.stop_gradient(tmap(jnp.subtract, server["c"], client["c"]))  # c - c_i
+        correction = jax.lax.stop_gradient(jax.tree_util.tree_map(jnp.subtract, server["c"], client["c"]))  # c - c_i
 
         def loss_fn(p, s, xb, yb, w, k):
             loss, aux = ce(p, s, xb, yb, w, k)
-            return loss + tree_vdot(correction, p), aux
+            return loss + optax.tree.vdot(correction, p), aux
 
         y, stats, _, metrics = trainer.run(loss_fn, x, server["batch_stats"], trainer.tx.init(x), data, key)
         c_new = control_variate(client["c"], server["c"], x, y, metrics["steps"], lr)
         return {"params": y, "batch_stats": stats, "c": c_new,
-                "dc": tmap(jnp.subtract, c_new, client["c"])}, metrics
+                "dc": jax.tree_util.tree_map(jnp.subtract, c_new, client["c"])}, metrics
 
     def aggregate(server, clients, weights, info: RoundInfo):
         avg = tree_weighted_mean(model_variables(clients), weights)
-        params = avg["params"] if lr_g == 1.0 else tmap(lambda m, x: lr_g * m + (1.0 - lr_g) * x, avg["params"],
-                                                         server["params"])
-        dc = cohort_sum_over_n(clients["dc"], weights, num_clients)
-        c = tmap(jnp.add, server["c"], dc)
+        params = avg["params"] if lr_g == 1.0 else jax.tree_util.tree_map(
+            lambda m, x: lr_g * m + (1.0 - lr_g) * x, avg["params"], server["params"])
+        dc = cohort_sum_over_n(clients["dc"], weights, ctx.num_clients)
+        c = jax.tree_util.tree_map(jnp.add, server["c"], dc)
         return {"params": params, "batch_stats": avg["batch_stats"], "c": c}, {"c": clients["c"]}
 
     return Algorithm("scaffold", init, local_update, aggregate, *global_model_predictors(model))

@@ -18,6 +18,7 @@ import numpy as np
 
 from .transforms import resize_images, to_channels
 
+
 DOMAINS = ("sk-digits", "sk-digits-photo", "font-digits")
 _SEED = 20261122
 

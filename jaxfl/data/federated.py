@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import numpy as np
 
-from .clients import ClientData
 from ..errors import DataError, check_choice
 from . import partition as part
 from .embedded import load_embedded
@@ -50,28 +48,6 @@ class FederatedDataset:
 
     def train_counts(self) -> np.ndarray:
         return np.array([len(y) for _, y in self.train])
-
-    def stacked(self, split: str, multiple: int = 1, rows=None) -> ClientData:
-        """ClientData with M = max count rounded up to ``multiple``; padding is zeros with label 0.
-        ``rows``: stack only these clients (M still from all clients, so every process agrees on it)."""
-        return stack_clients(self.train if split == "train" else self.test, multiple, rows)
-
-
-def stack_clients(clients, multiple: int = 1, rows=None) -> ClientData:
-    """[(x_i [n_i,...], y_i [n_i])] -> ClientData(x [N,M,...], y [N,M], count [N]), M a multiple of ``multiple``
-    and of the largest n_i over all clients; ``rows`` selects which clients are stacked (default all)."""
-    counts = np.array([len(y) for _, y in clients], np.int32)
-    m = max(1, math.ceil(max(counts.max(), 1) / multiple)) * multiple
-    rows = np.arange(len(clients)) if rows is None else np.asarray(rows)
-    shape = clients[0][0].shape[1:]
-    x = np.zeros((len(rows), m) + shape, clients[0][0].dtype)
-    y = np.zeros((len(rows), m), np.int32)
-    for j, i in enumerate(rows):
-        xi, yi = clients[i]
-        if xi.shape[1:] != shape:
-            raise DataError(f"client {i} images have shape {xi.shape[1:]}, client 0 has {shape}")
-        x[j, : len(yi)], y[j, : len(yi)] = xi, yi
-    return ClientData(x=x, y=y, count=counts[rows])
 
 
 def _cap(x, y, n, rng):
@@ -190,20 +166,54 @@ def _folder(cfg, rng, path):
     return _domain_clients(Path(path).name, doms, cfg, rng, k, size)
 
 
+def _text_clients(name, texts: dict, cfg, rng):
+    """Next-character clients from {client: text} (``text.text_client``: train / test windows split by position),
+    capped at samples_per_client / test_per_client windows."""
+    from . import text
+    train, test = [], []
+    for t in texts.values():
+        (tx, ty), (vx, vy) = text.text_client(t)
+        train.append(_cap(tx, ty, cfg.samples_per_client, rng))
+        test.append(_cap(vx, vy, cfg.test_per_client, rng))
+    return FederatedDataset(name, list(texts), train, test, text.VOCAB)
+
+
+def _synthetic_text(cfg, rng):
+    from . import text
+    n = cfg.num_clients or 100
+    return _text_clients("synthetic_text", text.synthetic_texts(n, rng, sigma=cfg.size_sigma), cfg, rng)
+
+
+def _text_folder(cfg, rng, path):
+    from . import text
+    return _text_clients(Path(path).name, text.load_text_folder(path), cfg, rng)
+
+
+def _leaf(cfg, rng, path):
+    from . import text
+    users = text.load_leaf_json(path)
+    train = [_cap(*tr, cfg.samples_per_client, rng) for tr, _ in users.values()]
+    test = [_cap(*te, cfg.test_per_client, rng) for _, te in users.values()]
+    return FederatedDataset(Path(path).name, list(users), train, test, text.VOCAB)
+
+
 PRESETS = {
     "default": _default,
     "digits": _digits,
     "pacs": _pacs,
     "cifar10": _npz_label_skew("cifar10", "cifar10", "test", 10, 32, "shards"),
     "mnist": _npz_label_skew("digits", "mnist", "test", 10, 28, "dirichlet"),
+    "synthetic_text": _synthetic_text,
 }
-PREFIXES = {"tfds:": _tfds, "folder:": _folder}
+PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": _leaf}
+TEXT_DATASETS = ("synthetic_text", "text:", "leaf:")  # token ids, for the char_lstm model
 TFDS_NAMES = ("mnist", "svhn_cropped", "cifar10", "cifar100", "domainnet")
 DATASET_NAMES = tuple(PRESETS) + tuple(f"{p}NAME" for p in PREFIXES)
 
 
 def load_dataset(cfg: DataConfig) -> FederatedDataset:
-    """Build a FederatedDataset from a preset name, ``tfds:NAME`` or ``folder:PATH``, seeded by cfg.seed."""
+    """Build a FederatedDataset from a preset name, ``tfds:NAME``, ``folder:PATH`` (images), ``text:PATH`` (a
+    folder of per-client .txt files) or ``leaf:PATH`` (LEAF's Shakespeare json), seeded by cfg.seed."""
     rng = np.random.default_rng(cfg.seed)
     if cfg.channels not in (1, 3):
         raise DataError(f"channels={cfg.channels}; allowed: 1 or 3")

@@ -9,8 +9,8 @@ import dataclasses
 
 import numpy as np
 
-from .clients import ClientData
 from ..errors import DataError
+from .clients import ClientData
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +62,3 @@ class RaggedClients:
                               np.zeros((len(ids), length), np.int32), counts.astype(np.int32))
         rows = np.minimum(rows, len(self.y) - 1)  # an empty last client points past the end
         return ClientData(self.x[rows], self.y[rows], counts.astype(np.int32))
-
-    def stacked(self, multiple: int = 1) -> ClientData:
-        """Every client padded to the largest, rounded up to ``multiple`` (the single-jit ``make_round`` layout)."""
-        m = max(1, -(-int(self.counts.max(initial=1)) // multiple)) * multiple
-        return self.gather(np.arange(self.num_clients), m)

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import DataError
 
+
 DATA_DIR_ENV = "JAXFL_DATA_DIR"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 

@@ -5,6 +5,7 @@ import numpy as np
 
 from ..errors import DataError
 
+
 _LUMA = np.array([0.299, 0.587, 0.114], np.float32)  # ITU-R 601, as PIL's convert("L")
 
 

@@ -6,10 +6,13 @@ import json
 import tomllib
 from pathlib import Path
 
-from .data.federated import DataConfig
-from .engine import OPTIMIZERS, STRATEGIES
-from .errors import ConfigError, check_choice, check_range
-from .options import plain
+from ..core.backends import BACKENDS, PLACEMENTS
+from ..core.cohort import STRATEGIES, default_strategy
+from ..core.options import coerce, field_type, plain
+from ..core.step import WEIGHTINGS
+from ..core.trainer import OPTIMIZERS
+from ..data.federated import DataConfig
+from ..errors import ConfigError, check_choice, check_range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,8 @@ class RunConfig:
     participation: float | None = None
     weighting: str = "samples"
     strategy: str | None = None
+    backend: str | None = None  # stacked (population on the device, one jit per round) | ragged (buckets)
+    rounds_per_call: int = 1  # stacked: rounds run in one jitted call (the host acts between calls)
     chunk_size: int = 8
     devices: int = 1
     client_store: str = "auto"
@@ -78,7 +83,7 @@ class RunConfig:
     def from_dict(cls, values: dict) -> "RunConfig":
         """A RunConfig from a config file's dict: RunConfig fields, and tables named by algorithm (unknown
         keys are an error)."""
-        from .algorithms import REGISTRY
+        from ..algorithms import REGISTRY
         fields = {f.name for f in dataclasses.fields(cls)} - {"options"}
         bad = sorted(k for k in values if k not in fields and k not in REGISTRY)
         if bad:
@@ -88,23 +93,26 @@ class RunConfig:
         for name, table in tables.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{name} must be a table of {name}'s options, got {table!r}")
-        from .options import coerce, field_type
         typed = {f.name: coerce(f.name, field_type(cls, f), values[f.name]) for f in dataclasses.fields(cls)
                  if f.name in values}
         return cls(**typed, options=tables)
 
     def algorithm_options(self):
         """The typed, checked options of ``algorithm`` (its table, fields left None from the dataset's preset)."""
-        from .algorithms import algorithm_options
+        from ..algorithms import algorithm_options
         return algorithm_options(self.algorithm, self.options.get(self.algorithm), self.dataset)
 
     def client_training(self) -> dict:
         """The client optimizer's settings, fields left None from the algorithm's ``train_preset`` (else 0)."""
-        from .algorithms import options_class
+        from ..algorithms import options_class
         preset = options_class(self.algorithm).train_preset
         wd = self.weight_decay if self.weight_decay is not None else preset.get("weight_decay", 0.0)
         return {"name": self.optimizer, "lr": self.lr, "momentum": self.momentum, "weight_decay": wd,
                 "nesterov": self.nesterov}
+
+    def strategy_or_default(self) -> str:
+        """The client strategy: ``strategy``, else ``map`` on CPU and ``vmap`` on accelerators."""
+        return self.strategy or default_strategy()
 
     def resolved(self) -> "RunConfig":
         """This config with the run's algorithm table written out in full (every option, presets applied) and
@@ -116,9 +124,9 @@ class RunConfig:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Raise ConfigError naming the first bad value; return cfg unchanged otherwise."""
-    from .algorithms import ALGORITHMS, options_class
-    from .models import MODELS
-    check_choice("algorithm", cfg.algorithm, ALGORITHMS)
+    from ..algorithms import REGISTRY, algorithm_options, options_class
+    from ..models import MODELS
+    check_choice("algorithm", cfg.algorithm, REGISTRY)
     if cfg.model is not None:
         check_choice("model", cfg.model, MODELS)
         allowed = options_class(cfg.algorithm).models
@@ -127,13 +135,18 @@ def validate(cfg: RunConfig) -> RunConfig:
                               f"{', '.join(allowed)}")
     if cfg.strategy is not None:
         check_choice("strategy", cfg.strategy, STRATEGIES)
-    check_choice("weighting", cfg.weighting, ("samples", "uniform"))
-    check_choice("client_store", cfg.client_store, ("auto", "device", "host"))
+    if cfg.backend is not None:
+        check_choice("backend", cfg.backend, BACKENDS)
+    if cfg.rounds_per_call > 1 and cfg.backend == "ragged":
+        raise ConfigError(f"rounds_per_call={cfg.rounds_per_call} keeps rounds on the device: it needs --backend "
+                          f"stacked (or the default, which picks stacked when the population fits)")
+    check_choice("weighting", cfg.weighting, WEIGHTINGS)
+    check_choice("client_store", cfg.client_store, PLACEMENTS)
     check_choice("client_sizes", cfg.client_sizes, ("equal", "lognormal"))
     if cfg.size_sigma < 0:
         raise ConfigError(f"size_sigma={cfg.size_sigma} must be >= 0")
     for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "eval_every", "eval_batch_size",
-                 "clients_per_domain", "num_clients", "samples_per_client", "test_per_client", "image_size",
+                 "rounds_per_call", "clients_per_domain", "num_clients", "samples_per_client", "test_per_client", "image_size",
                  "clients_per_round"):  # the last five may be None (the preset's default)
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
@@ -158,7 +171,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("checkpoints and --resume need an output directory (--out DIR)")
     if cfg.resume and cfg.overwrite:
         raise ConfigError("--resume continues the run in --out, --overwrite replaces it: give one of them")
-    from .algorithms import REGISTRY, algorithm_options
     for name, table in cfg.options.items():  # every table given, not only the run's: a typo is caught
         check_choice("algorithm table", name, REGISTRY)
         algorithm_options(name, table, cfg.dataset)

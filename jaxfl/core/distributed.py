@@ -2,7 +2,7 @@
 process (a 1-D ``client_mesh`` over ``jax.devices()``, which lists the devices process by process).
 
 The mesh helpers live here too: ``client_mesh`` (a 1-D mesh named "clients"), ``client_sharding`` (rows of
-the client axis split over it), ``shard_clients`` and ``replicate`` (placing stacked and server state).
+the client axis split over it) and ``place_rows`` (host rows onto the mesh).
 
 Each process stacks and places only the rows of its own clients (``process_rows``, ``from_process_rows``);
 the server state is replicated; aggregation's reductions over clients become cross-process all-reduces
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 CLIENT_AXIS = "clients"
@@ -32,16 +32,6 @@ def client_mesh(num_devices: int | None = None, devices=None):
 def client_sharding(mesh):
     """Rows of the leading (client) axis split over ``mesh``'s "clients" axis."""
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(CLIENT_AXIS))
-
-
-def shard_clients(tree, mesh):
-    """Place every leaf of a stacked pytree with its leading (client) axis split over ``mesh``."""
-    return jax.device_put(tree, client_sharding(mesh))
-
-
-def replicate(tree, mesh):
-    """Place every leaf of a pytree (the server state) in full on every device of ``mesh``."""
-    return jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -91,3 +81,15 @@ def fetch(tree):
 def is_primary() -> bool:
     """True in the process that writes logs, plots and summaries (process 0)."""
     return jax.process_index() == 0
+
+
+def place_rows(tree, mesh=None):
+    """Host rows [lanes, ...] -> device arrays; with a mesh, the lanes split over its devices (in a
+    multi-process run each process places only the rows of its own devices)."""
+    if mesh is None or not jax.tree_util.tree_leaves(tree):
+        return jax.device_put(tree)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, client_sharding(mesh))
+    lanes = jax.tree_util.tree_leaves(tree)[0].shape[0]
+    rows = process_rows(mesh, lanes)
+    return from_process_rows(jax.tree_util.tree_map(lambda a: np.asarray(a)[rows], tree), mesh, lanes)

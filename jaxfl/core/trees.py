@@ -5,10 +5,12 @@ Model variables are nested dicts (Flax); a path is the tuple of dict keys from t
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
 
 PyTree = Any
 PathPredicate = Callable[[tuple[str, ...]], bool]
@@ -63,17 +65,33 @@ def tree_bytes(tree) -> int:
     return int(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree)))
 
 
-def tree_vdot(a, b):
-    """<a, b> over a whole pytree: sum over leaves of sum(a * b). a, b: same structure -> []."""
-    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+def flat_leaves(tree):
+    """{path tuple: leaf}, Python bools treated as leaves."""
+    return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p): v
+            for p, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda m: isinstance(m, bool))[0]}
 
 
-def tree_sq_distance(a, b):
-    """||a - b||^2 over a whole pytree: sum over leaves of sum((a - b)^2). a, b: same structure -> []."""
-    sq = jax.tree_util.tree_map(lambda x, y: jnp.sum(jnp.square(x - y)), a, b)
-    return sum(jax.tree_util.tree_leaves(sq))
+def kept_entries(leaf, mask):
+    """Entries of ``leaf`` a mask keeps: all (True / None), none (False), or the nonzeros of a broadcast mask."""
+    shape = tuple(getattr(leaf, "shape", ()))  # arrays and jax.ShapeDtypeStruct alike
+    if mask is None or mask is True:
+        return math.prod(shape)
+    if mask is False:
+        return 0
+    return jnp.sum(jnp.broadcast_to(jnp.asarray(mask) != 0, shape))
 
 
-def tree_zeros(tree):
-    """Zeros shaped like every leaf of ``tree``."""
-    return jax.tree_util.tree_map(jnp.zeros_like, tree)
+def count_params(params, masks=None):
+    """Number of parameters: all entries, or with a mask pytree of params' structure (array or Python-bool
+    leaves) the entries the masks keep.
+    Shapes: params pytree (mask: the same structure) -> Python int.
+    """
+    m = {} if masks is None else flat_leaves(masks)
+    return sum(kept_entries(leaf, m.get(path)) for path, leaf in flat_leaves(params).items())
+
+
+def tree_all_finite(tree):
+    """True iff every floating entry of the pytree is finite; pytree -> [] bool."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)

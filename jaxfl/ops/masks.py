@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .losses import check_positive
-from .metrics import count_params
+from ..core.metrics import check_positive
+from ..core.trees import count_params
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 class Hypernet(NamedTuple):

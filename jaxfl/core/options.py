@@ -20,7 +20,7 @@ import types
 import typing
 from typing import Any, ClassVar
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def option(default, help: str = "", *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
@@ -70,19 +70,20 @@ class Options:
         """Plain JSON values (tuples as lists)."""
         return {f.name: plain(getattr(self, f.name)) for f in self.fields()}
 
-    def kwargs(self) -> dict:
-        """The factory's keyword arguments (None: left to the factory)."""
-        return {f.name: getattr(self, f.name) for f in self.fields() if getattr(self, f.name) is not None}
-
     # -- checks ------------------------------------------------------------------------------------------
     def validate(self) -> "Options":
-        """Raise ConfigError naming ``algorithm.field=value`` and what is allowed; return self."""
+        """Raise ConfigError naming ``algorithm.field=value`` and what is allowed; return self. Every field
+        is checked against its ``option(...)`` limits, then the class's own ``check``."""
         for f in self.fields():
             value = getattr(self, f.name)
             for v in (value if isinstance(value, (tuple, list)) else (value,)):
                 if v is not None:
                     _check(f"{self.name}.{f.name}", v, f.metadata)
+        self.check()
         return self
+
+    def check(self) -> None:
+        """Checks across fields or beyond per-field limits (ConfigError); a subclass overrides it."""
 
 
 def plain(value):

@@ -10,7 +10,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .losses import weighted_mean_loss
+from ..core.metrics import weighted_mean_loss
+from ..core.trees import flat_leaves, kept_entries
 
 
 def _weights(n, weights, dtype=jnp.float32):
@@ -117,31 +118,6 @@ def selection_ratio(mask, weights=None):
     return weighted_mean_loss(jnp.mean(mask, -1), _weights(mask.shape[0], weights))
 
 
-def _flat(tree):
-    """{path tuple: leaf}, Python bools treated as leaves."""
-    return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p): v
-            for p, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda m: isinstance(m, bool))[0]}
-
-
-def _kept(leaf, mask):
-    """Entries of ``leaf`` a mask keeps: all (True / None), none (False), or the nonzeros of a broadcast mask."""
-    shape = tuple(getattr(leaf, "shape", ()))  # arrays and jax.ShapeDtypeStruct alike
-    if mask is None or mask is True:
-        return math.prod(shape)
-    if mask is False:
-        return 0
-    return jnp.sum(jnp.broadcast_to(jnp.asarray(mask) != 0, shape))
-
-
-def count_params(params, masks=None):
-    """Number of parameters: all entries, or with a mask pytree of params' structure (array or Python-bool
-    leaves) the entries the masks keep.
-    Shapes: params pytree (mask: the same structure) -> Python int.
-    """
-    m = {} if masks is None else _flat(masks)
-    return sum(_kept(leaf, m.get(path)) for path, leaf in _flat(params).items())
-
-
 def layer_positions(model, variables, x, **kwargs):
     """Output positions per sample of every module that owns a ``kernel`` (1 for Dense, H_out*W_out for Conv).
 
@@ -152,7 +128,7 @@ def layer_positions(model, variables, x, **kwargs):
         return state["intermediates"]
     inter = jax.eval_shape(run, variables, x)
     out = {}
-    for keys in _flat(variables["params"]):
+    for keys in flat_leaves(variables["params"]):
         if keys[-1] != "kernel":
             continue
         node = inter
@@ -172,5 +148,5 @@ def masked_flops(params, positions, masks=None):
     Biases, norms and activations are not counted.
     Shapes: kernels and masks: pytrees of the same structure -> Python or traced scalar.
     """
-    flat, m = _flat(params), ({} if masks is None else _flat(masks))
-    return sum(2 * pos * _kept(flat[path], m.get(path)) for path, pos in positions.items())
+    flat, m = flat_leaves(params), ({} if masks is None else flat_leaves(masks))
+    return sum(2 * pos * kept_entries(flat[path], m.get(path)) for path, pos in positions.items())

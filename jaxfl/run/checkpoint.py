@@ -9,11 +9,12 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from .errors import ConfigError
+from ..errors import ConfigError
+
 
 # Fields that may change between a run and its resumption; any other change is refused.
 # (lr: a run stopped by NaN says to lower it.)
-RESUMABLE_CHANGES = {"rounds", "resume", "overwrite", "out", "checkpoint_every", "eval_every", "strategy",
+RESUMABLE_CHANGES = {"rounds", "resume", "overwrite", "out", "checkpoint_every", "eval_every", "strategy", "backend",
                      "chunk_size", "devices", "client_store", "eval_batch_size", "eval_point", "lr"}
 
 

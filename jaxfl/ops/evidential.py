@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import digamma, gammaln
 
-from .losses import check_labels, check_positive, weighted_mean_loss
+from ..core.metrics import check_labels, check_positive, weighted_mean_loss
 
 
 def evidence(logits):

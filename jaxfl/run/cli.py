@@ -6,15 +6,16 @@ import dataclasses
 import json
 import sys
 
+from ..errors import ConfigError, JaxflError
 from .config import RunConfig, load_config_file
-from .errors import ConfigError, JaxflError
+
 
 HELP = {
-    "algorithm": "local | fedavg | fedbn | fedprox | fedper | fedrep | lg_fedavg | ditto | fedpick | rfeddis | fedselect | fedtp | dapperfl",
     "dataset": "default (embedded, offline) | digits | pacs | cifar10 | mnist | tfds:NAME | folder:PATH",
-    "model": "digits_cnn | alexnet_bn | resnet10 | resnet10_slim | resnet18 | resnet18_imagenet | vit_small | vit_tiny | fedavg_cnn | pfl_cnn | small_cnn (default: per dataset)",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
     "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU)",
+    "backend": "stacked (the whole population on the device, one jitted call per round) | ragged (samples on "
+               "the host, the cohort trained in buckets of similar clients; default)",
     "devices": "split the clients over this many devices (0: all; clients per round must divide evenly)",
     "client_sizes": "dirichlet_quantity: client sizes equal | lognormal (then each client's labels ~ Dir(alpha p))",
     "size_sigma": "dirichlet_quantity with lognormal sizes: sigma of the log client size (>= 0)",
@@ -44,6 +45,13 @@ def _add_flag(group, flag: str, dest: str, tp, text: str) -> None:
         group.add_argument(flag, dest=dest, type=tp, help=text)
 
 
+def generated_help() -> dict[str, str]:
+    """Help texts built from the registries: every algorithm and every model by name."""
+    from ..algorithms import REGISTRY
+    from ..models import MODELS
+    return {"algorithm": " | ".join(REGISTRY), "model": " | ".join(MODELS) + " (default: per dataset)"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxfl", description="Vectorized personalized federated learning.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,13 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--coordinator-address", help="host:port of process 0, the same for every process")
     launch.add_argument("--num-processes", type=int, help="processes in the run (default 1)")
     launch.add_argument("--process-id", type=int, help="this process's index in [0, num_processes)")
-    from .algorithms import REGISTRY
-    from .options import field_type
+    from ..algorithms import REGISTRY
+    from ..core.options import field_type
+    help_text = dict(HELP, **generated_help())
     for f in dataclasses.fields(RunConfig):
         if f.name == "options":
             continue
         default = f"default: {f.default}" if f.default is not None else ""
-        text = "; ".join(s for s in (HELP.get(f.name, ""), default) if s)
+        text = "; ".join(s for s in (help_text.get(f.name, ""), default) if s)
         _add_flag(run, "--" + f.name.replace("_", "-"), f.name, field_type(RunConfig, f), text)
     for name, reg in REGISTRY.items():  # --NAME.OPTION, e.g. --fedselect.alpha 0.5
         cls = reg.options
@@ -114,7 +123,7 @@ def main(argv=None) -> int:
     args.pop("command")
     quiet = args.pop("quiet", False)
     launch = {k: args.pop(k) for k in ("coordinator_address", "num_processes", "process_id") if k in args}
-    from .distributed import initialize, is_primary  # imports jax: kept out of `jaxfl --help`'s start-up
+    from ..core.distributed import initialize, is_primary  # imports jax: kept out of `jaxfl --help`'s start-up
     try:
         if launch.get("num_processes", 1) > 1:
             initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))

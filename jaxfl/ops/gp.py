@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+
 PG_TERMS = 200  # series terms of the Polya-Gamma sampler; the tail enters through its exact mean
 JITTER = 1e-3  # gpytorch's add_jitter default, as the official GPModel uses it
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import time
@@ -11,34 +10,34 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from .algorithms import build_algorithm
+from ..algorithms import build_algorithm, options_class
+from ..core.backends import Ragged, Stacked, device_memory_bytes
+from ..core.distributed import client_mesh, is_primary
+from ..core.evaluate import Evaluator
+from ..core.trainer import LocalTrainer, client_optimizer, normalizer
+from ..core.trees import count_params
+from ..core.types import RunContext
+from ..data import load_dataset
+from ..data.federated import TEXT_DATASETS
+from ..data.ragged import RaggedClients
+from ..errors import ConfigError, NonFiniteError
+from ..models import build_model
 from .config import RunConfig, check_output, clear_outputs, validate
-from .data import load_dataset
-from .distributed import client_mesh, is_primary
-from .data.ragged import RaggedClients
-from .engine import ClientData, LocalTrainer, client_optimizer, make_evaluate, normalizer
-from .simulation import ClientStore, Simulation, make_block_evaluate, place_rows
-from .errors import ConfigError, NonFiniteError
-from .metrics import count_params
-from .models import build_model
+from .plots import plot_accuracy
+
 
 DEFAULT_MODEL = {"default": "digits_cnn", "digits": "digits_cnn", "pacs": "digits_cnn"}
 
 
 def model_name(cfg: RunConfig) -> str:
-    """--model, else the first model the algorithm allows, else the dataset's default (small_cnn otherwise)."""
-    from .algorithms import options_class
+    """--model, else the first model the algorithm allows, else the dataset's default (small_cnn otherwise;
+    char_lstm for text)."""
     allowed = options_class(cfg.algorithm).models
-    return cfg.model or (allowed[0] if allowed else DEFAULT_MODEL.get(cfg.dataset, "small_cnn"))
-# Measured on a 2-core CPU (README, "Client strategies"): vmap of convolutions over per-client kernels
-# lowers to slow grouped convolutions there, so CPU runs clients one after another inside the jit.
-DEFAULT_STRATEGY = {"cpu": "map", "gpu": "vmap", "tpu": "vmap"}
-# per-round (not per-client) metrics of Simulation.round, logged as they are
-ROUND_METRICS = ("padded_work", "buckets", "compiled_shapes")
-
-
-def default_strategy(backend: str | None = None) -> str:
-    return DEFAULT_STRATEGY.get(backend or jax.default_backend(), "vmap")
+    text = any(cfg.dataset.startswith(t) for t in TEXT_DATASETS)
+    default = "char_lstm" if text else DEFAULT_MODEL.get(cfg.dataset, "small_cnn")
+    return cfg.model or (allowed[0] if allowed else default)
+# per-round (not per-client) metrics of a backend's round, logged as they are
+ROUND_METRICS = ("padded_work", "buckets", "compiled_shapes", "host_share")
 
 
 @dataclasses.dataclass
@@ -108,59 +107,49 @@ class Experiment:
         self.train_data, self.test_data = RaggedClients.from_clients(ds.train), RaggedClients.from_clients(ds.test)
         tx = client_optimizer(**cfg.client_training())
         preprocess = normalizer(*ds.normalize)
-        self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs, preprocess, lr=cfg.lr)
+        self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs, preprocess)
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
-        self.algorithm = build_algorithm(cfg.algorithm, self.model, self.trainer, self.options, num_clients=n)
-        self.strategy = strategy = cfg.strategy or default_strategy()
-        self.simulation = Simulation(self.algorithm, self.train_data, batch_size=cfg.batch_size, strategy=strategy,
-                                     chunk_size=cfg.chunk_size, cohort_size=self.cohort, weighting=cfg.weighting,
-                                     mesh=self.mesh, client_store=cfg.client_store, num_rounds=cfg.rounds)
-        self.evaluate_fn = make_block_evaluate(self.algorithm, self.test_data, eval_batch_size=eval_bs,
-                                               preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size,
-                                               mesh=self.mesh, train=self.train_data)
-        self.root = jax.random.key(cfg.seed)
-        self.evaluate_trained_fn = None
+        self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, lr=cfg.lr)
+        self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
+        self.strategy = strategy = cfg.strategy_or_default()
         if cfg.eval_point == "local":  # the models right after local training, before aggregation
             if self.algorithm.predict_trained is None:
                 raise ConfigError(f"--eval-point local: {cfg.algorithm} has no prediction of a just-trained model")
             if self.cohort != n:
                 raise ConfigError("--eval-point local evaluates every client right after its local training, so "
                                   "every client must train every round (drop --clients-per-round/--participation)")
-            self.evaluate_trained_fn = jax.jit(make_evaluate(
-                self.algorithm._replace(predict=self.algorithm.predict_trained), eval_batch_size=eval_bs,
-                preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh))
+        self.backend_name = choose_backend(cfg, self.train_data, self.algorithm, self.dataset.train[0][0][:1])
+        kw = {"rounds_per_call": cfg.rounds_per_call} if self.backend_name == "stacked" else {
+            "client_store": cfg.client_store}
+        self.backend = {"stacked": Stacked, "ragged": Ragged}[self.backend_name](
+            self.algorithm, self.train_data, batch_size=cfg.batch_size, strategy=strategy, chunk_size=cfg.chunk_size,
+            cohort_size=self.cohort, weighting=cfg.weighting, mesh=self.mesh, num_rounds=cfg.rounds, **kw)
+        self.evaluator = Evaluator(self.algorithm, self.test_data, eval_batch_size=eval_bs, preprocess=preprocess,
+                                   strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh, train=self.train_data)
+        self.root = jax.random.key(cfg.seed)
 
     def round_fn(self, server, store, round_idx, before_aggregate=None):
-        """One training round (``Simulation.round``): (server, per-client and per-round metrics)."""
-        return self.simulation.round(server, store, round_idx, self.root, before_aggregate=before_aggregate)
+        """One training round (the backend's ``round``): (server, per-client and per-round metrics)."""
+        return self.backend.round(server, store, round_idx, self.root, before_aggregate=before_aggregate)
 
-    @functools.cached_property
-    def test(self) -> ClientData:
-        """Every client's test set padded to the largest (for reports over stacked clients)."""
-        return place_rows(self.test_data.stacked(self.eval_batch_size), self.mesh)
+    def run_rounds(self, server, store, first: int, count: int):
+        """Rounds ``first`` .. ``first + count - 1`` (the backend's ``run_rounds``): (server, [metrics])."""
+        return self.backend.run_rounds(server, store, first, count, self.root)
 
     def init(self):
         """(server, store): the initial server state and the per-client store."""
         # the init needs only an input's shape: the first client's first image (every process has it)
-        return self.simulation.init(jax.random.fold_in(self.root, 2), self.dataset.train[0][0][:1])
+        return self.backend.init(jax.random.fold_in(self.root, 2), self.dataset.train[0][0][:1])
 
-    def evaluate(self, server, clients) -> dict:
-        """Test metrics of every client; ``clients`` is a ClientStore or the stacked persistent states."""
-        store = clients if isinstance(clients, ClientStore) else ClientStore(clients, "host")
-        return eval_record(self.evaluate_fn(server, store))
-
-    def evaluate_trained(self, server, trained) -> dict:
-        """Test metrics of every client's model right after its local training (``trained``: the round's
-        rows of every client, stacked in client order; ``eval_point="local"``)."""
-        return eval_record(self.evaluate_trained_fn(server, trained, self.test))
+    def evaluate(self, server, clients, predict: str = "aggregated") -> dict:
+        """metrics.jsonl's test fields for every client: ``clients`` is a ClientStore or the persistent states
+        stacked [N] (``predict="trained"``: the rows every client's local update just returned)."""
+        return eval_record(self.evaluator.metrics(server, clients, predict))
 
     def reliability(self, server, clients, key, **kw) -> dict:
         """``reliability.reliability_report`` of these states on this run's test sets (kw: noise_sigma, ...)."""
         from .reliability import reliability_report
-        clients = place_rows(clients, self.mesh)  # the stacked states, split like the test sets
-        train = None if self.algorithm.prepare_predict is None else place_rows(self.train_data.stacked(1), self.mesh)
-        return reliability_report(self.algorithm, server, clients, self.test, key, preprocess=self.trainer.preprocess,
-                                  eval_batch_size=self.eval_batch_size, strategy=self.strategy, train=train, **kw)
+        return reliability_report(self.evaluator, server, clients, key, **kw)
 
     def run(self, progress: bool = False, log=None) -> RunResult:
         """Train to ``cfg.rounds`` (resuming if asked): ``train(self, ...)``."""
@@ -247,31 +236,44 @@ def train(exp: Experiment, progress: bool = False, log=None) -> RunResult:
     server, store, start, history, ckpt = open_run(exp)
     out = Path(cfg.out) if cfg.out else None
     write = out is not None and is_primary()  # every process checkpoints its rows; one logs
-    bar = _progress(range(start, cfg.rounds), progress, start, cfg.rounds)
-    for r in bar:
+    bar = _progress(None, progress, start, cfg.rounds)
+    r = start
+    while r < cfg.rounds:
         t0, c0 = time.perf_counter(), compile_seconds()
-        evaluate_now, local = (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds, {}
-        hook = None
-        if evaluate_now and cfg.eval_point == "local":  # the models right after local training
-            hook = lambda s, trained, ids: local.update(exp.evaluate_trained(s, trained))
-        server, m = exp.round_fn(server, store, r, before_aggregate=hook)
-        check_finite(m, names, r, ckpt)
-        rec = round_record(m, names, r)
-        if evaluate_now:
-            rec.update(local or exp.evaluate(server, store))
-        rec["time_s"] = time.perf_counter() - t0
-        rec["compile_s"] = compile_seconds() - c0  # part of time_s: tracing and compiling new shapes
-        history.append(rec)
-        if write:
-            with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        if ckpt and cfg.checkpoint_every and ((r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds):
-            ckpt.save(r + 1, server, store.state)
-        if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{np.mean(rec['train_loss']):.3f}",
-                            acc=f"{rec.get('mean_accuracy', float('nan')):.3f}")
-        if log:
-            log(rec)
+        n = rounds_until_boundary(cfg, r)
+        local = {}
+        if cfg.eval_point == "local" and evaluates(cfg, r):  # the models right after local training
+            hook = lambda s, trained, ids: local.update(exp.evaluate(s, trained, predict="trained"))
+            server, m = exp.round_fn(server, store, r, before_aggregate=hook)
+            ms = [m]
+        else:
+            server, ms = exp.run_rounds(server, store, r, n)
+        compiling = compile_seconds() - c0
+        per_round = (time.perf_counter() - t0 - compiling) / n  # a call's rounds share its time
+        for j, m in enumerate(ms):
+            check_finite(m, names, r + j, ckpt)
+            rec = round_record(m, names, r + j)
+            t_eval, c_eval = time.perf_counter(), compile_seconds()
+            if j == n - 1 and evaluates(cfg, r + j):
+                rec.update(local or exp.evaluate(server, store))
+            # compile_s: tracing and compiling new shapes, part of time_s (the call's, on its first round)
+            rec["compile_s"] = (compiling if j == 0 else 0.0) + compile_seconds() - c_eval
+            rec["time_s"] = per_round + (compiling if j == 0 else 0.0) + time.perf_counter() - t_eval
+            history.append(rec)
+            if write:
+                with open(out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{np.mean(rec['train_loss']):.3f}",
+                                acc=f"{rec.get('mean_accuracy', float('nan')):.3f}")
+            if log:
+                log(rec)
+        r += n
+        if ckpt and cfg.checkpoint_every and (r % cfg.checkpoint_every == 0 or r == cfg.rounds):
+            ckpt.save(r, server, store.state)
+    if bar is not None:
+        bar.close()
     result = RunResult(cfg, names, history, server, store.state, count_params(server["params"]))
     if write:
         (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
@@ -279,6 +281,53 @@ def train(exp: Experiment, progress: bool = False, log=None) -> RunResult:
             plot_accuracy(history, names, out / "accuracy.png",
                           title=f"{cfg.algorithm} on {cfg.dataset}, {model_name(cfg)}, lr {cfg.lr}, seed {cfg.seed}")
     return result
+
+
+def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x) -> str:
+    """``--backend``, else ``stacked`` when the population fits (its samples and every client's persistent
+    state in a quarter of the device's memory, one process, no mesh, no host store asked for) and one call over
+    the whole cohort wastes little (``map``: every client its own steps; ``vmap``/``chunked``: clients within
+    25% of the mean step count); else ``ragged``. A ConfigError if rounds_per_call > 1 cannot be honoured."""
+    if cfg.backend:
+        return cfg.backend
+    if cfg.devices != 1 or jax.process_count() > 1 or cfg.client_store == "host":
+        return _ragged_unless_rounds_per_call(cfg, "the run is split over devices or keeps states on the host")
+    states = jax.eval_shape(alg.init, jax.random.key(0), sample_x)[1]
+    per_client = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree_util.tree_leaves(states))
+    state_bytes = train.num_clients * per_client
+    steps = -(-train.counts // cfg.batch_size)
+    even = cfg.strategy_or_default() == "map" or steps.max() <= 1.25 * steps.mean()
+    fits = train.nbytes + state_bytes <= device_memory_bytes() // 4
+    if fits and even:
+        return "stacked"
+    return _ragged_unless_rounds_per_call(cfg, "the population does not fit on the device or its client sizes "
+                                               "are too uneven for one call")
+
+
+def _ragged_unless_rounds_per_call(cfg: RunConfig, why: str) -> str:
+    if cfg.rounds_per_call > 1:
+        raise ConfigError(f"rounds_per_call={cfg.rounds_per_call} needs the population on the device (--backend "
+                          f"stacked), but {why}; use --rounds-per-call 1")
+    return "ragged"
+
+
+def evaluates(cfg: RunConfig, r: int) -> bool:
+    """Whether the run evaluates after round r (0-based): every ``eval_every`` rounds and after the last."""
+    return (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds
+
+
+def rounds_until_boundary(cfg: RunConfig, r: int) -> int:
+    """How many rounds from round r (0-based) one call may run: at most ``rounds_per_call``, ending at the
+    next round that evaluates or checkpoints (the host acts only between calls); 1 when evaluating after
+    local training (the host evaluates inside the round)."""
+    if cfg.eval_point == "local":
+        return 1
+    n = 1
+    while n < cfg.rounds_per_call and r + n < cfg.rounds and not evaluates(cfg, r + n - 1):
+        if cfg.checkpoint_every and (r + n) % cfg.checkpoint_every == 0:
+            break
+        n += 1
+    return n
 
 
 def cohort_size(cfg: RunConfig, n: int) -> int:
@@ -300,37 +349,12 @@ def run(cfg: RunConfig, progress: bool = False) -> RunResult:
 
 
 def _progress(it, enabled, start, total):
+    """A tqdm bar over the rounds (updated by hand), or None."""
     if not enabled:
-        return it
+        return None
     from tqdm.auto import tqdm
-    return tqdm(it, initial=start, total=total, desc="round", unit="round")
+    return tqdm(initial=start, total=total, desc="round", unit="round")
 
 
 def _rewrite_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
-def plot_accuracy(history, names, path, title=""):
-    """PNG: each client's test accuracy per round (thin) and the unweighted mean (thick)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    evals = [h for h in history if "test_accuracy" in h]
-    rounds = [h["round"] for h in evals]
-    acc = np.array([h["test_accuracy"] for h in evals])
-    from matplotlib.ticker import MaxNLocator
-    fig, ax = plt.subplots(figsize=(7.5, 4))
-    markers = "os^vD<>pXh"
-    few = len(names) <= 12  # more clients: thin unlabelled lines, the mean stands out
-    for j, name in enumerate(names):
-        ax.plot(rounds, acc[:, j], lw=1 if few else 0.5, alpha=0.8 if few else 0.3,
-                marker=markers[j % len(markers)] if few else None, ms=3, label=name if few else None)
-    ax.plot(rounds, acc.mean(1), lw=2.5, color="k", marker="o", ms=4, label="mean over clients")
-    ax.set(xlabel="round", ylabel="test accuracy", title=title, ylim=(0, 1))
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the curves
-    ax.title.set_fontsize(9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -1,0 +1,169 @@
+"""Pieces the algorithms share: the parameter groups, the cross-entropy loss of the ``LocalTrainer`` contract,
+model variables, predictors, freezing parameter groups, (logits, representation) forward passes, class feature
+sums, and evaluation after fine-tuning."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ..core.metrics import cross_entropy, weighted_mean_loss
+from ..core.trainer import LocalTrainer
+from ..core.trees import PathPredicate, path_mask
+from ..core.types import Algorithm
+from ..data.clients import ClientData
+from ..models import MLPHead
+
+
+def is_batchnorm(path: tuple[str, ...]) -> bool:
+    """True for leaves inside a BatchNorm module (modules named ``bn*`` or ``BatchNorm*``)."""
+    return any(k.startswith("bn") or k.startswith("BatchNorm") for k in path)
+
+
+def in_part(*parts: str) -> PathPredicate:
+    """Predicate: the leaf's top-level key (e.g. "encoder", "head") is one of ``parts``."""
+    return lambda path: path[0] in parts
+
+
+def ce_loss(model, prox_mu: float = 0.0):
+    """loss_fn(params, stats, x, y, w, key, anchor) = weighted CE + prox_mu/2 ||params - anchor||^2.
+
+    Returns (loss, (new_batch_stats, logits)), the LocalTrainer contract; ``anchor`` (the parameters the
+    client started the round from) enters only when prox_mu != 0; ``key`` drives dropout, if the model has any.
+    """
+    def loss_fn(params, stats, x, y, w, key, anchor=None):
+        logits, updated = model.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
+                                      mutable=["batch_stats"], rngs=None if key is None else {"dropout": key})
+        loss = weighted_mean_loss(cross_entropy(logits, y), w)
+        if prox_mu:
+            loss = loss + 0.5 * prox_mu * optax.tree.norm(optax.tree.sub(params, anchor), squared=True)
+        return loss, (updated["batch_stats"], logits)
+    return loss_fn
+
+
+def model_variables(state):
+    """The model's {"params", "batch_stats"} out of a server or client state that also holds other things
+    (control variates, drifts, masks, a personal head)."""
+    return {"params": state["params"], "batch_stats": state["batch_stats"]}
+
+
+def num_classes(model, variables, x) -> int:
+    """K, the size of the model's logits [B, K] on inputs x (shapes only: nothing is computed)."""
+    return jax.eval_shape(lambda: model.apply(variables, x[:1], False)).shape[-1]
+
+
+def global_model_predictors(model):
+    """(predict, predict_trained) of a method whose clients predict with the server's model: evaluation-mode
+    ``model.apply`` of the server's, respectively the just-trained row's, params and BN statistics."""
+    def predict(server, client, x, client_id=None):
+        return model.apply(model_variables(server), x, train=False)
+
+    def predict_trained(server, trained, x, client_id=None):
+        return model.apply(model_variables(trained), x, train=False)
+
+    return predict, predict_trained
+
+
+def init_variables(model, trainer: LocalTrainer, key, sample_x):
+    """{"params", "batch_stats"} of ``model`` initialised on one preprocessed sample (batch_stats {} if none)."""
+    variables = model.init(key, trainer.preprocess(sample_x[:1]), train=False)
+    return {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
+
+
+def only(tx: optax.GradientTransformation, trainable) -> optax.GradientTransformation:
+    """``tx`` on the leaves where ``trainable(path)`` holds; zero updates (frozen) elsewhere."""
+    labels = lambda params: jax.tree_util.tree_map(
+        lambda t: "train" if t else "freeze", path_mask(params, trainable))
+    return optax.multi_transform({"train": tx, "freeze": optax.set_to_zero()}, labels)
+
+
+REPRESENTATIONS = ("penultimate", "features")
+
+
+def logits_and_representation(representation: str = "penultimate"):
+    """A ``Classifier`` method (for ``model.apply(..., method=...)``): (logits, representation) in one pass.
+
+    "penultimate": the input of the head's last Dense (the last hidden ReLU of an ``MLPHead`` with hidden
+    layers; the encoder output z otherwise); "features": the encoder output z.
+    """
+    if representation not in REPRESENTATIONS:
+        raise ValueError(f"representation {representation!r} is not one of {REPRESENTATIONS}")
+
+    def forward(module, x, train: bool = False, mask=None):
+        z = module.encoder(x, train, mask)
+        head = module.head
+        if representation == "penultimate" and isinstance(head, MLPHead) and len(head.hidden):
+            logits, taps = head(z, train, mask, taps=True)
+            return logits, taps[f"relu{len(head.hidden)}"]
+        return head(z, train, mask), z
+    return forward
+
+
+def class_feature_sums(model, variables, data: ClientData, num_classes: int, batch_size: int, preprocess):
+    """Over a client's real samples, in evaluation mode: S1 [C, d] = sum_{y=k} z, S2 [C] = sum_{y=k} ||z||^2,
+    N [C] = #{y = k}, with z = f(x) the encoder output; in batches, skipping the padding."""
+    b, m = batch_size, data.y.shape[0]
+    n_steps = (data.count + b - 1) // b
+
+    def step(t, sums):
+        idx = t * b + jnp.arange(b)
+        w = (idx < data.count).astype(jnp.float32)
+        idx = jnp.minimum(idx, m - 1)
+        z = model.apply(variables, preprocess(data.x[idx]), train=False, method="features")
+        onehot = jax.nn.one_hot(data.y[idx], num_classes) * w[:, None]
+        s1, s2, n = sums
+        return s1 + onehot.T @ z, s2 + onehot.T @ jnp.sum(z * z, -1), n + jnp.sum(onehot, 0)
+
+    d = jax.eval_shape(lambda x: model.apply(variables, preprocess(x), train=False, method="features"),
+                       data.x[:1]).shape[-1]
+    zeros = (jnp.zeros((num_classes, d)), jnp.zeros(num_classes), jnp.zeros(num_classes))
+    return jax.lax.fori_loop(0, n_steps, step, zeros)
+
+
+def with_fine_tuning(base: Algorithm, model, trainer: LocalTrainer, ft_epochs: int, *, start: Callable,
+                     parts: tuple[str, ...] | None = None, reuse_trained: bool = False,
+                     name: str | None = None) -> Algorithm:
+    """``base`` whose clients are evaluated with a model fine-tuned from the global model they received.
+
+    start(server, base_client) -> {"params", "batch_stats"}: the model a client fine-tunes from (its round's
+        starting model). parts: the parameter groups fine-tuned ("encoder", "head"; None: all).
+    reuse_trained: the base's trained row *is* the fine-tune (same start, loss, epochs, key): keep it.
+    Client state: {"base": the base's client state, "tuned": the fine-tuned model}; the base's server unchanged.
+    The fine-tuning run uses the client's round key (so for FedAvg with ft_epochs = E it equals the training).
+    """
+    name = name or base.name
+    if ft_epochs == 0:
+        return base._replace(name=name)
+    tx = trainer.tx if parts is None else only(trainer.tx, in_part(*parts))
+    ft = dataclasses.replace(trainer, tx=tx, epochs=ft_epochs)
+    loss = ce_loss(model)
+
+    def init(key, sample_x):
+        server, client = base.init(key, sample_x)
+        return server, {"base": client, "tuned": start(server, client)}
+
+    def local_update(server, client, data: ClientData, key, info):
+        trained, metrics = base.local_update(server, client["base"], data, key, info)
+        if reuse_trained:
+            tuned = model_variables(trained)
+        else:
+            v = start(server, client["base"])
+            p, s, _, ft_metrics = ft.run(loss, v["params"], v["batch_stats"], tx.init(v["params"]), data, key)
+            tuned = {"params": p, "batch_stats": s}
+            metrics = dict(metrics, ft_loss=ft_metrics["loss"])
+        return {"base": trained, "tuned": tuned}, metrics
+
+    def aggregate(server, trained, weights, info):
+        server, clients = base.aggregate(server, trained["base"], weights, info)
+        return server, {"base": clients, "tuned": trained["tuned"]}
+
+    def predict(server, client, x, client_id=None):
+        return model.apply(client["tuned"], x, train=False)
+
+    def predict_trained(server, trained, x, client_id=None):
+        return model.apply(trained["tuned"], x, train=False)
+
+    return Algorithm(name, init, local_update, aggregate, predict, predict_trained)

@@ -1,0 +1,22 @@
+"""Local training (SingleSet): every client trains its own model on its own data; nothing is shared."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..core.options import Options
+from ..core.types import Algorithm, RunContext
+from ._averaging import masked_averaging
+from ._registry import register
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalOptions(Options):
+    """Local training has no options."""
+    name = "local"
+    sharing = ("nothing", "everything")
+
+
+@register(LocalOptions)
+def local(model, trainer, opts: LocalOptions, ctx: RunContext) -> Algorithm:
+    """SingleSet / local training: nothing is shared."""
+    return masked_averaging("local", model, trainer, share_param=lambda p: False, share_stats=False)

@@ -1,0 +1,355 @@
+"""Two data backends for one round function (``step.make_step``): where the population lives, how a round's
+cohort reaches the step.
+
+- ``Stacked``: everything on the device. Every client's samples (flat, the ``RaggedClients`` layout) and
+  persistent states stay there; a round is one jitted call that draws the cohort, gathers its rows padded to
+  the population's longest client, runs the step and writes the kept states back. For populations that fit.
+- ``Ragged``: the samples on the host (``RaggedClients``), the persistent states in a ``ClientStore`` (device
+  or host); a round gathers only its cohort, sorts it by local steps and trains it in buckets of similar
+  clients (``buckets.plan_buckets``), each bucket one compiled call, then aggregates. For any population size.
+
+``Stacked`` can run K rounds per call (``rounds_per_call``): a loop over rounds inside the jitted function, the
+per-round metrics stacked and fetched once; the run's results do not depend on K (tested bit for bit).
+
+Both keep per client only what the algorithm keeps (``Algorithm.init``'s client state: FedAvg nothing,
+FedBN its BatchNorm leaves); both give every client its own step count, so padding costs memory, not compute
+(under ``vmap`` a call runs until its longest client is done: ``Ragged`` groups similar clients for that).
+Results agree up to float reassociation: per-client keys depend on the client id only, and the trained
+states are aggregated in cohort order (sorted ids). Interface of both:
+
+    init(key, sample_x) -> (server, store)
+    round(server, store, round_idx, root, before_aggregate=None) -> (server, metrics)
+    run_rounds(server, store, first, count, root) -> (server, [metrics of each round])
+
+Each round's metrics carry ``host_share``: the fraction of the backend's wall time for it spent outside jitted
+computations (the cohort draw, host gathers and scatters, dispatch, fetching metrics).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..data.clients import ClientData
+from ..data.ragged import RaggedClients
+from .buckets import grid_ceil, padded_work, plan_buckets
+from .cohort import default_strategy, sample_cohort
+from .distributed import client_sharding, fetch, place_rows
+from .step import init_state, make_step
+from .trainer import ClientRows
+from .trees import tree_bytes
+from .types import Algorithm
+
+
+PLACEMENTS = ("auto", "device", "host")
+BACKENDS = ("stacked", "ragged")
+
+
+def device_memory_bytes() -> int:
+    """Memory of this process's first device: the accelerator's limit, or the host's RAM for CPU."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ClientStore:
+    """Every client's persistent state stacked [N, ...]: jax arrays on the device, or numpy on the host.
+
+    ``placement="auto"`` keeps it on the device when it takes at most a quarter of the device's memory and
+    the run is not sharded, else on the host. ``gather(ids)`` -> the rows [k]; ``scatter(ids, rows)`` writes
+    them back (in place: donated on the device, assigned on the host).
+    """
+
+    def __init__(self, state, placement: str = "auto", sharded: bool = False):
+        if placement == "auto":
+            placement = "host" if sharded or tree_bytes(state) > device_memory_bytes() // 4 else "device"
+        self.placement = placement
+        self.state = state
+        self.set(state)
+        self._scatter = jax.jit(lambda st, ids, rows: jax.tree_util.tree_map(
+            lambda a, b: a.at[ids].set(b), st, rows), donate_argnums=(0,))
+        self._gather = jax.jit(lambda st, ids: jax.tree_util.tree_map(lambda a: a[ids], st))
+
+    def set(self, state) -> None:
+        """Replace the whole state (e.g. from a checkpoint)."""
+        self.state = jax.device_put(state) if self.placement == "device" else fetch(state)
+
+    @property
+    def empty(self) -> bool:
+        return not jax.tree_util.tree_leaves(self.state)
+
+    def gather(self, ids):
+        if self.empty:
+            return self.state
+        if self.placement == "device":
+            return self._gather(self.state, jnp.asarray(ids))
+        return jax.tree_util.tree_map(lambda a: a[ids], self.state)
+
+    def scatter(self, ids, rows) -> None:
+        if self.empty:
+            return
+        if self.placement == "device":
+            self.state = self._scatter(self.state, jnp.asarray(ids), rows)
+        else:
+            rows = fetch(rows)
+            for a, b in zip(jax.tree_util.tree_leaves(self.state), jax.tree_util.tree_leaves(rows)):
+                a[ids] = b
+
+
+class _Backend:
+    """What both backends share: the step, the cohort size, the initial state and the per-round report."""
+
+    def __init__(self, alg: Algorithm, train: RaggedClients, *, batch_size: int, strategy: str | None = None,
+                 chunk_size: int = 8, cohort_size: int | None = None, weighting: str = "samples", mesh=None,
+                 num_rounds: int | None = None):
+        self.alg, self.train, self.batch_size = alg, train, batch_size
+        self.strategy = strategy or default_strategy()
+        self.chunk_size, self.weighting, self.mesh, self.num_rounds = chunk_size, weighting, mesh, num_rounds
+        self.num_clients = train.num_clients
+        self.cohort_size = min(cohort_size or self.num_clients, self.num_clients)
+        self.devices = 1 if mesh is None else mesh.devices.size
+        self.step = make_step(alg, strategy=self.strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds,
+                              weighting=weighting)
+        self.device_s = 0.0  # seconds spent in jitted computations (``timed``), for ``host_share``
+
+    def timed(self, fn, *args):
+        """fn(*args), waited for; its wall time is added to ``device_s``."""
+        t = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        self.device_s += time.perf_counter() - t
+        return out
+
+    def run_rounds(self, server, store, first: int, count: int, root):
+        """``count`` rounds from round ``first``: (server, [metrics of each round]) (one call per round here;
+        ``Stacked`` overrides it with one call for up to ``rounds_per_call`` rounds)."""
+        out = []
+        for r in range(first, first + count):
+            server, m = self.round(server, store, r, root)
+            out.append(m)
+        return server, out
+
+    def init_states(self, key, sample_x):
+        """(server, every client's initial state stacked [N])."""
+        server, clients = init_state(self.alg, key, sample_x, self.num_clients)
+        if self.mesh is not None:
+            server = jax.device_put(server, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        return server, clients
+
+    def report(self, plan, ids) -> dict:
+        """Per-round metrics: ``padded_work`` (computed / real samples of an epoch) and ``buckets``."""
+        done, real = padded_work(plan, self.train.counts[ids], self.batch_size,
+                                 per_client_trips=self.strategy == "map")
+        return {"padded_work": done / max(real, 1), "buckets": len(plan)}
+
+
+class Ragged(_Backend):
+    """Rounds over a ragged population of any size (see the module docstring).
+
+    strategy: ``map`` (one call, every client its own step count), ``vmap`` (buckets of similar clients, any
+    number of lanes) or ``chunked`` (buckets of at most ``chunk_size`` lanes). ``mesh`` splits every call's
+    lanes over devices (lanes are then multiples of the device count; the cohort must be one too).
+    client_store: where the persistent states live (``ClientStore``).
+    """
+
+    def __init__(self, alg: Algorithm, train: RaggedClients, *, client_store: str = "auto", **kw):
+        super().__init__(alg, train, **kw)
+        self.placement = client_store
+        step = self.step
+
+        def train_into(buffer, server, clients, data, ids, positions, round_idx, root):
+            # train one bucket and write its rows into the cohort buffer; empty lanes (position C) are dropped
+            new = step.train(server, clients, data, ids, round_idx, root)
+            return jax.tree_util.tree_map(lambda buf, b: buf.at[positions].set(b, mode="drop"), buffer, new)
+
+        self._train_into = jax.jit(train_into, donate_argnums=(0,))
+        self._train_shape = jax.jit(step.train)
+        self._aggregate = jax.jit(step.aggregate)
+        self._make_buffer = None
+        self.shapes: set[tuple[int, int]] = set()  # (lanes, samples) of every bucket compiled so far
+
+    def init(self, key, sample_x):
+        """(server, store): the server state and every client's initial persistent state."""
+        server, clients = self.init_states(key, sample_x)
+        return server, ClientStore(clients, self.placement, sharded=self.mesh is not None)
+
+    def plan(self, ids):
+        """The buckets of cohort ``ids`` (``buckets.plan_buckets`` with this strategy's lane limits)."""
+        steps = -(-self.train.counts[ids] // self.batch_size)
+        max_lanes = self.chunk_size * self.devices if self.strategy == "chunked" else len(ids)
+        return plan_buckets(steps, max_lanes=max_lanes, lane_multiple=self.devices, single=self.strategy == "map")
+
+    def round(self, server, store: ClientStore, round_idx: int, root, before_aggregate=None):
+        """One round: sample the cohort, train it bucket by bucket, aggregate, write back the kept states.
+
+        Returns (server, metrics): per cohort client (cohort order = sorted ids) ``loss``, ``accuracy``,
+        ``seen``, ``steps``, ``finite``, ``client_id`` and the algorithm's own; per round ``padded_work``
+        (computed / real samples), ``buckets`` and ``compiled_shapes`` (distinct bucket shapes so far).
+        ``before_aggregate(server, trained, ids)``, if given, sees the cohort's trained rows (stacked in cohort
+        order) before aggregation (to evaluate the models right after local training).
+        """
+        t0, d0 = time.perf_counter(), self.device_s
+        c = self.cohort_size
+        ids = np.asarray(sample_cohort(root, round_idx, self.num_clients, c))
+        plan = self.plan(ids)
+        buffer = None
+        for b in plan:
+            real = b.positions >= 0
+            bid = np.where(real, ids[np.maximum(b.positions, 0)], -1)
+            data = self.train.gather(bid, b.steps * self.batch_size)
+            args = (server, place_rows(store.gather(np.maximum(bid, 0)), self.mesh), place_rows(data, self.mesh),
+                    place_rows(np.maximum(bid, 0).astype(np.int32), self.mesh),
+                    place_rows(np.where(real, b.positions, c), self.mesh), round_idx, root)
+            if buffer is None:  # the cohort's rows, in cohort order, filled bucket by bucket
+                buffer = self._empty_buffer(args, c)
+            buffer = self.timed(self._train_into, buffer, *args)
+            self.shapes.add((b.lanes, b.steps))
+        trained, metrics = buffer
+        if before_aggregate is not None:
+            t = time.perf_counter()
+            before_aggregate(server, trained, ids)
+            t0 += time.perf_counter() - t  # evaluation is not part of the round
+        server, kept = self.timed(self._aggregate, server, trained, self.train.counts[ids], ids, round_idx)
+        store.scatter(ids, kept)
+        metrics = {k: np.asarray(v) for k, v in fetch(metrics).items()}
+        host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)
+        return server, dict(metrics, client_id=ids, **self.report(plan, ids), compiled_shapes=len(self.shapes),
+                            host_share=max(host, 0.0))
+
+    def _empty_buffer(self, args, c):
+        if self._make_buffer is None:  # the output rows' shapes do not depend on the bucket: trace once
+            server, clients, data, ids, _, round_idx, root = args
+            out = jax.eval_shape(self._train_shape, server, clients, data, ids, round_idx, root)
+            self._make_buffer = jax.jit(
+                lambda: jax.tree_util.tree_map(lambda s: jnp.zeros((c,) + s.shape[1:], s.dtype), out),
+                out_shardings=None if self.mesh is None else client_sharding(self.mesh))
+        return self._make_buffer()
+
+
+def client_rows(data, ids, length: int) -> ClientRows:
+    """The clients ``ids`` [k] of data = (x [S, ...], y [S], offsets [N], counts [N]) (device arrays) as
+    ``ClientRows`` with rows [k, length] into the flat store (padding points at the client's first sample; it
+    gets weight 0): nothing is copied until a minibatch reads its rows."""
+    x, y, offsets, counts = data
+    n = counts[ids]
+    pos = jnp.arange(length)
+    rows = offsets[ids][:, None] + jnp.where(pos[None, :] < n[:, None], pos[None, :], 0)
+    rows = jnp.minimum(rows, max(y.shape[0] - 1, 0))
+    return ClientRows(x, y, rows.astype(jnp.int32), n.astype(jnp.int32))
+
+
+def gather_clients(data, ids, length: int) -> ClientData:
+    """``RaggedClients.gather`` inside jit: data = (x [S, ...], y [S], offsets [N], counts [N]) device arrays,
+    ids [k] -> ClientData [k, length] (padding repeats the client's first sample; it gets weight 0)."""
+    r = client_rows(data, ids, length)
+    return ClientData(r.x, r.y, r.count)
+
+
+class Stacked(_Backend):
+    """Rounds with the whole population on the device (see the module docstring): one jitted call per round.
+
+    The cohort's data is padded to the population's longest client, rounded up to the step grid, so every
+    round has the same shapes and compiles once; ``map`` and ``vmap`` run each client's own step count. The
+    padded data is never copied: each client gets row indices into the flat store (``ClientRows``) and a
+    minibatch gathers only its own rows (a copy of cohort x longest client cost 40% of a logistic-regression
+    round of 100 FEMNIST-sized clients on CPU).
+    rounds_per_call: K, the most rounds one call runs (``run_rounds``): a loop whose trip count is an argument,
+    so the same compiled program runs 1 to K rounds and K does not change the numbers.
+    """
+
+    def __init__(self, alg: Algorithm, train: RaggedClients, rounds_per_call: int = 1, **kw):
+        kw.pop("client_store", None)  # the states always live on the device here
+        super().__init__(alg, train, **kw)
+        self.rounds_per_call = rounds_per_call
+        self.data = jax.device_put((train.x, train.y, train.offsets.astype(np.int32), train.counts.astype(np.int32)))
+        steps = -(-int(train.counts.max(initial=1)) // self.batch_size)
+        self.length = self.batch_size * grid_ceil(steps)
+        n, c, step = self.num_clients, self.cohort_size, self.step
+
+        def cohort(states, data, round_idx, root):
+            ids = sample_cohort(root, round_idx, n, c).astype(jnp.int32)
+            return ids, jax.tree_util.tree_map(lambda a: a[ids], states), client_rows(data, ids, self.length)
+
+        def round_fn(server, states, data, round_idx, root):
+            ids, clients, cdata = cohort(states, data, round_idx, root)
+            server, kept, metrics = step(server, clients, cdata, ids, round_idx, root)
+            states = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), states, kept)
+            return server, states, dict(metrics, client_id=ids)
+
+        def train_fn(server, states, data, round_idx, root):
+            ids, clients, cdata = cohort(states, data, round_idx, root)
+            trained, metrics = step.train(server, clients, cdata, ids, round_idx, root)
+            return ids, trained, dict(metrics, client_id=ids)
+
+        def finish_fn(server, states, trained, ids, data, round_idx):
+            server, kept = step.aggregate(server, trained, data[3][ids], ids, round_idx)
+            return server, jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), states, kept)
+
+        def rounds_fn(server, states, data, first, count, root):
+            # rounds first .. first + count - 1 (count <= K, traced): one program for any count
+            shapes = jax.eval_shape(round_fn, server, states, data, first, root)[2]
+            buffer = jax.tree_util.tree_map(lambda s: jnp.zeros((rounds_per_call,) + s.shape, s.dtype), shapes)
+
+            def body(j, carry):
+                server, states, buffer = carry
+                server, states, m = round_fn(server, states, data, first + j, root)
+                buffer = jax.tree_util.tree_map(lambda b, v: b.at[j].set(v), buffer, m)
+                return server, states, buffer
+
+            return jax.lax.fori_loop(0, count, body, (server, states, buffer))
+
+        self._round = jax.jit(round_fn, donate_argnums=(1,))
+        self._rounds = jax.jit(rounds_fn, donate_argnums=(1,))
+        self._train = jax.jit(train_fn)
+        self._finish = jax.jit(finish_fn, donate_argnums=(1,))
+
+    def load(self, train: RaggedClients) -> None:
+        """Replace the population's samples by ``train`` with the same client counts (e.g. another draw of the
+        same clients): the compiled round is reused."""
+        if not np.array_equal(train.counts, self.train.counts) or train.x.shape != self.train.x.shape:
+            raise ValueError("load() needs the same clients with the same sample counts")
+        self.train = train
+        self.data = jax.device_put((train.x, train.y, train.offsets.astype(np.int32), train.counts.astype(np.int32)))
+
+    def init(self, key, sample_x):
+        """(server, store): the server state and every client's initial persistent state, on the device."""
+        server, clients = self.init_states(key, sample_x)
+        return server, ClientStore(clients, "device")
+
+    def round(self, server, store: ClientStore, round_idx: int, root, before_aggregate=None):
+        """One round in one jitted call (two around ``before_aggregate``, which sees the trained rows);
+        returns (server, metrics) as ``Ragged.round``."""
+        t0, d0 = time.perf_counter(), self.device_s
+        if before_aggregate is None:
+            server, store.state, metrics = self.timed(self._round, server, store.state, self.data, round_idx, root)
+        else:
+            ids, trained, metrics = self.timed(self._train, server, store.state, self.data, round_idx, root)
+            t = time.perf_counter()
+            before_aggregate(server, trained, np.asarray(ids))
+            t0 += time.perf_counter() - t  # evaluation is not part of the round
+            server, store.state = self.timed(self._finish, server, store.state, trained, ids, self.data, round_idx)
+        return server, self._report(fetch(metrics), t0, d0)
+
+    def run_rounds(self, server, store: ClientStore, first: int, count: int, root):
+        """Rounds ``first`` .. ``first + count - 1`` in calls of at most ``rounds_per_call`` rounds:
+        (server, [metrics of each round]), each as ``round`` returns them."""
+        out = []
+        while count > 0:
+            n = min(count, self.rounds_per_call)
+            t0, d0 = time.perf_counter(), self.device_s
+            server, store.state, stacked = self.timed(self._rounds, server, store.state, self.data, first, n, root)
+            stacked = fetch(stacked)
+            for j in range(n):  # the call's time is shared equally by its rounds
+                out.append(self._report({k: v[j] for k, v in stacked.items()}, t0, d0))
+            first, count = first + n, count - n
+        return server, out
+
+    def _report(self, metrics, t0, d0) -> dict:
+        metrics = {k: np.asarray(v) for k, v in metrics.items()}
+        ids = metrics["client_id"]
+        plan = plan_buckets(-(-self.train.counts[ids] // self.batch_size), max_lanes=len(ids), single=True)
+        host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)
+        return dict(metrics, **self.report(plan, ids), compiled_shapes=1, host_share=max(host, 0.0))

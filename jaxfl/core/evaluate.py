@@ -1,0 +1,179 @@
+"""Evaluation: every client's model on its own test set, in evaluation mode.
+
+- ``make_predict`` / ``make_evaluate``: pure functions over stacked clients (per-sample outputs; per-client
+  means of CE, accuracy and the algorithm's diagnostics over the real samples).
+- ``Evaluator``: the one evaluation of a run. It walks the population in blocks of clients, gathers each
+  block's ragged test sets padded to the block's largest (rounded to the step grid, so few shapes compile)
+  and runs the jitted functions above: ``metrics`` (after the round, or of the models right after local
+  training: ``predict="trained"``) and ``predictions`` (per-sample outputs, for reliability reports).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..data.clients import ClientData
+from ..data.ragged import RaggedClients
+from .buckets import grid_ceil
+from .cohort import over_clients
+from .distributed import fetch, place_rows
+from .metrics import correct_count, cross_entropy
+from .trainer import normalizer
+from .types import Algorithm, split_output
+
+
+def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_size=8,
+                 preprocess: Callable = normalizer(), transform: Callable | None = None, mesh=None) -> Callable:
+    """Build predict_all(server, clients, data, key=None, ids=None, train=None) -> (logits [N, M, K],
+    {name: [N, M]}).
+
+    Every client predicts its own padded inputs in evaluation mode, in batches of ``eval_batch_size``
+    (``lax.map``; M must be a multiple of it); rows past ``data.count`` are padding (mask them with
+    ``data.sample_mask()``). ids [N]: the rows' client ids (default 0..N-1). ``transform(x, key)`` changes
+    each preprocessed batch (e.g. input noise); batch j of client i gets ``fold_in(fold_in(key, i), j)``.
+    train: the clients' training sets (a ClientData, raw inputs), needed by an algorithm with
+    ``prepare_predict``, which turns (server, client, its preprocessed training set, fold_in(key, i)) into the
+    ``client`` its ``predict`` sees.
+    """
+    def one(shared, client, x, cid, train=None):
+        server, key = shared
+        if alg.prepare_predict is not None:
+            train = ClientData(preprocess(train.x), train.y, train.count)
+            client = alg.prepare_predict(server, client, train, jax.random.fold_in(key, cid))
+        nb = x.shape[0] // eval_batch_size
+
+        def batch(args):
+            xb, j = args
+            xb = preprocess(xb)
+            if transform is not None:
+                xb = transform(xb, jax.random.fold_in(jax.random.fold_in(key, cid), j))
+            return split_output(alg.predict(server, client, xb, cid))
+
+        xs = x.reshape((nb, eval_batch_size) + x.shape[1:])
+        out = jax.lax.map(batch, (xs, jnp.arange(nb)))
+        return jax.tree_util.tree_map(lambda a: a.reshape((nb * eval_batch_size,) + a.shape[2:]), out)
+
+    def predict_all(server, clients, data: ClientData, key=None, ids=None, train: ClientData | None = None):
+        key = jax.random.key(0) if key is None else key
+        ids = jnp.arange(data.num_clients, dtype=jnp.int32) if ids is None else jnp.asarray(ids, jnp.int32)
+        if alg.prepare_predict is not None:
+            if train is None:
+                raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
+            return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x, ids, train)
+        return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x, ids)
+
+    return predict_all
+
+
+def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_size=8,
+                  preprocess: Callable = normalizer(), mesh=None) -> Callable:
+    """Build evaluate(server, clients, data, ids=None, train=None) -> {"loss", "accuracy", "count", ...} per
+    client [N].
+
+    ids [N]: the rows' client ids (default 0..N-1). Means over each client's real test samples (padding counts
+    nowhere) of CE and accuracy; if ``alg.predict`` returns (logits, {name: [B]}), each diagnostic is averaged
+    the same way under its name. train: the clients' training sets, for an algorithm with ``prepare_predict``.
+    """
+    predict_all = make_predict(alg, eval_batch_size=eval_batch_size, strategy=strategy, chunk_size=chunk_size,
+                               preprocess=preprocess, mesh=mesh)
+
+    def evaluate(server, clients, data: ClientData, ids=None, train: ClientData | None = None):
+        logits, extra = predict_all(server, clients, data, ids=ids, train=train)
+        w = data.sample_mask()
+        n = jnp.maximum(data.count.astype(jnp.float32), 1.0)
+        sums = {"loss": jnp.sum(w * cross_entropy(logits, data.y), -1),
+                "accuracy": jax.vmap(correct_count)(logits, data.y, w)}
+        sums.update({k: jnp.sum(w * v, -1) for k, v in extra.items()})
+        return dict({k: v / n for k, v in sums.items()}, count=data.count)
+
+    return evaluate
+
+
+def stacked_rows(states, ids):
+    """Rows ``ids`` of the clients' states: a ``ClientStore`` (``gather``) or a pytree stacked [N]."""
+    if hasattr(states, "gather"):
+        return states.gather(ids)
+    return jax.tree_util.tree_map(lambda a: np.asarray(a)[ids] if isinstance(a, np.ndarray) else a[ids], states)
+
+
+class Evaluator:
+    """Every client of a population evaluated on its own (ragged) test set, ``block`` clients per call.
+
+    A block (a multiple of the device count) is padded to its largest test set rounded up to the step grid of
+    ``eval_batch_size``. train: the clients' training sets, gathered the same way, for an algorithm that
+    predicts from them (``Algorithm.prepare_predict``).
+    """
+
+    def __init__(self, alg: Algorithm, test: RaggedClients, *, eval_batch_size: int, preprocess: Callable,
+                 strategy: str | None = None, chunk_size: int = 8, mesh=None, block: int = 64,
+                 train: RaggedClients | None = None):
+        if alg.prepare_predict is not None and train is None:
+            raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
+        self.alg, self.test, self.train, self.mesh = alg, test, train, mesh
+        self.eval_batch_size = eval_batch_size
+        devices = 1 if mesh is None else mesh.devices.size
+        self.block = max(devices, -(-min(block, test.num_clients) // devices) * devices)
+        self._kw = dict(eval_batch_size=eval_batch_size, strategy=strategy, chunk_size=chunk_size,
+                        preprocess=preprocess, mesh=mesh)
+        self._fns: dict[Any, Callable] = {}
+
+    def _fn(self, kind: str, predict: str, transform=None):
+        key = (kind, predict, transform)
+        if key not in self._fns:
+            alg = self.alg
+            if predict == "trained":
+                if alg.predict_trained is None:
+                    raise ValueError(f"{alg.name} has no prediction of a just-trained model")
+                alg = alg._replace(predict=alg.predict_trained)
+            make = make_evaluate if kind == "metrics" else make_predict
+            extra = {} if transform is None else {"transform": transform}
+            self._fns[key] = jax.jit(make(alg, **self._kw, **extra))
+        return self._fns[key]
+
+    def _blocks(self, inputs_shift: int = 0):
+        """(ids, real, data, train): each block's client ids (padded past N), which are real, the block's test
+        sets (of client (i + inputs_shift) mod N for row i) and training sets, as host arrays."""
+        test, n, bs = self.test, self.test.num_clients, self.eval_batch_size
+        for start in range(0, n, self.block):
+            ids = np.arange(start, start + self.block)
+            real = ids < n
+            src = np.where(real, (ids + inputs_shift) % n, -1)
+
+            def rows(ragged, which):  # padded to the block's largest, rounded to the step grid
+                length = bs * grid_ceil(-(-int(ragged.counts[which[which >= 0]].max()) // bs))
+                return ragged.gather(which, length)
+            train = None if self.alg.prepare_predict is None else rows(self.train, np.where(real, ids, -1))
+            yield ids, real, rows(test, src), train
+
+    def _run(self, fn, server, states, inputs_shift: int = 0, **kw):
+        for ids, real, data, train in self._blocks(inputs_shift):
+            safe = np.where(real, ids, 0).astype(np.int32)
+            extra = {} if train is None else {"train": place_rows(train, self.mesh)}
+            out = fn(server, place_rows(stacked_rows(states, safe), self.mesh), place_rows(data, self.mesh),
+                     ids=place_rows(safe, self.mesh), **kw, **extra)
+            yield real, data, fetch(out)
+
+    def metrics(self, server, states, predict: str = "aggregated") -> dict[str, np.ndarray]:
+        """{"loss", "accuracy", "count", diagnostics...} per client [N] (numpy). states: a ``ClientStore`` or
+        every client's state stacked [N]; predict: ``aggregated`` (``Algorithm.predict``) or ``trained``
+        (``predict_trained``: ``states`` are the rows ``local_update`` returned)."""
+        parts = [{k: np.asarray(v)[real] for k, v in m.items()}
+                 for real, _, m in self._run(self._fn("metrics", predict), server, states)]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def predictions(self, server, states, key=None, transform: Callable | None = None,
+                    inputs_shift: int = 0) -> list[tuple[np.ndarray, dict, np.ndarray]]:
+        """Per client, (outputs [n_i, K], diagnostics {name: [n_i]}, labels [n_i]) of its real test samples.
+        transform(x, key) changes each preprocessed batch (``make_predict``); inputs_shift: client i predicts
+        the test inputs of client (i + inputs_shift) mod N (labels are theirs too), with its own model."""
+        out = []
+        fn = self._fn("predict", "aggregated", transform)
+        for real, data, (logits, extra) in self._run(fn, server, states, inputs_shift, key=key):
+            for j in np.flatnonzero(real):
+                n = int(data.count[j])
+                out.append((np.asarray(logits[j, :n]), {k: np.asarray(v[j, :n]) for k, v in extra.items()},
+                            np.asarray(data.y[j, :n])))
+        return out

@@ -1,0 +1,102 @@
+"""One federated round over a cohort, as pure functions: ``make_step`` builds it from an ``Algorithm``.
+
+    step(server, clients, data, ids, round, root) -> (server, kept, metrics)
+
+trains the cohort's k clients (``Step.train``: every client's ``local_update`` with its own key and
+``RoundInfo``), then weighs and aggregates them (``Step.aggregate``). ``clients`` are the cohort's persistent
+states stacked [k], ``data`` their ``ClientData`` [k, M], ``ids`` [k] their client ids (sorted: the cohort
+order); ``kept`` are the cohort's new persistent states. Both backends (``jaxfl.core.backends``) run this step:
+``Stacked`` inside one jit with the whole population on the device, ``Ragged`` with the training split into
+buckets of similar clients.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..data.clients import ClientData
+from .aggregation import broadcast_clients
+from .cohort import client_keys, over_clients
+from .trainer import ClientRows
+from .trees import tree_all_finite
+from .types import Algorithm, RoundInfo
+
+
+WEIGHTINGS = ("samples", "uniform")
+
+
+def init_state(alg: Algorithm, key, sample_x, num_clients: int):
+    """(server_state, clients): every client starts from the same initial state, stacked [num_clients]."""
+    server, client = alg.init(key, sample_x)
+    return server, jax.tree_util.tree_map(jnp.array, broadcast_clients(client, num_clients))
+
+
+def aggregation_weights(counts, weighting: str):
+    """Client weights for aggregation: their sample counts (``samples``) or 1 each (``uniform``); [k] -> [k]."""
+    counts = jnp.asarray(counts).astype(jnp.float32)
+    return counts if weighting == "samples" else jnp.ones_like(counts)
+
+
+def cohort_train(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 8, mesh=None,
+                 num_rounds: int | None = None) -> Callable:
+    """train(server, clients, data, ids, round_idx, root) -> (trained, metrics), one row per client.
+
+    clients: the persistent states of k clients stacked [k]; data: their ClientData [k, M], or ``ClientRows``
+    with rows [k, M] into a flat store (each client then gets its ``ClientRows``); ids [k]: their
+    client ids (their PRNG streams, ``client_keys``, and ``RoundInfo.client_id``). metrics per client:
+    ``loss``, ``accuracy``, ``seen``, ``steps`` (and what the algorithm adds) and ``finite`` (loss and new
+    state all finite). num_rounds: T, for ``RoundInfo`` (algorithms with schedules need it).
+    """
+    def one(shared, client, x, y, count, key, cid, rows=None):
+        server, round_idx = shared
+        info = RoundInfo(round_idx, cid, num_rounds)
+        new, metrics = alg.local_update(server, client, ClientData(x, y, count) if rows is None else rows, key, info)
+        return new, dict(metrics, finite=tree_all_finite(new) & jnp.isfinite(metrics["loss"]))
+
+    def one_rows(shared, client, rows, count, key, cid):
+        (server, round_idx, store_x, store_y) = shared
+        return one((server, round_idx), client, None, None, count, key, cid, ClientRows(store_x, store_y, rows, count))
+
+    def train(server, clients, data, ids, round_idx, root):
+        ids = jnp.asarray(ids, jnp.int32)
+        keys = client_keys(root, round_idx, ids)
+        round_idx = jnp.asarray(round_idx, jnp.int32)
+        if isinstance(data, ClientRows):  # rows [k, M] into one flat store, shared by the clients
+            return over_clients(one_rows, strategy, chunk_size, mesh)(
+                (server, round_idx, data.store_x, data.store_y), clients, data.rows, data.count, keys, ids)
+        return over_clients(one, strategy, chunk_size, mesh)((server, round_idx), clients,
+                                                             data.x, data.y, data.count, keys, ids)
+
+    return train
+
+
+class Step(NamedTuple):
+    """A round's cohort step: ``train`` then ``aggregate``; calling it runs both.
+
+    train(server, clients, data, ids, round_idx, root) -> (trained, metrics)      (``cohort_train``)
+    aggregate(server, trained, counts, ids, round_idx) -> (server, kept)          weights from the cohort's
+        sample counts [k] (``aggregation_weights``), then ``Algorithm.aggregate`` with the cohort's RoundInfo
+    """
+    train: Callable
+    aggregate: Callable
+
+    def __call__(self, server, clients, data: ClientData, ids, round_idx, root):
+        trained, metrics = self.train(server, clients, data, ids, round_idx, root)
+        server, kept = self.aggregate(server, trained, data.count, ids, round_idx)
+        return server, kept, metrics
+
+
+def make_step(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 8, mesh=None,
+              num_rounds: int | None = None, weighting: str = "samples") -> Step:
+    """The cohort step of ``alg``: clients run by ``strategy`` (``vmap`` | ``map`` | ``chunked``; None: the
+    platform's default), split over ``mesh``'s devices if given (the aggregation's reductions over clients then
+    become all-reduces); aggregation weights by ``weighting``; num_rounds: T, given to the algorithm in its
+    ``RoundInfo``."""
+    def aggregate(server, trained, counts, ids, round_idx):
+        info = RoundInfo(jnp.asarray(round_idx, jnp.int32), jnp.asarray(ids, jnp.int32), num_rounds)
+        return alg.aggregate(server, trained, aggregation_weights(counts, weighting), info)
+
+    return Step(cohort_train(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds),
+                aggregate)

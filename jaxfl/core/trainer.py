@@ -1,0 +1,147 @@
+"""Local training of one client: the client optimizer, input normalisation, the epoch shuffle and the
+minibatch loop (``LocalTrainer``)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from ..data.clients import ClientData
+from .metrics import correct_count
+
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+def client_optimizer(name: str = "sgd", lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0,
+                     nesterov: bool = False) -> optax.GradientTransformation:
+    """A client's optimizer as PyTorch builds it: ``sgd`` (momentum, nesterov) or ``adam``, with weight decay
+    as an L2 term added to the gradient before the update (torch's ``weight_decay``, not AdamW):
+    g <- g + weight_decay * w. Without weight decay it is exactly ``optax.sgd`` / ``optax.adam``."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r} is not one of {OPTIMIZERS}")
+    base = (optax.sgd(lr, momentum=momentum or None, nesterov=nesterov) if name == "sgd"
+            else optax.adam(lr))
+    return optax.chain(optax.add_decayed_weights(weight_decay), base) if weight_decay else base
+
+
+def normalizer(mean: float = 0.5, std: float = 0.5) -> Callable:
+    """uint8 images -> float32 (x / 255 - mean) / std; other inputs (floats, token ids) pass through unchanged."""
+    def preprocess(x):
+        if x.dtype == jnp.uint8:
+            return (x.astype(jnp.float32) / 255.0 - mean) / std
+        return x
+    return preprocess
+
+
+def epoch_permutation(key, count, m: int):
+    """A random order of the M padded positions with the ``count`` real samples first.
+
+    The priority of position j is uniform(fold_in(key, j)): it depends on j alone, so the order of the real
+    samples is the same however much padding follows them.
+    """
+    idx = jnp.arange(m)
+    prio = jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(idx)
+    return jnp.argsort(jnp.where(idx < count, prio, 2.0))
+
+
+@flax.struct.dataclass
+class ClientRows:
+    """One client's samples as row indices into a flat store (the ``Stacked`` backend): the same data as
+    ``ClientData(store_x[rows], store_y[rows], count)``, but a minibatch reads only its own rows
+    (``batch``), so a round never copies the cohort's samples padded to the population's longest client.
+
+    ``x`` and ``y`` give the padded arrays (gathered when read), so an algorithm that reads them directly sees
+    a ``ClientData``'s fields.
+    """
+    store_x: jax.Array
+    store_y: jax.Array
+    rows: jax.Array
+    count: jax.Array
+
+    @property
+    def x(self):
+        return self.store_x[self.rows]
+
+    @property
+    def y(self):
+        return self.store_y[self.rows]
+
+    @property
+    def length(self) -> int:
+        return self.rows.shape[-1]
+
+    def sample_mask(self):
+        """1.0 for real samples, 0.0 for padding: [..., M] (as ``ClientData.sample_mask``)."""
+        return (jnp.arange(self.length) < self.count[..., None]).astype(jnp.float32)
+
+    def batch(self, idx):
+        r = self.rows[idx]
+        return self.store_x[r], self.store_y[r]
+
+
+def batch_of(data, idx):
+    """(x, y) of the padded positions ``idx`` of one client's ``ClientData`` or ``ClientRows``."""
+    if isinstance(data, ClientRows):
+        return data.batch(idx)
+    return data.x[idx], data.y[idx]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTrainer:
+    """Minibatch optimisation of one client, as PyTorch's DataLoader(shuffle=True, drop_last=False) would.
+
+    A client with n real samples takes ``ceil(n / batch_size)`` steps per epoch, its last batch partial: the
+    step loop's trip count is the client's own (a ``while`` loop), so no step whose batch is all padding is
+    computed. Under ``lax.map`` every client runs exactly its own steps; under ``vmap`` a group of clients
+    runs until its longest client is done (the engine groups clients of similar size for that reason).
+    The padded length M of ``data`` only bounds the step count (M / batch_size, rounded up).
+    """
+    tx: optax.GradientTransformation
+    batch_size: int
+    epochs: int
+    preprocess: Callable = normalizer()
+
+    def run(self, loss_fn, params, state, opt_state, data: ClientData, key):
+        """Train one client.
+
+        loss_fn(params, state, x, y, w, key) -> (loss, (new_state, logits)); w [B] is 1 for real samples.
+        Returns (params, state, opt_state, metrics) with metrics {"loss", "accuracy", "seen", "steps"}: loss
+        and accuracy are means over the real training samples seen this round, ``steps`` the optimizer steps.
+        """
+        b = self.batch_size
+        m = data.length if isinstance(data, ClientRows) else data.y.shape[0]
+        slots = -(-m // b) * b  # the permutation padded to whole batches (indices past m are never real)
+        n_steps = (data.count + b - 1) // b
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def epoch(e, carry):
+            ekey = jax.random.fold_in(key, e)
+            perm = epoch_permutation(jax.random.fold_in(ekey, 0), data.count, m)
+            perm = jnp.pad(perm, (0, slots - m))
+
+            def step(t, carry):
+                params, state, opt_state, sums = carry
+                start = t * b
+                idx = jax.lax.dynamic_slice(perm, (start,), (b,))
+                w = ((start + jnp.arange(b)) < data.count).astype(jnp.float32)
+                x, y = batch_of(data, idx)
+                (loss, (state, logits)), grads = grad_fn(params, state, self.preprocess(x), y, w,
+                                                         jax.random.fold_in(ekey, t + 1))
+                updates, opt_state = self.tx.update(grads, opt_state, params)
+                params = optax.apply_updates(params, updates)
+                n = jnp.sum(w)
+                sums = sums + jnp.stack([loss * n, correct_count(logits, y, w), n, 1.0])
+                return params, state, opt_state, sums
+
+            return jax.lax.fori_loop(0, n_steps, step, carry)
+
+        init = (params, state, opt_state, jnp.zeros(4, jnp.float32))
+        params, state, opt_state, sums = jax.lax.fori_loop(0, self.epochs, epoch, init)
+        seen = jnp.maximum(sums[2], 1.0)
+        return params, state, opt_state, {"loss": sums[0] / seen, "accuracy": sums[1] / seen,
+                                          "seen": sums[2], "steps": sums[3]}
