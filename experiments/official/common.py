@@ -1,0 +1,114 @@
+"""Shared plumbing of the official-code adapters: jaxfl's exact inputs, and jaxfl's metrics.jsonl format.
+
+An adapter (``experiments/official/<method>.py``) runs a method's *official* training loop, from a checkout
+named by an environment variable (never copied here), on the inputs a jaxfl run of the same ``RunConfig``
+sees:
+
+- ``jaxfl_inputs(cfg)``: the clients' train and test arrays after jaxfl's loading, partitioning, resizing and
+  channel conversion (uint8 NHWC, the same samples in the same order), jaxfl's normalisation, and the cohort
+  jaxfl draws in each round (``jaxfl.core.cohort.sample_cohort`` on the run's root key);
+- ``to_nchw_float``: those images as the float NCHW arrays a PyTorch model takes, normalised as jaxfl's
+  ``normalizer`` does;
+- ``MetricsLog``: writes ``config.json`` and one ``metrics.jsonl`` record per round with jaxfl's keys
+  (``round``, ``clients_trained``, ``train_loss``, ``test_accuracy``, ``test_loss``, ``mean_accuracy``,
+  ``weighted_accuracy``, ``time_s``), so ``experiments/common.py``'s tables and plots read either run.
+
+Adapters run in an environment with PyTorch and jaxfl installed (the official code needs PyTorch; jaxfl only
+supplies the data), e.g. ``python -m venv ../venvs/torch; pip install torch==2.13.0 -e .``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def official_repo(env_var: str, name: str) -> Path:
+    """The official checkout named by ``env_var``; exits with one line if it is unset or missing."""
+    path = os.environ.get(env_var)
+    if not path or not Path(path).is_dir():
+        raise SystemExit(f"official: error: set {env_var} to a checkout of {name} "
+                         f"(git clone https://github.com/{name}); got {path!r}")
+    return Path(path).resolve()
+
+
+@dataclasses.dataclass
+class JaxflInputs:
+    """What a jaxfl run of ``cfg`` trains and tests on."""
+    cfg: object                                   # the jaxfl RunConfig, resolved
+    client_names: list[str]
+    train: list[tuple[np.ndarray, np.ndarray]]    # per client: uint8 [n, H, W, C], int labels [n]
+    test: list[tuple[np.ndarray, np.ndarray]]
+    num_classes: int
+    normalize: tuple[float, float]                # jaxfl's (mean, std) on [0, 1] pixels
+    cohorts: list[np.ndarray]                     # per round: the sorted client ids jaxfl trains
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_names)
+
+
+def jaxfl_inputs(cfg) -> JaxflInputs:
+    """The data, normalisation and per-round cohorts of a jaxfl run of ``cfg`` (a ``jaxfl.run.config.RunConfig``)."""
+    import jax
+
+    from jaxfl.run.config import validate
+    from jaxfl.data.federated import load_dataset
+    from jaxfl.core.cohort import sample_cohort
+    from jaxfl.run.runner import cohort_size
+
+    cfg = validate(cfg)
+    ds = load_dataset(cfg.data_config())
+    n = len(ds.client_names)
+    k = cohort_size(cfg, n)
+    root = jax.random.key(cfg.seed)
+    cohorts = [np.asarray(sample_cohort(root, r, n, k)) for r in range(cfg.rounds)]
+    return JaxflInputs(cfg, list(ds.client_names), ds.train, ds.test, ds.num_classes, tuple(ds.normalize), cohorts)
+
+
+def to_nchw_float(images: np.ndarray, normalize: tuple[float, float]) -> np.ndarray:
+    """uint8 [n, H, W, C] -> float32 [n, C, H, W], (x / 255 - mean) / std (jaxfl's ``normalizer``)."""
+    mean, std = normalize
+    x = (images.astype(np.float32) / 255.0 - mean) / std
+    return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+
+
+class MetricsLog:
+    """``out/config.json`` and ``out/metrics.jsonl`` in jaxfl's format; ``round(...)`` appends one record.
+
+    A rerun into the same directory starts the log afresh (adapters do not resume)."""
+
+    def __init__(self, out: str | Path, client_names: list[str], config: dict):
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.names = client_names
+        (self.out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self.path = self.out / "metrics.jsonl"
+        self.path.write_text("")
+        self.t0 = time.perf_counter()
+
+    def round(self, round_1based: int, trained_ids, train_loss=None, test_accuracy=None, test_count=None,
+              test_loss=None, **extra) -> dict:
+        """Append round ``round_1based``: the trained clients' ids and train losses, and (on evaluated rounds)
+        every client's test accuracy, loss and test-set size. Returns the record."""
+        rec = {"round": int(round_1based), "clients_trained": [self.names[int(i)] for i in trained_ids]}
+        if train_loss is not None:
+            rec["train_loss"] = [float(v) for v in train_loss]
+        if test_accuracy is not None:
+            acc = np.asarray(test_accuracy, float)
+            cnt = np.asarray(test_count, float)
+            rec["test_accuracy"] = acc.tolist()
+            if test_loss is not None:
+                rec["test_loss"] = np.asarray(test_loss, float).tolist()
+            rec["mean_accuracy"] = float(acc.mean())
+            rec["weighted_accuracy"] = float((acc * cnt).sum() / cnt.sum())
+        rec.update(extra)
+        now = time.perf_counter()
+        rec["time_s"], self.t0 = now - self.t0, now
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return rec

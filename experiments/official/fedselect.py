@@ -1,0 +1,497 @@
+"""FedSelect's *official* training loop (lapisrocks/fedselect, HEAD 0949f8a) on jaxfl's exact inputs.
+
+    FEDSELECT_OFFICIAL=/path/to/lapisrocks/fedselect JAXFL_DATA_DIR=../shared/data \\
+        python experiments/official/fedselect.py --seed 0 --rounds 15 --out ../runs/official/fedselect/seed0
+
+The inputs are those of the jaxfl run in ``experiments/fedselect.py --model fedavg_cnn --rounds 15
+--datasets cifar10`` (RESULTS.md, "FedSelect vs baselines on CIFAR-10 ... FedAvg CNN, 15 rounds, 3 seeds"):
+CIFAR-10, 10 clients, 2-class shards, 100 training and 200 test images per client, lr 0.05, no momentum, no
+weight decay, batch 32, one LocalAlt alternation per round, K = 3, p = 0.25, alpha = 0.8, every client every
+round, evaluation of each client's model right after its local training.
+
+What runs unchanged from the checkout named by ``$FEDSELECT_OFFICIAL`` (imported, never copied):
+``fedselect.fedselect_algorithm`` (the whole round loop: per-client ``train_personalized`` with
+``MaskLocalAltSGD`` + ``local_alt``, ``delta_update`` mask growth every ``lth_epoch_iters`` rounds,
+``add_masks``/``add_server_weights``/``div_server_weights`` aggregation, ``broadcast_server_to_client_
+initialization``, ``cross_client_eval``/``evaluate`` before the broadcast, no aggregation in the last
+round), ``fedselect.setup_seed``, ``utils.train_utils.prepare_dataloaders`` and ``DatasetSplit``, and the
+argument parser ``utils.options.lth_args_parser`` (every setting not named below keeps its official default).
+
+What is replaced, and how it is matched:
+- Data. ``get_data`` (torchvision CIFAR10, the official ``noniid`` split with 500 train / 100 test images per
+  client at 100 clients) is replaced by jaxfl's clients (``common.jaxfl_inputs``): one torch Dataset holds
+  every client's train images (another the test images), and ``dict_users_train[i]`` / ``dict_users_test[i]``
+  are client i's index ranges in it, so the official ``prepare_dataloaders`` (DataLoader, batch ``local_bs``,
+  shuffle for training) reads them unchanged.
+- Normalisation and augmentation. The official train transform is RandomCrop(32, padding 4) +
+  RandomHorizontalFlip + ImageNet per-channel mean/std (utils/train_utils.py:29-37); jaxfl has no augmentation
+  and normalises with (x - 0.5) / 0.5. The adapter uses jaxfl's normalisation and no augmentation;
+  ``--augment official`` applies the official crop + flip (zero padding on the raw pixels, torch's RNG) for a
+  diagnostic.
+- Model. The official ``load_model`` builds torchvision's ResNet-18; this comparison uses jaxfl's
+  ``fedavg_cnn`` (conv5x5(32)-ReLU-pool-conv5x5(64)-ReLU-pool-Dense(512)-ReLU-Dense(10)), which the official
+  code does not have, so ``FedAvgCNN`` below builds it in torch with torch's default init (the distribution
+  jaxfl's ``torch_kernel_init`` / ``torch_bias_init`` draw from). Its classifier is named ``fc`` because the
+  official ``get_mask_from_delta`` prints the sparsity of "fc.weight" (lottery_ticket.py:224). The flatten is
+  in NHWC order so that ``--init jaxfl`` (a diagnostic) can load jaxfl's initial parameters of the same seed.
+- Clients per round. ``run_base_experiment`` samples ``frac * num_users`` clients once, in a random order;
+  here all 10 clients (jaxfl's cohort every round) in id order.
+- Hard-coded official settings taken as they are: plain SGD without momentum or weight decay (``MaskLocalAltSGD``,
+  pflopt/optimizers.py:326-371), a fresh optimizer per round, test batches of ``local_bs`` and test accuracy
+  as the *mean of per-batch accuracies* (fedselect.py:46-48; with 200 test images and batch 32 the last
+  batch of 8 counts as much as a full one). The adapter logs that number as ``official_accuracy`` and, as
+  ``test_accuracy`` (jaxfl's metric, what the tables read), the exact per-client accuracy of the same models,
+  computed after the official evaluation by a separate pass (no RNG used).
+
+Writes ``--out/config.json``, ``--out/metrics.jsonl`` (jaxfl's format, ``common.MetricsLog``; per round the
+clients' ``train_loss``, ``train_personal_fraction``, ``test_accuracy``, ``test_loss``, ``official_accuracy``)
+and ``--out/cross_client_acc.json`` (the official final cross-client matrix, batch-mean accuracies).
+
+Diagnostics (each switches one element of the protocol; default = the official protocol on jaxfl's inputs):
+``--augment official``, ``--init jaxfl`` (jaxfl's initial parameters of ``--seed`` instead of torch's draw).
+
+Two more modes, no training run:
+``--check``: exactness checks of the official mask growth, aggregation + broadcast and one LocalAlt alternation
+against jaxfl's on the same tensors (``self_check``);
+``--compare --official-logs DIR --jaxfl-logs DIR [--seeds 0,1,2] [--figure PNG]``: the 3-seed table, the
+agreement criterion and the plot (``compare``). See experiments/official/fedselect.md.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+
+from common import JaxflInputs, MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
+
+REPO = "lapisrocks/fedselect"
+
+
+def jaxfl_config(args):
+    """The jaxfl RunConfig of the run being matched (experiments/fedselect.py's ``base_config("cifar10")``
+    with ``--model fedavg_cnn``, algorithm fedselect, seed ``args.seed``)."""
+    from jaxfl.run.config import RunConfig
+    return RunConfig(algorithm="fedselect", dataset="cifar10", num_clients=10, partition="shards",
+                     classes_per_client=2, samples_per_client=100, test_per_client=args.test_per_client,
+                     rounds=args.rounds, lr=args.lr, momentum=0.0, batch_size=args.batch_size, local_epochs=1,
+                     options={"fedselect": {"la_epochs": args.la_epochs, "alpha": args.alpha,
+                                            "grow_rate": args.grow_rate, "grow_every": args.grow_every}},
+                     model="fedavg_cnn", eval_every=1, eval_point="local", seed=args.seed)
+
+
+def stub_torchvision() -> None:
+    """The official modules import torchvision for CIFAR10, transforms and resnet18 only, all replaced here;
+    torchvision has no CPU build for this torch, so a stub module stands in (building a transform is a no-op,
+    using CIFAR10 or resnet18 is an error)."""
+    if "torchvision" in sys.modules:
+        return
+
+    class _Transform:
+        def __init__(self, *a, **k):
+            pass
+
+    def _unavailable(*a, **k):
+        raise RuntimeError("torchvision stub: the adapter replaces this")
+
+    tv = types.ModuleType("torchvision")
+    tv.datasets = types.ModuleType("torchvision.datasets")
+    tv.datasets.CIFAR10 = _unavailable
+    tv.transforms = types.ModuleType("torchvision.transforms")
+    for name in ("Compose", "RandomCrop", "RandomHorizontalFlip", "ToTensor", "Normalize"):
+        setattr(tv.transforms, name, _Transform)
+    tv.models = types.ModuleType("torchvision.models")
+    tv.models.resnet18 = _unavailable
+    for m in (tv, tv.datasets, tv.transforms, tv.models):
+        sys.modules[m.__name__] = m
+
+
+def load_official(repo: Path) -> types.ModuleType:
+    """The official ``fedselect.py`` as module ``fedselect_official`` (this adapter is named fedselect.py too),
+    with the checkout first on sys.path for its own imports (utils, pflopt, lottery_ticket, broadcast)."""
+    stub_torchvision()
+    sys.path.insert(0, str(repo))
+    spec = importlib.util.spec_from_file_location("fedselect_official", repo / "fedselect.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fedselect_official"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def official_args(args, num_clients: int):
+    """The official ``lth_args_parser`` namespace with the matched settings; everything else its default."""
+    from utils.options import lth_args_parser
+    argv = ["fedselect.py", "--lr", str(args.lr), "--local_bs", str(args.batch_size),
+            "--la_epochs", str(args.la_epochs), "--com_rounds", str(args.rounds),
+            "--lth_epoch_iters", str(args.grow_every), "--prune_percent", str(args.grow_rate * 100),
+            "--prune_target", str(round(args.alpha * 100)), "--num_users", str(num_clients), "--frac", "1.0",
+            "--num_classes", "10", "--seed", str(args.seed)]
+    saved, sys.argv = sys.argv, argv
+    try:
+        return lth_args_parser()
+    finally:
+        sys.argv = saved
+
+
+def fedavg_cnn_torch(num_classes: int, in_channels: int = 3, hw: int = 32):
+    """jaxfl's ``fedavg_cnn`` in torch (see the module docstring): conv1, conv2 (5x5, pad 2) with ReLU and 2x2
+    max-pool, fc1 (512) with ReLU, fc (classes); flatten in NHWC order, as jaxfl's."""
+    import torch.nn as nn
+
+    class FedAvgCNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(in_channels, 32, 5, padding=2)
+            self.conv2 = nn.Conv2d(32, 64, 5, padding=2)
+            self.fc1 = nn.Linear((hw // 4) * (hw // 4) * 64, 512)
+            self.fc = nn.Linear(512, num_classes)
+            self.pool = nn.MaxPool2d(2)
+
+        def forward(self, x):
+            x = self.pool(nn.functional.relu(self.conv1(x)))
+            x = self.pool(nn.functional.relu(self.conv2(x)))
+            x = x.permute(0, 2, 3, 1).flatten(1)
+            return self.fc(nn.functional.relu(self.fc1(x)))
+
+    return FedAvgCNN()
+
+
+def jaxfl_to_torch(params) -> dict:
+    """jaxfl ``fedavg_cnn`` parameters (or a pytree of that structure, e.g. a mask) as torch state-dict arrays."""
+    enc, head = params["encoder"], params["head"]
+    return {"conv1.weight": np.transpose(enc["conv1"]["kernel"], (3, 2, 0, 1)), "conv1.bias": enc["conv1"]["bias"],
+            "conv2.weight": np.transpose(enc["conv2"]["kernel"], (3, 2, 0, 1)), "conv2.bias": enc["conv2"]["bias"],
+            "fc1.weight": np.asarray(enc["fc"]["linear"]["kernel"]).T, "fc1.bias": enc["fc"]["linear"]["bias"],
+            "fc.weight": np.asarray(head["fc1"]["linear"]["kernel"]).T, "fc.bias": head["fc1"]["linear"]["bias"]}
+
+
+def load_jaxfl_init(model, cfg) -> None:
+    """Copy the initial parameters of the jaxfl run of ``cfg`` (``Experiment.init``) into the torch CNN."""
+    import torch
+    from jaxfl.run.runner import Experiment
+    server, _ = Experiment(cfg).init()
+    pairs = jaxfl_to_torch(server["params"])
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            t.copy_(torch.from_numpy(np.array(pairs[name], np.float32)))
+
+
+class ArrayDataset:
+    """All clients' images (uint8 NHWC, concatenated) as a torch Dataset: item -> (float CHW tensor, label),
+    normalised as jaxfl does; ``augment``: the official RandomCrop(32, padding=4) + RandomHorizontalFlip on the
+    raw pixels first (torch's global RNG, as torchvision's transforms draw)."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, normalize, augment: bool = False):
+        import torch
+        self.torch = torch
+        self.raw = images
+        self.x = torch.from_numpy(to_nchw_float(images, normalize))
+        self.y = [int(v) for v in labels]
+        self.normalize = normalize
+        self.augment = augment
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        if not self.augment:
+            return self.x[i], self.y[i]
+        torch = self.torch
+        img = np.pad(self.raw[i], ((4, 4), (4, 4), (0, 0)))
+        h, w = self.raw.shape[1:3]
+        top = int(torch.randint(0, img.shape[0] - h + 1, size=(1,)).item())
+        left = int(torch.randint(0, img.shape[1] - w + 1, size=(1,)).item())
+        img = img[top:top + h, left:left + w]
+        if torch.rand(1) < 0.5:
+            img = img[:, ::-1]
+        return torch.from_numpy(to_nchw_float(img[None], self.normalize)[0]), self.y[i]
+
+
+def concat_clients(parts: list[tuple[np.ndarray, np.ndarray]]):
+    """(images, labels, {client: index array}) of the clients' arrays concatenated in client order."""
+    xs, ys, idx, start = [], [], {}, 0
+    for i, (x, y) in enumerate(parts):
+        xs.append(x)
+        ys.append(np.asarray(y))
+        idx[i] = np.arange(start, start + len(y))
+        start += len(y)
+    return np.concatenate(xs), np.concatenate(ys), idx
+
+
+def exact_eval(model, state_dict, x, y) -> tuple[float, float]:
+    """(accuracy, mean CE) of ``state_dict`` on one client's whole test set: jaxfl's per-client metric."""
+    import torch
+    model.load_state_dict(state_dict)
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, y).item()
+        acc = (logits.argmax(1) == y).float().mean().item()
+    return acc, loss
+
+
+def self_check(repo: Path) -> None:
+    """Exactness checks of the official rules against jaxfl's on the same tensors (no training run):
+    1. mask growth: official ``lottery_ticket.delta_update`` vs ``jaxfl.ops.masks.grow_mask`` (alpha 0.8, p 0.25) on
+       10 clients' random masks (personal fractions 0 to 0.85 per tensor) and random updates;
+    2. aggregation + broadcast: official ``add_masks``/``add_server_weights``/``div_server_weights``/
+       ``broadcast_server_to_client_initialization`` vs jaxfl's ``masked_mean`` + where (fedselect.aggregate);
+    3. one LocalAlt alternation: official ``MaskLocalAltSGD`` + ``local_alt`` vs ``jaxfl.algorithms.fedselect.
+       local_alt`` from the same initial CNN and mask, the torch DataLoader fed jaxfl's minibatch orders."""
+    import io
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import torch
+    from jaxfl.core.aggregation import masked_mean
+    from jaxfl.algorithms._common import ce_loss
+    from jaxfl.algorithms.fedselect import local_alt as jaxfl_local_alt
+    from jaxfl.core.trainer import LocalTrainer, epoch_permutation, normalizer
+    from jaxfl.data.clients import ClientData
+    from jaxfl.ops.masks import grow_mask
+    from jaxfl.models import fedavg_cnn
+
+    load_official(repo)
+    import broadcast as bc
+    import lottery_ticket as lt
+    from pflopt.optimizers import MaskLocalAltSGD, local_alt
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    model, C = fedavg_cnn_torch(10), 10
+    names = [k for k, _ in model.named_parameters()]
+    jitter = lambda: {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    states, prevs, masks = [jitter() for _ in range(C)], [jitter() for _ in range(C)], []
+    for _ in range(C):
+        m = lt.init_mask_zeros(model)
+        for k in m:
+            if "weight" in k:
+                frac = rng.choice([0.0, 0.25, 0.4375, 0.684, 0.85])
+                m[k] = torch.from_numpy((rng.random(tuple(m[k].shape)) < frac).astype(np.float32))
+        masks.append(m)
+    differ = 0
+    for c in range(C):
+        with contextlib.redirect_stdout(io.StringIO()):
+            grown = lt.delta_update(0.25, states[c], prevs[c], masks[c], bound=0.8, invert=True)
+        for k in names:
+            old = jnp.asarray(masks[c][k].numpy() > 0)
+            ours = grow_mask(old, jnp.asarray((states[c][k] - prevs[c][k]).numpy()), 0.25, 0.8) if "weight" in k else old
+            differ += int((np.asarray(ours) != (grown[k].cpu().numpy() > 0)).sum())
+    print(f"1. mask growth: {differ} mask entries differ (10 clients, {sum(t.numel() for t in model.parameters()):,} "
+          f"entries each)")
+    acc_m, acc_w = {}, {}
+    for c in range(C):
+        acc_m, acc_w = bc.add_masks(acc_m, masks[c]), bc.add_server_weights(acc_w, states[c], masks[c])
+    acc_w = bc.div_server_weights(acc_w, acc_m)
+    outs = [bc.broadcast_server_to_client_initialization(acc_w, masks[c], {k: v.clone() for k, v in states[c].items()})
+            for c in range(C)]
+    worst = 0.0
+    for k in names:
+        x = jnp.stack([jnp.asarray(st[k].numpy()) for st in states])
+        m = jnp.stack([jnp.asarray(mm[k].numpy() > 0) for mm in masks])
+        ours = jnp.where(m, x, masked_mean(x, jnp.ones(C), ~m, jnp.zeros(x.shape[1:]))[None])
+        worst = max(worst, float(np.abs(np.stack([o[k].numpy() for o in outs]) - np.asarray(ours)).max()))
+    print(f"2. aggregation + broadcast: max |official - jaxfl| = {worst:.2e}")
+
+    n, bs, lr = 100, 32, 0.05
+    x, y = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, n)
+    jmodel = fedavg_cnn(10)
+    params = jmodel.init(jax.random.key(1), jnp.asarray(x[:1], jnp.float32), train=False)["params"]
+    mask = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.random(p.shape) < (0.4 if p.ndim > 1 else 0.0)), params)
+    key = jax.random.key(7)
+    trainer = LocalTrainer(optax.sgd(lr), bs, 1, normalizer(0.5, 0.5))
+    trained, _, metrics = jaxfl_local_alt(trainer, ce_loss(jmodel), params, {}, mask,
+                                          ClientData(jnp.asarray(x), jnp.asarray(y), jnp.int32(n)), key, 1)
+    # jaxfl's orders: personal pass fold_in(key, 1), global pass key; LocalTrainer epoch 0: fold_in(fold_in(k, 0), 0)
+    order = lambda k: np.asarray(epoch_permutation(jax.random.fold_in(jax.random.fold_in(k, 0), 0), n, n)).tolist()
+    orders = [order(jax.random.fold_in(key, 1)), order(key)]
+
+    class Orders(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter(orders.pop(0))
+
+        def __len__(self):
+            return n
+    tmodel = fedavg_cnn_torch(10)
+    to_torch = lambda tree: {k: torch.from_numpy(np.array(v, np.float32)) for k, v in jaxfl_to_torch(tree).items()}
+    tmodel.load_state_dict(to_torch(params))
+    tmask = to_torch(mask)
+    ldr = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.from_numpy(to_nchw_float(x, (0.5, 0.5))),
+                                                                     torch.from_numpy(y)), batch_size=bs, sampler=Orders())
+    loss = local_alt(tmodel, torch.nn.CrossEntropyLoss(), MaskLocalAltSGD(tmodel.parameters(), tmask, lr=lr), ldr,
+                     torch.device("cpu"))
+    ref, start = to_torch(trained), to_torch(params)
+    moved = max(float((ref[k] - start[k]).abs().max()) for k in ref)
+    diff = max(float((tmodel.state_dict()[k] - ref[k]).abs().max()) for k in ref)
+    print(f"3. one LocalAlt alternation (40% personal weights): parameters move by up to {moved:.2e}; max |official - "
+          f"jaxfl| = {diff:.2e}; train loss official {loss:.6f} (mean of batch losses), jaxfl "
+          f"{float(metrics['loss']):.6f} (mean over samples)")
+
+
+def load_histories(root: Path, seeds: list[int], variant: str = "fedselect") -> list[list[dict]]:
+    """metrics.jsonl of ``root/seed<s>/<variant>/`` for each seed (the logs/ layout of both sides)."""
+    return [[json.loads(line) for line in (root / f"seed{s}" / variant / "metrics.jsonl").read_text().splitlines()]
+            for s in seeds]
+
+
+def compare(args) -> None:
+    """Official vs jaxfl: ``seed_table`` (final and last-5 mean accuracy, mean ± std over seeds), the criterion
+    |final mean difference| <= max(2 pooled seed-stds, 1.5 points), the per-seed finals, and the plot
+    (``plot_mean_accuracy``, mean ± std bands). ``seed_table`` / ``plot_mean_accuracy`` come from the
+    experiments' ``common.py`` given by ``--experiments-common`` (default: ../common.py beside this folder)."""
+    path = Path(args.experiments_common or Path(__file__).resolve().parent.parent / "common.py")
+    spec = importlib.util.spec_from_file_location("experiments_common", path)
+    ec = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ec)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    results = {"official (lapisrocks/fedselect)": load_histories(Path(args.official_logs), seeds),
+               "jaxfl": load_histories(Path(args.jaxfl_logs), seeds)}
+    for item in args.extra or []:  # diagnostic variants: label=root
+        label, root = item.split("=", 1)
+        results[label] = load_histories(Path(root), seeds)
+    print(ec.seed_table(results))
+    (o_mean, o_std), (j_mean, j_std) = (ec.seed_stats(h)["final"] for h in list(results.values())[:2])
+    pooled = float(np.sqrt((o_std ** 2 + j_std ** 2) / 2))
+    bound = max(2 * pooled, 1.5)
+    print(f"\nfinal: official {o_mean:.2f} ± {o_std:.2f}, jaxfl {j_mean:.2f} ± {j_std:.2f}; difference "
+          f"{o_mean - j_mean:+.2f}, bound max(2 x pooled std {pooled:.2f}, 1.5) = {bound:.2f}: "
+          f"{'AGREE' if abs(o_mean - j_mean) <= bound else 'DIFFER'}")
+    for label, hists in results.items():
+        finals = [ec.accuracy_curve(h)[1][-1] * 100 for h in hists]
+        tails = [ec.accuracy_curve(h)[1][-5:].mean() * 100 for h in hists]
+        print(f"{label}: per seed final {[round(v, 2) for v in finals]}, last-5 mean {[round(v, 2) for v in tails]}")
+    off = results["official (lapisrocks/fedselect)"]
+    if all("official_mean_accuracy" in r for h in off for r in h):
+        st = ec.seed_stats(off, key="official_mean_accuracy")
+        print(f"official, its own batch-mean metric: final {st['final'][0]:.2f} ± {st['final'][1]:.2f}, "
+              f"last-5 {st['tail'][0]:.2f} ± {st['tail'][1]:.2f}")
+    if args.figure:
+        ec.plot_mean_accuracy(results, Path(args.figure), "FedSelect on CIFAR-10 (FedAvg CNN): official vs jaxfl",
+                              highlight="jaxfl")
+        print("wrote", args.figure)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--out", help="output folder of a run")
+    p.add_argument("--compare", action="store_true", help="compare finished runs instead of running one: "
+                   "--official-logs, --jaxfl-logs (each with seed<s>/fedselect/metrics.jsonl), --seeds, --figure")
+    p.add_argument("--official-logs")
+    p.add_argument("--jaxfl-logs")
+    p.add_argument("--extra", action="append", help="compare: a diagnostic variant, LABEL=ROOT (repeatable)")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--figure")
+    p.add_argument("--experiments-common", help="compare: path of experiments/common.py (seed_table, plots)")
+    p.add_argument("--check", action="store_true", help="exactness checks of the official growth, aggregation and "
+                   "LocalAlt against jaxfl's on the same tensors (no run)")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--la-epochs", type=int, default=1, help="LocalAlt alternations per round (official default 15)")
+    p.add_argument("--alpha", type=float, default=0.8, help="personalization limit (official --prune_target / 100)")
+    p.add_argument("--grow-rate", type=float, default=0.25, help="p (official --prune_percent / 100)")
+    p.add_argument("--grow-every", type=int, default=3, help="K (official --lth_epoch_iters)")
+    p.add_argument("--test-per-client", type=int, default=200)
+    p.add_argument("--augment", choices=("none", "official"), default="none",
+                   help="none: jaxfl's pipeline (default); official: RandomCrop(32, 4) + horizontal flip")
+    p.add_argument("--init", choices=("torch", "jaxfl"), default="torch",
+                   help="torch: the model drawn after the official setup_seed (default); jaxfl: jaxfl's init")
+    p.add_argument("--verbose", action="store_true", help="keep the official tqdm bars and prints")
+    args = p.parse_args(argv)
+    if args.compare:
+        return compare(args)
+    if args.check:
+        return self_check(official_repo("FEDSELECT_OFFICIAL", REPO))
+    if not args.out:
+        p.error("--out is required for a run")
+    if not args.verbose:
+        os.environ.setdefault("TQDM_DISABLE", "1")
+
+    repo = official_repo("FEDSELECT_OFFICIAL", REPO)
+    cfg = jaxfl_config(args)
+    inp: JaxflInputs = jaxfl_inputs(cfg)
+    n = inp.num_clients
+    if any(len(c) != n for c in inp.cohorts):
+        raise SystemExit("official: error: the official loop trains every client every round")
+
+    import torch
+    off = load_official(repo)
+    oargs = official_args(args, n)
+    off.setup_seed(oargs.seed)  # torch, numpy and random seeds, as the official __main__
+    model = fedavg_cnn_torch(inp.num_classes, inp.train[0][0].shape[-1], inp.train[0][0].shape[1])
+    if args.init == "jaxfl":
+        load_jaxfl_init(model, inp.cfg)
+    oargs.device = torch.device("cpu")
+
+    xtr, ytr, dict_train = concat_clients(inp.train)
+    xte, yte, dict_test = concat_clients(inp.test)
+    ds_train = ArrayDataset(xtr, ytr, inp.normalize, augment=args.augment == "official")
+    ds_test = ArrayDataset(xte, yte, inp.normalize)
+    test_tensors = [(torch.from_numpy(to_nchw_float(x, inp.normalize)), torch.as_tensor(np.asarray(y), dtype=torch.long))
+                    for x, y in inp.test]
+    counts = [len(y) for _, y in inp.test]
+    eval_model = fedavg_cnn_torch(inp.num_classes, inp.train[0][0].shape[-1], inp.train[0][0].shape[1])
+
+    config = {"adapter": "experiments/official/fedselect.py", "official_repo": REPO, "official_path": str(repo),
+              "adapter_args": vars(args), "official_args": {k: str(v) for k, v in vars(oargs).items()},
+              "jaxfl_config": inp.cfg.resolved().to_dict(), "clients": inp.client_names,
+              "train_sizes": [len(y) for _, y in inp.train], "test_sizes": counts,
+              "model": "fedavg_cnn (torch, this adapter)", "normalize": list(inp.normalize)}
+    log = MetricsLog(args.out, inp.client_names, config)
+
+    # hooks around the official functions (called by name from fedselect_algorithm's globals): record the
+    # train loss of each client, its mask after growth, and log each round at the official evaluation
+    state = {"round": 0, "client": 0, "losses": {}, "masks": {}}
+    total = sum(t.numel() for t in model.parameters())
+    density = lambda mask: float(sum(float(v.sum()) for v in mask.values()) / total)
+    orig_train, orig_delta, orig_eval = off.train_personalized, off.delta_update, off.cross_client_eval
+
+    def train_personalized(model_, ldr_train, mask, a, *rest, **kw):
+        i = len(state["losses"])
+        state["client"] = i
+        state["masks"][i] = mask  # the mask it trains with; replaced by the grown one if it grows
+        model_, loss = orig_train(model_, ldr_train, mask, a, *rest, **kw)
+        state["losses"][i] = float(loss)
+        return model_, loss
+
+    devnull = open(os.devnull, "w")
+
+    def delta_update(*a, **kw):  # its per-growth sparsity prints go to /dev/null unless --verbose
+        with contextlib.redirect_stdout(sys.stdout if args.verbose else devnull):
+            mask = orig_delta(*a, **kw)
+        state["masks"][state["client"]] = mask
+        return mask
+
+    def cross_client_eval(model_, client_state_dicts, *a, no_cross=True, **kw):
+        acc = orig_eval(model_, client_state_dicts, *a, no_cross=no_cross, **kw)
+        if not no_cross:  # the final cross-client matrix (after the last round)
+            (Path(args.out) / "cross_client_acc.json").write_text(json.dumps(acc.tolist()))
+            return acc
+        keys = list(client_state_dicts)
+        exact = [exact_eval(eval_model, client_state_dicts[k], *test_tensors[j]) for j, k in enumerate(keys)]
+        state["round"] += 1
+        rec = log.round(state["round"], keys, train_loss=[state["losses"][j] for j in range(len(keys))],
+                        test_accuracy=[e[0] for e in exact], test_count=counts, test_loss=[e[1] for e in exact],
+                        official_accuracy=torch.diag(acc).tolist(),
+                        official_mean_accuracy=float(torch.diag(acc).mean()),
+                        train_personal_fraction=[density(state["masks"][j]) for j in range(len(keys))])
+        print(f"round {rec['round']}: mean accuracy {rec['mean_accuracy']:.4f} (official batch-mean "
+              f"{rec['official_mean_accuracy']:.4f}), train loss {np.mean(rec['train_loss']):.4f}, personal "
+              f"fraction {np.mean(rec['train_personal_fraction']):.3f}, {rec['time_s']:.1f} s", flush=True)
+        state["losses"] = {}
+        return acc
+
+    off.train_personalized, off.delta_update, off.cross_client_eval = train_personalized, delta_update, cross_client_eval
+    off.fedselect_algorithm(model, oargs, ds_train, ds_test, dict_train, dict_test, np.array([]), list(range(n)))
+
+
+if __name__ == "__main__":
+    main()
