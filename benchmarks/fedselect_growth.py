@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxfl.blocks import tree_grow_mask
+from jaxfl.ops.masks import tree_grow_mask
 from jaxfl.models import build_model
 
 

@@ -16,7 +16,7 @@ import sys
 
 STEP = """
 import time, jaxfl, jax, jax.numpy as jnp
-from jaxfl import gp
+from jaxfl.ops import gp
 M, C = {points}, {clients}
 z = jax.random.normal(jax.random.key(0), (C, M, 64))
 y, valid = jnp.arange(M) % 2 == 0, jnp.ones(M, bool)

@@ -8,6 +8,11 @@ spent are skipped and listed as such.
     python benchmarks/gpu_suite.py --out gpu_results          # about 9 minutes on one H100
     python benchmarks/gpu_suite.py --out /tmp/smoke --smoke   # any machine, checks the plumbing: 8 min on
                                                               # the 2-core CPU box under load, no budget
+    python benchmarks/gpu_suite.py --project --out DIR        # no GPU: the H100 projection of every workload
+                                                              # (projection.json / .md; compiles only)
+
+The small-model workloads (``small:...``, issue 34) run the engine vmapped (one round per call and 10 rounds per
+call, ``Stacked``), the ragged engine's vmap buckets and the two loops (``GPU_SMALL_RUNNERS``).
 """
 from __future__ import annotations
 
@@ -28,7 +33,14 @@ SUITE = [
     ("skewed:0.1:1000:100", 100), ("skewed:0.1:100:100", 100),
     ("xdev:10", 10), ("xdev:100", 100), ("xdev:1000", 1000),
 ]
-SMOKE = [("skewed:0.3:40:4:1000", 4), ("skewed:0.3:40:8:1000", 8), ("xdev:8", 8)]
+# small models (issue 34): LEAF-like log-normal clients (throughput.SMALL), the cohort sweep on logreg; first,
+# so that the budget never skips them
+SUITE = [("small:logreg:10000:10", 10), ("small:logreg:10000:100", 100), ("small:logreg:10000:1000", 1000),
+          ("small:2nn:10000:1000", 1000), ("small:femnist_cnn:1000:100", 100), ("small:char_lstm:1000:100", 100)] + SUITE
+SMOKE = [("skewed:0.3:40:4:1000", 4), ("skewed:0.3:40:8:1000", 8), ("xdev:8", 8), ("small:logreg:40:8", 8)]
+# the runners of the small workloads on a GPU: the engine vmapped (one call per round, and 10 rounds per call),
+# the ragged engine's vmap buckets, the per-client loops
+GPU_SMALL_RUNNERS = "stacked/vmap/K1,stacked/vmap/K10,ragged/vmap,jax_loop,torch_loop"
 
 
 def main(argv=None) -> None:
@@ -39,8 +51,13 @@ def main(argv=None) -> None:
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip workloads once this much time is spent (default 480; none with --smoke)")
     p.add_argument("--smoke", action="store_true", help="two tiny workloads, to check the suite runs")
+    p.add_argument("--project", action="store_true",
+                   help="no GPU needed: XLA's flop / byte / kernel counts per round of every SUITE workload and the "
+                        "H100 round time they imply (a projection; see project_workload)")
     args = p.parse_args(argv)
-    budget = args.budget_s if args.budget_s is not None else (float("inf") if args.smoke else 480.0)
+    if args.project:
+        return project_main(args)
+    budget = args.budget_s if args.budget_s is not None else (float("inf") if args.smoke else 540.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # jax and torch share the GPU
@@ -50,8 +67,9 @@ def main(argv=None) -> None:
         if left < 20:
             skipped.append(spec)
             continue
+        extra = ["--runners", GPU_SMALL_RUNNERS, "--k", "10"] if spec.startswith("small:") else []
         res = throughput.subprocess_run(_expand(spec, args.smoke), args.strategies, args.rounds, env=env,
-                                        timeout=None if left == float("inf") else left)
+                                        timeout=None if left == float("inf") else left, extra=extra)
         if res is None:
             skipped.append(spec)
             continue
@@ -65,12 +83,278 @@ def main(argv=None) -> None:
     md = [f"Device: {device}; backend {results[0]['backend'] if results else '-'}; "
           f"jax {results[0]['jax'] if results else '-'}; suite time {elapsed:.0f} s; "
           f"command: python benchmarks/gpu_suite.py --out {args.out}" + (" --smoke" if args.smoke else ""), "",
-          throughput.report(results)]
+          throughput.report([r for r in results if "train_step_cost" not in r]), "",
+          throughput.small_report([r for r in results if "train_step_cost" in r])]
     if skipped:
         md += ["", f"Skipped (budget or failure): {', '.join(skipped)}"]
     (out / "results.md").write_text("\n".join(md) + "\n")
     plot(results, out / "round_time.png")
     print("\n".join(md))
+
+
+# --- the GPU projection (no GPU needed) -----------------------------------------------------------------------
+# Assumed H100 SXM5 80 GB figures (NVIDIA H100 datasheet; e.g. glennklockwood.com/garden/processors/h100):
+# FP32 (non-tensor) 66.9 TFLOP/s, TF32 tensor 494.7 TFLOP/s dense, HBM3 3.35 TB/s; kernel launch ~5 us (host-side
+# launch overhead of 4-6 us per kernel measured by e.g. susun-blog.com/blog/pegainfer-3-cuda-graph; NVIDIA's
+# "Getting Started with CUDA Graphs" blog describes the same per-kernel overhead).
+H100 = dict(peak_flops=66.9e12, tf32_flops=494.7e12, hbm_bytes_per_s=3.35e12, launch_s=5e-6)
+SKIP_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+            "replica-id", "opt-barrier"}
+
+
+def hlo_launches(text: str) -> int:
+    """Kernel launches of one execution of an optimized HLO module: every instruction of the entry computation
+    that is not free (parameters, constants, tuples, bitcasts), calls counted through their computations, a
+    while loop as trip count x (its body + its condition) (XLA annotates known trip counts) plus one condition,
+    a conditional as its most expensive branch. The optimized HLO is XLA:CPU's, a proxy for XLA:GPU's fusions."""
+    import re
+    comps, cur, entry = {}, None, None
+    for line in text.splitlines():
+        m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m:
+            cur = m.group(2)
+            comps[cur] = []
+            if m.group(1):
+                entry = cur
+            continue
+        if cur and "=" in line and not line.strip().startswith("}"):
+            comps[cur].append(line)
+    memo = {}
+
+    def count(name):
+        if name in memo:
+            return memo[name]
+        memo[name] = 0
+        total = 0
+        for line in comps.get(name, []):
+            m = re.search(r"=\s*(?:\([^=]*?\)|\S+)\s+([\w\-]+)\(", line)
+            op = m.group(1) if m else ""
+            if op in SKIP_OPS or not op:
+                continue
+            if op == "while":
+                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+                cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                n = int(trip.group(1)) if trip else 1
+                total += n * (count(body) + max(count(cond), 1)) + max(count(cond), 1)
+            elif op == "call":
+                total += count(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
+            elif op == "conditional":
+                branches = re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[-1]) if \
+                    "branch_computations" in line else []
+                total += 1 + max((count(b) for b in branches), default=0)
+            else:
+                total += 1  # a fusion, custom call (dot, conv), copy, gather, sort, ...: one kernel
+        memo[name] = total
+        return total
+
+    return count(entry)
+
+
+def _cost(compiled) -> tuple[float, float]:
+    c = compiled.cost_analysis()
+    c = c[0] if isinstance(c, (list, tuple)) else c
+    return float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0))
+
+
+def workload_spec(spec: str) -> dict:
+    """Model, batch, optimizer, client sizes and round-0 cohort of a SUITE spec (as throughput.run_one builds it)."""
+    import jax
+    import numpy as np
+
+    from jaxfl.core.cohort import sample_cohort
+    kind, *rest = spec.split(":")
+    if kind == "small":
+        w = dict(throughput.SMALL[rest[0]])
+        n, cohort = int(rest[1]), int(rest[2])
+        counts = throughput.lognormal_counts(n, w["median"], w["sigma"])
+        out = dict(model=w["model"], classes=w["classes"], input=w["input"], batch=w["batch"], momentum=None,
+                   counts=counts, cohort=cohort, w=w)
+    elif kind == "skewed":
+        alpha, n, cohort = float(rest[0]), int(rest[1]), int(rest[2])
+        counts = throughput.skewed_counts(alpha, n, int(rest[3]) if len(rest) > 3 else throughput.SKEWED["samples"])
+        out = dict(model="fedavg_cnn", classes=10, input="image", batch=32, momentum=0.5, counts=counts, cohort=cohort)
+    else:
+        if spec.startswith("xdev:"):
+            name, n, cohort = "cross_device", 1000, int(rest[0])
+        else:
+            name, n = rest[0], int(rest[1])
+            cohort = int(rest[2]) if len(rest) > 2 else n
+        wl = throughput.WORKLOADS[name]
+        counts = np.full(n, wl["per_client"])
+        out = dict(model=wl["model"], classes=10, input="image", batch=wl["batch"], momentum=0.5, counts=counts,
+                   cohort=min(cohort, n))
+    ids = np.asarray(sample_cohort(jax.random.key(1), 0, len(out["counts"]), out["cohort"]))
+    return dict(out, ids=ids, spec=spec)
+
+
+def project_workload(spec: str) -> dict:
+    """Flops, bytes and kernel launches of one round (the round-0 cohort) and the H100 time they imply, for
+    the engine under vmap (``Ragged``'s vmap buckets: each bucket runs its longest client's steps with every lane)
+    and for the per-client loops (each client its own steps, one at a time).
+
+    How loops are counted: XLA's cost analysis counts a loop body once, so the round is built from pieces
+    compiled without loops: one SGD step of L clients (vmapped, L = a bucket's lanes) or of one client,
+    multiplied by the steps run (engine: sum over buckets of steps x step(L); loops: sum over clients of
+    ceil(n_i / B) x step(1)), plus the aggregation (one compiled call). The LSTM's time loop is unrolled for
+    the flop and byte counts (flax cells, unroll 80) and counted by trip count for launches (the model as it
+    runs). Launches: ``hlo_launches`` of the same pieces, plus one while-condition per step; per client in the
+    jitted loop one more call (its accumulation); for the torch loop, the leaf ATen operators of one training
+    step (forward, backward, SGD, zero_grad) counted with torch.profiler on the CPU, each taken as one kernel,
+    plus one copy per state tensor (load_state_dict) and one add per tensor (the running weighted sum).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from jaxfl import models
+    from jaxfl.algorithms._common import ce_loss, init_variables
+    from jaxfl.core.buckets import plan_buckets
+    from jaxfl.core.trainer import LocalTrainer
+    ws = workload_spec(spec)
+    b, counts, ids = ws["batch"], ws["counts"], ws["ids"]
+    tx = optax.sgd(0.01, momentum=ws["momentum"])
+    trainer = LocalTrainer(tx, b, 1)
+    run_model = models.build_model(ws["model"], ws["classes"])
+    count_model = throughput.counting_model(ws["w"]) if "w" in ws else run_model
+    x1 = (jnp.zeros((b, 28, 28, 1), jnp.uint8) if ws["input"] == "image" else
+          jnp.zeros((b, throughput.SEQ_LEN), jnp.int32))
+    y1 = jnp.zeros((b,), jnp.int32)
+
+    def step_fn(model):
+        loss = ce_loss(model)
+
+        def step(params, opt, x, y):
+            g = jax.grad(lambda p: loss(p, {}, trainer.preprocess(x), y, jnp.ones(b), None)[0])(params)
+            u, opt = tx.update(g, opt, params)
+            return optax.apply_updates(params, u), opt
+        return step
+
+    def compiled(model, lanes):
+        v = init_variables(model, trainer, jax.random.key(0), x1)
+        p, o = v["params"], tx.init(v["params"])
+        f = step_fn(model)
+        if lanes:
+            stack = lambda t: jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (lanes,) + a.shape), t)
+            return jax.jit(jax.vmap(f)).lower(stack(p), stack(o), stack(x1), stack(y1)).compile()
+        return jax.jit(f).lower(p, o, x1, y1).compile()
+
+    cache = {}
+
+    def piece(lanes):  # (flops, bytes, launches) of one step of `lanes` clients (0: one client, not vmapped)
+        if lanes not in cache:
+            fl, by = _cost(compiled(count_model, lanes))
+            cache[lanes] = (fl, by, hlo_launches(compiled(run_model, lanes).as_text()) + 1)
+        return cache[lanes]
+
+    steps = -(-counts[ids] // b)
+    v = init_variables(run_model, trainer, jax.random.key(0), x1)
+    k = len(ids)
+    stacked = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (k,) + a.shape), v)
+    agg = jax.jit(lambda s, t, w: jax.tree_util.tree_map(
+        lambda a: jnp.tensordot(w / w.sum(), a, 1), t)).lower(v, stacked, jnp.ones(k)).compile()
+    agg_fl, agg_by = _cost(agg)
+    agg_l = hlo_launches(agg.as_text())
+    engine = dict(flops=agg_fl, bytes=agg_by, launches=agg_l, buckets=0, steps=0)
+    for bucket in plan_buckets(steps, max_lanes=k):
+        present = bucket.positions[bucket.positions >= 0]
+        s = int(steps[present].max())
+        fl, by, la = piece(bucket.lanes)
+        engine["flops"] += s * fl
+        engine["bytes"] += s * by
+        engine["launches"] += s * la + 1  # + the bucket's call
+        engine["buckets"] += 1
+        engine["steps"] += s
+    fl, by, la = piece(0)
+    n_leaves = len(jax.tree_util.tree_leaves(v["params"]))
+    loop = dict(flops=float(steps.sum()) * fl + agg_fl, bytes=float(steps.sum()) * by + agg_by,
+                launches=int(steps.sum()) * la + k * (1 + n_leaves) + agg_l, steps=int(steps.sum()))
+    tl = torch_step_kernels(ws)
+    torch_ = None if tl is None else dict(flops=loop["flops"], bytes=loop["bytes"], steps=int(steps.sum()),
+                                          launches=int(steps.sum()) * tl + k * 2 * n_leaves + n_leaves)
+    out = {"spec": spec, "model": ws["model"], "clients": len(counts), "cohort": k, "batch": b,
+           "real_samples": int(counts[ids].sum()), "step_launches": {"engine_by_lanes": {str(l): cache[l][2] for l in cache if l},
+                                                                      "one_client": cache[0][2], "torch": tl}}
+    for name, r in (("engine/vmap", engine), ("jax_loop", loop), ("torch_loop", torch_)):
+        if r is None:
+            continue
+        compute = max(r["flops"] / H100["peak_flops"], r["bytes"] / H100["hbm_bytes_per_s"])
+        r["launch_s"] = r["launches"] * H100["launch_s"]
+        r["roofline_s"] = compute
+        r["round_s"] = compute + r["launch_s"]
+        out[name] = r
+    return out
+
+
+def torch_step_kernels(ws) -> int | None:
+    """Leaf ATen operators of one PyTorch training step of the workload's model (forward, loss, backward, SGD
+    step, zero_grad), counted on the CPU with torch.profiler: each taken as one CUDA kernel."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    w = ws.get("w") or {"model": ws["model"], "classes": ws["classes"]}
+    model = throughput.torch_small_model(w) if "w" in ws else throughput.torch_model(ws["model"], (28, 28, 1))
+    if model is None:
+        return None
+    b = ws["batch"]
+    x = torch.rand(b, 1, 28, 28) if ws["input"] == "image" else torch.randint(0, 80, (b, throughput.SEQ_LEN))
+    y = torch.randint(0, ws["classes"], (b,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=ws["momentum"] or 0.0)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    # a leaf: an aten op with no aten op inside it (time interval containment on the same thread)
+    leaves = 0
+    for e in events:
+        inner = [c for c in e.cpu_children if c.name.startswith("aten::")]
+        if not inner:
+            leaves += 1
+    return leaves
+
+
+def project_main(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec, _ in (SMOKE if args.smoke else SUITE):
+        spec = _expand(spec, args.smoke)
+        t = time.perf_counter()
+        res = project_workload(spec)
+        res["seconds"] = time.perf_counter() - t
+        rows.append(res)
+        print(project_report(rows[-1:]).splitlines()[-1], flush=True)
+        (out / "projection.json").write_text(json.dumps({"h100": H100, "rows": rows}, indent=1))
+    md = ["A PROJECTION, not a measurement: XLA's flop and byte counts and XLA:CPU's kernel (fusion) counts per "
+          "round, turned into H100 time as max(flops / 66.9 TFLOP/s, bytes / 3.35 TB/s) + launches x 5 us. "
+          f"command: python benchmarks/gpu_suite.py --project --out {args.out}", "", project_report(rows)]
+    (out / "projection.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+def project_report(rows) -> str:
+    lines = ["| workload | clients (cohort) | real samples | runner | GFLOP / round | GB / round | kernel launches / round "
+             "| steps run | compute s (roofline) | launch s | projected H100 round s | x torch_loop |",
+             "|---" * 12 + "|"]
+    for r in rows:
+        base = r.get("torch_loop", {}).get("round_s")
+        for name in ("engine/vmap", "jax_loop", "torch_loop"):
+            if name not in r:
+                continue
+            v = r[name]
+            xt = f"{base / v['round_s']:.1f}" if base else "-"
+            lines.append(f"| {r['spec']} | {r['clients']} ({r['cohort']}) | {r['real_samples']} | {name} | "
+                         f"{v['flops'] / 1e9:.1f} | {v['bytes'] / 1e9:.2f} | {v['launches']} | {v['steps']} | "
+                         f"{v['roofline_s']:.5f} | {v['launch_s']:.4f} | {v['round_s']:.4f} | {xt} |")
+    return "\n".join(lines)
 
 
 def _expand(spec: str, smoke: bool) -> str:

@@ -4,7 +4,7 @@ Every workload is a population of clients with given sample counts (equal, or a 
 partition of 50,000 samples), synthetic uint8 images (speed does not depend on their content), FedAvg, one
 local epoch, SGD. For the same sampled cohorts it times, after compilation (each round's shapes are compiled
 in a first pass over the same rounds, then the rounds are timed):
-  engine/<strategy>   jaxfl's ``Simulation.round`` (ragged data, buckets, per-client store) with the client
+  engine/<strategy>   jaxfl's ``Ragged.round`` (ragged data, buckets, per-client store) with the client
                       strategy map | vmap | chunked
   jax_loop            a jitted one-client local update called from a Python loop, each client padded to its
                       own step grid length, then a jitted aggregation (how FedJAX-style simulators run)
@@ -27,6 +27,7 @@ import resource
 import subprocess
 import sys
 import time
+
 
 WORKLOADS = {
     # name: model, input shape, samples per client (equal clients), batch, client counts, cohort (None: all)
@@ -79,11 +80,13 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
     import numpy as np
     import optax
 
-    from jaxfl import build_algorithm
-    from jaxfl.engine import LocalTrainer, RoundInfo, client_keys, sample_cohort
+    from jaxfl.algorithms import build_algorithm
+    from jaxfl.core.backends import Ragged
+    from jaxfl.core.buckets import grid_ceil
+    from jaxfl.core.cohort import client_keys, sample_cohort
+    from jaxfl.core.trainer import LocalTrainer
+    from jaxfl.core.types import RoundInfo
     from jaxfl.models import build_model
-    from jaxfl.schedule import grid_ceil
-    from jaxfl.simulation import Simulation
 
     data = make_population(counts, shape)
     n = len(counts)
@@ -96,7 +99,7 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
            "real_samples_per_round": real / rounds, "max_over_mean": float(np.max(counts) / np.mean(counts)),
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__}
     for strategy in strategies:
-        sim = Simulation(alg, data, batch_size=batch, strategy=strategy, chunk_size=chunk_size, cohort_size=cohort)
+        sim = Ragged(alg, data, batch_size=batch, strategy=strategy, chunk_size=chunk_size, cohort_size=cohort)
         server, store = sim.init(jax.random.key(0), data.x[:1])
         t = time.perf_counter()
         for r in range(rounds):  # compile every bucket shape of these cohorts
@@ -211,16 +214,16 @@ def population(algorithm: str, n_clients: int, rounds: int = 3) -> dict:
     import numpy as np
     import optax
 
-    from jaxfl import build_algorithm
-    from jaxfl.engine import LocalTrainer
+    from jaxfl.algorithms import build_algorithm
+    from jaxfl.core.backends import Ragged
+    from jaxfl.core.trainer import LocalTrainer
+    from jaxfl.core.trees import tree_bytes
     from jaxfl.models import build_model
-    from jaxfl.simulation import Simulation
-    from jaxfl.trees import tree_bytes
 
     p = POPULATION
     data = make_population(np.full(n_clients, p["per_client"]), p["shape"])
     alg = build_algorithm(algorithm, build_model(p["model"], 10), LocalTrainer(optax.sgd(0.01), p["batch"], 1))
-    sim = Simulation(alg, data, batch_size=p["batch"], strategy="map", cohort_size=p["cohort"])
+    sim = Ragged(alg, data, batch_size=p["batch"], strategy="map", cohort_size=p["cohort"])
     server, store = sim.init(jax.random.key(0), data.x[:1])
     root = jax.random.key(1)
     t = time.perf_counter()
@@ -236,6 +239,365 @@ def population(algorithm: str, n_clients: int, rounds: int = 3) -> dict:
             "round_s": float(np.median(times)), "first_round_s": first, "store_gb": tree_bytes(store.state) / 2 ** 30,
             "store_placement": store.placement, "data_gb": data.nbytes / 2 ** 30, "peak_rss_gb": peak_rss_gb(),
             "backend": jax.default_backend()}
+
+
+# Small-model / cross-device workloads (issue 34): FedAvg, plain SGD, one local epoch, batch 10, client sizes
+# log-normal (median, sigma) like LEAF's statistics (LEAF, Caldas et al. 2018, Table 1):
+#   FEMNIST: 3,550 users, mean 226.83 samples, std 88.94 -> log-normal sigma = sqrt(ln(1 + (88.94/226.83)^2)) = 0.38,
+#            median = 226.83 / sqrt(1 + (88.94/226.83)^2) = 211;
+#   Shakespeare: 1,129 users, mean 3,743, std 6,212 -> sigma 1.15, median 1,932.
+# logreg and 2NN use FEMNIST's sizes as they are; the FEMNIST CNN FEMNIST's sigma with a quarter of its median
+# (53), and the character LSTM Shakespeare's sigma with 1/200 of its median (10), so that a round of 100 clients
+# takes seconds, not minutes, on a 2-core CPU (the LSTM's train step is ~0.38 GFLOP per 80-character sample).
+SMALL = {
+    "logreg": dict(model="logreg", input="image", classes=10, batch=10, median=211, sigma=0.38, lr=0.01),
+    "2nn": dict(model="mlp_2nn", input="image", classes=10, batch=10, median=211, sigma=0.38, lr=0.01),
+    "femnist_cnn": dict(model="femnist_cnn", input="image", classes=62, batch=10, median=53, sigma=0.38, lr=0.01,
+                        skip=("stacked/vmap/K10",), max_rounds=1),
+    "char_lstm": dict(model="char_lstm", input="text", classes=80, batch=10, median=10, sigma=1.15, lr=0.01,
+                      skip=("stacked/vmap/K10",), max_rounds=1),
+}
+# skip: runners left out by default (a vmapped round of CNN / LSTM clients runs to the cohort's longest client
+# and is slower than map on a CPU: see ragged/vmap); max_rounds: at most this many rounds timed per runner.
+# (workload, clients, cohort): cohort 100 of 1,000 for every model (the targets), then population and cohort sweeps
+SMALL_PLAN = [("logreg", 1000, 100), ("2nn", 1000, 100), ("femnist_cnn", 1000, 100), ("char_lstm", 1000, 100),
+              ("logreg", 10000, 10), ("logreg", 10000, 100), ("logreg", 10000, 1000), ("2nn", 10000, 1000)]
+SMALL_RUNNERS = ("stacked/map/K1", "stacked/map/K10", "stacked/vmap/K10", "ragged/map", "ragged/vmap", "jax_loop",
+                 "torch_loop")
+SEQ_LEN = 80  # LEAF Shakespeare's input: 80 characters
+
+
+def lognormal_counts(n_clients: int, median: float, sigma: float, seed: int = 0):
+    """Client sizes max(1, round(median * exp(sigma * N(0, 1))))."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return np.maximum(1, np.round(median * np.exp(sigma * rng.standard_normal(n_clients)))).astype(np.int64)
+
+
+def small_population(w: dict, counts, seed: int = 0):
+    """RaggedClients of synthetic samples: uint8 28x28x1 images, or token ids [80] in [0, 80) (speed does not
+    depend on the content), labels uniform over the workload's classes."""
+    import numpy as np
+
+    from jaxfl.data.ragged import RaggedClients
+    rng = np.random.default_rng(seed)
+    total = int(sum(counts))
+    if w["input"] == "image":
+        x = rng.integers(0, 256, (total, 28, 28, 1), dtype=np.uint8)
+    else:
+        x = rng.integers(0, 80, (total, SEQ_LEN), dtype=np.int32)
+    y = rng.integers(0, w["classes"], total).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return RaggedClients(x, y, offsets, np.asarray(counts, np.int64))
+
+
+def matmul_peak_gflops(sizes=(256, 512, 1024, 2048), reps: int = 5) -> float:
+    """The machine's f32 matmul rate measured here: the best GFLOP/s of jitted, warmed-up jnp.dot over sizes."""
+    import jax
+    import jax.numpy as jnp
+    best = 0.0
+    for n in sizes:
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+        f = jax.jit(jnp.dot)
+        jax.block_until_ready(f(a, a))
+        for _ in range(reps):
+            t = time.perf_counter()
+            jax.block_until_ready(f(a, a))
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def counting_model(w: dict):
+    """The workload's model for FLOP counting: the LSTM with its time loop unrolled (XLA's cost analysis counts
+    a loop body once), otherwise the model itself."""
+    from jaxfl import models
+    if w["model"] == "char_lstm":
+        return models.Classifier(models.CharLSTMEncoder(unroll=SEQ_LEN, impl="flax"),
+                                 models.MLPHead((), w["classes"]))
+    return models.build_model(w["model"], w["classes"])
+
+
+def train_step_cost(w: dict, batch: int | None = None) -> dict:
+    """XLA's cost analysis of one jitted train step (forward, backward, SGD update) on one batch: flops and bytes
+    accessed, per batch and per sample."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxfl.algorithms._common import ce_loss, init_variables
+    from jaxfl.core.trainer import LocalTrainer
+    b = batch or w["batch"]
+    model = counting_model(w)
+    trainer = LocalTrainer(optax.sgd(w["lr"]), b, 1)
+    x = (jnp.zeros((b, 28, 28, 1), jnp.uint8) if w["input"] == "image" else jnp.zeros((b, SEQ_LEN), jnp.int32))
+    y = jnp.zeros((b,), jnp.int32)
+    v = init_variables(model, trainer, jax.random.key(0), x)
+    loss = ce_loss(model)
+
+    def step(params, stats, x, y):
+        g = jax.grad(lambda p: loss(p, stats, trainer.preprocess(x), y, jnp.ones(b), None)[0])(params)
+        return optax.apply_updates(params, trainer.tx.update(g, trainer.tx.init(params), params)[0])
+
+    cost = jax.jit(step).lower(v["params"], v["batch_stats"], x, y).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return {"flops": float(cost["flops"]), "bytes": float(cost["bytes accessed"]), "batch": b,
+            "flops_per_sample": float(cost["flops"]) / b}
+
+
+def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS, rounds: int = 2,
+                  k: int = 10, median: float | None = None, sigma: float | None = None) -> dict:
+    """One small-model workload: every runner of ``runners`` on the same cohorts (see the module docstring)."""
+    import jax
+    import numpy as np
+    import optax
+
+    from jaxfl.algorithms import build_algorithm
+    from jaxfl.core.backends import Ragged, Stacked
+    from jaxfl.core.cohort import sample_cohort
+    from jaxfl.core.trainer import LocalTrainer
+    from jaxfl.models import build_model
+
+    w = dict(SMALL[name])
+    runners = [r for r in runners if r not in w.get("skip", ())]
+    rounds = min(rounds, w.get("max_rounds", rounds))
+    w["median"] = median or w["median"]
+    w["sigma"] = sigma if sigma is not None else w["sigma"]
+    peak = matmul_peak_gflops()
+    counts = lognormal_counts(n_clients, w["median"], w["sigma"])
+    data = small_population(w, counts)
+    batch = w["batch"]
+    trainer = LocalTrainer(optax.sgd(w["lr"]), batch, 1)
+    alg = build_algorithm("fedavg", build_model(w["model"], w["classes"]), trainer)
+    root = jax.random.key(1)
+    n_rounds = max(rounds, k if any("/K" in r and not r.endswith("/K1") for r in runners) else 0)
+    cohorts = [np.asarray(sample_cohort(root, r, n_clients, cohort)) for r in range(n_rounds)]
+    real = [int(counts[ids].sum()) for ids in cohorts]
+    cost = train_step_cost(w)
+    out = {"workload": name, "model": w["model"], "clients": n_clients, "cohort": cohort, "batch": batch,
+           "median": w["median"], "sigma": w["sigma"], "rounds": rounds, "k": k,
+           "real_samples_per_round": float(np.mean(real[:rounds])), "mean_size": float(counts.mean()),
+           "max_over_mean": float(counts.max() / counts.mean()), "matmul_peak_gflops": peak,
+           "train_step_cost": cost, "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+           "jax": jax.__version__}
+
+    def record(runner, sec_total, n, extra=None):
+        samples = sum(real[:n])
+        sps = samples / sec_total
+        out[runner] = dict({"round_s": sec_total / n, "samples_per_s": sps, "rounds_timed": n,
+                            "flops_fraction": sps * cost["flops_per_sample"] / (peak * 1e9)}, **(extra or {}))
+
+    for runner in runners:
+        kind, *opt = runner.split("/")
+        if kind == "stacked":
+            strategy, kk = opt[0], int(opt[1][1:])
+            sim = Stacked(alg, data, batch_size=batch, strategy=strategy, cohort_size=cohort, rounds_per_call=kk)
+            server, store = sim.init(jax.random.key(0), data.x[:1])
+            t = time.perf_counter()
+            if kk == 1:
+                server, m = sim.round(server, store, 0, root)  # compile
+                first = time.perf_counter() - t
+                t, ms = time.perf_counter(), []
+                for r in range(rounds):
+                    server, m = sim.round(server, store, r, root)
+                    ms.append(m)
+                jax.block_until_ready(server)
+                n = rounds
+            else:
+                server, _ = sim.run_rounds(server, store, 0, 1, root)  # compile (the same program runs 1..K)
+                first = time.perf_counter() - t
+                t = time.perf_counter()
+                server, ms = sim.run_rounds(server, store, 0, kk, root)
+                jax.block_until_ready(server)
+                n = kk
+            sec = time.perf_counter() - t
+            record(runner, sec, n, {"compile_s": first, "padded_work": float(np.mean([m["padded_work"] for m in ms])),
+                                    "host_share": float(np.mean([m["host_share"] for m in ms]))})
+            del sim, store
+        elif kind == "ragged":
+            sim = Ragged(alg, data, batch_size=batch, strategy=opt[0], cohort_size=cohort)
+            server, store = sim.init(jax.random.key(0), data.x[:1])
+            t = time.perf_counter()
+            for r in range(rounds):  # compile every bucket shape of these cohorts
+                server, m = sim.round(server, store, r, root)
+            first = time.perf_counter() - t
+            t, ms = time.perf_counter(), []
+            for r in range(rounds):
+                server, m = sim.round(server, store, r, root)
+                ms.append(m)
+            jax.block_until_ready(server)
+            sec = time.perf_counter() - t
+            record(runner, sec, rounds, {"compile_s": first - sec, "padded_work": float(np.mean([m["padded_work"] for m in ms])),
+                                         "host_share": float(np.mean([m["host_share"] for m in ms])),
+                                         "buckets": int(m["buckets"]), "compiled_shapes": int(m["compiled_shapes"])})
+            del sim, store
+        elif kind == "jax_loop":
+            sec = small_jax_loop(alg, data, batch, cohorts[:rounds], root)
+            record(runner, sec * rounds, rounds)
+        elif kind == "torch_loop":
+            res = small_torch_loop(w, data, cohorts[:rounds])
+            if res:
+                record(runner, res["round_s"] * rounds, rounds, {k_: v for k_, v in res.items() if k_ != "round_s"})
+    out["peak_rss_gb"] = peak_rss_gb()
+    return out
+
+
+def small_jax_loop(alg, data, batch, cohorts, root) -> float:
+    """FedJAX-style rounds: for each cohort client, its samples gathered on the host (padded to its own step grid
+    length) and one jitted call that trains it and adds its weighted state to a running sum (donated); then the
+    sum is divided by the total weight. Returns the median round time after one untimed pass."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxfl.core.buckets import grid_ceil
+    from jaxfl.core.cohort import client_keys
+    from jaxfl.core.types import RoundInfo
+
+    def one(server, client, acc, row, key, info, weight):
+        new = alg.local_update(server, client, row, key, info)[0]
+        return jax.tree_util.tree_map(lambda a, b: a + weight * b, acc, new)
+
+    one = jax.jit(one, donate_argnums=(2,))
+    finish = jax.jit(lambda acc, total: jax.tree_util.tree_map(lambda a: a / total, acc))
+    server, client = alg.init(jax.random.key(0), data.x[:1])
+
+    def loop_round(r, ids):
+        keys = client_keys(root, r, jnp.asarray(ids))
+        acc = jax.tree_util.tree_map(jnp.zeros_like, server)
+        for i, key in zip(ids, keys):
+            d = data.gather(np.array([i]), grid_ceil(-(-int(data.counts[i]) // batch)) * batch)
+            row = jax.tree_util.tree_map(lambda a: jnp.asarray(a[0]), d)
+            acc = one(server, client, acc, row, key, RoundInfo(jnp.int32(r), jnp.int32(i)),
+                      jnp.float32(data.counts[i]))
+        return jax.block_until_ready(finish(acc, jnp.float32(data.counts[ids].sum())))
+
+    for r, ids in enumerate(cohorts):
+        loop_round(r, ids)
+    times = []
+    for r, ids in enumerate(cohorts):
+        t = time.perf_counter()
+        loop_round(r, ids)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def torch_small_model(w: dict):
+    """The workload's model in PyTorch (same architecture as jaxfl.models; None without torch)."""
+    try:
+        import torch.nn as tnn
+    except ImportError:
+        return None
+    c = w["classes"]
+    if w["model"] == "logreg":
+        return tnn.Sequential(tnn.Flatten(), tnn.Linear(784, c))
+    if w["model"] == "mlp_2nn":
+        return tnn.Sequential(tnn.Flatten(), tnn.Linear(784, 200), tnn.ReLU(), tnn.Linear(200, 200), tnn.ReLU(),
+                              tnn.Linear(200, c))
+    if w["model"] == "femnist_cnn":
+        return tnn.Sequential(tnn.Conv2d(1, 32, 5, padding=2), tnn.ReLU(), tnn.MaxPool2d(2),
+                              tnn.Conv2d(32, 64, 5, padding=2), tnn.ReLU(), tnn.MaxPool2d(2), tnn.Flatten(),
+                              tnn.Linear(7 * 7 * 64, 2048), tnn.ReLU(), tnn.Linear(2048, c))
+    if w["model"] == "char_lstm":
+        class CharLSTM(tnn.Module):  # LEAF's Shakespeare model
+            def __init__(self):
+                super().__init__()
+                self.embed = tnn.Embedding(80, 8)
+                self.lstm = tnn.LSTM(8, 256, num_layers=2, batch_first=True)
+                self.head = tnn.Linear(256, c)
+
+            def forward(self, x):
+                return self.head(self.lstm(self.embed(x))[0][:, -1])
+        return CharLSTM()
+    return None
+
+
+def small_torch_loop(w: dict, data, cohorts) -> dict | None:
+    """The same rounds in PyTorch, client after client: load the global state, a fresh SGD, one epoch over a
+    random permutation (``torch.randperm``) in batches (the last partial), add the weighted state to a running
+    sum; the clients' tensors are made before timing (float images in [-1, 1] / int64 tokens). Returns the
+    median round time after one untimed pass, at 1 thread and at torch's default (the machine's cores): the
+    faster setting is ``round_s`` (intra-op threads do not help batches of 10, and busy-waiting OpenMP threads
+    are slow on a shared machine), both are kept in ``round_s_by_threads``."""
+    model = torch_small_model(w)
+    if model is None:
+        return None
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(dev)
+    b = w["batch"]
+    tensors = {}
+    for ids in cohorts:
+        for i in ids:
+            if int(i) not in tensors:
+                lo, n = int(data.offsets[i]), int(data.counts[i])
+                x = data.x[lo:lo + n]
+                x = (torch.from_numpy(x.astype(np.float32)).permute(0, 3, 1, 2) / 127.5 - 1.0
+                     if w["input"] == "image" else torch.from_numpy(x.astype(np.int64)))
+                tensors[int(i)] = (x.to(dev), torch.from_numpy(data.y[lo:lo + n].astype(np.int64)).to(dev))
+    global_state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def round_(ids):
+        acc = {k: torch.zeros_like(v) for k, v in global_state.items()}
+        total = 0.0
+        for i in ids:
+            x, y = tensors[int(i)]
+            n = len(y)
+            model.load_state_dict(global_state)
+            opt = torch.optim.SGD(model.parameters(), lr=w["lr"])
+            perm = torch.randperm(n, device=dev)
+            for s in range(0, n, b):
+                idx = perm[s:s + b]
+                opt.zero_grad()
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    acc[k].add_(v, alpha=float(n))
+            total += n
+        for k in global_state:
+            global_state[k] = acc[k] / total
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    by_threads = {}
+    default = torch.get_num_threads()
+    for threads in sorted({1, default}):
+        torch.set_num_threads(threads)
+        for ids in cohorts:
+            round_(ids)
+        times = []
+        for ids in cohorts:
+            t = time.perf_counter()
+            round_(ids)
+            times.append(time.perf_counter() - t)
+        by_threads[threads] = float(np.median(times))
+    torch.set_num_threads(default)
+    best = min(by_threads, key=by_threads.get)
+    return {"round_s": by_threads[best], "threads": best, "round_s_by_threads": by_threads,
+            "torch": torch.__version__, "torch_device": dev}
+
+
+SMALL_COLUMNS = ("| workload | clients (cohort) | mean size (max/mean) | runner | real samples/s | x torch | x jax_loop | "
+                 "padded/real | host share | FLOP/s / peak | round s | peak RSS GB |")
+
+
+def small_report(results: list[dict]) -> str:
+    lines = [SMALL_COLUMNS, "|---" * 12 + "|"]
+    for r in results:
+        base_j = r.get("jax_loop", {}).get("samples_per_s")
+        base_t = r.get("torch_loop", {}).get("samples_per_s")
+        for runner in [k for k in r if isinstance(r[k], dict) and "samples_per_s" in r[k]]:
+            v = r[runner]
+            f = lambda key, fmt: format(v[key], fmt) if key in v else "-"
+            xt = f"{v['samples_per_s'] / base_t:.2f}" if base_t else "-"
+            xj = f"{v['samples_per_s'] / base_j:.2f}" if base_j else "-"
+            lines.append(f"| {r['workload']} | {r['clients']} ({r['cohort']}) | {r['mean_size']:.0f} "
+                         f"({r['max_over_mean']:.1f}) | {runner} | {v['samples_per_s']:.0f} | {xt} | {xj} | "
+                         f"{f('padded_work', '.3f')} | {f('host_share', '.3f')} | {v['flops_fraction']:.3f} | "
+                         f"{v['round_s']:.3f} | {r['peak_rss_gb']:.2f} |")
+    return "\n".join(lines)
 
 
 def report(results: list[dict]) -> str:
@@ -267,11 +629,18 @@ def population_report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SMALL_OPTIONS: dict = {}  # --runners, --k, --median, --sigma of the small workloads (set by main)
+
+
 def run_one(spec: str, strategies, rounds) -> dict:
     """One workload, in this process: ``equal:NAME:CLIENTS[:COHORT]``, ``skewed:ALPHA:CLIENTS:COHORT[:SAMPLES]``
     or ``population:ALGORITHM:CLIENTS``."""
     import numpy as np
     kind, *rest = spec.split(":")
+    if kind == "small":
+        o = SMALL_OPTIONS
+        return measure_small(rest[0], int(rest[1]), int(rest[2]), runners=o.get("runners", SMALL_RUNNERS),
+                             rounds=rounds, k=o.get("k", 10), median=o.get("median"), sigma=o.get("sigma"))
     if kind == "population":
         return population(rest[0], int(rest[1]))
     if kind == "skewed":
@@ -289,9 +658,9 @@ def run_one(spec: str, strategies, rounds) -> dict:
     return dict(res, workload=name)
 
 
-def subprocess_run(spec: str, strategies: str, rounds: int, env=None, timeout=None) -> dict | None:
+def subprocess_run(spec: str, strategies: str, rounds: int, env=None, timeout=None, extra=()) -> dict | None:
     """``run_one(spec)`` in a fresh process (its own peak RSS); None (and its stderr printed) if it failed."""
-    cmd = [sys.executable, __file__, "--one", spec, "--strategies", strategies, "--rounds", str(rounds)]
+    cmd = [sys.executable, __file__, "--one", spec, "--strategies", strategies, "--rounds", str(rounds), *extra]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -313,13 +682,27 @@ def main(argv=None) -> None:
     p.add_argument("--clients", default=None, help="comma-separated client counts (default: the workload's)")
     p.add_argument("--strategies", default="map,vmap,chunked")
     p.add_argument("--rounds", type=int, default=2, help="rounds timed (after one pass that compiles them)")
-    p.add_argument("--json", default=None, help="write the raw results here")
+    p.add_argument("--json", default=None, help="write the raw results here (rewritten after every workload)")
+    p.add_argument("--small", action="store_true", help="the small-model / cross-device workloads (SMALL_PLAN)")
+    p.add_argument("--plan", default=None, help="with --small: NAME:CLIENTS:COHORT,... instead of SMALL_PLAN")
+    p.add_argument("--runners", default=",".join(SMALL_RUNNERS), help="with --small: the runners")
+    p.add_argument("--k", type=int, default=10, help="with --small: rounds per call of the stacked/*/K runners")
+    p.add_argument("--median", type=float, default=None, help="with --small: override the client size median")
+    p.add_argument("--sigma", type=float, default=None, help="with --small: override the client size sigma")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one workload in a subprocess
     args = p.parse_args(argv)
+    SMALL_OPTIONS.update(runners=args.runners.split(","), k=args.k, median=args.median, sigma=args.sigma)
     if args.one:
         print(json.dumps(run_one(args.one, args.strategies.split(","), args.rounds)))
         return
-    if args.population:
+    extra = []
+    if args.small:
+        extra = ["--runners", args.runners, "--k", str(args.k)]
+        extra += ["--median", str(args.median)] if args.median else []
+        extra += ["--sigma", str(args.sigma)] if args.sigma is not None else []
+        plan = ([tuple(t.split(":")) for t in args.plan.split(",")] if args.plan else SMALL_PLAN)
+        specs = [f"small:{name}:{n}:{c}" for name, n, c in plan]
+    elif args.population:
         specs = [f"population:{a}:{n}" for a in POPULATION["algorithms"] for n in
                  ([int(c) for c in args.clients.split(",")] if args.clients else POPULATION["clients"])]
     elif args.skewed:
@@ -330,16 +713,17 @@ def main(argv=None) -> None:
         specs = [f"equal:{name}:{n}" for name, counts in plan.items()
                  for n in ([int(c) for c in args.clients.split(",")] if args.clients else counts)]
     results = []
-    fmt = population_report if args.population else report
+    fmt = population_report if args.population else small_report if args.small else report
     for spec in specs:
-        res = subprocess_run(spec, args.strategies, args.rounds)
+        res = subprocess_run(spec, args.strategies, args.rounds, extra=extra)
         if res is not None:
+            res["command"] = " ".join(sys.argv)
             results.append(res)
             print("\n".join(fmt(results[-1:]).splitlines()[2:]), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
     print("\n" + fmt(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
