@@ -30,6 +30,20 @@ def resnet():
     return forward_layers(m, x), v["params"], v["batch_stats"]
 
 
+def test_heterofl_clips_every_steps_gradient_norm_as_its_released_code():
+    # one client of 8 samples, batch 8: one step from the server's model, the first of momentum SGD, so
+    # p1 = p0 - lr g min(1, c / ||g||_2) with g the sub-model's gradient (zero outside the client's mask)
+    lr, opts = 0.05, dict(device_ratios=(0.5,))
+    _, _, server, _, free = setup_rows("heterofl", counts=(8,), grad_clip=0.0, **opts)
+    step = jax.tree_util.tree_map(lambda p0, p1: p1[0] - p0, server["params"], free["params"])  # -lr g
+    norm = float(np.sqrt(sum(np.sum(np.square(d)) for d in jax.tree_util.tree_leaves(step)))) / lr
+    assert norm > 0.2
+    for c in (0.5 * norm, 0.1 * norm, 2.0 * norm):
+        clipped = setup_rows("heterofl", counts=(8,), grad_clip=c, **opts)[4]
+        expect = jax.tree_util.tree_map(lambda p0, d: p0 + d * min(1.0, c / norm), server["params"], step)
+        assert_trees_close(jax.tree_util.tree_map(lambda a: a[0], clipped["params"]), expect, atol=1e-6)
+
+
 def trained_rows(alg, data, server, clients, root):
     """Every client's trained row of round 0 (jitted: the engine's cohort update, before aggregation)."""
     update = jax.jit(cohort_train(alg, strategy="vmap"))
@@ -55,7 +69,7 @@ def fedavg_after_two_rounds():
 
 
 REDUCE = {"feddrop": dict(device_ratios=(0.0,)), "fedmp": dict(device_ratios=(0.0,)),
-          "heterofl": dict(device_ratios=(0.0,), label_mask=False, uniform=False),
+          "heterofl": dict(device_ratios=(0.0,), label_mask=False, uniform=False, grad_clip=0.0),
           "nefl": dict(device_ratios=(0.0,), uniform=False)}
 
 

@@ -8,7 +8,7 @@ from conftest import assert_trees_close
 
 from jaxfl.errors import ConfigError, NonFiniteError
 from jaxfl.run.cli import main
-from jaxfl.run.config import RunConfig
+from jaxfl.run.config import RunConfig, validate
 from jaxfl.run.runner import Experiment, summarize
 
 
@@ -147,6 +147,9 @@ def test_summary_names_last_best_mean_and_per_client_best():
     (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'; valid: dapperfl, ditto, fedavg"),
     (["--dataset", "svhn"], "unknown dataset 'svhn'; valid: default, digits, pacs"),
     (["--momentum", "1.5"], "momentum=1.5 is outside [0.0, 1.0]"),
+    (["--lr", "inf"], "lr=inf must be a finite number > 0"),
+    (["--lr", "nan"], "lr=nan must be a finite number > 0"),
+    (["--weight-decay", "inf"], "weight_decay=inf must be a finite number >= 0"),
     (["--participation", "0"], "participation=0.0 is outside (0.0, 1.0]"),
     (["--clients-per-round", "9"], "clients_per_round=9 exceeds the 3 clients"),
     (["--resume"], "need an output directory"),
@@ -236,6 +239,7 @@ def test_client_optimizer_follows_pytorch_and_fedtp_gets_its_papers_weight_decay
     np.testing.assert_allclose(upd["w"], [-0.1, -0.1], rtol=1e-4)  # Adam's first step is -lr * sign(g)
     # the preset: FedTP's official client optimizer has weight decay 1e-5, others none unless asked
     assert RunConfig(algorithm="fedtp").client_training()["weight_decay"] == 1e-5
+    assert RunConfig(algorithm="fedtp").client_training()["momentum"] == 0.9  # run scripts' --rho=0.9
     assert RunConfig(algorithm="pfedgp").client_training()["weight_decay"] == 1e-3  # pFedGP's official SGD
     assert RunConfig(algorithm="fedavg").client_training()["weight_decay"] == 0.0
     assert RunConfig(algorithm="fedtp", weight_decay=0.0).client_training()["weight_decay"] == 0.0
@@ -296,3 +300,28 @@ def test_the_backends_agree_through_the_runner_and_rounds_per_call_needs_the_sta
     assert_trees_close(runs[0].clients, runs[1].clients, atol=1e-4, rtol=1e-4)
     with pytest.raises(ConfigError, match="rounds_per_call=4 keeps rounds on the device: it needs --backend stacked"):
         Experiment(RunConfig(rounds_per_call=4, backend="ragged", **TINY))
+
+
+def test_protocol_fields_come_from_the_algorithms_official_protocol_unless_given():
+    # FedTP's run scripts (SGD lr 0.01, momentum 0.9, weight decay 1e-5, batch 64), FedSelect's code (lr 0.05,
+    # no momentum, batch 32), RFedDis's (lr 0.01, no momentum, batch 32), DapperFL's (momentum 0.9, wd 1e-5)
+    expect = {"fedtp": (64, 0.01, 0.9, 1e-5), "fedselect": (32, 0.05, 0.0, 0.0), "rfeddis": (32, 0.01, 0.0, 0.0),
+              "dapperfl": (64, 0.01, 0.9, 1e-5), "fedavg": (64, 0.01, 0.5, 0.0)}
+    for name, values in expect.items():
+        cfg = validate(RunConfig(algorithm=name))
+        assert (cfg.batch_size, cfg.lr, cfg.momentum, cfg.weight_decay) == values, name
+    given = validate(RunConfig(algorithm="fedtp", lr=0.2, momentum=0.0, batch_size=16, weight_decay=0.0))
+    assert (given.batch_size, given.lr, given.momentum, given.weight_decay) == (16, 0.2, 0.0, 0.0)
+    # FedSelect's code evaluates each model right after its local training: the default when every client
+    # trains every round; a partial cohort falls back to evaluating after aggregation; a given value wins
+    assert RunConfig(algorithm="fedselect").with_eval_point(True).eval_point == "local"
+    assert RunConfig(algorithm="fedselect").with_eval_point(False).eval_point == "aggregated"
+    assert RunConfig(algorithm="fedavg").with_eval_point(True).eval_point == "aggregated"
+    assert RunConfig(algorithm="fedselect", eval_point="aggregated").with_eval_point(True).eval_point == "aggregated"
+
+
+def test_a_run_saves_the_protocol_it_used(tmp_path):
+    tiny = {k: v for k, v in TINY.items() if k not in ("batch_size", "lr")}
+    Experiment(RunConfig(algorithm="fedselect", rounds=1, out=str(tmp_path), **tiny)).run()
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["lr"], saved["momentum"], saved["batch_size"], saved["eval_point"]) == (0.05, 0.0, 32, "local")

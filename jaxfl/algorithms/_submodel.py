@@ -10,11 +10,13 @@ clients whose sub-model holds it (``aggregation.masked_mean``):
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from flax import traverse_util
 
 from ..core.aggregation import masked_mean
@@ -222,7 +224,8 @@ def tree_masked_mean_of(trained, masks, weights, previous):
 
 def submodel_algorithm(name: str, model, trainer: LocalTrainer, *, masks: Callable, aggregate_stats: str = "masked",
                        uniform: bool = False, factor: Callable | None = None, label_mask: bool = False,
-                       prepare: Callable | None = None, finish: Callable | None = None) -> Algorithm:
+                       prepare: Callable | None = None, finish: Callable | None = None,
+                       grad_clip: float = 0.0) -> Algorithm:
     """A sub-model method: each client trains the global model under a per-entry 0/1 mask, the server takes the
     per-entry masked mean over the clients holding each entry (``masked_mean``; entries no client holds keep W).
 
@@ -233,8 +236,12 @@ def submodel_algorithm(name: str, model, trainer: LocalTrainer, *, masks: Callab
     factor(layers, params, info) -> per-leaf training factors (HeteroFL's Scaler) or None.
     label_mask: HeteroFL's label masking. prepare(server, info) -> the client's start variables (NeFL: its
     submodel's BatchNorm); finish(server, new_server, trained, weights, info) -> the server state (NeFL's table).
+    grad_clip: c > 0 scales every local step's gradient g to g min(1, c / ||g||_2) (the global norm over the
+    sub-model's entries; torch's ``clip_grad_norm_`` before ``optimizer.step``), 0 for none.
     """
     cache = {}
+    if grad_clip > 0:  # clipped before the optimizer adds weight decay and momentum, as torch orders them
+        trainer = dataclasses.replace(trainer, tx=optax.chain(optax.clip_by_global_norm(grad_clip), trainer.tx))
 
     def layers_of(x):
         shape = (1,) + tuple(x.shape[1:])

@@ -72,6 +72,9 @@ class DapperFLOptions(Options):
     name = "dapperfl"
     sharing = ("everything (global model), each client's update masked by its pruning mask; pruned entries "
                "keep the previous global value", "nothing (its pruning ratio follows from its id)")
+    # the released code (dapperfl.py: optim.SGD(lr=local_lr, momentum=0.9, weight_decay=1e-5); best_args.py:
+    # local_lr 0.01, local_batch_size 64)
+    train_preset = {"lr": 0.01, "momentum": 0.9, "weight_decay": 1e-5, "batch_size": 64}
     device_ratios: tuple[float, ...] = option(DEVICE_RATIOS, "pruning ratio per device level, comma-separated; "
                                               "client i gets level i mod len", lo=0.0, hi=1.0)
     gamma: float = option(0.01, "weight of the DAR term ||z||", lo=0.0)

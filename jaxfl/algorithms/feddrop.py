@@ -65,6 +65,8 @@ class FedDropOptions(Options):
                                                      "i gets level i mod len (default: DapperFL's levels 0, 0.2, "
                                                      "..., 0.8; digits / office: 0.6 for all, DapperFL's runs)",
                                                      lo=0.0, hi=1.0)
+    grad_clip: float = option(0.0, "clip every local step's gradient to this global L2 norm (0: none, as "
+                              "DapperFL's comparison code trains it)", lo=0.0)
 
     def check(self) -> None:
         if self.device_ratios is not None:
@@ -81,4 +83,4 @@ def feddrop(model, trainer: LocalTrainer, o: FedDropOptions, ctx: RunContext) ->
         units = random_units(layers, key, rho)
         return unit_masks_to_params(layers, units, v["params"], v["batch_stats"]), {"ratio": rho}
 
-    return submodel_algorithm("feddrop", model, trainer, masks=masks)
+    return submodel_algorithm("feddrop", model, trainer, masks=masks, grad_clip=o.grad_clip)

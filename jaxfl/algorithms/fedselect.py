@@ -84,6 +84,9 @@ class FedSelectOptions(Options):
     name = "fedselect"
     sharing = ("each entry while it is global for the client (unweighted per-entry mean)",
                "entries grown into the personal mask by update size; BN statistics")
+    # the official code (utils/options.py: --lr 0.05, --local_bs 32; MaskLocalAltSGD has no momentum), which
+    # evaluates each model right after its local training
+    train_preset = {"lr": 0.05, "momentum": 0.0, "batch_size": 32, "eval_point": "local"}
     alpha: float = option(0.8, "personalization limit per tensor (grows while personal fraction <= alpha; "
                           "0: never)", lo=0.0, hi=1.0)
     grow_rate: float = option(0.25, "fraction p of a tensor's global entries made personal per growth",

@@ -63,7 +63,8 @@ def qkv_hypernetwork(model, embed_dim: int, hidden: int, layers: int):
 class FedTPOptions(Options):
     name = "fedtp"
     models = ("vit_small", "vit_tiny")  # personalized attention needs a ViT
-    train_preset = {"weight_decay": 1e-5}  # the official client optimizer: SGD with weight decay 1e-5
+    # the official run scripts (scripts/cifar10_run.sh: --lr=0.01 --batch-size=64 --rho=0.9; main.py --reg 1e-5)
+    train_preset = {"lr": 0.01, "momentum": 0.9, "weight_decay": 1e-5, "batch_size": 64}
     sharing = ("every ViT parameter but the attention Q/K/V projections; a server hypernetwork generates those",
                "its Q/K/V projections (vanilla) or its embedding row on the server (hypernet)")
     variant: str = option("hypernet", "hypernet (server hypernetwork generates Q/K/V) | vanilla (each client "

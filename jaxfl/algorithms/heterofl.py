@@ -63,6 +63,8 @@ class HeteroFLOptions(Options):
                          "(the Scaler)")
     label_mask: bool = option(True, "zero the logits of classes absent from a client's data and keep its "
                               "update out of their output rows (official mask=1)")
+    grad_clip: float = option(1.0, "clip every local step's gradient to this global L2 norm (the released "
+                              "code's clip_grad_norm_(params, 1)); 0: no clipping", lo=0.0)
 
     def check(self) -> None:
         check_ratios("heterofl", self.device_ratios)
@@ -79,4 +81,4 @@ def heterofl(model, trainer: LocalTrainer, o: HeteroFLOptions, ctx: RunContext) 
     factor = (lambda layers, params, info: scaler_tree(layers, params, 1.0 - client_ratio(ratios, info))) \
         if o.scale else None
     return submodel_algorithm("heterofl", model, trainer, masks=masks, uniform=o.uniform, factor=factor,
-                              label_mask=o.label_mask)
+                              label_mask=o.label_mask, grad_clip=o.grad_clip)

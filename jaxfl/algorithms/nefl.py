@@ -80,6 +80,8 @@ class NeFLOptions(Options):
                                               "client trains the largest submodel of width <= 1 - rho",
                                               lo=0.0, hi=1.0)
     uniform: bool = option(True, "every client weighs 1 in the averages (NeFedAvg); --no-: engine weights")
+    grad_clip: float = option(0.0, "clip every local step's gradient to this global L2 norm (0: none, as NeFL's "
+                              "plain LocalUpdateM; its warmup-cosine trainers clip at 1)", lo=0.0)
 
     def check(self) -> None:
         check_ratios("nefl", self.device_ratios)
@@ -135,7 +137,7 @@ def nefl(model, trainer: LocalTrainer, o: NeFLOptions, ctx: RunContext) -> Algor
         return {"params": params, "batch_stats": stats, "bn": table}
 
     alg = submodel_algorithm("nefl", model, trainer, masks=masks, uniform=o.uniform, prepare=prepare,
-                             finish=finish)
+                             finish=finish, grad_clip=o.grad_clip)
 
     def init(key, sample_x):
         variables, client = alg.init(key, sample_x)

@@ -73,6 +73,8 @@ def fused_alpha(out, fusion: str = "ds"):
 class RFedDisOptions(Options):
     name = "rfeddis"
     sharing = ("encoder and global evidential head, without BatchNorm", "BatchNorm, the local evidential head")
+    # the official digits script (RFedDis_digits.py: optim.SGD(lr=args.lr), --lr 1e-2, --batch 32)
+    train_preset = {"lr": 0.01, "momentum": 0.0, "batch_size": 32}
     share_global_head: bool = option(True, "average the global head (--no-...: the released Office/DomainNet code)")
     use_local_head: bool = option(True, "--no-...: keep only the global evidential head")
     use_dis: bool = option(True, "the annealed disentangling loss exp(-symmetric KL)")

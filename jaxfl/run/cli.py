@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..errors import ConfigError, JaxflError
-from .config import RunConfig, load_config_file
+from .config import TRAINING_DEFAULTS, RunConfig, load_config_file
 
 
 HELP = {
@@ -15,7 +15,8 @@ HELP = {
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
     "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU)",
     "backend": "stacked (the whole population on the device, one jitted call per round) | ragged (samples on "
-               "the host, the cohort trained in buckets of similar clients; default)",
+               "the host, the cohort trained in buckets of similar clients) (default: stacked when the population "
+               "fits in a quarter of the device's memory and its clients are even, else ragged)",
     "devices": "split the clients over this many devices (0: all; clients per round must divide evenly)",
     "client_sizes": "dirichlet_quantity: client sizes equal | lognormal (then each client's labels ~ Dir(alpha p))",
     "size_sigma": "dirichlet_quantity with lognormal sizes: sigma of the log client size (>= 0)",
@@ -24,9 +25,13 @@ HELP = {
     "participation": "fraction of clients sampled per round",
     "optimizer": "client optimizer: sgd | adam (PyTorch semantics)",
     "eval_point": "aggregated (each client's model after the round) | local (right after its local training, "
-                  "before aggregation, as FedSelect's code evaluates; needs every client in every round)",
-    "weight_decay": "client weight decay, added to the gradient as torch does (default: the algorithm's paper "
-                    "value: FedTP 1e-5, pFedGP 1e-3, else 0)",
+                  "before aggregation, as FedSelect's code evaluates; needs every client in every round) "
+                  "(default: aggregated; local for fedselect when every client trains every round, its official "
+                  "protocol)",
+    "weight_decay": "client weight decay, added to the gradient as torch does",
+    "lr": "client learning rate",
+    "momentum": "client SGD momentum",
+    "batch_size": "client minibatch size",
     "nesterov": "sgd: Nesterov momentum",
     "out": "output folder: metrics.jsonl, summary.json, accuracy.png, config.json, checkpoints/ (default: a new "
            "runs/<algorithm>-<dataset>-<time>); a non-empty folder needs --resume or --overwrite",
@@ -46,10 +51,17 @@ def _add_flag(group, flag: str, dest: str, tp, text: str) -> None:
 
 
 def generated_help() -> dict[str, str]:
-    """Help texts built from the registries: every algorithm and every model by name."""
+    """Help texts built from the registries: every algorithm and every model by name, and each protocol
+    field's default (the algorithms' ``train_preset`` values, else ``TRAINING_DEFAULTS``)."""
     from ..algorithms import REGISTRY
     from ..models import MODELS
-    return {"algorithm": " | ".join(REGISTRY), "model": " | ".join(MODELS) + " (default: per dataset)"}
+    out = {"algorithm": " | ".join(REGISTRY), "model": " | ".join(MODELS) + " (default: per dataset)"}
+    for field, default in TRAINING_DEFAULTS.items():
+        own = [f"{name} {reg.options.train_preset[field]}" for name, reg in REGISTRY.items()
+               if field in reg.options.train_preset]
+        text = f"default: {default}" + (f"; the official protocol for {', '.join(own)}" if own else "")
+        out[field] = "; ".join(s for s in (HELP.get(field, ""), text) if s)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from pathlib import Path
 
@@ -15,6 +16,11 @@ from ..data.federated import DataConfig
 from ..errors import ConfigError, check_choice, check_range
 
 
+# The values of the protocol fields that neither the config nor the algorithm's ``train_preset`` sets. (An
+# algorithm's ``train_preset`` may also name an ``eval_point``: it applies when every client trains every round.)
+TRAINING_DEFAULTS = {"batch_size": 64, "lr": 0.01, "momentum": 0.5, "weight_decay": 0.0}
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything a run depends on. ``None`` means "the preset's / backend's default"."""
@@ -23,11 +29,12 @@ class RunConfig:
     model: str | None = None
     rounds: int = 10
     local_epochs: int = 1
-    batch_size: int = 64
-    lr: float = 0.01
-    momentum: float = 0.5
+    # None: the algorithm's protocol (``train_preset``: what its official code trains with), else TRAINING_DEFAULTS
+    batch_size: int | None = None
+    lr: float | None = None
+    momentum: float | None = None
     optimizer: str = "sgd"
-    weight_decay: float | None = None  # None: the algorithm's paper value (FedTP 1e-5), else 0
+    weight_decay: float | None = None
     nesterov: bool = False
     seed: int = 0
     # algorithm options by algorithm, e.g. {"fedselect": {"alpha": 0.5}}: each algorithm's Options dataclass
@@ -58,7 +65,7 @@ class RunConfig:
     devices: int = 1
     client_store: str = "auto"
     eval_every: int = 1
-    eval_point: str = "aggregated"  # aggregated: after the round | local: each model right after local training
+    eval_point: str | None = None  # aggregated: after the round | local: each model right after local training
     eval_batch_size: int = 256
     # output
     out: str | None = None
@@ -102,13 +109,28 @@ class RunConfig:
         from ..algorithms import algorithm_options
         return algorithm_options(self.algorithm, self.options.get(self.algorithm), self.dataset)
 
-    def client_training(self) -> dict:
-        """The client optimizer's settings, fields left None from the algorithm's ``train_preset`` (else 0)."""
+    def with_protocol(self) -> "RunConfig":
+        """This config with every protocol field left None (``TRAINING_DEFAULTS``' keys) taken from the
+        algorithm's ``train_preset``, else from ``TRAINING_DEFAULTS``."""
+        from ..algorithms import REGISTRY, options_class
+        preset = options_class(self.algorithm).train_preset if self.algorithm in REGISTRY else {}
+        return self.replace(**{k: preset.get(k, default) for k, default in TRAINING_DEFAULTS.items()
+                               if getattr(self, k) is None})
+
+    def with_eval_point(self, every_client_every_round: bool) -> "RunConfig":
+        """This config with ``eval_point`` set: its own, else the algorithm's ``train_preset`` value when every
+        client trains every round (evaluating a model right after local training needs it), else aggregated."""
+        if self.eval_point is not None:
+            return self
         from ..algorithms import options_class
-        preset = options_class(self.algorithm).train_preset
-        wd = self.weight_decay if self.weight_decay is not None else preset.get("weight_decay", 0.0)
-        return {"name": self.optimizer, "lr": self.lr, "momentum": self.momentum, "weight_decay": wd,
-                "nesterov": self.nesterov}
+        preset = options_class(self.algorithm).train_preset.get("eval_point", "aggregated")
+        return self.replace(eval_point=preset if every_client_every_round else "aggregated")
+
+    def client_training(self) -> dict:
+        """The client optimizer's settings (protocol fields left None resolved by ``with_protocol``)."""
+        cfg = self.with_protocol()
+        return {"name": cfg.optimizer, "lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
+                "nesterov": cfg.nesterov}
 
     def strategy_or_default(self) -> str:
         """The client strategy: ``strategy``, else ``map`` on CPU and ``vmap`` on accelerators."""
@@ -118,15 +140,16 @@ class RunConfig:
         """This config with the run's algorithm table written out in full (every option, presets applied) and
         the client optimizer's weight decay filled in: what a run saves, so that its config.json says every
         value it used."""
-        return self.replace(options={self.algorithm: self.algorithm_options().to_dict()},
-                            weight_decay=self.client_training()["weight_decay"])
+        return self.with_protocol().replace(options={self.algorithm: self.algorithm_options().to_dict()})
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """Raise ConfigError naming the first bad value; return cfg unchanged otherwise."""
+    """Raise ConfigError naming the first bad value; otherwise return cfg with its protocol fields resolved
+    (``RunConfig.with_protocol``)."""
     from ..algorithms import REGISTRY, algorithm_options, options_class
     from ..models import MODELS
     check_choice("algorithm", cfg.algorithm, REGISTRY)
+    cfg = cfg.with_protocol()
     if cfg.model is not None:
         check_choice("model", cfg.model, MODELS)
         allowed = options_class(cfg.algorithm).models
@@ -153,12 +176,16 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
     check_range("dirichlet_alpha", cfg.dirichlet_alpha, 0.0, float("inf"), lo_open=True)
+    if not math.isfinite(cfg.lr):
+        raise ConfigError(f"lr={cfg.lr!r} must be a finite number > 0")
     check_range("lr", cfg.lr, 0.0, float("inf"), lo_open=True)
     check_range("momentum", cfg.momentum, 0.0, 1.0)
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
-    check_choice("eval_point", cfg.eval_point, ("aggregated", "local"))
-    if cfg.weight_decay is not None:
-        check_range("weight_decay", cfg.weight_decay, 0.0, float("inf"))
+    if cfg.eval_point is not None:
+        check_choice("eval_point", cfg.eval_point, ("aggregated", "local"))
+    if not math.isfinite(cfg.weight_decay):
+        raise ConfigError(f"weight_decay={cfg.weight_decay!r} must be a finite number >= 0")
+    check_range("weight_decay", cfg.weight_decay, 0.0, float("inf"))
     if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum <= 0):
         raise ConfigError("--nesterov needs --optimizer sgd with --momentum > 0")
     if cfg.participation is not None:

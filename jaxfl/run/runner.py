@@ -100,6 +100,7 @@ class Experiment:
                               f"clients over all {jax.device_count()} devices; use devices=0")
         self.mesh = None if cfg.devices == 1 else client_mesh(cfg.devices or None)
         self.cohort = cohort_size(cfg, n)
+        self.cfg = cfg = cfg.with_eval_point(self.cohort == n)
         if self.mesh is not None and self.cohort % self.mesh.devices.size:
             raise ConfigError(f"{self.cohort} clients per round cannot be split evenly over "
                               f"devices={self.mesh.devices.size}; use a cohort that is a multiple of it")
