@@ -5,7 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxfl.data.partition import PARTITIONS, _repair, client_sizes, dirichlet, dirichlet_quantity, iid, partition
+from jaxfl.data.partition import (PARTITIONS, _repair, client_sizes, dirichlet, dirichlet_quantity, iid, label_shards,
+                                  partition)
 from jaxfl.errors import ConfigError, DataError
 
 
@@ -240,3 +241,37 @@ def test_partition_dispatch():
     assert len(partition("shards", SMALL, 10, np.random.default_rng(0), classes_per_client=2)) == 10
     with pytest.raises(ConfigError, match="dirichlet_quantity"):
         partition("quantity", SMALL, 10, np.random.default_rng(0))
+
+
+# ---- label shards (McMahan et al.'s pathological non-IID split) ----------------------------------------
+
+def test_label_shards_sorted_shards_two_per_client():
+    labels = np.array([2, 0, 1, 0, 2, 1, 1, 0, 2, 0, 1, 2])  # 12 samples, 3 classes x 4
+    parts = label_shards(labels, 3, 2, np.random.default_rng(0))
+    # sorted by label (ties by index): 0: [1 3 7 9], 1: [2 5 6 10], 2: [0 4 8 11]; 6 shards of 2
+    shards_ = [[1, 3], [7, 9], [2, 5], [6, 10], [0, 4], [8, 11]]
+    perm = np.random.default_rng(0).permutation(6).reshape(3, 2)
+    want = [sorted(shards_[a] + shards_[b]) for a, b in perm]
+    assert [p.tolist() for p in parts] == want
+    _check_partition(parts, 12, 3, 4)
+
+
+def test_label_shards_mnist_sized_split():
+    labels = np.repeat(np.arange(10), 6000)  # 60,000 samples, 100 clients x 2 shards of 300
+    parts = label_shards(labels, 100, 2, np.random.default_rng(1))
+    sizes = _check_partition(parts, 60000, 100, 600)
+    assert np.all(sizes == 600)
+    n_classes = np.array([len(np.unique(labels[p])) for p in parts])
+    assert n_classes.max() == 2 and n_classes.min() == 1  # each shard holds one class (6000 = 20 x 300)
+    assert _same(parts, label_shards(labels, 100, 2, np.random.default_rng(1)))
+    assert not _same(parts, label_shards(labels, 100, 2, np.random.default_rng(2)))
+
+
+def test_label_shards_drops_the_remainder_and_checks_inputs():
+    parts = label_shards(np.arange(7) % 2, 3, 1, np.random.default_rng(0))  # 3 shards of 2, one sample left
+    assert sorted(len(p) for p in parts) == [2, 2, 2]
+    assert len(np.unique(np.concatenate(parts))) == 6
+    with pytest.raises(DataError, match="shards_per_client=0"):
+        label_shards(SMALL, 10, 0, np.random.default_rng(0))
+    with pytest.raises(DataError, match="1002 shards is more than the 500 samples"):
+        label_shards(SMALL, 501, 2, np.random.default_rng(0))

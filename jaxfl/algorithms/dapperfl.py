@@ -4,22 +4,27 @@ aggregation with recovery.
 Client i (``RoundInfo.client_id``) has a pruning ratio rho_i, its device level ``ratios[i % len(ratios)]``.
 In round t (0-based r = t - 1) it loads the global model W (params and BN statistics) and:
 1. trains one dense epoch with L = CE + gamma R(z), R(z) = ||z||_2 of the penultimate feature (``dar_norm``
-   "l2", the code) or ||z||_2^2 ("sq_l2", the paper);
+   "l2") or ||z||_2^2 ("sq_l2");
 2. fuses w = a_t W + (1 - a_t) w_hat, a_t = max((1 - eps)^r alpha0, alpha_min), skipped when r = 0 (W is then
-   the random init) or when ``use_fusion`` is off (the released code never fuses);
+   the random init) or when ``use_fusion`` is off;
 3. builds its mask M_i from the fused weights at ratio rho_i (``pruning_masks``: the spec's per-layer rules);
 4. trains E - 1 more epochs of the masked model (the forward pass always uses w * M; momentum carries over).
 The server recovers and averages in one masked reduction (``core.aggregation.recovered_mean``):
 
     W <- W + sum_i p_i M_i (w_i - W),  p_i = n_i / sum_j n_j            (``recover_mode="global"``, Eq. 6-7)
 
-or, as the released code does, averages the pruned entries as zeros: W <- sum_i p_i M_i w_i ("zero").
-BN running statistics (``bn_stats="follow"``, default) follow the same rule channel by channel, with the mask
-of the conv output channel that feeds the BN (``bn_channel_masks``): a client that pruned the channel measured
-statistics of an all-zero input, which under recovery would be paired with the recovered, non-zero weights.
-``bn_stats="unmasked"`` averages them with p_i over all clients, as the released code does. The
-released-code preset is ``use_fusion=False, recover_mode="zero", bn_stats="unmasked"``. Everything is
-evaluated with the global model.
+or averages the pruned entries as zeros: W <- sum_i p_i M_i w_i (``recover_mode="zero"``). BN running
+statistics (``bn_stats="follow"``, default) follow the same rule channel by channel, with the mask of the conv
+output channel that feeds the BN (``bn_channel_masks``); ``bn_stats="unmasked"`` averages them with p_i over all
+clients. Everything is evaluated with the global model.
+
+Deviations:
+- R(z) defaults to the released code's ||z||_2 (``dar_norm="l2"``); the paper's ||z||_2^2 is ``"sq_l2"``.
+- The defaults follow the paper (fusion, recovery); the released code never fuses and averages pruned entries
+  as zeros: its preset is ``use_fusion=False, recover_mode="zero", bn_stats="unmasked"``.
+- BN statistics follow the masks by default (the released code averages them unmasked): a client that pruned
+  a channel measured statistics of an all-zero input, which under recovery would be paired with the
+  recovered, non-zero weights.
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ Per round, client i
 The server averages the global copies (every parameter and BN statistic, sample weights); v_i never leaves
 its client and is what the client predicts with. lambda = 0 gives purely local personal models; large
 lambda ties them to the global model.
+
+Deviations: none known.
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """FedAvg (McMahan et al., AISTATS 2017): every client trains the whole model; the server averages everything.
 
-    w^{t+1} = sum_{i in S_t} p_i w_i^t,   p_i = n_i / sum_{j in S_t} n_j  (``--weighting samples``; or 1/|S_t|)
+    w^{t+1} = sum_{i in S_t} p_i w_i^t,   p_i = n_i / sum_{j in S_t} n_j  (sample weighting; or 1/|S_t|, uniform)
 
-over every parameter and BatchNorm statistic (FedBN's reference code averages the whole state dict). Clients
-keep nothing between rounds and start each round from w^t with a fresh optimizer.
+over every parameter and BatchNorm statistic. Clients keep nothing between rounds and start each round from
+w^t with a fresh optimizer.
+
+Deviations: none known.
 """
 from __future__ import annotations
 

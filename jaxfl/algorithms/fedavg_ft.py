@@ -1,33 +1,27 @@
-"""FedAvg+FT: FedAvg, each client evaluated with the global model fine-tuned on its own data.
+"""FedAvg+FT: FedAvg, each client evaluated with the global model fine-tuned on its own data (FedSelect's baseline).
 
-A baseline of FedSelect's comparison (Table 1; fedselect spec section 5 and note 17: "FedAvg+FT fine-tunes
-for E epochs before evaluation"). Training is FedAvg unchanged (``fedavg``): client i starts round t from
-the global model w^t, runs the trainer's E epochs of weighted CE, the server averages every parameter and BN
-statistic with the engine's weights, w^{t+1} = sum_i p_i w_i^t. Fine-tuning never reaches the server.
-
-Evaluation after fine-tuning (``with_fine_tuning``, shared with FedBABU). The engine evaluates a client's
-persistent state with ``predict`` (or, with ``eval_point="local"``, the row its local update returned with
-``predict_trained``) and has no hook that runs after aggregation with the client's data. So in round t client i
-also fine-tunes the model it received, w^t, for ``ft_epochs`` epochs with the client optimizer (fresh state) and
-CE on its training data:
+Training is FedAvg unchanged (``fedavg``): client i starts round t from the global model w^t, runs the trainer's
+E epochs of weighted CE, the server averages every parameter and BN statistic with the engine's weights,
+w^{t+1} = sum_i p_i w_i^t. Fine-tuning never reaches the server. In round t client i also fine-tunes the model
+it received for ``ft_epochs`` epochs with the client optimizer (fresh state) and CE on its training data
+(``with_fine_tuning``, shared with FedBABU):
 
     v_i^t = FT_{ft_epochs}(w^t; D_i),
 
-keeps v_i^t as its personal state and predicts with it. The model evaluated after round t is therefore the
-fine-tune of the last global model that reached the client (w^t, not the w^{t+1} aggregated at the round's
-end); under FedSelect's protocol (spec note 10: the last round is not aggregated, evaluation follows the local
-work) that is exactly "the final global model fine-tuned before evaluation". ``eval_point="aggregated"`` and
-``"local"`` evaluate the same v_i^t. A client not sampled in a round keeps its older v_i.
+keeps v_i^t as its personal state (a whole model: params and BN statistics) and predicts with it; a client
+not sampled in a round keeps its older v_i. ``eval_point="aggregated"`` and ``"local"`` evaluate the same v_i^t.
+The fine-tuning uses the client's own round key, the one its FedAvg training uses: for ft_epochs = E (the
+default, ``ft_epochs=None``: the run's local epochs) it is the very run of FedAvg's local update, kept and not
+computed twice (v_i^t = w_i^t); otherwise a separate ``LocalTrainer`` run from w^t whose first
+min(ft_epochs, E) epochs see the same batches as the training run. ``ft_epochs=0``: plain FedAvg, evaluated
+with the global model w^{t+1}. Per client: v_i. Server: FedAvg's model.
 
-The fine-tuning run uses the client's own round key, the one its FedAvg training uses: for ft_epochs = E (the
-default) it is the very run FedAvg's local update makes, so the trained model is kept and nothing is computed
-twice (v_i^t = FedAvg's local model w_i^t); for ft_epochs != E it is a separate run of ``LocalTrainer`` from
-w^t, whose first min(ft_epochs, E) epochs see the same batches as the training run.
-
-Options: ``ft_epochs`` (None: the run's local epochs E, spec note 17; 0: plain FedAvg, evaluated with the
-global model w^{t+1}). Per client: v_i (a whole model: params and BN statistics). Server: FedAvg's model.
-No official code: FedSelect's authors' baseline code is not public; the fine-tuning follows FedBABU's
-(jhoon-oh/FedBABU, analysis.ipynb, commit e34c15b: SGD on all parameters from the global model, CE).
+Deviations:
+- The model evaluated after round t is the fine-tune of w^t, the last global model that reached the client,
+  not of the w^{t+1} aggregated at the round's end: the engine evaluates a client's persistent state (or, with
+  ``eval_point="local"``, the row its local update returned) and has no hook that runs after aggregation with
+  the client's data. Under FedSelect's protocol (the last round is not aggregated, evaluation follows the local
+  work) that is exactly "the final global model fine-tuned before evaluation".
 """
 from __future__ import annotations
 

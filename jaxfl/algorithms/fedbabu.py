@@ -1,30 +1,26 @@
 """FedBABU (Oh, Kim, Yun, ICLR 2022): federated body training under a random frozen head, then fine-tuning.
 
-Training (official ``main_fed.py --local_upt_part body --aggr_part body``): the head (the ``head`` parameter
-group; the official models' ``linear`` layer) keeps its random initialisation for the whole run; each client
-trains only the body from the global model with CE (the head's learning rate is 0: ``fedrep.only`` gives it zero
-updates), and the server averages the bodies with the engine's weights:
+Training: the head (the ``head`` parameter group) keeps its random initialisation h^0 for the whole run; each
+client trains only the body from the global model with CE (the head's learning rate is 0: ``fedrep.only`` gives
+it zero updates), and the server averages the bodies with the engine's weights:
 
     w_i^t = SGD_E(body of w^t, head h^0 frozen; D_i),   body^{t+1} = sum_i p_i body(w_i^t),   head = h^0.
 
-BatchNorm statistics are averaged too (official: every state-dict key but ``linear`` is averaged, and BN lives
-in the body there; a head with BN, as jaxfl's ``MLPHead`` with hidden layers, has its statistics averaged as
-well, its parameters frozen). The server keeps h^0 itself (never an average of copies), so it stays bit-exact.
+BatchNorm statistics are averaged too, those of a head with BN (jaxfl's ``MLPHead`` with hidden layers)
+included, whose parameters stay frozen. The server keeps h^0 itself (never an average of copies), so it stays
+bit-exact.
 
-Evaluation: each client fine-tunes the global model it received for ``ft_epochs`` epochs with CE and the client
-optimizer (official ``analysis.ipynb``: all parameters, SGD with the training momentum, 5 epochs), and is
-evaluated with the result; ``ft_part="head"`` fine-tunes the head only (the fedselect spec's note 17 reading).
-This uses FedAvg+FT's ``with_fine_tuning`` (``fedavg_ft.py``: which fine-tuned model is evaluated when: the
-fine-tune of the last global model the client received, w^t after round t).
+Evaluation: each client fine-tunes the global model it received for ``ft_epochs`` (5) epochs with CE and the
+client optimizer, all parameters (``ft_part="full"``, default) or the head only (``ft_part="head"``, the
+fedselect spec's note 17 reading), and is evaluated with the result. This is FedAvg+FT's ``with_fine_tuning``
+(``fedavg_ft.py``): the fine-tune of the last global model the client received, w^t after round t.
+Per client: the fine-tuned model (evaluated). Server: the global body and the frozen head h^0.
 
-Options: ``ft_epochs`` = 5 (official ``analysis.ipynb``: ``personalization_epoch = 5``), ``ft_part`` = "full"
-(official). Per client: the fine-tuned model (evaluated). Server: the global body and the frozen head h^0.
-
-Deviations: the official fine-tuning lr is 1e-3 while training runs 0.1 decayed x0.1 at T/2 and 3T/4, i.e.
-fine-tuning at the final training lr; here it uses the client optimizer as configured (same lr as training).
-The official aggregation is an unweighted mean (``--weighting uniform`` reproduces it). FedBABU+ (server data)
-is not implemented. Official code read: jhoon-oh/FedBABU (commit e34c15b), main_fed.py, models/Update.py
-(``LocalUpdate.train``: body_lr / head_lr parameter groups), analysis.ipynb (fine-tuning before evaluation).
+Deviations:
+- Fine-tuning uses the client optimizer as configured (same lr as training); the official fine-tuning lr is
+  1e-3 while training runs 0.1 decayed x0.1 at T/2 and 3T/4, i.e. fine-tuning at the final training lr.
+- The server uses the engine's weights; the official aggregation is an unweighted mean (uniform weighting).
+- FedBABU+ (server data) is not implemented.
 """
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 Every parameter but the BatchNorm scales and biases is averaged as FedAvg does; each client keeps its BatchNorm
 scale, bias and running statistics (the only state it keeps between rounds).
+
+Deviations: none known.
 """
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """FedDC (Gao et al., CVPR 2022): federated learning with local drift decoupling and correction.
 
-Client i keeps a local drift h_i and a gradient-correction variate G_i; the server keeps the cloud model
-theta, the global variate G and hbar = 1/N sum_i h_i (all params-sized, zero at the start). In a round client
-i starts from w = theta and takes its K_i local steps on
+Client i keeps a local drift h_i and a gradient-correction variate G_i; the server keeps the cloud model theta,
+the global variate G and hbar = 1/N sum_i h_i (all params-sized, zero at the start). In a round client i starts
+from w = theta and takes its K_i local steps on (drift penalty pulling w + h_i toward theta, SCAFFOLD's
+correction as the linear term)
 
     L_i(w) = CE_i(w) + alpha/2 ||w + h_i - theta||^2 + <G - G_i, w>
-
-(the drift penalty pulls w + h_i toward theta; the linear term is SCAFFOLD's gradient correction), then
 
     h_i  <- h_i + (w_i - theta)
     G_i+ =  G_i - G + (theta - w_i) / (K_i lr)          (SCAFFOLD's option II variate)
@@ -14,28 +13,20 @@ i starts from w = theta and takes its K_i local steps on
     hbar <- hbar + 1/N sum_{i in S} (w_i - theta)       (the mean drift over all N clients)
     theta <- sum_{i in S} p_i w_i + hbar                (p_i: the engine's weights)
 
-With full participation theta = mean_i (w_i + h_i), the paper's aggregation of the drift-corrected models.
-K_i is the client's own number of optimizer steps this round, lr the client learning rate. In its first
-round (h_i = 0, G = G_i = 0) a client trains exactly FedProx's objective with mu = alpha, but the server adds
-the drift: FedDC with alpha = 0 is not FedAvg (its first cloud model is 2 mean(w_i) - theta^0). BatchNorm
+With full participation theta = mean_i (w_i + h_i), the paper's aggregation of the drift-corrected models. K_i
+is the client's own number of optimizer steps this round; lr the client learning rate (option ``lr``: by default
+the run's ``--lr``, ``LocalTrainer.lr``, else read from the optimizer, ``scaffold.optimizer_lr``); ``alpha`` =
+0.01. In its first round (h_i = 0, G = G_i = 0) a client trains exactly FedProx's objective with mu = alpha, but
+the server adds the drift: alpha = 0 is not FedAvg (its first cloud model is 2 mean(w_i) - theta^0). BatchNorm
 running statistics are averaged as FedAvg does. Every client predicts with the cloud model theta.
 
-Hyperparameters: ``alpha`` = 0.01 (the reference code's ``example_code_cifar10.py``: alpha_coef = 1e-2);
-``lr``: the client learning rate of the variate update, by default the run's ``--lr`` (``LocalTrainer.lr``)
-or, without it, read from the trainer's optimizer (``scaffold.optimizer_lr``).
-
-Reference code read: gaoliang13/FedDC (commit 13440c23), ``utils_methods_FedDC.py::train_FedDC``
-(``parameter_drifts`` h_i, ``state_gadient_diffs`` G_i and G in its last row, cloud model = mean of the
-selected clients' models + mean of all clients' drifts) and ``utils_general.py::train_model_FedDC`` (loss
-CE + alpha/2 ||w - (theta - h_i)||^2 + sum(w * (G - G_i))). Deviations, and why:
-- the reference scales by each client's relative data size r_i = n_i N / sum_j n_j (alpha / r_i, G / r_i in the
-  loss, r_i (G_i+ - G_i) in the server update); we use r_i = 1, as SCAFFOLD and FedDyn here, which is the same
-  when clients hold equal data (the RFedDis datasets);
-- the reference uses one K for every client (epochs times the mean client's batches); here K_i is each
-  client's own step count;
-- the reference clips gradients at norm 10 and uses weight decay 1e-3 for every method (its FedAvg too); we
-  use jaxfl's client optimizer as configured, as for every other baseline;
-- the model mean uses the engine's weights (``--weighting``; uniform is the reference's mean).
+Deviations:
+- The reference scales by each client's relative data size r_i = n_i N / sum_j n_j (alpha / r_i, G / r_i in the
+  loss, r_i (G_i+ - G_i) on the server); we use r_i = 1, as SCAFFOLD and FedDyn here (the same for equal data).
+- The reference uses one K for every client (epochs times the mean client's batches); here K_i is per client.
+- The reference clips gradients at norm 10 and uses weight decay 1e-3 for every method (its FedAvg too); we use
+  jaxfl's client optimizer as configured, as for every other baseline.
+- The model mean uses the engine's weights (``--weighting``; uniform is the reference's mean).
 """
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """FedDrop / Federated Dropout (Caldas, Konecny, McMahan & Talwalkar 2018, "Expanding the reach of federated
 learning by reducing client resource requirements"): each client trains a random sub-model of the global model.
 
-Official code: the paper released none, and the DapperFL repository (github.com/jyzgh/DapperFL @ d02b3b2) ships
-only its hyperparameters (``utils/best_args.py``: ``'feddrop': {'pr_strategy': '0.6'}``, i.e. one uniform drop
-ratio 0.6 for every client; the paper's App. A: "a uniform compression ratio for all clients"). This follows the
-paper's method on jaxfl's sub-model machinery (``_submodel.py``).
-
-Round t, client i with drop ratio rho_i = ``device_ratios[i mod L]``: by default DapperFL's capability levels
-(0, 0.2, 0.4, 0.6, 0.8), as the other sub-model baselines; the ``digits`` / ``office`` presets are DapperFL's
-FedDrop runs, one uniform ratio 0.6 for every client. Then:
+Round t, client i with drop ratio rho_i = ``device_ratios[i mod L]`` (default DapperFL's capability levels
+(0, 0.2, 0.4, 0.6, 0.8); the ``digits`` / ``office`` presets: 0.6 for every client), on jaxfl's sub-model
+machinery (``_submodel.py``):
 1. for every conv / dense layer with C output units (filters / activations) but the output layer, keep a random
    subset of C - round(rho_i C) units (``masks.keep_largest`` of uniform scores drawn from the client's round
    key, so fixed for the round and different per client and round); layers whose outputs are summed in one
@@ -24,6 +19,10 @@ BatchNorm: a client tracks running statistics of its kept channels; each channel
 the clients that kept it (cut channels never see data). Kept units are not rescaled (Federated Dropout trains a
 smaller dense model, not inverted dropout). Nothing is kept per client; evaluation uses the global model.
 With ratio 0 it is FedAvg.
+
+Deviations:
+- The default ratios are the device levels shared with the other sub-model baselines, not the paper's one
+  uniform ratio for all clients (the ``digits`` / ``office`` presets are that: 0.6, DapperFL's FedDrop runs).
 """
 from __future__ import annotations
 

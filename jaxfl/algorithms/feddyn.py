@@ -1,40 +1,32 @@
 """FedDyn (Acar et al., ICLR 2021): federated learning with a dynamic regulariser that aligns the clients'
 stationary points with the global one.
 
-Paper (Alg. 1), with the server model theta^t and client i's gradient term grad_i (zero at the start):
+Paper (Alg. 1), server model theta^t, client i's gradient term grad_i (zero at the start), N all clients:
 
     theta_i = argmin CE_i(w) - <grad_i, w> + alpha/2 ||w - theta^t||^2
-    grad_i <- grad_i - alpha (theta_i - theta^t)
-    h      <- h - alpha/N sum_{i in S} (theta_i - theta^t)          (N: all clients)
+    grad_i <- grad_i - alpha (theta_i - theta^t);     h <- h - alpha/N sum_{i in S} (theta_i - theta^t)
     theta^{t+1} = mean_{i in S} theta_i - h / alpha
 
-We keep, as the reference code does, the drift h_i = -grad_i / alpha = sum over i's rounds of
-(theta_i - theta^t) per client and hbar = -h / alpha = 1/N sum_i h_i on the server, so that
+Implemented with the drift h_i = -grad_i / alpha = sum over i's rounds of (theta_i - theta^t) per client and
+hbar = -h / alpha = 1/N sum_i h_i on the server, i.e. the paper's algorithm with no division by alpha:
 
     local loss   CE_i(w) + alpha <h_i, w> + alpha/2 ||w - theta^t||^2
-    h_i   <- h_i + (theta_i - theta^t)
-    hbar  <- hbar + 1/N sum_{i in S} (theta_i - theta^t)
+    h_i   <- h_i + (theta_i - theta^t);     hbar <- hbar + 1/N sum_{i in S} (theta_i - theta^t)
     theta^{t+1} = sum_{i in S} p_i theta_i + hbar               (p_i: the engine's aggregation weights)
 
-which is the paper's algorithm with no division by alpha. alpha = 0 is its alpha -> 0 limit: clients train
-plain CE (FedAvg's local update) but the server still adds the mean accumulated drift hbar, so FedDyn with
-alpha = 0 is NOT FedAvg (its first server model is 2 mean(theta_i) - theta^0). In its first round (h_i = 0) a
-FedDyn client trains exactly FedProx's objective with mu = alpha. BatchNorm running statistics are averaged
-as FedAvg does (they are not parameters). Every client predicts with the server model theta.
+``alpha`` = 0.01. alpha = 0 is its alpha -> 0 limit: clients train plain CE (FedAvg's local update) but the
+server still adds the mean accumulated drift hbar, so FedDyn with alpha = 0 is NOT FedAvg (its first server
+model is 2 mean(theta_i) - theta^0). In its first round (h_i = 0) a client trains exactly FedProx's objective
+with mu = alpha. BatchNorm running statistics are averaged as FedAvg does (they are not parameters). Every
+client predicts with the server model theta.
 
-Hyperparameters: ``alpha`` = 0.01, the reference code's CIFAR-10 example (``example_cifar_10.py``:
-alpha_coef = 1e-2; the paper searches {0.1, 0.01, 0.001}).
-
-Reference code read: alpemreacar/FedDyn (commit 48a19fac), ``utils_methods.py::train_FedDyn`` (client drift
-``local_param_list``, cloud model = mean of the selected clients' models + mean of all clients' drifts) and
-``utils_general.py::train_feddyn_mdl`` (loss CE + alpha <w, h_i - theta>, with alpha added to SGD's weight
-decay, i.e. alpha/2 ||w||^2: the same gradient as our alpha <h_i, w> + alpha/2 ||w - theta||^2). Deviations:
-- the reference divides alpha by each client's relative data size r_i = n_i N / sum_j n_j ("adaptive alpha");
-  we follow the paper (one alpha), the same when clients hold equal data (the RFedDis datasets);
-- the reference clips gradients at norm 10 and uses weight decay 1e-3 for every method (its FedAvg too); we
-  use jaxfl's client optimizer as configured, as for every other baseline;
-- the model mean uses the engine's weights (``--weighting``; uniform is the reference's mean); the drift
-  mean hbar is over all N clients, uniform, as in the paper and the code.
+Deviations:
+- The reference divides alpha by each client's relative data size r_i = n_i N / sum_j n_j ("adaptive alpha");
+  we follow the paper (one alpha), the same when clients hold equal data (the RFedDis datasets).
+- The reference clips gradients at norm 10 and uses weight decay 1e-3 for every method (its FedAvg too); we
+  use jaxfl's client optimizer as configured, as for every other baseline.
+- The model mean uses the engine's weights (``--weighting``; uniform is the reference's mean); the drift mean
+  hbar is over all N clients, uniform, as in the paper and the code.
 """
 from __future__ import annotations
 

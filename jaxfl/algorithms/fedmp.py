@@ -2,25 +2,23 @@
 in heterogeneous edge computing"), as DapperFL's comparison runs it: magnitude-based structured pruning of the
 global model at each client's ratio, then R2SP (residual recovery synchronous parallel) aggregation.
 
-Official code: FedMP released none that could be found; the DapperFL repository (github.com/jyzgh/DapperFL @
-d02b3b2) ships FedMP's hyperparameters (``utils/best_args.py``: ``'fedmp': {'pr_ratios': ['0', '0.2', '0.4',
-'0.6', '0.8']}`` with the default ``pr_strategy 'AD'``: client i prunes at ``pr_ratios[i % 5]``) and the
-pruning and recovery machinery its baselines share (``models/dapperfl.py`` ``_res_pruning``,
-``models/utils/federated_model.py`` ``aggregate_nets``). So FedMP here is DapperFL's pruning rule without
-fusion and without DAR, applied to the global model before local training (FedMP prunes at the server):
-
+DapperFL's pruning rule without fusion and without DAR, applied to the global model before local training
+(FedMP prunes at the server):
 1. M_i = ``pruning_masks(W, rho_i)``: L1 filter ranking (input x output channels) for conv kernels, L2 input
    rows of the output layer, unstructured |gamma| for BatchNorm scales; stem and biases kept;
-   rho_i = ``device_ratios[i mod L]``;
+   rho_i = ``device_ratios[i mod L]`` (default 0, 0.2, 0.4, 0.6, 0.8);
 2. the client trains w * M_i (start w = W * M_i) for E epochs with plain CE;
 3. R2SP: pruned entries are recovered from the global model, then FedAvg (``aggregation.recovered_mean``):
 
     W <- W + sum_i p_i M_i (w_i - W),  p_i = n_i / sum_j n_j.
 
-BatchNorm running statistics are averaged with p_i, unmasked (as DapperFL's released aggregation). FedMP's
-multi-armed-bandit choice of the ratio per round is replaced by the fixed device levels, as in DapperFL's
-comparison (DEVIATION from the FedMP paper, following the comparison's setup). Nothing is kept per client;
-evaluation uses the global model. With ratio 0 it is FedAvg.
+BatchNorm running statistics are averaged with p_i, unmasked (as DapperFL's released aggregation). Nothing is
+kept per client; evaluation uses the global model. With ratio 0 it is FedAvg.
+
+Deviations:
+- FedMP's multi-armed-bandit choice of the ratio per round is replaced by the fixed device levels, as in
+  DapperFL's comparison.
+- The pruning and recovery are the machinery DapperFL's baselines share (no FedMP code could be found).
 """
 from __future__ import annotations
 

@@ -1,41 +1,30 @@
 """FedPAC (Xu, Tong, Huang, ICLR 2023): feature alignment to global prototypes + classifier collaboration.
 
-Model: the body f (``encoder``, features z = f(x) in R^d) is shared; the classifier g (``head``) is personal.
-Client i in round t, as in the official ``LocalUpdate_FedPAC``:
+The body f (``encoder``, features z = f(x) in R^d) is shared; the classifier g (``head``) is personal. Client i:
+1. Statistics (before training; eval mode, the received body): n_i samples, n_ik of class k, p_ik = n_ik/n_i,
+   class means mu_ik:  v_i = (sum_k p_ik E_{y=k}||z||^2 - sum_k p_ik^2 ||mu_ik||^2) / n_i,  H_i[k] = p_ik mu_ik
+   ([C, d]; ``statistics_extraction``, including its final division by the data size n_i).
+2. ``head_epochs`` (1) epochs on the head only with CE, then E epochs on the body only with
+   CE + lam * 1/(B d) sum_b ||z_b - c_{y_b}||^2 (mean over batch and dimension), c_k the server's global
+   prototype of class k, or the client's own pre-training mean mu_ik when no client of the last round had class
+   k; no alignment term in round 0.
+3. Uploads its local prototypes after training (class means of z, eval mode) and class counts n_ik.
+Server: body and the body's BN statistics averaged with the engine's weights; global prototypes
+c_k = sum_i n_ik mu'_ik / sum_i n_ik over this round's cohort (replaced each round; a class nobody had is marked
+absent); for each cohort client i, alpha_i = argmin_{alpha in simplex} alpha^T (diag(v) + D_i) alpha with
+D_i[j, l] = <H_i - H_j, H_i - H_l>_F, entries below 1e-3 zeroed, g_i <- sum_j alpha_ij g_j / sum_j alpha_ij over
+the cohort's trained heads. Options: ``lam`` = 1.0, ``head_epochs`` = 1, ``combine_heads`` = True, ``qp_iters``
+= 1000 (ours). Per client: its head (params and any head BN statistics). Server: the body, the global
+prototypes [C, d] and their class counts [C] (count 0: absent).
 
-1. Statistics (before training; eval mode, the received body): with n_i samples, n_ik of class k, p_ik = n_ik/n_i,
-   class means mu_ik = mean_{y=k} z,
-       v_i = ( sum_k p_ik E_{y=k}||z||^2 - sum_k p_ik^2 ||mu_ik||^2 ) / n_i,     H_i[k] = p_ik mu_ik   ([C, d]).
-   (``statistics_extraction``, including its final division by the data size n_i.)
-2. ``head_epochs`` (official 1) epochs on the head only with CE, then E epochs on the body only with
-       CE + lam * 1/(B d) sum_b ||z_b - c_{y_b}||^2          (torch ``MSELoss``: mean over batch and dimension),
-   c_k = the server's global prototype of class k, or the client's own pre-training class mean mu_ik when no
-   client of the last round had class k; no alignment term in round 0 (official ``round > 0``).
-3. Local prototypes after training (class means of z, eval mode) and class counts n_ik are uploaded.
-
-Server (``train_round_fedpac``): body and BN statistics of the body averaged with the engine's weights (official:
-data sizes); global prototypes c_k = sum_i n_ik mu'_ik / sum_i n_ik over this round's cohort (replaced each
-round; a class nobody had is marked absent); then for each cohort client i the weights of its new head
-       alpha_i = argmin_{alpha in simplex} alpha^T (diag(v) + D_i) alpha,   D_i[j, l] = <H_i - H_j, H_i - H_l>_F,
-entries below 1e-3 zeroed, and g_i <- sum_j alpha_ij g_j / sum_j alpha_ij over the cohort's trained heads.
-
-The QP: the official code calls cvxpy per client (``tools.get_head_agg_weight``); here ``simplex_qp`` is a pure,
-vmapped accelerated projected-gradient solver (FISTA, step 1 / (2 lambda_max), ``qp_iters`` iterations, Duchi et
-al.'s sort-based simplex projection), checked against an exact active-set enumeration in the tests. P is PSD by
-construction (v_i >= 0, D_i a Gram matrix), so the official eigenvalue clipping for a non-PSD P (and its
-"no solution: keep the local head" fallback) never applies and is omitted.
-
-Options (official ``options.py`` defaults): ``lam`` = 1.0, ``head_epochs`` = 1, ``combine_heads`` = True
-(``agg_g = 1``), ``qp_iters`` = 1000 (ours). Per client: its head (params and any head BN statistics). Server:
-the body, the global prototypes [C, d] and their class counts [C] (count 0: absent).
-
-Deviations: the official local optimiser is hard-coded (SGD momentum 0.5, weight decay 5e-4, head lr 0.1, body lr
-``--lr``); here both phases use the configured client optimizer (fresh each phase), as FedRep here does. The
-official post-training prototypes are taken in train mode (no difference for its BN-free CNN); here in eval mode,
-so they do not move BN statistics. A head with BN (jaxfl's MLPHead with hidden layers) has its statistics
-combined with the same alpha as its parameters.
-Official code read: JianXu95/FedPAC (commit 5770f4f), methods/fedpac.py, running.py (``train_round_fedpac``),
-tools.py (``protos_aggregation``, ``get_head_agg_weight``, ``agg_classifier_weighted_p``), options.py.
+Deviations:
+- The QP is ``simplex_qp``, a pure, vmapped FISTA solver (step 1 / (2 lambda_max), ``qp_iters`` iterations,
+  Duchi et al.'s sort-based simplex projection) instead of cvxpy per client; P is PSD by construction (v_i >= 0,
+  D_i a Gram matrix), so the official eigenvalue clipping and its "keep the local head" fallback are omitted.
+- The official local optimiser is hard-coded (SGD momentum 0.5, weight decay 5e-4, head lr 0.1, body lr
+  ``--lr``); here both phases use the configured client optimizer (fresh each phase), as FedRep here does.
+- Post-training prototypes in eval mode (official: train mode; no difference for its BN-free CNN), so they do
+  not move BN statistics. A head with BN has its statistics combined with the same alpha as its parameters.
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 The encoder (the body: every leaf under ``encoder``, BatchNorm included unless ``local_bn``) is averaged
 with sample weights; the head (every leaf under ``head``) never leaves its client. Local training updates
 both, jointly, with CE.
+
+Deviations: none known.
 """
 from __future__ import annotations
 

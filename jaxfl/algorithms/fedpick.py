@@ -12,6 +12,8 @@ default does, over batch x classes: the paper's lam_dis = 10 was tuned so, and w
 collapses training). Prediction: argmax(a_g + a_p) (ensemble) or a_g (``no_ensemble``). The
 server averages, weighted by sample counts, the encoder and the global head without BatchNorm; BN (params
 and statistics) and the PFSM stay on the client. ``use_pfsm=False`` is exactly FedBN.
+
+Deviations: none known.
 """
 from __future__ import annotations
 

@@ -2,8 +2,10 @@
 
     L_i(w) = CE_i(w) + mu/2 ||w - w^t||^2,   w^t = the global model the client received.
 
-Aggregation is FedAvg's (every leaf, sample weights). mu = 0 is exactly FedAvg. FedPick's comparison uses
-mu = 0.01.
+Aggregation is FedAvg's (every leaf, sample weights). mu = 0 is exactly FedAvg. The default mu = 0.01 is
+FedPick's comparison's.
+
+Deviations: none known.
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ Each round a client first trains only its head for ``head_epochs`` epochs (body 
 for the trainer's ``epochs`` (head frozen); the body (``encoder``) is averaged with sample weights, the head
 never leaves the client. FedPick's comparison: 4 head epochs + 1 body epoch. BatchNorm statistics are
 updated by every forward pass in training mode, as in PyTorch.
+
+Deviations: none known.
 """
 from __future__ import annotations
 

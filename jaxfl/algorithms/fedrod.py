@@ -5,33 +5,24 @@ On every batch of client i, with r = the body's representation of x (training mo
 logits on r, p = P_i r + b_i the personal head's logits and n_{i,c} the number of the client's training samples
 of class c (counted inside jit from ``data.y`` and ``data.count``: padded rows never count):
 
-    L_G(body, head) = CE(g + log n_i, y)                       balanced softmax (BSM): the logits shifted by the
-                                                               log of the client's class prior (log 0 = -inf)
+    L_G(body, head) = CE(g + log n_i, y)             balanced softmax (BSM): logits shifted by the log of the
+                                                     client's class prior (log 0 = -inf)
     L_P(P_i, b_i)   = CE(stopgrad(g) + P_i stopgrad(r) + b_i, y)
-    predict(x)      = g(x) + p(x)                              (evaluation mode; no prior shift)
+    predict(x)      = g(x) + p(x)                    (evaluation mode; no prior shift)
 
-Both losses are batch means over the real samples. L_P sends no gradient into the body or the generic head
-(FedTP spec item 16): the two updates of a step use the same forward pass, as the reference code steps the
-body's optimizer on L_G, then the personal head's on L_P with r and g detached. Body + generic head take the
-run's client optimizer; the personal head plain SGD with ``head_lr`` (reference: ``optim.SGD(p_head, lr=lr)``,
-no momentum, no weight decay, at the client lr 0.01 of FedTP's scripts). The server averages the body, the
-generic head and every BatchNorm statistic with sample weights (the reference averages the network's whole
-state dict); the personal head (``{"phead": {"kernel", "bias"}}``) never leaves its client. Every
-client's personal head starts from the same PyTorch-default (uniform) init, drawn from fold_in(init key, 1).
+Both losses are batch means over the real samples. L_P sends no gradient into the body or the generic head:
+the two updates of a step use the same forward pass (body's optimizer on L_G, then the personal head's on L_P
+with r and g detached). Body + generic head take the run's client optimizer; the personal head plain SGD with
+``head_lr`` (0.01; no momentum, no weight decay). The server averages the body, the generic head and every
+BatchNorm statistic with sample weights; the personal head (``{"phead": {"kernel", "bias"}}``) never leaves its
+client. Every client's personal head starts from the same PyTorch-default (uniform) init, drawn from
+fold_in(init key, 1). Representation r (``representation="penultimate"``, default): the input of the head's
+last Dense (the last hidden ReLU of an ``MLPHead`` with hidden layers; the encoder output z for a linear head,
+e.g. the ViTs and ResNets, where it equals ``"features"``: z = ``model.apply(v, x, method="features")``).
 
-Representation r (``representation``): the reference code applies the personal head to ``produce_feature(x)``,
-the input of the generic head's last linear layer (CNN: the 84-d input of ``fc3``; ViT: the CLS feature that
-enters ``mlp_head``). ``"penultimate"`` (default) is that: the input of our head's last Dense (the last hidden
-ReLU of an ``MLPHead`` with hidden layers, the encoder output z for a linear head, e.g. the ViTs and ResNets,
-where it equals ``"features"``: z = ``model.apply(v, x, method="features")``).
-
-Sources: the official repository github.com/hongyouc/Fed-RoD @ b5050f43026ac6b203eb615248aeab0a0f43bd58 holds
-a README only (no code), so the behaviour follows the implementation FedTP's paper ran (its FedRoD baseline and
-FedTP+FedRoD), github.com/zhyczy/FedTP @ 3cca0d7f57c09800faab85ff443459bd2df37589: ``methods/method.py``
-(``balanced_softmax_loss``, ``train_net_fedRod``), ``main.py`` (the ``fedRod`` round loop: linear personal
-heads ``nn.Linear(dim, C)``, FedAvg of the network's state dict), ``utils.py`` (``compute_accuracy_fedRod``:
-prediction g + p). Not implemented: the paper's hypernetwork personal head (FedTP uses the linear version) and
-BSM's exponent gamma on the counts (1 here, as in FedTP's code).
+Deviations:
+- The paper's hypernetwork personal head is not implemented (the linear version, as FedTP's code runs it).
+- BSM's exponent gamma on the counts is 1 (as in FedTP's code).
 """
 from __future__ import annotations
 

@@ -4,19 +4,24 @@ Each client holds the full model and a bool mask of the same shape (True = perso
 Local training is LocalAlt: ``la_epochs`` times, one pass updating only the personal entries
 (theta -= lr g * m) and one pass updating only the global ones (theta -= lr g * (1 - m)). In rounds r with
 r % K == 0 and r > 0 (``grow_every`` = K), per maskable tensor W (kernels and BatchNorm scales; biases are
-global unless ``mask_biases``): if frac_personal(W) <= alpha, the top ``rate`` fraction of the still-global entries by
-|W_now - W_ref| become personal (``ops.masks.grow_mask``; ``grow_rate`` = p); W_ref is the client's parameters at its previous
-mask update (``delta_ref="snapshot"``, the official code) or at the start of the round ("round_start", the
-paper). Personal entries never revert.
+global unless ``mask_biases``): if frac_personal(W) <= alpha, the top ``rate`` fraction of the still-global
+entries by |W_now - W_ref| become personal (``ops.masks.grow_mask``; ``grow_rate`` = p); W_ref is the client's
+parameters at its previous mask update (``delta_ref="snapshot"``) or at the start of the round
+(``"round_start"``). Personal entries never revert.
 
 The server averages each entry over the clients for which it is global, unweighted (``weight_by_n`` for
 sample weights), with the mask the client trained with (a newly promoted entry takes the average one last
 time), and writes the average into those clients' global entries; personal entries are never read. BN
-statistics stay local (the official code), unless ``aggregate_batch_stats``, which replaces every client's
-with the weighted mean sum_i w_i s_i / sum_i w_i. The run's last round (``RoundInfo.is_last``) aggregates
-nothing, so the final evaluation sees the personalized models right after local training, as the paper
-reports them. Evaluation after earlier rounds
-sees the models after the broadcast (the official code logs them before it).
+statistics stay local, unless ``aggregate_batch_stats``, which replaces every client's with the weighted mean
+sum_i w_i s_i / sum_i w_i. The run's last round (``RoundInfo.is_last``) aggregates nothing, so the final
+evaluation sees the personalized models right after local training, as the paper reports them. Evaluation
+after earlier rounds sees the models after the broadcast.
+
+Deviations:
+- ``delta_ref="snapshot"`` (default) is the official code's reference point; the paper's is the round start
+  (``"round_start"``).
+- Evaluation after rounds other than the last sees the models after the broadcast; the official code logs
+  them before it.
 """
 from __future__ import annotations
 

@@ -7,28 +7,22 @@ z = mu + sigma * eps, eps ~ N(0, I) (reparameterised), and the model's head maps
     L = CE(head(z), y) + alpha_L2R * mean_b ||z_b||_2 + alpha_CMI * mean_b KL(N(c mu_b, (c sigma_b)^2) || r(.|y_b)),
 
 r(z|y) = N(r_mu[y], softplus(r_sigma[y])^2) a per-class diagonal Gaussian and c a learnt scalar
-(``losses.gaussian_cmi_bound``). The L2 term is the norm of the sample z (official ``z.norm(dim=1).mean()``, not
-its square). The server averages the encoder, the linear layer, the head and the BN statistics with the engine's
-sample weights (FedAvg). r_mu (init 0), r_sigma (init 1, before the softplus) and c (init 1) are parameters of
-the client that are trained with the same optimizer but never communicated: the official ``communicate`` averages
-only ``self.model`` (encoder + classifier), and the reference distributions live outside it. Here they are the
-client's persistent state.
+(``losses.gaussian_cmi_bound``). The L2 term is the norm of the sample z, not its square. The server averages
+the encoder, the linear layer, the head and the BN statistics with the engine's sample weights (FedAvg). r_mu
+(init 0), r_sigma (init 1, before the softplus) and c (init 1) are the client's persistent state, trained with
+the same optimizer but never communicated (as in the official code). Prediction: the mean of softmax(head(z_s))
+over ``eval_samples`` draws z_s = mu + sigma * eps_s, returned as its log (``eval_samples`` = 0: the head on the
+mean mu), from a fixed key (PRNGKey(0)), so an evaluation is a deterministic Monte-Carlo estimate; the clients
+predict with the global model (the reference distributions do not enter prediction). Defaults: alpha_L2R =
+0.01, alpha_CMI = 0.001 (DapperFL's Table 4), z_dim = the encoder's width d, eval_samples = 20. The linear layer
+is initialised as torch's ``nn.Linear`` (uniform on +-1/sqrt(d)).
 
-Prediction (official ``forward`` in eval mode): the mean of softmax(head(z_s)) over ``eval_samples`` draws
-z_s = mu + sigma * eps_s, returned as its log (``eval_samples`` = 0: the head on the mean mu). The draws come
-from a fixed key (PRNGKey(0)), so an evaluation is a deterministic Monte-Carlo estimate; the clients predict
-with the global model (the reference distributions do not enter prediction).
-
-Defaults: alpha_L2R = 0.01, alpha_CMI = 0.001 (DapperFL's Table 4, the table FedSR is a row of here; the
-official code's default alpha_CMI is 5e-4, pass ``--fedsr.cmi 5e-4``); z_dim = the encoder's width d
-(official: 512 on ResNet-18, whose width is 512); eval_samples = 20 (official ``--num_samples``). The linear
-layer is initialised as torch's ``nn.Linear`` (uniform on +-1/sqrt(d)).
-
-Deviations: the official optimizer persists across rounds (momentum buffers); jaxfl's starts fresh each round,
-as for every method here. The official server averages without weights (a mean over clients) and trains on
-pretrained ResNets; here the engine's weights and any jaxfl model. The logged negative-entropy diagnostic of the
-official loop is not computed (it does not enter the objective).
-Official code read: github.com/atuannguyen/FedSR (src/methods/FedSR.py, src/methods/base.py, src/argument.py).
+Deviations:
+- The official optimizer persists across rounds (momentum buffers); jaxfl's starts fresh each round.
+- The official server averages without weights (a mean over clients) and trains on pretrained ResNets; here
+  the engine's weights and any jaxfl model.
+- The default alpha_CMI is DapperFL's 1e-3; the official code's default is 5e-4.
+- The logged negative-entropy diagnostic of the official loop is not computed (not in the objective).
 """
 from __future__ import annotations
 

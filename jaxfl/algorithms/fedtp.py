@@ -4,7 +4,7 @@ Shared xi: every ViT parameter but the W_qkv of each block (patch embedding, CLS
 attention output projections, feed-forward, head), averaged over the round's clients with sample weights.
 Personal W = {W_qkv^l} [depth, D, 3 heads dim_head]:
 
-- ``fedtp_variant="hypernet"`` (learn-to-personalize): the server holds a hypernetwork h(phi; z) and a client
+- ``variant="hypernet"`` (learn-to-personalize): the server holds a hypernetwork h(phi; z) and a client
   embedding table Z [N, E]. Client i receives W_i^0 = h(phi; Z[i]) and trains (xi, W) locally; the server
   then takes one optimizer step on (phi, Z) along
 
@@ -14,11 +14,13 @@ Personal W = {W_qkv^l} [depth, D, 3 heads dim_head]:
   0.5 sum_i p_i ||h(phi; z_i) - W_i^K||^2). Rows of Z of unsampled clients get zero gradient (weight decay and
   momentum still act on the whole table, as the code's optimizer does). The hypernetwork exists once, on the
   server.
-- ``fedtp_variant="vanilla"``: each client keeps its own W (its state row) and trains it locally;
+- ``variant="vanilla"``: each client keeps its own W (its state row) and trains it locally;
   ``personalize=False`` averages W too, which is FedAvg on the same ViT.
 
 The server state holds xi as "params". A client's row of Z is its id (``RoundInfo.client_id``); clients keep
 nothing between rounds, except their W under ``vanilla``.
+
+Deviations: none known.
 """
 from __future__ import annotations
 

@@ -6,29 +6,25 @@ Client i receives the global model and, once the server has prototypes, trains o
     L = CE(g(z), y) + mean_b l_b,      l_b = InfoNCE over cluster prototypes + MSE to the unbiased prototype
                                        (``losses.prototype_contrastive_loss``, temperature tau),
 
-z = f(x) the encoder's output (the official ``net.features``), positives the cluster prototypes of the sample's
-class, negatives those of every other class, and l_b = 0 for a sample whose class has no prototype (the official
-loss divides by the batch size, those samples included). After training it uploads its local prototypes, the
-mean z of each class it holds. The server averages the model (FedAvg, the engine's sample weights) and, per
-class, clusters the cohort's local prototypes with FINCH (cosine, its last partition: ``aggregation.
-finch_partition``), keeps each cluster's mean as a cluster prototype and their plain mean as the class's
-unbiased prototype (``aggregation.cluster_prototypes``). Round 0 has no prototypes: CE only.
+z = f(x) the encoder's output, positives the cluster prototypes of the sample's class, negatives those of every
+other class, and l_b = 0 for a sample whose class has no prototype (the mean divides by the batch size, those
+samples included). After training it uploads its local prototypes, the mean z of each class it holds. The
+server averages the model (FedAvg, the engine's sample weights) and, per class, clusters the cohort's local
+prototypes with FINCH (cosine, its last partition: ``aggregation.finch_partition``), keeps each cluster's mean
+as a cluster prototype and their plain mean as the class's unbiased prototype
+(``aggregation.cluster_prototypes``). Round 0 has no prototypes: CE only.
 
 State: the server holds the model and the prototypes of the last round ([C, max_clusters, D] with validity
-masks, and [C, D]); a client keeps nothing (the official ``local_protos`` are overwritten by every round a
-client takes part in and only this round's cohort's are clustered).
+masks, and [C, D]); a client keeps nothing (only this round's cohort's prototypes are clustered). Defaults:
+tau = 0.02; max_clusters = 32 slots per class: FINCH's last partition has at most K/2 clusters for a cohort of
+K >= 2 clients, so cohorts of up to 64 clients never lose a cluster; beyond, the most populous are kept.
 
-Defaults: tau = 0.02 (official ``infoNCET``, DapperFL's Table 4). max_clusters = 32 slots per class: FINCH's last
-partition has at most K/2 clusters for a cohort of K >= 2 clients, so cohorts of up to 64 clients never lose a
-cluster; beyond, the most populous clusters are kept. The official optimizer (SGD, momentum 0.9, weight decay
-1e-5) is the run's client optimizer here.
-
-Deviations: the official local prototypes are the means of the training-mode features of the last local
-epoch's batches, taken while the model still moves; here they are the trained model's evaluation-mode features
-over the client's real samples (``fedpac.class_feature_sums``), so they do not depend on batch order and do not
-move BN statistics. FINCH runs in JAX (fixed shapes, checked against a NumPy/SciPy FINCH in the tests), not with
-sklearn/scipy on the host.
-Official code read: github.com/WenkeHuang/RethinkFL (models/fpl.py, utils/finch.py, utils/best_args.py).
+Deviations:
+- The official local prototypes are the means of the training-mode features of the last local epoch's batches,
+  taken while the model still moves; here the trained model's evaluation-mode features over the client's real
+  samples (``fedpac.class_feature_sums``): independent of batch order, and they do not move BN statistics.
+- FINCH runs in JAX (fixed shapes), not with sklearn/scipy on the host.
+- The official optimizer (SGD, momentum 0.9, weight decay 1e-5) is the run's client optimizer here.
 """
 from __future__ import annotations
 

@@ -1,39 +1,30 @@
 """HeteroFL (Diao, Ding & Tarokh, ICLR 2021): width-scaled sub-models of one global model, aggregated per entry.
 
-Official code read: github.com/diaoenmao/HeteroFL-Computation-and-Communication-Efficient-Federated-Learning-for-
-Heterogeneous-Clients @ cc40f3e, ``src/fed.py`` (``split_model`` / ``distribute`` / ``combine``),
-``src/models/conv.py`` and ``resnet.py`` (``Scaler``, BatchNorm with ``track_running_stats=False``),
-``src/train_classifier_fed.py`` (``stats``: static BatchNorm), ``src/config.yml`` (``scale: 1``, ``mask: 1``).
-
-Client i has a device level rho_i = ``device_ratios[i mod L]`` (DapperFL's levels, ``_submodel.DEVICE_RATIOS``) and
-trains the sub-model of width rate r_i = 1 - rho_i: in every conv / dense layer with C outputs it keeps the first
-ceil(r_i C) output units; a layer's inputs are its producer's kept units (the image channels and the classes are
-never cut). The sub-model is the full model times a 0/1 mask M_i per entry (``width_masks``), so every client
-trains in one jit: the loss is evaluated at w * M_i (gradients of cut entries are 0). The server averages each
-entry over the clients whose sub-model holds it (``aggregation.masked_mean``):
+Client i has a device level rho_i = ``device_ratios[i mod L]`` (default DapperFL's levels 0, 0.2, ..., 0.8,
+``_submodel.DEVICE_RATIOS``) and trains the sub-model of width rate r_i = 1 - rho_i: in every conv / dense layer
+with C outputs it keeps the first ceil(r_i C) output units; a layer's inputs are its producer's kept units (the
+image channels and the classes are never cut). The sub-model is the full model times a 0/1 mask M_i per entry
+(``width_masks``), so every client trains in one jit: the loss is evaluated at w * M_i (gradients of cut entries
+are 0). The server averages each entry over the clients whose sub-model holds it (``aggregation.masked_mean``):
 
     W[e] <- sum_i c_i M_i[e] w_i[e] / sum_i c_i M_i[e]   (W[e] unchanged when no client holds e)
 
-with c_i = 1 (``uniform``, the official ``combine``: a count mean) or the engine's client weights.
-
-- Scaler (``scale``): during training a hidden layer's output is divided by r_i (``Scaler``; identity in
-  evaluation). It is applied to the kernels and biases of hidden layers that feed no BatchNorm; a layer followed
-  by a BatchNorm is left unscaled, since BatchNorm cancels the factor in the training forward (up to eps) and
-  the factor would only bias the running statistics averaged below.
-- Label masking (``label_mask``, official ``mask: 1``): the logits of classes absent from a client's training
-  data are set to 0 in its loss, and it does not contribute to those classes' rows of the output layer.
-- BatchNorm statistics: the official code keeps none during training (``track_running_stats=False``) and, for
-  evaluation, recomputes them with the global model in one pass over all training data (static BN, "sBN").
-  A server here never sees data, so instead each client tracks running statistics of its sub-model's channels
-  (momentum 0.1) and the server averages every channel's statistics over the clients that hold it, as the
-  parameters (DEVIATION, documented; cut channels' statistics are never averaged in).
+with c_i = 1 (``uniform`` = True, a count mean) or the engine's client weights.
+- Scaler (``scale`` = True): in training a hidden layer's output is divided by r_i (identity in evaluation),
+  applied to the kernels and biases of hidden layers that feed no BatchNorm.
+- Label masking (``label_mask`` = True): the logits of classes absent from a client's training data are set
+  to 0 in its loss, and it does not contribute to those classes' rows of the output layer.
 - Per client state: none (the width follows from the client id); server: the global model. Evaluation uses the
-  global (full-width) model; ``predict_trained`` a client's own sub-model.
+  global (full-width) model; ``predict_trained`` a client's own sub-model. With all ratios 0 and label masking
+  off it is FedAvg. The sub-model machinery, shared with FedDrop, FedMP and NeFL, is in ``_submodel.py``.
 
-Options: ``device_ratios`` (0, 0.2, 0.4, 0.6, 0.8) (DapperFL levels; rates 1 ... 0.2), ``uniform`` True,
-``scale`` True, ``label_mask`` True (official defaults). With all ratios 0 and label masking off it is FedAvg.
-
-The sub-model machinery it shares with FedDrop, FedMP and NeFL is in ``_submodel.py``.
+Deviations:
+- BatchNorm: the official code keeps no running statistics in training and recomputes them for evaluation with
+  the global model over all training data (static BN, "sBN"). A server here never sees data, so each client
+  tracks running statistics of its sub-model's channels (momentum 0.1) and the server averages every channel's
+  statistics over the clients that hold it, as the parameters (cut channels' statistics are never averaged in).
+- A layer followed by a BatchNorm is left unscaled by the Scaler: BatchNorm cancels the factor in the training
+  forward (up to eps) and the factor would only bias the running statistics averaged above.
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 Every leaf under ``encoder`` stays on its client; every leaf under ``head`` is averaged with sample
 weights. The first ``warmup_rounds`` rounds average everything (full FedAvg), as FedPick's comparison does
 on Office and DomainNet (20 rounds); each client then continues from the averaged encoder.
+
+Deviations: none known.
 """
 from __future__ import annotations
 

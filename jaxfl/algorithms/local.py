@@ -1,4 +1,9 @@
-"""Local training (SingleSet): every client trains its own model on its own data; nothing is shared."""
+"""Local training (SingleSet): every client trains its own model on its own data; nothing is shared.
+
+    w_i^{t+1} = SGD_E(w_i^t; D_i)   for every client i; the server aggregates nothing.
+
+Deviations: none known.
+"""
 from __future__ import annotations
 
 import dataclasses

@@ -2,43 +2,30 @@
 
 Client i receives the global model w^t and trains w on batches of its data with
 
-    L = CE(w; x, y) + mu * l_con,
-    l_con = -log( exp(sim(z, z_glob)/tau) / (exp(sim(z, z_glob)/tau) + exp(sim(z, z_prev)/tau)) )
-          = logaddexp(s_glob, s_prev) - s_glob,      s_. = sim(z, z_.) / tau,
+    L = CE(w; x, y) + mu * l_con * [round > 0],
+    l_con = -log( exp(s_glob) / (exp(s_glob) + exp(s_prev)) ) = logaddexp(s_glob, s_prev) - s_glob,
+    s_. = sim(z, z_.) / tau,
 
-where z = R_w(x) is the representation of the model being trained (training mode), z_glob = R_{w^t}(x) of the
-received global model and z_prev = R_{w_i^{t-1}}(x) of the client's own previous local model (both frozen:
-stop-gradient, evaluation mode, as the official code calls ``.eval()`` on them and sets requires_grad=False),
-sim the cosine similarity (``x / max(||x||, 1e-8)``, PyTorch's CosineSimilarity eps). Both terms are means over
-the real samples of a batch: padded samples (w = 0) enter neither the CE, nor l_con, nor a BatchNorm statistic.
-The server averages every parameter and BatchNorm statistic with sample weights (FedAvg); the global model is
-what MOON predicts with (``predict``; ``predict_trained``: the client's local model).
+z = R_w(x) the representation of the model being trained (training mode), z_glob = R_{w^t}(x) of the received
+global model, z_prev = R_{w_i^{t-1}}(x) of the client's own previous local model (both frozen: stop-gradient,
+evaluation mode), sim the cosine similarity (``x / max(||x||, 1e-8)``). Both terms are means over the real
+samples of a batch: padded samples (w = 0) enter neither the CE, nor l_con, nor a BatchNorm statistic. In round
+0 the pool of previous models is empty, so l_con = 0. The previous model is the one the client trained the last
+time it took part (never trained: the initial network), kept as its persistent state ``{"prev": variables}``
+(params + BatchNorm statistics). The server averages every parameter and BatchNorm statistic with sample
+weights (FedAvg); ``predict`` uses the global model, ``predict_trained`` the client's local model.
+R_w (``representation``): ``"penultimate"`` (default; the paper's "network before the output layer") is the
+input of the head's last Dense (the last hidden ReLU of an MLP head; the encoder output z for a linear head,
+e.g. every ResNet/ViT/FedAvg-CNN model here); ``"features"`` the encoder output z = ``model.apply(v, x,
+method="features")``. Defaults: mu = 1, tau = 0.5; preset ``cifar10``: mu = 5 (the MOON paper's CIFAR-10 value).
 
-Representation R_w (``representation``): the official model (``ModelFedCon``) is base encoder -> projection
-head (Linear-ReLU-Linear) -> output layer ``l3``, and the contrastive term uses the projection output, i.e. the
-input of the output layer; the paper defines R_w as "the network before the output layer". Our models are
-``Classifier``s whose head is an ``MLPHead``; ``"penultimate"`` (default) matches the paper/official choice:
-the input of the head's last Dense (the last hidden ReLU of an MLP head, the encoder output z for a linear
-head: every ResNet/ViT/FedAvg-CNN model here, where both choices coincide). ``"features"`` uses the encoder
-output z = ``model.apply(v, x, method="features")``. We add no projection head of our own (the models are
-shared with the other baselines); with an MLP head its hidden layers play that role.
-
-Previous model and the first round (official ``main.py``): the pool of previous models (``model_buffer_size``,
-default 1) is empty during round 0 (the ``load_first_net`` branch builds copies but never appends them), so the
-contrastive logits have the positive column only and l_con = 0 exactly: here l_con is multiplied by
-[round > 0]. After every round the pool is refilled with every client's current local network, i.e. the model
-it trained the last time it took part (a client that has never trained: its initial network). We keep that
-model (params + BatchNorm statistics) as the client's persistent state ``{"prev": variables}``; every client
-starts from the initial global model (the official code gives each party its own random init, jaxfl starts all
-clients from the same state). Pool size 1 only (the official default; larger FIFO pools add negatives).
-
-Defaults: mu = 1, tau = 0.5 (official ``main.py`` argparse defaults; DapperFL's Table 4 uses the same), preset
-``cifar10``: mu = 5 (the MOON paper's CIFAR-10 value, the official README's example command). DapperFL's code
-``best_args.py`` uses mu = 5 (pass ``--moon.mu 5``). The official optimizer (SGD momentum 0.9, weight decay
-1e-5) is the run's client optimizer here, as in the seed papers' comparisons.
-
-Official code read: github.com/QinbinLi/MOON @ 8fcba3c4efc9a47eb24687a91ba94cfb2005103f, ``main.py``
-(``train_net_fedcon``, the ``moon`` branch of the round loop), ``model.py`` (``ModelFedCon``).
+Deviations:
+- No projection head of our own (the models are shared with the other baselines); with an MLP head its hidden
+  layers play that role (the official ``ModelFedCon`` has a Linear-ReLU-Linear projection head).
+- Every client starts from the same initial global state (the official code gives each party its own random
+  init).
+- Pool size 1 only (the official default; larger FIFO pools add negatives).
+- The official optimizer (SGD momentum 0.9, weight decay 1e-5) is the run's client optimizer here.
 """
 from __future__ import annotations
 

@@ -2,30 +2,26 @@
 scaling (NeFL-W) as DapperFL's comparison configures it: nested width-scaled submodels whose consistent
 parameters are shared and averaged per entry, and inconsistent parameters (BatchNorm) kept per submodel.
 
-Official code read: github.com/honggkang/nested-federated-learning @ 7a96913, ``utils/NeFedAvg.py``
-(``NeFedAvg``), ``NeFL-pre-resnet.py`` (submodel construction, consistent / BN / step-size key split),
-``models/resnet_template.py`` (``ResNet_WD``: widths ceil(64 p), ...); hyperparameters from the DapperFL repository
-(github.com/jyzgh/DapperFL @ d02b3b2, ``utils/best_args.py``: ``'nefl': {'ps': [0.04, 0.16, 0.36, 0.64, 1],
-'method': 'W', 'learnable_step': 1, 'num_models': 5}``).
-
 Submodels: k = 0..K-1 with model size ps[k]; width-only scaling keeps the first ceil(sqrt(ps[k]) C) units of
-every layer (NeFL's code: "only width -> param. size" = width^2), so the defaults are widths 0.2 ... 1. Client i
-with device level rho_i = ``device_ratios[i mod L]`` trains the largest submodel of width <= 1 - rho_i (the
-defaults pair DapperFL's levels 0, 0.2, ..., 0.8 with submodels 4, 3, ..., 0).
+every layer (parameter size = width^2), so the defaults are widths 0.2 ... 1. Client i with device level
+rho_i = ``device_ratios[i mod L]`` trains the largest submodel of width <= 1 - rho_i (the defaults pair
+DapperFL's levels 0, 0.2, ..., 0.8 with submodels 4, 3, ..., 0).
 
 - Consistent parameters (conv / dense kernels and biases): nested per-entry average over the clients whose
-  submodel holds the entry, each client weighing 1 (``NeFedAvg``'s 1 / acc_num; ``uniform``), entries no
-  client trained keep W (``aggregation.masked_mean``).
+  submodel holds the entry, each client weighing 1 (1 / acc_num; ``uniform``), entries no client trained keep
+  W (``aggregation.masked_mean``).
 - Inconsistent parameters: every BatchNorm (scale, bias and running statistics) exists once per submodel on the
   server (table [K, ...]); a client starts from its submodel's copy and the copy is averaged over that
   submodel's clients only (1 / b_k); a submodel nobody trained keeps its copy. The global model (evaluation)
   uses the largest submodel's BatchNorm.
-- Learnable step sizes (NeFL's per-block residual scalars, ``learnable_step``) are not modelled: jaxfl's ResNet
-  has no such parameter (DEVIATION; they are inconsistent per-submodel scalars initialised to 1).
 - Per client: nothing; server: the global model and the K BatchNorm copies.
 
 Options: ``ps`` (0.04, 0.16, 0.36, 0.64, 1), ``device_ratios`` (0, 0.2, 0.4, 0.6, 0.8), ``uniform`` True.
 With one submodel of size 1 (or all clients at rho 0) it is FedAvg with BatchNorm shared.
+
+Deviations:
+- Learnable step sizes (NeFL's per-block residual scalars, ``learnable_step``, inconsistent per-submodel scalars
+  initialised to 1) are not modelled: jaxfl's ResNet has no such parameter.
 """
 from __future__ import annotations
 

@@ -1,36 +1,32 @@
 """pFedGP (Achituve, Shamsian, Navon, Chechik, Fetaya, NeurIPS 2021): a shared network, personal GP classifiers.
 
-Every client classifies the shared network's embeddings z = f(x) (the model's encoder output; the head is not
-used) with a tree of binary Gaussian-process classifiers built on its own training set, as the official
-``pFedGPFull`` learner (pFedGP/tree.py, pFedGP_full_data.py, the "full" variant):
-
-- Tree: the root holds the client's classes; a node with more than two classes splits them in two by 2-means
-  on the class means of z (official: sklearn KMeans, 50 restarts; here the exact 2-means optimum by enumerating
-  every split for C <= 12 classes, Lloyd's iterations from the two farthest means beyond), two classes go one
-  to each side, and a side with two or more classes becomes a child node. Every node is a binary GP
-  (``jaxfl.gp``: RBF kernel on L2-normalised embeddings, outputscale 8, lengthscale 1, zero mean, Polya-Gamma
-  Gibbs sampling). The tree is rebuilt from the current network whenever the client trains or predicts.
-- Local objective (official ``predictive_likelihood``): per node, the node's samples are split per class at
-  random, ``predict_ratio`` = 1/2 of each class to be predicted, the rest to condition on; Gibbs sampling
-  (5 sweeps, 20 chains) on the conditioning half gives omega (held fixed), and the loss is the CE of the
-  predicted half, p(left) = mean over chains of exp(E[log sigma(f*)]); the losses of the nodes are summed.
-  ``inner_steps`` (official 1) full-batch steps per round (the whole training set is one batch), gradients
-  clipped to global norm 50 (official ``clip_grad_norm_``), with the run's client optimizer (official: SGD,
-  lr 0.05, momentum 0.9, weight decay 1e-3; the weight decay is this method's preset, lr and momentum the run's).
-- Server: the network is averaged (FedAvg with the engine's weights; the official code takes a plain mean).
-- Prediction (``prepare_predict``, official ``eval_model``): the tree is built from the client's whole training
-  set under the current network, each node's Gibbs chains (5 sweeps, 30 chains) condition on all the node's
-  training points, and class c's probability is the product along its path of p(left) or 1 - p(left); the
-  classes the client does not hold get probability 0 (the official labels live in the client's own label
-  space). ``predict`` returns log-probabilities.
-
+Every client classifies the shared network's embeddings z = f(x) (the encoder output; the head is unused) with a
+tree of binary Gaussian-process classifiers built on its own training set (the "full" variant):
+- Tree: the root holds the client's classes; a node with more than two classes splits them in two by 2-means on
+  the class means of z (the exact optimum by enumerating every split for C <= 12 classes, Lloyd's iterations
+  from the two farthest means beyond); two classes go one to each side, a side with two or more classes
+  becomes a child node. Every node is a binary GP (``jaxfl.gp``: RBF kernel on L2-normalised embeddings,
+  outputscale 8, lengthscale 1, zero mean, Polya-Gamma Gibbs sampling). The tree is rebuilt from the current
+  network whenever the client trains or predicts.
+- Local objective: per node, the samples are split per class at random, ``predict_ratio`` = 1/2 of each class
+  to predict, the rest to condition on; Gibbs sampling (5 sweeps, 20 chains) on the conditioning half gives
+  omega (held fixed); the loss is the CE of the predicted half, p(left) = mean over chains of exp(E[log
+  sigma(f*)]), summed over nodes. ``inner_steps`` (1) full-batch steps per round, gradients clipped to global
+  norm 50, with the run's client optimizer (this method's preset: weight decay 1e-3).
+- Server: the network is averaged (FedAvg with the engine's weights).
+- Prediction (``prepare_predict``): the tree is built from the client's whole training set under the current
+  network, each node's chains (5 sweeps, 30 chains) condition on all its training points, and class c's
+  probability is the product along its path of p(left) or 1 - p(left); classes the client does not hold get
+  probability 0. ``predict`` returns log-probabilities.
 State: the server holds the network; a client keeps nothing (the GPs are rebuilt from its data every time).
 
-Deviations: each node's GP is computed over the client's whole (padded) sample set with masks, so that every
-client and node has the same static shapes; the masked points change nothing (tests), but a node costs as much
-as the root. The Polya-Gamma draws use a 200-term series with its exact mean for the tail (official: the
-pypolyagamma sampler). The tree's 2-means is exact (C <= 12) where the official KMeans is a 50-restart search.
-Official code read: github.com/IdanAchituve/pFedGP (pFedGP/, experiments/heterogeneous_class_dist/trainer.py).
+Deviations:
+- Each node's GP is computed over the client's whole (padded) sample set with masks (the same static shapes
+  for every client and node); masked points change nothing, but a node costs as much as the root.
+- Polya-Gamma draws: a 200-term series with its exact mean for the tail (official: pypolyagamma).
+- The tree's 2-means is exact (C <= 12) where the official KMeans is a 50-restart search.
+- The network average uses the engine's weights (official: a plain mean); lr and momentum are the run's
+  (official: SGD lr 0.05, momentum 0.9, weight decay 1e-3).
 """
 from __future__ import annotations
 

@@ -1,51 +1,33 @@
 """pFedHN (Shamsian, Navon, Fetaya, Chechik, ICML 2021): a server hypernetwork generates each client's whole model.
 
-The server holds a hypernetwork h(phi; v) and a client embedding table V [N, E]. Each round, client i of the
-cohort receives theta_i^0 = h(phi; V[i]), ALL of the target network's parameters (BatchNorm scale/bias included),
-trains them for K steps, and returns theta_i^K; the server then takes one optimizer step on (phi, V) along
+The server holds a hypernetwork h(phi; v) and a client embedding table V [N, E]; client i of the cohort receives
+theta_i^0 = h(phi; V[i]), ALL the target network's parameters (BatchNorm scale/bias included), trains them for K
+steps and returns theta_i^K; the server takes one optimizer step on (phi, V) along (``hypernet.hypernet_grads``)
 
     g_phi, g_V = VJP of (phi, V) -> [h(phi; V[i])]_{i in cohort} with cotangent p_i (theta_i^0 - theta_i^K),
 
-p_i = n_i / sum_j n_j (the official code runs one client per step, p = 1; FedTP's re-implementation weights a
-cohort this way) (``hypernet.hypernet_grads``: the official sign, gradient descent on
-0.5 sum_i p_i ||h(phi; v_i) - theta_i^K||^2). Rows of V of clients not in the cohort get zero gradient
-(weight decay and momentum still act on the whole table, as torch's SGD does on the embedding parameter).
+p_i = n_i / sum_j n_j: gradient descent on 0.5 sum_i p_i ||h(phi; v_i) - theta_i^K||^2. Rows of V outside the
+cohort get zero gradient (weight decay and momentum still act on the whole table, as torch's SGD does).
+Client: ``inner_steps`` K = 50 steps, each on a fresh random minibatch (the first ``--batch-size`` samples of a
+new permutation), SGD(lr 5e-3, momentum 0.9, weight decay 5e-5) after clipping the gradient's global norm to 50;
+``inner_steps=0`` trains with the run's ``LocalTrainer`` (``--local-epochs`` passes, ``--lr``, ``--momentum``).
+Server optimizer: global norm of (phi, V) clipped to 50, then ``sgd``: SGD(lr 1e-2, momentum 0.9, weight decay
+1e-3; V at ``embed_lr``, default lr) or ``adam``: Adam(lr), no decay. Hypernetwork: E = int(1 + N/4)
+(``embed_dim=0``), trunk Linear(E->100) then 3 x [ReLU, Linear(100->100)], one linear head per target parameter
+(``hypernet.hypernetwork``), torch's default init; V ~ N(0, 1). BatchNorm running statistics are not generated:
+each client keeps its own (its only persistent state; {} without BN), from the model's initial ones, updated in
+every training forward pass. The heads of BN scales get 1 added to their bias at init (our choice), so a
+generated scale starts near 1 rather than near 0, which would silence its layer. State: server {"params":
+{"hnet": phi, "embeddings": V}, "hyper_opt"}; per client {"batch_stats"}; a client's embedding row is its id.
+Prediction: h(phi; V[i]) with the client's statistics (``predict_trained``: the trained weights). Models: at most
+~2.6M parameters (``PFedHNOptions.models``; (hyper_hidden + 1) weights per target parameter; small_cnn default).
 
-Client training (official ``experiments/pfedhn/trainer.py``): ``inner_steps`` K = 50 steps, each on a fresh
-random minibatch of the client's data (``next(iter(shuffled loader))``: the first ``--batch-size`` samples of a
-new permutation), SGD(lr 5e-3, momentum 0.9, weight decay 5e-5) after clipping the gradient's global norm to
-50. ``inner_steps=0`` trains with the run's ``LocalTrainer`` instead (``--local-epochs`` passes, ``--lr``,
-``--momentum``), as FedTP's re-implementation (main.py ``pFedHN``) does.
-
-Server optimizer (official): gradient global norm clipped to 50 (over phi and V together), then ``sgd``:
-SGD(lr 1e-2, momentum 0.9, weight decay 1e-3; V at ``embed_lr``, default lr) or ``adam``: Adam(lr), no decay.
-Hypernetwork (official CIFAR defaults): embedding E = int(1 + N/4) (official ``--embed-dim -1``, here
-``embed_dim=0``), trunk Linear(E->100) then 3 x [ReLU, Linear(100->100)], one linear head per target parameter
-(``hypernet.hypernetwork``), torch's default init; V ~ N(0, 1).
-
-BatchNorm (the official target CNN has none): the generated parameters include every BN scale/bias; the running
-statistics are not parameters, so they stay with the client: each client keeps its own statistics (its only
-persistent state; {} for a model without BN), starts from the model's initial ones and updates them in every
-training forward pass. The heads of BN scales get 1 added to their bias at init (our choice), so a generated
-scale starts near BN's own init of 1 rather than near 0, which would silence its layer (without it the test
-model stays near chance).
-
-State: server {"params": {"hnet": phi, "embeddings": V}, "hyper_opt"}; per client {"batch_stats"}. A client's
-embedding row is its id (``RoundInfo.client_id``). Prediction: h(phi; V[i]) with the client's statistics (the
-official evaluation loads h's output, not the trained weights; ``predict_trained`` uses the trained ones).
-
-Models: the hypernetwork holds (hyper_hidden + 1) weights per target parameter, so pfedhn offers the models of
-at most ~2.6M parameters (``PFedHNOptions.models``; small_cnn by default; FedTP's table uses a LeNet-size CNN).
-
-Official code read: github.com/AvivSham/pFedHN @ 1bc05497 (experiments/pfedhn/trainer.py, models.py ``CNNHyper``,
-node.py, dataset.py), and FedTP's re-implementation github.com/zhyczy/FedTP @ 3cca0d7 (main.py ``pFedHN``,
-``init_hyper``). FedTP's settings: ``--pfedhn.inner-steps 0 --pfedhn.embed-dim 128 --pfedhn.hyper-hidden 150
---pfedhn.grad-clip 0``.
-
-Deviations: the official code trains one client per server step; here a round trains the engine's cohort and
-averages their VJPs with sample weights (one client per round, ``--clients-per-round 1``, is the official
-schedule). The hypernetwork's heads output each parameter directly in the JAX layout (kernel [in, out] /
-[h, w, in, out]) rather than torch's [out, in, h, w]: a fixed permutation of head outputs, equivalent up to init.
+Deviations:
+- The official code trains one client per server step (p = 1); here a round trains the engine's cohort and
+  averages their VJPs with sample weights (one client per round is the official schedule).
+- Heads output each parameter in the JAX layout (kernel [in, out] / [h, w, in, out]), not torch's
+  [out, in, h, w]: a fixed permutation of head outputs, equivalent up to init.
+- BN scale heads' bias +1 at init (the official target CNN has no BN).
 """
 from __future__ import annotations
 

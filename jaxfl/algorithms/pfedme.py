@@ -5,48 +5,29 @@ Client i holds a local copy w of the global model and, for every minibatch D_b o
     theta <- argmin_theta  f_i(theta; D_b) + lambda/2 ||theta - w||^2         (approximately, by K inner steps:)
         theta <- theta - plr (grad f_i(theta; D_b) + lambda (theta - w) + mu theta)      K times, same batch
     w <- w - eta lambda (w - theta)                                           (the Moreau envelope's gradient)
-
-theta starts the round at the server's w (both official codes reload it) and is warm-started from one
-minibatch to the next; w starts at the server's w. The server then takes
-
     w_global <- (1 - beta) w_global + beta sum_i p_i w_i,    p_i = n_i / sum_j n_j over the round's clients.
 
-The personalized model theta_i is what the client predicts with (the paper reports it). BatchNorm: every
-inner forward pass (at theta, train mode, padded samples masked) updates the running statistics, as PyTorch
-does; the client sends them with w and the server averages them with sample weights (no beta mixing, which
-could make a variance negative); the client keeps its own with theta.
+theta and w start the round at the server's w; theta is warm-started from one minibatch to the next. The client
+predicts with theta_i. BatchNorm: every inner forward pass (at theta, train mode, padded samples masked) updates
+the running statistics; the client sends them with w, the server averages them with sample weights (no beta
+mixing, which could make a variance negative); the client keeps its own with theta. Engine mapping:
+``LocalTrainer.run`` drives the minibatch loop with w as its parameters; theta rides in the trainer's
+non-differentiated state, and the loss returns a value whose gradient in w is exactly lambda (w - theta_K) (the
+K inner steps run inside the loss, same batch, w constant). The outer step size eta is the run's ``--lr``; with
+plain SGD (``--momentum 0``, no weight decay) this is the update above, otherwise momentum or weight decay act on
+the envelope gradient. Options: ``lam`` = 15, ``inner_steps`` K = 5, ``personal_lr`` plr = 0.01, ``beta`` = 1,
+``mu`` = 0 (the official optimizer's extra term, not in the paper). State: server {"params": w, "batch_stats"};
+per client {"personal": {"params": theta_i, "batch_stats"}} (only read by ``predict``: every round restarts
+theta from the server's w).
 
-Engine mapping (no engine change): ``LocalTrainer.run`` drives the minibatch loop with w as its parameters;
-theta rides in the trainer's non-differentiated state next to the BatchNorm statistics, and the loss returns
-a value whose gradient in w is exactly lambda (w - theta_K) (the K inner steps run inside the loss, on the same
-batch, with w held constant). The trainer's optimizer applies that gradient: the outer step size eta is the
-run's ``--lr``. With plain SGD (``--momentum 0``, no weight decay) this is the paper's update above; with
-momentum or weight decay those act on the envelope gradient (the official outer step is plain SGD).
-
-Hyperparameters (options, defaults and their source):
-- ``lam`` lambda = 15: paper (CIFAR/MNIST), official CharlieDinh/pFedMe README (CIFAR-10 command) and FedTP's
-  re-implementation (``--pfedMe_lambda 15``).
-- ``inner_steps`` K = 5: official ``--K`` default and FedTP's ``--pfedMe_k``.
-- ``personal_lr`` = 0.01: official README's CIFAR-10 command (``--personal_learning_rate 0.01``); FedTP uses
-  its client lr 0.01 for the inner steps.
-- ``beta`` = 1: official ``--beta`` default and its CIFAR-10 command, and FedTP's comparison (its beta mixing is
-  commented out, i.e. beta = 1). The paper's beta = 2 runs are its MNIST/Synthetic ablations.
-- ``mu`` = 0: the extra ``mu theta`` term of the official ``pFedMeOptimizer``; FedTP sets it to 0
-  (``--pfedMe_mu 0``), CharlieDinh's code leaves its constructor default 0.001. It is not in the paper.
-
-State: server {"params": w, "batch_stats"}; per client {"personal": {"params": theta_i, "batch_stats"}} (only
-read by ``predict``: every round restarts theta from the server's w).
-
-Official code read: github.com/CharlieDinh/pFedMe @ caf24b1f (FLAlgorithms/users/userpFedMe.py,
-FLAlgorithms/optimizers/fedoptimizer.py ``pFedMeOptimizer``, FLAlgorithms/servers/serverbase.py
-``persionalized_aggregate_parameters``, main.py) and FedTP's version github.com/zhyczy/FedTP @ 3cca0d7
-(methods/method.py ``train_net_pfedMe``, optimizer/optimizer.py, main.py ``pfedMe``).
-
-Deviations: (1) the outer loop is the trainer's: ``--local-epochs`` full passes over the client's data, one
-outer step per minibatch, as FedTP's version does; CharlieDinh's code instead takes R = ``local_epochs`` (20)
-single minibatches, cycling its loader. (2) CharlieDinh trains every client every round and aggregates a
-sampled subset; here, as in FedTP's version, only the round's cohort trains. (3) The metrics' loss/accuracy are
-those of the last inner forward pass of each minibatch (CE at theta before its last inner step).
+Deviations:
+- The outer loop is the trainer's (``--local-epochs`` full passes, one outer step per minibatch, as FedTP's
+  version); CharlieDinh's code takes R = ``local_epochs`` (20) single minibatches, cycling its loader.
+- CharlieDinh trains every client every round and aggregates a sampled subset; here, as in FedTP's version,
+  only the round's cohort trains.
+- The metrics' loss/accuracy are those of the last inner forward pass of each minibatch (CE at theta before
+  its last inner step).
+- Momentum or weight decay of the client optimizer act on the envelope gradient (official outer step: plain SGD).
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 A shared encoder feeds two heads of the same architecture: the global head ``head`` (averaged) and the local
 head ``local_head`` (kept). Each head's logits z_v give evidence e_v = softplus(z_v), alpha_v = e_v + 1; the
-two opinions are fused in closed form, alpha_F = 1 + e_G + e_L + e_G e_L / K (``ops.evidential.ds_combine``). With h_v
-a head's hidden feature (``dis_feature``) and lam(t) = min(1, t/T) for the 0-based round t of T:
+two opinions are fused in closed form, alpha_F = 1 + e_G + e_L + e_G e_L / K (``ops.evidential.ds_combine``).
+With h_v a head's hidden feature (``dis_feature``) and lam(t) = min(1, t/T) for the 0-based round t of T:
 
     L = CE(z_G, y) + CE(z_L, y) + sum_{v in G, L, F} [psi(S_v) - psi(alpha_v,y) + lam KL(Dir(alpha~_v) || Dir(1))]
         + lam exp(-(KLm(P_G || P_L) + KLm(P_L || P_G)))                       (rfeddis spec sections 2-3)
@@ -12,9 +12,13 @@ a head's hidden feature (``dis_feature``) and lam(t) = min(1, t/T) for the 0-bas
 u_F = K / S_F. The server averages the encoder and the global head without BatchNorm (sample weights); BN
 everywhere and the whole local head stay on the client.
 
-Switches: share_global_head=False (the released Office/DomainNet code, whose filter misses the global head);
-use_local_head=False with use_dis=False (FedBN with an evidential head); fusion="sum" (the ablation that sums
-the logits: CE(z_G + z_L) + lam L_Dis); head_ce=False (drops the two CE terms); kl_reduction="batchmean".
+Switches: share_global_head=False (the global head is not averaged); use_local_head=False with use_dis=False
+(FedBN with an evidential head); fusion="sum" (the ablation that sums the logits: CE(z_G + z_L) + lam L_Dis);
+head_ce=False (drops the two CE terms); kl_reduction="batchmean".
+
+Deviations:
+- The global head is averaged by default; the released Office/DomainNet code's filter misses it
+  (``share_global_head=False`` reproduces that).
 """
 from __future__ import annotations
 

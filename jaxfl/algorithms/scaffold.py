@@ -11,31 +11,22 @@ then updates its control variate with the paper's option II and sends dy_i = y_i
     x   <- (1 - lr_g) x + lr_g sum_i p_i y_i   (= x + lr_g sum_i p_i dy_i,  p_i: the engine's weights)
     c   <- c + |S|/N mean_{i in S} dc_i        (= c + 1/N sum_{i in S} dc_i, N: all clients)
 
-K_i is the client's own number of optimizer steps this round (the trainer's ``steps``; ragged clients each
-their own), lr the client learning rate. BatchNorm running statistics are not parameters: they are averaged
-as FedAvg does and get no control variate. Every client predicts with the global model.
+The correction enters as the linear loss term, so it goes through the optimizer as a gradient (with momentum
+it is carried by the momentum buffer). K_i is the client's own number of optimizer steps this round (the
+trainer's ``steps``; ragged clients each their own), lr the client learning rate. BatchNorm running statistics
+are not parameters: they are averaged as FedAvg does and get no control variate. Every client predicts with the
+global model. Options: ``global_lr`` lr_g = 1; ``lr``: by default the run's ``--lr`` (``LocalTrainer.lr``), or,
+for a trainer built without it, read from its optimizer (``optimizer_lr``: minus its first update of a unit
+gradient at w = 0, which is lr for SGD with or without momentum and for Adam; pass it for Nesterov or a schedule).
 
-Hyperparameters: ``global_lr`` lr_g = 1 (the paper's experiments and the reference code's default);
-``lr``: the client learning rate of the control-variate update; by default the run's ``--lr`` (the runner
-puts it in ``LocalTrainer.lr``), or, for a trainer built without it, read from its optimizer
-(``optimizer_lr``: minus its first update of a unit gradient at w = 0, which is lr for SGD with or without
-momentum and for Adam; pass it for Nesterov SGD or a schedule).
-
-Reference code read: alpemreacar/FedDyn (commit 48a19fac), ``utils_methods.py::train_SCAFFOLD`` and
-``utils_general.py::train_scaffold_mdl`` (the same SCAFFOLD the FedDC repository gaoliang13/FedDC ships):
-the correction enters as the linear loss term sum(w * (c - c_i)), so it goes through the optimizer as a
-gradient (with momentum it is carried by the momentum buffer, as in PyTorch implementations that add it to
-the gradient; NIID-Bench instead subtracts lr (c - c_i) after each step, the same thing for plain SGD), and
-x <- lr_g mean(y_i) + (1 - lr_g) x, c += 1/N sum dc_i as above. Deviations, and why:
-- the reference scales c by each client's relative data size r_i = n_i N / sum_j n_j (c / r_i in the loss,
-  r_i dc_i in the server update); we follow the paper (r_i = 1), which is the same when clients have equal
-  data (the RFedDis datasets) and needs no dataset-wide counts on the clients;
-- the reference trains a fixed number of minibatches K for every client; here clients train the engine's
-  epochs and K_i is each client's real step count, which the paper's option II formula asks for;
-- the reference clips gradients at norm 10 and uses weight decay 1e-3 for every method it runs (its FedAvg
-  too); we use jaxfl's client optimizer as configured, as for every other baseline here;
-- the model average uses the engine's weights (sample counts or uniform: ``--weighting``), as every jaxfl
-  baseline; the paper's 1/|S| mean is ``--weighting uniform``.
+Deviations:
+- The reference scales c by each client's relative data size r_i = n_i N / sum_j n_j (c / r_i in the loss,
+  r_i dc_i on the server); we follow the paper (r_i = 1): the same for equal data, no dataset-wide counts needed.
+- The reference trains a fixed number of minibatches K for every client; here clients train the engine's
+  epochs and K_i is each client's real step count, which the paper's option II formula asks for.
+- The reference clips gradients at norm 10 and uses weight decay 1e-3 for every method (its FedAvg too); we
+  use jaxfl's client optimizer as configured, as for every other baseline here.
+- The model average uses the engine's weights (``--weighting``); the paper's 1/|S| mean is uniform weighting.
 """
 from __future__ import annotations
 

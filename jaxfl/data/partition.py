@@ -191,6 +191,26 @@ def shards(labels, n_clients: int, classes_per_client: int, rng: np.random.Gener
     return [np.sort(np.concatenate(p)) for p in parts]
 
 
+def label_shards(labels, n_clients: int, shards_per_client: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """McMahan et al.'s (2017) pathological non-IID split: sort the samples by label (ties by index), cut the
+    sorted order into ``n_clients * shards_per_client`` shards of equal size, and give each client
+    ``shards_per_client`` of them drawn at random without replacement (``rng.permutation`` of the shard ids,
+    client i taking positions i*s .. i*s + s - 1). MNIST with 100 clients and 2 shards each: 200 shards of 300
+    samples, most clients holding two digits. Samples past the last whole shard (n mod shards) go to nobody.
+    """
+    labels = np.asarray(labels)
+    n_shards = n_clients * shards_per_client
+    if n_clients < 1 or shards_per_client < 1:
+        raise DataError(f"num_clients={n_clients} and shards_per_client={shards_per_client} must be at least 1")
+    if n_shards > len(labels):
+        raise DataError(f"{n_clients} clients x {shards_per_client} shards = {n_shards} shards is more than the "
+                        f"{len(labels)} samples available")
+    size = len(labels) // n_shards
+    order = np.argsort(labels, kind="stable")[: n_shards * size].reshape(n_shards, size)
+    assigned = rng.permutation(n_shards).reshape(n_clients, shards_per_client)
+    return [np.sort(order[s].ravel()) for s in assigned]
+
+
 def split_like(train_parts, train_labels, test_labels, rng: np.random.Generator) -> list[np.ndarray]:
     """Split a test set so each client's test label mix follows its training label mix.
 
