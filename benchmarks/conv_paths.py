@@ -1,0 +1,261 @@
+"""Convolutions on XLA:CPU (issue 34 item 5): which way of running the FedAvg CNN's local steps is fastest, against
+PyTorch (oneDNN) doing the same steps.
+
+One client's local training as the engine runs it: S SGD steps of batch B of the FedAvg CNN (McMahan et al.:
+conv5x5(32)-pool-conv5x5(64)-pool-512-10, 28x28x1) inside one jitted call, timed after compilation (median of
+``--reps`` calls, each path in its own process so that XLA flags apply to it alone). Paths (``--paths``):
+
+  matmul/loop          jaxfl's default: im2col by shifted slices + one matmul (``models.conv2d_matmul``), the
+                       steps in a ``fori_loop`` with a traced trip count (as ``LocalTrainer``)
+  matmul/unrolled      the same, the S steps unrolled (a static step count, as one bucket of the ragged engine has)
+  lax/loop             XLA's own convolution (``lax.conv_general_dilated``) in the ``fori_loop``
+  lax/unrolled         XLA's convolution with the steps unrolled (every convolution at the top level)
+  shiftsum/loop        no patch buffer: the sum over the 25 kernel taps of (shifted input) @ kernel[i, j]
+  nchw/loop            channels-first im2col (Caffe / classic torch layout): kernel [co, ci*25] @ patches
+                       [B, ci*25, H*W]
+  vjp/loop             im2col forward with a hand-written backward: dW = patches^T dY (patches kept from the
+                       forward pass), dX = one im2col matmul of the padded dY with the flipped kernel
+  <path>+ynn           with XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=+individual_convolution
+  <path>+fastmath      with XLA_FLAGS=--xla_cpu_enable_fast_math=true
+  <path>+vec512        with XLA_FLAGS=--xla_cpu_prefer_vector_width=512
+  torch/1, torch/2     the same S steps in PyTorch, 1 and 2 intra-op threads
+
+    python benchmarks/conv_paths.py --json benchmarks/results/conv_paths.json      # ~10 min on the 2-core CPU
+    python benchmarks/conv_paths.py --model femnist_cnn --batch 10 --json out.json   # LEAF's FEMNIST CNN
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+PATHS = ["matmul/loop", "matmul/unrolled", "lax/loop", "lax/unrolled", "shiftsum/loop", "nchw/loop", "vjp/loop",
+         "lax/unrolled+ynn", "lax/loop+ynn", "matmul/loop+fastmath", "matmul/loop+vec512", "torch/1", "torch/2"]
+FLAGS = {"ynn": "--xla_cpu_experimental_ynn_fusion_type=+individual_convolution",
+         "fastmath": "--xla_cpu_enable_fast_math=true", "vec512": "--xla_cpu_prefer_vector_width=512"}
+MODELS = {"fedavg_cnn": dict(hidden=512, classes=10), "femnist_cnn": dict(hidden=2048, classes=62)}
+
+
+def conv_shiftsum(x, k, padding):
+    import jax.numpy as jnp
+    kh, kw, ci, co = k.shape
+    x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    ho, wo = x.shape[1] - kh + 1, x.shape[2] - kw + 1
+    return sum(x[:, i:i + ho, j:j + wo, :] @ k[i, j] for i in range(kh) for j in range(kw))
+
+
+def conv_nchw(x, k, padding):
+    """NHWC in/out, but the patches are built channels-first: [B, ci*kh*kw, H*W], kernel [co, ci*kh*kw]."""
+    import jax.numpy as jnp
+    kh, kw, ci, co = k.shape
+    xc = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0))).transpose(0, 3, 1, 2)
+    b, _, hp, wp = xc.shape
+    ho, wo = hp - kh + 1, wp - kw + 1
+    cols = jnp.stack([xc[:, :, i:i + ho, j:j + wo] for i in range(kh) for j in range(kw)], 2)  # [B, ci, 25, H, W]
+    cols = cols.reshape(b, ci * kh * kw, ho * wo)
+    kmat = k.transpose(3, 2, 0, 1).reshape(co, ci * kh * kw)
+    return jnp.einsum("ok,bkp->bop", kmat, cols).reshape(b, co, ho, wo).transpose(0, 2, 3, 1)
+
+
+def make_conv_vjp():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxfl.models import conv2d_matmul
+
+    def patches(x, kh, kw, padding):
+        x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+        ho, wo = x.shape[1] - kh + 1, x.shape[2] - kw + 1
+        return jnp.concatenate([x[:, i:i + ho, j:j + wo, :] for i in range(kh) for j in range(kw)], -1)
+
+    @jax.custom_vjp
+    def conv(x, k):
+        return conv2d_matmul(x, k, 1, k.shape[0] // 2)
+
+    def fwd(x, k):
+        p = patches(x, k.shape[0], k.shape[1], k.shape[0] // 2)
+        return p @ k.reshape(-1, k.shape[-1]), (p, k)
+
+    def bwd(res, g):
+        p, k = res
+        kh, kw, ci, co = k.shape
+        dk = jnp.einsum("bhwk,bhwo->ko", p, g).reshape(k.shape)
+        flipped = k[::-1, ::-1].transpose(0, 1, 3, 2)  # [kh, kw, co, ci]
+        dx = patches(g, kh, kw, kh - 1 - kh // 2) @ flipped.reshape(kh * kw * co, ci)
+        return dx, dk
+
+    conv.defvjp(fwd, bwd)
+    return conv
+
+
+def jax_path(path: str, model: str, batch: int, steps: int, reps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from jaxfl.models import conv2d_matmul, max_pool2
+    impl, loop = path.split("+")[0].split("/")
+    cfg = MODELS[model]
+    vjp_conv = make_conv_vjp() if impl == "vjp" else None
+
+    def conv(x, k):
+        if impl in ("matmul",):
+            return conv2d_matmul(x, k, 1, 2)
+        if impl == "lax":
+            return jax.lax.conv_general_dilated(x, k, (1, 1), ((2, 2), (2, 2)),
+                                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        if impl == "shiftsum":
+            return conv_shiftsum(x, k, 2)
+        if impl == "nchw":
+            return conv_nchw(x, k, 2)
+        return vjp_conv(x, k)
+
+    def forward(p, x):
+        h = max_pool2(jax.nn.relu(conv(x, p["c1"]) + p["b1"]))
+        h = max_pool2(jax.nn.relu(conv(h, p["c2"]) + p["b2"]))
+        h = jax.nn.relu(h.reshape(h.shape[0], -1) @ p["f1"] + p["fb1"])
+        return h @ p["f2"] + p["fb2"]
+
+    rng = np.random.default_rng(0)
+    init = lambda *s: jnp.asarray(rng.uniform(-0.05, 0.05, s).astype(np.float32))
+    params = {"c1": init(5, 5, 1, 32), "b1": init(32), "c2": init(5, 5, 32, 64), "b2": init(64),
+              "f1": init(7 * 7 * 64, cfg["hidden"]), "fb1": init(cfg["hidden"]),
+              "f2": init(cfg["hidden"], cfg["classes"]), "fb2": init(cfg["classes"])}
+    tx = optax.sgd(0.01)
+    x = jnp.asarray(rng.uniform(-1, 1, (steps, batch, 28, 28, 1)).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, cfg["classes"], (steps, batch)).astype(np.int32))
+
+    def loss(p, xb, yb):
+        return optax.softmax_cross_entropy_with_integer_labels(forward(p, xb), yb).mean()
+
+    def step(t, p):
+        g = jax.grad(loss)(p, x[t], y[t])
+        return optax.apply_updates(p, tx.update(g, tx.init(p), p)[0])
+
+    if loop == "loop":
+        run = jax.jit(lambda p, n: jax.lax.fori_loop(0, n, step, p))
+        call = lambda: run(params, steps)
+    else:
+        def unrolled(p):
+            for t in range(steps):
+                p = step(t, p)
+            return p
+        run = jax.jit(unrolled)
+        call = lambda: run(params)
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return {"step_s": float(np.median(times)) / steps, "compile_s": compile_s}
+
+
+def torch_path(threads: int, model: str, batch: int, steps: int, reps: int) -> dict:
+    import numpy as np
+    import torch
+    import torch.nn as tnn
+    torch.set_num_threads(threads)
+    cfg = MODELS[model]
+    net = tnn.Sequential(tnn.Conv2d(1, 32, 5, padding=2), tnn.ReLU(), tnn.MaxPool2d(2),
+                         tnn.Conv2d(32, 64, 5, padding=2), tnn.ReLU(), tnn.MaxPool2d(2), tnn.Flatten(),
+                         tnn.Linear(7 * 7 * 64, cfg["hidden"]), tnn.ReLU(), tnn.Linear(cfg["hidden"], cfg["classes"]))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.rand(steps, batch, 1, 28, 28) * 2 - 1
+    y = torch.randint(0, cfg["classes"], (steps, batch))
+
+    def call():
+        for t in range(steps):
+            opt.zero_grad()
+            tnn.functional.cross_entropy(net(x[t]), y[t]).backward()
+            opt.step()
+    call()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return {"step_s": float(np.median(times)) / steps, "torch": torch.__version__}
+
+
+def flops_per_step(model: str, batch: int) -> float:
+    """XLA's flop count of one train step (forward, backward, SGD) of the im2col model."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxfl.algorithms._common import ce_loss, init_variables
+    from jaxfl.core.trainer import LocalTrainer
+    from jaxfl.models import build_model
+    cfg = MODELS[model]
+    m = build_model(model, cfg["classes"])
+    trainer = LocalTrainer(optax.sgd(0.01), batch, 1)
+    x = jnp.zeros((batch, 28, 28, 1), jnp.float32)
+    v = init_variables(m, trainer, jax.random.key(0), x)
+    loss = ce_loss(m)
+    f = jax.jit(lambda p, x, y: jax.grad(lambda q: loss(q, {}, x, y, jnp.ones(batch), None)[0])(p))
+    cost = f.lower(v["params"], x, jnp.zeros(batch, jnp.int32)).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="fedavg_cnn", choices=sorted(MODELS))
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8, help="local steps per timed call (S)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--json", default=None)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.one:
+        if a.one.startswith("torch/"):
+            res = torch_path(int(a.one.split("/")[1]), a.model, a.batch, a.steps, a.reps)
+        else:
+            res = jax_path(a.one, a.model, a.batch, a.steps, a.reps)
+        print(json.dumps(res))
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from throughput import matmul_peak_gflops
+    peak = matmul_peak_gflops()
+    flops = flops_per_step(a.model, a.batch)
+    out = {"model": a.model, "batch": a.batch, "steps": a.steps, "reps": a.reps, "matmul_peak_gflops": peak,
+           "flops_per_step": flops, "command": " ".join(sys.argv), "paths": {}}
+    print(f"matmul peak {peak:.0f} GFLOP/s; {flops / 1e9:.3f} GFLOP per step of batch {a.batch}")
+    print("| path | XLA_FLAGS | step ms | samples/s | x torch (best) | FLOP/s / peak | compile s |\n|---|---|---|---|---|---|---|")
+    for path in a.paths.split(","):
+        flags = " ".join(FLAGS[f] for f in path.split("+")[1:])
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+        cmd = [sys.executable, __file__, "--one", path, "--model", a.model, "--batch", str(a.batch),
+               "--steps", str(a.steps), "--reps", str(a.reps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode:
+            print(f"{path} failed: {proc.stderr[-500:]}", file=sys.stderr)
+            continue
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        res.update(xla_flags=flags, samples_per_s=a.batch / res["step_s"],
+                   flops_fraction=flops / res["step_s"] / (peak * 1e9))
+        out["paths"][path] = res
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+    best_torch = max((v["samples_per_s"] for k, v in out["paths"].items() if k.startswith("torch")), default=None)
+    for path, v in out["paths"].items():
+        xt = f"{v['samples_per_s'] / best_torch:.2f}" if best_torch else "-"
+        print(f"| {path} | {v['xla_flags'] or '-'} | {v['step_s'] * 1e3:.1f} | {v['samples_per_s']:.0f} | {xt} | "
+              f"{v['flops_fraction']:.3f} | {v.get('compile_s', 0):.1f} |")
+    out["best_torch_samples_per_s"] = best_torch
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
