@@ -17,6 +17,20 @@ class NonFiniteError(JaxflError, FloatingPointError):
     """Training produced NaN or Inf; the message names the round and the clients."""
 
 
+class RunIOError(JaxflError, OSError):
+    """Writing a run's outputs failed (disk full, file-size limit, I/O error): a fault, not bad input (exit 1);
+    the message names the path and the OS error and says how to continue."""
+    exit_code = 1
+
+
+class Stopped(JaxflError):
+    """The run stopped on SIGTERM/SIGINT after a complete round; the message says how to continue."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
+
+
 def check_choice(what: str, value, allowed) -> None:
     """Raise ConfigError unless ``value`` is one of ``allowed``, listing the valid ones."""
     allowed = list(allowed)

@@ -62,7 +62,7 @@ CASES = {
     "--test-per-client -1": (lambda d: ["--test-per-client", "-1"], "test_per_client=-1 must be at least 1"),
     "--image-size 0": (lambda d: ["--image-size", "0"], "image_size=0 must be at least 1"),
     "--dapperfl.gamma -1": (lambda d: ["--algorithm", "dapperfl", "--dapperfl.gamma", "-1"],
-                            "dapperfl.gamma=-1.0 must be in [0.0, inf]"),
+                            "dapperfl.gamma=-1.0 must be a finite number in [0.0, inf)"),
     "labels outside [0, K)": (lambda d: ["--dataset", "mnist", "--data-dir", str(mnist_dir(d / "data", [3, 12]))],
                               "label 12 is outside [0, 10) (150 such labels); digits has 10 classes"),
     # runs that would lose work

@@ -94,6 +94,8 @@ def plain(value):
 def _check(label: str, v, meta) -> None:
     if meta.get("choices") is not None and v not in meta["choices"]:
         raise ConfigError(f"{label}={v!r} is not one of: {', '.join(map(str, meta['choices']))}")
+    if isinstance(v, float) and not math.isfinite(v):  # a rate, weight or size of inf/nan is never meant
+        raise ConfigError(f"{label}={v} must be a finite number")
     lo, hi, lo_open, minimum = meta.get("lo"), meta.get("hi"), meta.get("lo_open"), meta.get("minimum")
     if minimum is not None and v < minimum:
         raise ConfigError(f"{label}={v} must be at least {minimum}")
@@ -101,8 +103,9 @@ def _check(label: str, v, meta) -> None:
         lo_ok = lo is None or (v > lo if lo_open else v >= lo)
         if not (math.isfinite(v) and lo_ok and (hi is None or v <= hi)):
             left = "(" if lo_open else "["
-            raise ConfigError(f"{label}={v} must be in {left}{lo if lo is not None else '-inf'}, "
-                              f"{hi if hi is not None else 'inf'}]")
+            right = f"{hi}]" if hi is not None else "inf)"
+            raise ConfigError(f"{label}={v} must be a finite number in {left}{lo if lo is not None else '-inf'}, "
+                              f"{right}")
 
 
 def field_type(cls: type, f: dataclasses.Field) -> type:

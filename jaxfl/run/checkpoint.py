@@ -1,12 +1,25 @@
-"""Checkpoints of (server, clients) with orbax; a round's checkpoint is written only after it passed the
-non-finite check, and orbax writes to a temporary folder and renames, so the last good one stays intact.
+"""Checkpoints of (server, clients) with orbax, failing safe.
+
+- A round's checkpoint is written only after it passed the non-finite check; orbax writes a step into a
+  temporary folder and renames it when complete, so a kill at any point leaves the previous steps intact and
+  at most an unfinished temporary folder, which is never read (and removed by the next save).
+- Each saved step's SHA-256 over its arrays goes to ``digests.json`` (written to a temporary file, then
+  renamed); a restore that fails or whose digest differs counts the step as damaged, and ``--resume`` falls
+  back to the newest intact step (the damaged newer ones are deleted, the log trimmed to the step).
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from ..errors import ConfigError
@@ -33,11 +46,50 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
+@contextlib.contextmanager
+def stderr_kept_on_success():
+    """Collects what is written to file descriptor 2 (Python and native code: absl logs, TensorStore's
+    thread tracebacks) while the block runs; passes it on if the block succeeds, drops it if it raises."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    ok = False
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if ok:
+                tmp.seek(0)
+                if text := tmp.read():
+                    os.write(2, text)
+
+
+def state_digest(tree) -> str | None:
+    """SHA-256 over every leaf's dtype, shape and bytes (in tree order); None when a leaf is not fully held by
+    this process (a multi-process run: each process holds only its rows)."""
+    h = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return None
+        a = np.asarray(jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+                       else leaf)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
 class Checkpointer:
     """Saves and restores the stacked state by round number (keeps the newest ``keep``)."""
 
     def __init__(self, directory: Path, keep: int = 2):
         self.directory = Path(directory).absolute()
+        if jax.process_index() == 0 and self.directory.is_dir():  # the run's lock is held: nobody else writes
+            for unfinished in self.directory.glob("*.orbax-checkpoint-tmp*"):  # a save cut off (kill, full disk)
+                shutil.rmtree(unfinished, ignore_errors=True)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                                  enable_async_checkpointing=False))
@@ -45,19 +97,64 @@ class Checkpointer:
     def latest_round(self):
         return self.manager.latest_step()
 
+    def _digests(self) -> dict:
+        try:
+            return json.loads((self.directory / "digests.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
     def save(self, round_idx: int, server, clients) -> None:
-        self.manager.save(round_idx, args=ocp.args.StandardSave({"server": server, "clients": clients}))
-        self.manager.wait_until_finished()
+        state = {"server": server, "clients": clients}
+        with stderr_kept_on_success():  # a failed write is reported in one line by the caller, not by orbax
+            self.manager.save(round_idx, args=ocp.args.StandardSave(state))
+            self.manager.wait_until_finished()
+        digest = state_digest(state)
+        if digest is not None and jax.process_index() == 0:
+            kept = set(map(str, self.manager.all_steps()))
+            digests = {k: v for k, v in self._digests().items() if k in kept}
+            digests[str(round_idx)] = digest
+            tmp = self.directory / "digests.json.tmp"
+            tmp.write_text(json.dumps(digests))
+            os.replace(tmp, self.directory / "digests.json")
 
     def restore(self, round_idx: int, server, clients):
+        """The state of step ``round_idx``; an exception if it does not restore or its digest differs."""
         target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, {"server": server, "clients": clients})
         state = self.manager.restore(round_idx, args=ocp.args.StandardRestore(target))
+        want = self._digests().get(str(round_idx))
+        if want is not None and state_digest(state) not in (None, want):
+            raise ValueError("its arrays do not match the digest saved with it")
         return state["server"], state["clients"]
 
-    def restore_latest(self, server, clients, cfg, metrics_path: Path):
-        """(server, clients, next_round, history) from the newest checkpoint; checks the config matches."""
-        step = self.latest_round()
-        if step is None:
+    def restore_intact(self, server, clients, notify=None):
+        """(server, clients, step) of the newest step that restores; damaged newer steps are deleted and
+        ``notify`` gets one line about them. ConfigError if none restores."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        if not steps:
+            raise ConfigError(f"--resume: no checkpoint in {str(self.directory)!r}")
+        damaged = []
+        for step in steps:
+            try:
+                restored = self.restore(step, server, clients)
+            except Exception as e:  # noqa: BLE001 - any failure to read a step makes it unusable
+                damaged.append((step, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]))
+                continue
+            if damaged:
+                for bad, _ in damaged:
+                    shutil.rmtree(self.directory / str(bad), ignore_errors=True)
+                self.manager.reload()
+                if notify:
+                    rounds = ", ".join(str(b) for b, _ in damaged)
+                    notify(f"checkpoint(s) of round {rounds} in {str(self.directory)!r} do not restore "
+                           f"({damaged[0][1]}); resuming from round {step}, the intact one before")
+            return (*restored, step)
+        raise ConfigError(f"--resume: no checkpoint in {str(self.directory)!r} restores (round "
+                          f"{damaged[0][0]}: {damaged[0][1]}); start a new run with --overwrite")
+
+    def restore_latest(self, server, clients, cfg, metrics_path: Path, notify=None):
+        """(server, clients, next_round, history) from the newest intact checkpoint; checks the config
+        matches, trims the log to the checkpoint."""
+        if not self.manager.all_steps():
             raise ConfigError(f"--resume: no checkpoint in {str(self.directory)!r}")
         saved_cfg = self.directory.parent / "config.json"
         if saved_cfg.is_file():
@@ -69,14 +166,15 @@ class Checkpointer:
             if diff:
                 raise ConfigError(f"--resume: config differs from the checkpointed run in {diff}; "
                                   f"only {sorted(RESUMABLE_CHANGES)} may change")
+        step = self.latest_round()
         if cfg.rounds < step:
             raise ConfigError(f"--resume: the checkpoint is at round {step}; --rounds {cfg.rounds} must be at least "
                               f"{step}")
+        server, clients, step = self.restore_intact(server, clients, notify)
         history = [h for h in read_metrics(metrics_path) if h.get("round", 0) <= step]
         rounds = [h.get("round") for h in history]
         if rounds != list(range(1, step + 1)):
             have = f"rounds {rounds[0]}..{rounds[-1]} ({len(rounds)} records)" if rounds else "no records"
             raise ConfigError(f"--resume: {str(metrics_path)!r} holds {have} but the checkpoint is at round {step}; "
                               f"the run's log and checkpoint disagree (start a new run with --overwrite)")
-        server, clients = self.restore(step, server, clients)
         return server, clients, step, history

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import sys
 
-from ..errors import ConfigError, JaxflError
+from ..errors import ConfigError, JaxflError, Stopped
 from .config import TRAINING_DEFAULTS, RunConfig, load_config_file
 
 
@@ -159,10 +159,14 @@ def main(argv=None) -> int:
                   f"{exp.dataset.client_names}, train sizes {exp.dataset.train_counts().tolist()}, "
                   f"strategy {exp.strategy}; writing to {cfg.out}", file=sys.stderr)
         bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
-        result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds))
-    except JaxflError as e:
+        result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds),
+                         notify=lambda line: print(f"jaxfl: {line}", file=sys.stderr, flush=True))
+    except Stopped as e:  # SIGTERM/SIGINT: the run is checkpointed at a round boundary
+        print(f"jaxfl: {e}", file=sys.stderr)
+        return e.exit_code
+    except JaxflError as e:  # bad input: exit 2; a failed write (RunIOError): exit 1
         print(f"jaxfl: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
     summary = result.summary()
     if summary and is_primary():
         print(format_table(summary) if not quiet else json.dumps(summary["last"]))
@@ -209,5 +213,16 @@ def print_round(total: int):
     return log
 
 
+def entry() -> None:
+    """The ``jaxfl`` command: ``main``'s exit code; after a failed write (exit 1) the process's remaining
+    stderr is dropped, so that background I/O threads (TensorStore's) cannot add tracebacks to the one line."""
+    code = main()
+    if code == 1:
+        import os
+        sys.stderr.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -14,6 +14,7 @@ from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
 from ..data.federated import DataConfig
 from ..errors import ConfigError, check_choice, check_range
+from .lock import LOCK_NAME, check_free
 
 
 # The values of the protocol fields that neither the config nor the algorithm's ``train_preset`` sets. (An
@@ -150,6 +151,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     from ..models import MODELS
     check_choice("algorithm", cfg.algorithm, REGISTRY)
     cfg = cfg.with_protocol()
+    for f in dataclasses.fields(cfg):  # every rate, fraction and scale: inf/nan is never meant
+        v = getattr(cfg, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{f.name}={v} must be a finite number")
     if cfg.model is not None:
         check_choice("model", cfg.model, MODELS)
         allowed = options_class(cfg.algorithm).models
@@ -176,15 +181,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
     check_range("dirichlet_alpha", cfg.dirichlet_alpha, 0.0, float("inf"), lo_open=True)
-    if not math.isfinite(cfg.lr):
-        raise ConfigError(f"lr={cfg.lr!r} must be a finite number > 0")
     check_range("lr", cfg.lr, 0.0, float("inf"), lo_open=True)
     check_range("momentum", cfg.momentum, 0.0, 1.0)
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
     if cfg.eval_point is not None:
         check_choice("eval_point", cfg.eval_point, ("aggregated", "local"))
-    if not math.isfinite(cfg.weight_decay):
-        raise ConfigError(f"weight_decay={cfg.weight_decay!r} must be a finite number >= 0")
     check_range("weight_decay", cfg.weight_decay, 0.0, float("inf"))
     if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum <= 0):
         raise ConfigError("--nesterov needs --optimizer sgd with --momentum > 0")
@@ -218,7 +219,8 @@ def check_output(cfg: RunConfig) -> None:
     if out.is_dir():
         if not _writable(out):
             raise ConfigError(f"--out {str(out)!r} is not writable")
-        if any(out.iterdir()) and not (cfg.resume or cfg.overwrite):
+        check_free(out)  # another run is writing here
+        if any(p.name != LOCK_NAME for p in out.iterdir()) and not (cfg.resume or cfg.overwrite):
             raise ConfigError(f"--out {str(out)!r} is not empty; pass --resume to continue its run, --overwrite "
                               f"to replace it, or choose another folder")
         if cfg.resume and not (out / "checkpoints").is_dir():

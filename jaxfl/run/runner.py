@@ -1,9 +1,13 @@
 """Run an experiment end to end: data, model, algorithm, jitted rounds, evaluation, logging, checkpoints."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -20,9 +24,10 @@ from ..core.types import RunContext
 from ..data import load_dataset
 from ..data.federated import TEXT_DATASETS
 from ..data.ragged import RaggedClients
-from ..errors import ConfigError, NonFiniteError
+from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped
 from ..models import build_model
 from .config import RunConfig, check_output, clear_outputs, validate
+from .lock import RunLock
 from .plots import plot_accuracy
 
 
@@ -152,9 +157,9 @@ class Experiment:
         from .reliability import reliability_report
         return reliability_report(self.evaluator, server, clients, key, **kw)
 
-    def run(self, progress: bool = False, log=None) -> RunResult:
+    def run(self, progress: bool = False, log=None, notify=None) -> RunResult:
         """Train to ``cfg.rounds`` (resuming if asked): ``train(self, ...)``."""
-        return train(self, progress=progress, log=log)
+        return train(self, progress=progress, log=log, notify=notify)
 
 
 def eval_record(m) -> dict:
@@ -183,9 +188,10 @@ def compile_seconds() -> float:
 
 
 
-def open_run(exp: Experiment):
-    """(server, store, start_round, history, checkpointer or None): a fresh start, or the newest checkpoint
-    of ``--out`` under ``--resume``; writes config.json and the kept metrics (primary process)."""
+def open_run(exp: Experiment, notify=None):
+    """(server, store, start_round, history, checkpointer or None): a fresh start, or the newest intact
+    checkpoint of ``--out`` under ``--resume`` (``notify`` hears of damaged ones); writes config.json and the
+    kept metrics (primary process)."""
     cfg, server, store = exp.cfg, *exp.init()
     out = Path(cfg.out) if cfg.out else None
     if out is None:
@@ -193,16 +199,17 @@ def open_run(exp: Experiment):
     if cfg.overwrite:
         clear_outputs(out)
     out.mkdir(parents=True, exist_ok=True)
-    from .checkpoint import Checkpointer
     start, history = 0, []
-    ckpt = Checkpointer(out / "checkpoints") if cfg.resume or cfg.checkpoint_every else None
+    ckpt = checkpointer(out) if cfg.resume or cfg.checkpoint_every else None
     if cfg.resume:
         server, clients, start, history = ckpt.restore_latest(server, store.state, cfg.resolved(),
-                                                              out / "metrics.jsonl")
+                                                              out / "metrics.jsonl", notify)
         store.set(clients)
     if is_primary():
-        (out / "config.json").write_text(json.dumps(cfg.resolved().to_dict(), indent=2))
-        _rewrite_jsonl(out / "metrics.jsonl", history)
+        with written(out / "config.json", "before round 1" if not start else f"at round {start}", ckpt):
+            _replace_text(out / "config.json", json.dumps(cfg.resolved().to_dict(), indent=2))
+        with written(out / "metrics.jsonl", "before round 1" if not start else f"at round {start}", ckpt):
+            _replace_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
     return server, store, start, history, ckpt
 
 
@@ -229,12 +236,27 @@ def round_record(metrics, names, round_idx: int) -> dict:
             **{k: metrics[k] for k in ROUND_METRICS}}
 
 
-def train(exp: Experiment, progress: bool = False, log=None) -> RunResult:
+def train(exp: Experiment, progress: bool = False, log=None, notify=None) -> RunResult:
     """The host loop of a built experiment: each round trains, checks for NaN, evaluates every
     ``eval_every`` rounds and at the end, appends to metrics.jsonl, checkpoints every ``checkpoint_every``
-    rounds; at the end writes summary.json and accuracy.png (``--out``, primary process)."""
+    rounds; at the end writes summary.json and accuracy.png (``--out``, primary process).
+
+    Faults: ``--out`` is locked for the whole run (one writer); a failed write raises RunIOError (the last
+    checkpoint and the log stay resumable); SIGTERM/SIGINT end the run after the current call's rounds,
+    checkpointed, with ``Stopped``. ``notify`` gets one-line notices (e.g. a damaged checkpoint skipped)."""
+    cfg = exp.cfg
+    lock = RunLock(cfg.out) if cfg.out and is_primary() else None
+    try:
+        with stop_signals() as stop:
+            return _train(exp, stop, progress, log, notify)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResult:
     cfg, names = exp.cfg, exp.dataset.client_names
-    server, store, start, history, ckpt = open_run(exp)
+    server, store, start, history, ckpt = open_run(exp, notify)
     out = Path(cfg.out) if cfg.out else None
     write = out is not None and is_primary()  # every process checkpoints its rows; one logs
     bar = _progress(None, progress, start, cfg.rounds)
@@ -262,8 +284,9 @@ def train(exp: Experiment, progress: bool = False, log=None) -> RunResult:
             rec["time_s"] = per_round + (compiling if j == 0 else 0.0) + time.perf_counter() - t_eval
             history.append(rec)
             if write:
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                with written(out / "metrics.jsonl", f"in round {r + j + 1}", ckpt):
+                    with open(out / "metrics.jsonl", "a") as f:
+                        f.write(json.dumps(rec) + "\n")
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{np.mean(rec['train_loss']):.3f}",
@@ -271,17 +294,97 @@ def train(exp: Experiment, progress: bool = False, log=None) -> RunResult:
             if log:
                 log(rec)
         r += n
-        if ckpt and cfg.checkpoint_every and (r % cfg.checkpoint_every == 0 or r == cfg.rounds):
-            ckpt.save(r, server, store.state)
+        saving = ckpt and cfg.checkpoint_every and (r % cfg.checkpoint_every == 0 or r == cfg.rounds)
+        if stop and r < cfg.rounds and out is not None and not saving:  # stopping: keep this round
+            ckpt = ckpt or checkpointer(out)
+            saving = True
+        if saving:
+            with written(ckpt.directory, f"in round {r}", ckpt):
+                ckpt.save(r, server, store.state)
+        if stop and r < cfg.rounds:
+            if bar is not None:
+                bar.close()
+            how = (f"; continue with jaxfl run --out {cfg.out} --resume" if out is not None
+                   else " (no --out: nothing was saved)")
+            raise Stopped(f"stopped at round {r}{how}", stop[0])
     if bar is not None:
         bar.close()
     result = RunResult(cfg, names, history, server, store.state, count_params(server["params"]))
     if write:
-        (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
+        with written(out / "summary.json", f"after round {r}", ckpt):
+            (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
         if history:
-            plot_accuracy(history, names, out / "accuracy.png",
-                          title=f"{cfg.algorithm} on {cfg.dataset}, {model_name(cfg)}, lr {cfg.lr}, seed {cfg.seed}")
+            with written(out / "accuracy.png", f"after round {r}", ckpt):
+                plot_accuracy(history, names, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}, "
+                              f"{model_name(cfg)}, lr {cfg.lr}, seed {cfg.seed}")
     return result
+
+
+def checkpointer(out: Path):
+    from .checkpoint import Checkpointer
+    return Checkpointer(out / "checkpoints")
+
+
+@contextlib.contextmanager
+def written(path: Path, when: str, ckpt):
+    """Turns a failed write (disk full, file-size limit, I/O error) into one RunIOError line naming the path,
+    the OS error and how to continue. Checkpoint writes (``path`` is the checkpoint folder) fail through
+    orbax/TensorStore with their own exception types, so any exception there counts."""
+    checkpointing = ckpt is not None and Path(path) == ckpt.directory
+    try:
+        yield
+    except (JaxflError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001
+        if not (isinstance(e, OSError) or checkpointing):
+            raise
+        last = ckpt.latest_round() if ckpt is not None else None
+        why = os_error_text(e)
+        keep = (f"the log and the checkpoint of round {last} are intact; free space or fix the error, then "
+                f"continue with jaxfl run --out {path_out(path)} --resume" if last is not None else
+                "no checkpoint was written (--checkpoint-every 0)")
+        raise RunIOError(f"cannot write {str(path)!r} {when}: {why}; {keep}") from None
+
+
+def os_error_text(e: Exception) -> str:
+    """``[Errno N] message`` of an OSError, or of the OS error code TensorStore puts in its messages
+    (``... [os_error_code='27']``); else the exception's type and first line."""
+    import re
+    code = e.errno if isinstance(e, OSError) and e.errno else None
+    found = re.search(r"os_error_code='(\d+)'", str(e))
+    code = code or (int(found.group(1)) if found else None)
+    if code:
+        return f"[Errno {code}] {os.strerror(code)}"
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+
+
+def path_out(path: Path) -> str:
+    """The run folder a written path belongs to (its parent; the checkpoint folder's parent)."""
+    return str(Path(path).parent)
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """A list that gets the signal number when SIGTERM or SIGINT arrives (the loop stops after the current
+    call's rounds); a second signal of the same kind acts as it would have (kills / KeyboardInterrupt).
+    Handlers are installed only in the main thread, and the previous ones restored on exit."""
+    stop: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def handle(signum, frame):
+        stop.append(signum)
+        signal.signal(signum, previous[signum])
+
+    for s in previous:
+        signal.signal(s, handle)
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x) -> str:
@@ -357,5 +460,12 @@ def _progress(it, enabled, start, total):
     return tqdm(initial=start, total=total, desc="round", unit="round")
 
 
-def _rewrite_jsonl(path: Path, records: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path`` (atomic: a failed
+    write leaves the old file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
