@@ -7,6 +7,15 @@ from pathlib import Path
 # subprocess checks (sharding, multihost) inherit it.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as jaxfl/__init__.py sets it (jax is imported first here)
+# Many tests build the same jitted round anew (a fresh Experiment, a fresh backend): XLA's persistent cache
+# turns the repeated LLVM compilations into a file read, within a worker, across the two xdist workers and in
+# the subprocess checks (they inherit the environment). One folder per suite run (PYTEST_XDIST_TESTRUNUID is
+# shared by the workers of one run), under the system's temporary folder; never part of the repository.
+_run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(__import__("tempfile").gettempdir(),
+                                                                f"jaxfl-test-xla-cache-{_run_id}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

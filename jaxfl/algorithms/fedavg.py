@@ -21,6 +21,7 @@ from ._registry import register
 class FedAvgOptions(Options):
     """FedAvg has no options of its own."""
     name = "fedavg"
+    server_optimizer = True
     sharing = ("all parameters and BN statistics", "nothing")
 
 

@@ -20,6 +20,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedPerOptions(LocalBNOption):
     name = "fedper"
+    server_optimizer = True
     sharing = ("encoder (body)", "head")
 
 

@@ -45,6 +45,7 @@ class FedPickOptions(Options):
     """FedPick's options; tau and the lam_* left None take the paper's values for the dataset (Digits values
     for digit benchmarks, Office/DomainNet values otherwise)."""
     name = "fedpick"
+    server_optimizer = True
     sharing = ("encoder and global head, without BatchNorm", "BatchNorm, the PFSM (mask net, personal and irrelevant heads)")
     presets = {"default": DIGITS, "digits": DIGITS, "mnist": DIGITS, "office": OFFICE}
     preset_default = "office"

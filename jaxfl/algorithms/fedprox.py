@@ -21,6 +21,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedProxOptions(LocalBNOption):
     name = "fedprox"
+    server_optimizer = True
     sharing = ("as FedAvg; local loss + mu/2 ||w - w_global||^2", "nothing")
     mu: float = option(0.01, "weight of the proximal term mu/2 ||w - w_global||^2", lo=0.0)
 

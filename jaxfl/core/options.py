@@ -41,6 +41,9 @@ class Options:
     models: ClassVar[tuple[str, ...] | None] = None  # the models the method can use (None: any Classifier)
     # the paper's client-training values for RunConfig fields a config leaves None (e.g. weight_decay)
     train_preset: ClassVar[dict[str, Any]] = {}
+    # the aggregate is a (masked) weighted mean of the shared parameters: a server optimizer (``--server-opt``,
+    # ``jaxfl.core.server_opt``) may take its step from it
+    server_optimizer: ClassVar[bool] = False
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod

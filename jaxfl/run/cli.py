@@ -33,6 +33,13 @@ HELP = {
     "momentum": "client SGD momentum",
     "batch_size": "client minibatch size",
     "nesterov": "sgd: Nesterov momentum",
+    "server_opt": "server optimizer of the averaging algorithms (FedOpt: the cohort's mean as a pseudo-gradient "
+                  "step): none (the plain mean) | sgd (with --server-momentum: FedAvgM) | adagrad | adam | yogi",
+    "server_lr": "server learning rate (default: 1 for sgd, 0.1 for adagrad, 0.01 for adam and yogi)",
+    "server_momentum": "server sgd momentum (FedAvgM)",
+    "server_beta1": "adagrad/adam/yogi: first-moment decay",
+    "server_beta2": "adam/yogi: second-moment decay",
+    "server_tau": "adagrad/adam/yogi: adaptivity tau (added to sqrt(v))",
     "out": "output folder: metrics.jsonl, summary.json, accuracy.png, config.json, checkpoints/ (default: a new "
            "runs/<algorithm>-<dataset>-<time>); a non-empty folder needs --resume or --overwrite",
     "overwrite": "replace the outputs of the run already in --out",

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from ..core.backends import BACKENDS, PLACEMENTS
 from ..core.cohort import STRATEGIES, default_strategy
+from ..core.distributed import is_primary
 from ..core.options import coerce, field_type, plain
+from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
 from ..data.federated import DataConfig
@@ -38,6 +40,13 @@ class RunConfig:
     weight_decay: float | None = None
     nesterov: bool = False
     seed: int = 0
+    # server optimizer (FedOpt) of the averaging algorithms: none (the plain mean) | sgd | adagrad | adam | yogi
+    server_opt: str = "none"
+    server_lr: float | None = None  # None: 1 (sgd), 0.1 (adagrad), 0.01 (adam, yogi)
+    server_momentum: float = 0.0
+    server_beta1: float = 0.9
+    server_beta2: float = 0.99
+    server_tau: float = 1e-3
     # algorithm options by algorithm, e.g. {"fedselect": {"alpha": 0.5}}: each algorithm's Options dataclass
     # (``jaxfl.algorithms``) owns its defaults, presets and checks; the CLI's --fedselect.alpha, a [fedselect]
     # table in TOML. The run uses only the table of ``algorithm``.
@@ -141,7 +150,17 @@ class RunConfig:
         """This config with the run's algorithm table written out in full (every option, presets applied) and
         the client optimizer's weight decay filled in: what a run saves, so that its config.json says every
         value it used."""
-        return self.with_protocol().replace(options={self.algorithm: self.algorithm_options().to_dict()})
+        cfg = self.with_protocol().replace(options={self.algorithm: self.algorithm_options().to_dict()})
+        if cfg.server_opt != "none" and cfg.server_lr is None:
+            cfg = cfg.replace(server_lr=DEFAULT_SERVER_LR[cfg.server_opt])
+        return cfg
+
+    def server_optimizer(self):
+        """The optax transformation of ``server_opt`` (None for "none")."""
+        if self.server_opt == "none":
+            return None
+        return server_optimizer(self.server_opt, self.server_lr, self.server_momentum, self.server_beta1,
+                                self.server_beta2, self.server_tau)
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -189,6 +208,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_range("weight_decay", cfg.weight_decay, 0.0, float("inf"))
     if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum <= 0):
         raise ConfigError("--nesterov needs --optimizer sgd with --momentum > 0")
+    check_choice("server_opt", cfg.server_opt, SERVER_OPTIMIZERS)
+    if cfg.server_opt != "none" and not options_class(cfg.algorithm).server_optimizer:
+        able = ", ".join(n for n, r in REGISTRY.items() if r.options.server_optimizer)
+        raise ConfigError(f"--server-opt {cfg.server_opt}: {cfg.algorithm}'s aggregate is not a mean of shared "
+                          f"parameters; a server optimizer composes with: {able}")
+    if cfg.server_lr is not None:
+        check_range("server_lr", cfg.server_lr, 0.0, float("inf"), lo_open=True)
+    check_range("server_momentum", cfg.server_momentum, 0.0, 1.0)
+    check_range("server_beta1", cfg.server_beta1, 0.0, 1.0)
+    check_range("server_beta2", cfg.server_beta2, 0.0, 1.0)
+    check_range("server_tau", cfg.server_tau, 0.0, float("inf"), lo_open=True)
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
     if cfg.devices < 0:
@@ -219,7 +249,8 @@ def check_output(cfg: RunConfig) -> None:
     if out.is_dir():
         if not _writable(out):
             raise ConfigError(f"--out {str(out)!r} is not writable")
-        check_free(out)  # another run is writing here
+        if is_primary():  # another run is writing here (a multi-process run's lock is process 0's)
+            check_free(out)
         if any(p.name != LOCK_NAME for p in out.iterdir()) and not (cfg.resume or cfg.overwrite):
             raise ConfigError(f"--out {str(out)!r} is not empty; pass --resume to continue its run, --overwrite "
                               f"to replace it, or choose another folder")

@@ -18,6 +18,7 @@ from ..algorithms import build_algorithm, options_class
 from ..core.backends import Ragged, Stacked, device_memory_bytes
 from ..core.distributed import client_mesh, is_primary
 from ..core.evaluate import Evaluator
+from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer, client_optimizer, normalizer
 from ..core.trees import count_params
 from ..core.types import RunContext
@@ -117,6 +118,9 @@ class Experiment:
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
         self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, lr=cfg.lr)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
+        server_tx = cfg.resolved().server_optimizer()
+        if server_tx is not None:  # FedOpt: the aggregate becomes a pseudo-gradient step
+            self.algorithm = with_server_optimizer(self.algorithm, server_tx)
         self.strategy = strategy = cfg.strategy_or_default()
         if cfg.eval_point == "local":  # the models right after local training, before aggregation
             if self.algorithm.predict_trained is None:
