@@ -20,6 +20,8 @@ from jaxfl.core.options import field_type
 from jaxfl.run.checkpoint import Checkpointer
 from jaxfl.run.config import RunConfig
 from jaxfl.run.runner import Experiment, RunResult
+# the seed tables and the figure are jaxfl's own (``jaxfl compare`` writes the same from run folders)
+from jaxfl.run.compare import accuracy_curve, plot_mean_accuracy, seed_stats, seed_table  # noqa: F401
 
 
 def _typed(tp, value: str, spec: str):
@@ -114,59 +116,3 @@ def run_seeds(spec: str, base: RunConfig, out_root: str | Path, seeds: list[int]
               progress: bool = False) -> list[list[dict]]:
     """The history of variant ``spec`` for each seed (``run_variant`` with ``base.seed`` replaced)."""
     return [run_variant(spec, base.replace(seed=s), seed_root(out_root, s, seeds), progress)[0] for s in seeds]
-
-
-def accuracy_curve(hist: list[dict], key: str = "mean_accuracy") -> tuple[np.ndarray, np.ndarray]:
-    """(rounds, accuracy) of the evaluated rounds of one run; ``key``: a per-round scalar of metrics.jsonl."""
-    evals = [h for h in hist if key in h]
-    return np.array([h["round"] for h in evals]), np.array([h[key] for h in evals], float)
-
-
-def seed_stats(hists: list[list[dict]], key: str = "mean_accuracy", tail: int = 5) -> dict:
-    """Over seeds: the final accuracy and the mean of the last ``tail`` evaluations, each as (mean, std) in %
-    (std over seeds, population std: 0 for one seed), the number of seeds and the last round."""
-    finals = [accuracy_curve(h, key)[1][-1] * 100 for h in hists]
-    tails = [accuracy_curve(h, key)[1][-tail:].mean() * 100 for h in hists]
-    return {"final": (float(np.mean(finals)), float(np.std(finals))),
-            "tail": (float(np.mean(tails)), float(np.std(tails))), "seeds": len(hists),
-            "rounds": int(accuracy_curve(hists[0], key)[0][-1])}
-
-
-def seed_table(results: dict[str, list[list[dict]]], key: str = "mean_accuracy", tail: int = 5,
-               paper: dict | None = None, paper_label: str = "paper") -> str:
-    """Markdown: per variant, the final accuracy and the mean of its last ``tail`` evaluations, mean +- std over
-    seeds (%); ``paper``: the paper's number by algorithm name (or by variant), a last column."""
-    rows = [f"| method | seeds | final accuracy % (mean ± std) | mean of the last {tail} evaluations % (mean ± std) |"
-            + (f" {paper_label} |" if paper is not None else ""),
-            "|---|---|---|---|" + ("---|" if paper is not None else "")]
-    for spec, hists in results.items():
-        st = seed_stats(hists, key, tail)
-        ref = "" if paper is None else f" {paper.get(spec, paper.get(spec.split(':')[0], '-'))} |"
-        rows.append(f"| {spec} | {st['seeds']} | {st['final'][0]:.2f} ± {st['final'][1]:.2f} "
-                    f"| {st['tail'][0]:.2f} ± {st['tail'][1]:.2f} |" + ref)
-    return "\n".join(rows)
-
-
-def plot_mean_accuracy(results: dict[str, list[list[dict]]], path: Path, title: str, highlight: str = "",
-                       key: str = "mean_accuracy") -> None:
-    """PNG: per variant, the accuracy ``key`` per evaluated round, averaged over its seeds, with a band of
-    +- one std over seeds (no band for one seed)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for spec, hists in results.items():
-        curves = [accuracy_curve(h, key) for h in hists]
-        n = min(len(c[0]) for c in curves)  # seeds evaluate the same rounds; guard against a short run
-        rounds, acc = curves[0][0][:n], np.stack([c[1][:n] for c in curves])
-        mean, std = acc.mean(0), acc.std(0)
-        line, = ax.plot(rounds, mean, marker="o", ms=3, label=spec + (f" ({len(hists)} seeds)" if len(hists) > 1 else ""),
-                        lw=2.5 if spec.split(":")[0] == highlight else 1.2)
-        if len(hists) > 1:
-            ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2, lw=0)
-    ax.set(xlabel="round", ylabel=key.replace("_", " ") + " over clients", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

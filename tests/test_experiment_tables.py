@@ -36,8 +36,11 @@ def test_seed_stats_are_mean_and_std_over_seeds_of_final_and_tail():
 def test_seed_table_rows():
     text = seed_table({"fedavg": [SEED0, SEED1], "local:lr=0.1": [SEED0]}, paper={"local": 74.6})
     lines = text.splitlines()
-    assert lines[2] == "| fedavg | 2 | 70.00 ± 10.00 | 36.00 ± 4.00 | - |"
-    assert lines[3] == "| local:lr=0.1 | 1 | 60.00 ± 0.00 | 40.00 ± 0.00 | 74.6 |"
+    # final, best-mean (SEED0's best 60 in round 6, SEED1's 80), last-5
+    assert lines[2] == "| fedavg | 2 | 6 | 70.00 ± 10.00 | 70.00 ± 10.00 | 36.00 ± 4.00 | - |"
+    assert lines[3] == "| local:lr=0.1 | 1 | 6 | 60.00 ± 0.00 | 60.00 ± 0.00 | 40.00 ± 0.00 | 74.6 |"
+    early = history([0.9, 0.2, 0.3])  # the best-mean round need not be the last
+    assert seed_stats([early], tail=2)["best"] == pytest.approx((90.0, 0.0))
 
 
 def test_per_client_table_averages_best_and_last_over_seeds():

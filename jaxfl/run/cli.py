@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from ..errors import ConfigError, JaxflError, Stopped
 from .config import TRAINING_DEFAULTS, RunConfig, load_config_file
@@ -74,6 +75,17 @@ def generated_help() -> dict[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxfl", description="Vectorized personalized federated learning.")
     sub = parser.add_subparsers(dest="command", required=True)
+    cmp = sub.add_parser("compare", help="runs side by side: one table and one figure, seeds grouped")
+    cmp.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                     help="run folders (holding metrics.jsonl), or folders searched for them")
+    cmp.add_argument("--key", default="mean_accuracy",
+                     help="mean_accuracy (unweighted over clients) | weighted_accuracy (by test-set size)")
+    cmp.add_argument("--last-k", type=int, default=5, help="the last-k column averages the last k evaluations")
+    cmp.add_argument("--per-client", action="store_true", help="also each client's final accuracy")
+    cmp.add_argument("--md", help="write the markdown table here")
+    cmp.add_argument("--csv", help="write the table as CSV here")
+    cmp.add_argument("--plot", help="write the figure (PNG) here: mean accuracy per round, ± std over seeds")
+    cmp.add_argument("--title", default="", help="the figure's title")
     run = sub.add_parser("run", help="train and evaluate one configuration",
                          argument_default=argparse.SUPPRESS)
     run.add_argument("--config", help="TOML or JSON file of options; flags override it")
@@ -137,9 +149,33 @@ def format_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
+def compare_main(args: dict) -> int:
+    """``jaxfl compare``: the markdown table on stdout; --md/--csv/--plot files."""
+    from .compare import compare, plot_mean_accuracy
+    try:
+        results, table, csv_text = compare(args["runs"], args["key"], args["last_k"], args["per_client"])
+        outputs = [(args[k], k) for k in ("md", "csv", "plot") if args[k]]
+        for path, kind in outputs:
+            if Path(path).is_dir() or not Path(path).absolute().parent.is_dir():
+                raise ConfigError(f"--{kind} {path!r}: give a file in an existing folder")
+    except JaxflError as e:
+        print(f"jaxfl: error: {e}", file=sys.stderr)
+        return 2
+    print(table)
+    for path, kind in outputs:
+        if kind == "md":
+            Path(path).write_text(table + "\n")
+        elif kind == "csv":
+            Path(path).write_text(csv_text)
+        else:
+            plot_mean_accuracy(results, Path(path), args["title"], key=args["key"])
+    return 0
+
+
 def main(argv=None) -> int:
     args = vars(build_parser().parse_args(argv))
-    args.pop("command")
+    if args.pop("command") == "compare":
+        return compare_main(args)
     quiet = args.pop("quiet", False)
     launch = {k: args.pop(k) for k in ("coordinator_address", "num_processes", "process_id") if k in args}
     from ..core.distributed import initialize, is_primary  # imports jax: kept out of `jaxfl --help`'s start-up
