@@ -27,7 +27,10 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torch_fedavg import torch_fedavg_round  # noqa: E402  (the torch loop both benchmarks time)
 
 WORKLOADS = {
     # name: model, input shape, samples per client (equal clients), batch, client counts, cohort (None: all)
@@ -523,7 +526,6 @@ def small_torch_loop(w: dict, data, cohorts) -> dict | None:
         return None
     import numpy as np
     import torch
-    import torch.nn.functional as F
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(dev)
     b = w["batch"]
@@ -539,25 +541,7 @@ def small_torch_loop(w: dict, data, cohorts) -> dict | None:
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
 
     def round_(ids):
-        acc = {k: torch.zeros_like(v) for k, v in global_state.items()}
-        total = 0.0
-        for i in ids:
-            x, y = tensors[int(i)]
-            n = len(y)
-            model.load_state_dict(global_state)
-            opt = torch.optim.SGD(model.parameters(), lr=w["lr"])
-            perm = torch.randperm(n, device=dev)
-            for s in range(0, n, b):
-                idx = perm[s:s + b]
-                opt.zero_grad()
-                F.cross_entropy(model(x[idx]), y[idx]).backward()
-                opt.step()
-            with torch.no_grad():
-                for k, v in model.state_dict().items():
-                    acc[k].add_(v, alpha=float(n))
-            total += n
-        for k in global_state:
-            global_state[k] = acc[k] / total
+        global_state.update(torch_fedavg_round(model, global_state, tensors, ids, w["lr"], b))
         if dev == "cuda":
             torch.cuda.synchronize()
 

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # throughput.py: the torch models
+from torch_fedavg import torch_fedavg_round  # noqa: E402
 
 # Rounds to the target reported by McMahan et al. 2017 (arXiv 1602.05629), C = 0.1, B = 10. ``rounds`` is the
 # number the table shows against ``source``; ``other`` the same setting's entry in the other table (None:
@@ -230,29 +231,11 @@ def torch_inputs(x, y, parts) -> list:
 
 
 def torch_round(model, global_state: dict, clients, ids, lr: float, batch: int, epochs: int, seed: int, r: int):
-    """One FedAvg round, client after client; returns the new global state (sample-weighted average)."""
+    """One FedAvg round, client after client (``torch_fedavg_round``), each client's batch order from its own
+    seeded generator; returns the new global state."""
     import torch
-    import torch.nn.functional as F
-    acc = {k: torch.zeros_like(v) for k, v in global_state.items()}
-    total = 0
-    for i in ids:
-        x, y = clients[int(i)]
-        n = len(y)
-        model.load_state_dict(global_state)
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + r) * 100_003 + int(i))
-        for _ in range(epochs):
-            perm = torch.randperm(n, generator=gen)
-            for s in range(0, n, batch):
-                idx = perm[s:s + batch]
-                opt.zero_grad()
-                F.cross_entropy(model(x[idx]), y[idx]).backward()
-                opt.step()
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                acc[k].add_(v, alpha=float(n))
-        total += n
-    return {k: v / total for k, v in acc.items()}
+    gen = lambda i: torch.Generator().manual_seed((seed * 1_000_003 + r) * 100_003 + i)
+    return torch_fedavg_round(model, global_state, clients, ids, lr, batch, epochs, generator=gen)
 
 
 def torch_accuracy(model, state: dict, x, y, batch: int = 1000) -> float:
