@@ -193,3 +193,21 @@ def test_each_client_takes_only_its_own_steps(strategy):
 def test_map_clients_rejects_unknown_strategy():
     with pytest.raises(ValueError, match="vmap, map, chunked"):
         map_clients(lambda x: x, "pmap")
+
+
+@pytest.mark.parametrize("strategy", ["map", "vmap"])
+def test_evaluation_runs_only_the_batches_that_hold_real_samples(strategy):
+    # a client with 3 test samples beside one with 20, batches of 4: the small client runs 1 batch, not 5
+    # (under vmap the group runs the largest client's 5, but each client's real rows are the same)
+    from jaxfl.core.evaluate import make_predict
+    alg, _, server, clients = setup_algorithm("fedbn", small_cnn(num_classes=4, width=4, hidden=(8,)), [8, 8])
+    data = conftest.make_data([3, 20], m=20)
+    logits, _ = jax.jit(make_predict(alg, eval_batch_size=4, strategy=strategy))(server, clients, data)
+    one = jax.tree_util.tree_map(lambda a: a[0], clients)
+    from jaxfl.core.trainer import normalizer
+    alone = alg.predict(server, one, normalizer()(data.x[0, :3]))
+    np.testing.assert_allclose(np.asarray(logits[0, :3]), np.asarray(alone), atol=1e-5)
+    if strategy == "map":  # batches past the client's own never ran: their outputs are the zero fill
+        assert np.all(np.asarray(logits[0, 4:]) == 0) and np.any(np.asarray(logits[1, 4:]) != 0)
+    ev = jax.jit(make_evaluate(alg, eval_batch_size=4, strategy=strategy))(server, clients, data)
+    assert np.all(np.isfinite(np.asarray(ev["loss"]))) and ev["count"].tolist() == [3, 20]

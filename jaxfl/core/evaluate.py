@@ -30,15 +30,16 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_si
     """Build predict_all(server, clients, data, key=None, ids=None, train=None) -> (logits [N, M, K],
     {name: [N, M]}).
 
-    Every client predicts its own padded inputs in evaluation mode, in batches of ``eval_batch_size``
-    (``lax.map``; M must be a multiple of it); rows past ``data.count`` are padding (mask them with
+    Every client predicts its own inputs in evaluation mode, in batches of ``eval_batch_size`` (M must be a
+    multiple of it), running only the ceil(count / B) batches that hold real samples (under ``vmap``: its
+    group's largest); rows past ``data.count`` are padding, zero where no batch ran (mask them with
     ``data.sample_mask()``). ids [N]: the rows' client ids (default 0..N-1). ``transform(x, key)`` changes
     each preprocessed batch (e.g. input noise); batch j of client i gets ``fold_in(fold_in(key, i), j)``.
     train: the clients' training sets (a ClientData, raw inputs), needed by an algorithm with
     ``prepare_predict``, which turns (server, client, its preprocessed training set, fold_in(key, i)) into the
     ``client`` its ``predict`` sees.
     """
-    def one(shared, client, x, cid, train=None):
+    def one(shared, client, x, count, cid, train=None):
         server, key = shared
         if alg.prepare_predict is not None:
             train = ClientData(preprocess(train.x), train.y, train.count)
@@ -53,7 +54,15 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_si
             return split_output(alg.predict(server, client, xb, cid))
 
         xs = x.reshape((nb, eval_batch_size) + x.shape[1:])
-        out = jax.lax.map(batch, (xs, jnp.arange(nb)))
+        # only the client's own batches run (ceil(count / B) of them; under vmap, the group's largest): the
+        # outputs of batches past them stay zero, padding that every consumer masks with the sample count
+        shapes = jax.eval_shape(batch, (xs[0], jnp.int32(0)))
+        out = jax.tree_util.tree_map(lambda sd: jnp.zeros((nb,) + sd.shape, sd.dtype), shapes)
+        own = (count + eval_batch_size - 1) // eval_batch_size
+
+        def step(j, out):
+            return jax.tree_util.tree_map(lambda a, v: a.at[j].set(v), out, batch((xs[j], j)))
+        out = jax.lax.fori_loop(0, jnp.minimum(own, nb), step, out)
         return jax.tree_util.tree_map(lambda a: a.reshape((nb * eval_batch_size,) + a.shape[2:]), out)
 
     def predict_all(server, clients, data: ClientData, key=None, ids=None, train: ClientData | None = None):
@@ -62,8 +71,9 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_si
         if alg.prepare_predict is not None:
             if train is None:
                 raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
-            return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x, ids, train)
-        return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x, ids)
+            return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x, data.count, ids,
+                                                                 train)
+        return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x, data.count, ids)
 
     return predict_all
 
