@@ -5,7 +5,8 @@ evaluation, each timed after a first pass that compiles it, at an experiment's s
         --set image_size=28 samples_per_client=743 lr=0.01 momentum=0 batch_size=32 --rounds 2
 
 Prints one line per phase: compile seconds (first pass), median seconds per round over ``--rounds`` timed
-rounds, and the host share the backend reports. Any RunConfig field can be set with ``--set name=value``.
+rounds, and the host share the backend reports. ``--set name=value`` sets a RunConfig field or an option of the
+algorithm (typed as the experiment scripts type their variants, ``common.parse_variant``).
 """
 from __future__ import annotations
 
@@ -16,26 +17,9 @@ import time
 import jax
 import numpy as np
 
-from jaxfl.core.options import coerce, field_type
+from common import parse_variant  # the experiment scripts' "name:key=value" variants
 from jaxfl.run.config import RunConfig
 from jaxfl.run.runner import Experiment
-
-
-def parse_sets(items) -> dict:
-    """``name=value`` strings -> RunConfig fields with their types."""
-    import dataclasses
-    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
-    out = {}
-    for item in items:
-        name, _, value = item.partition("=")
-        if name not in fields:
-            raise SystemExit(f"--set {item!r}: unknown RunConfig field {name!r}")
-        try:
-            value = json.loads(value)  # numbers and booleans; anything else stays a string
-        except ValueError:
-            pass
-        out[name] = coerce(name, field_type(RunConfig, fields[name]), value)
-    return out
 
 
 def block(tree):
@@ -78,7 +62,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds timed after the compiling one")
     p.add_argument("--json", default=None, help="append the result as one JSON line here")
     args = p.parse_args(argv)
-    cfg = RunConfig(algorithm=args.algorithm, dataset=args.dataset, **parse_sets(args.set))
+    name, opts, run = parse_variant(":".join([args.algorithm] + args.set))
+    cfg = RunConfig(algorithm=name, dataset=args.dataset, options={name: opts}, **run)
     res = profile(cfg, args.rounds)
     print(f"{res['algorithm']} on {res['dataset']} ({res['clients']} clients, cohort {res['cohort']}, "
           f"{res['backend']}/{res['strategy']}): train {res['train_s']:.2f} s/round (first {res['train_first_s']:.1f} s), "

@@ -31,6 +31,12 @@ class Stopped(JaxflError):
         self.exit_code = 128 + signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
 
 
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message``, at most ``limit`` characters: an exception in one line."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:limit]
+
+
 def check_choice(what: str, value, allowed) -> None:
     """Raise ConfigError unless ``value`` is one of ``allowed``, listing the valid ones."""
     allowed = list(allowed)

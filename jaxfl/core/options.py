@@ -104,7 +104,7 @@ def _check(label: str, v, meta) -> None:
         raise ConfigError(f"{label}={v} must be at least {minimum}")
     if lo is not None or hi is not None:
         lo_ok = lo is None or (v > lo if lo_open else v >= lo)
-        if not (math.isfinite(v) and lo_ok and (hi is None or v <= hi)):
+        if not (lo_ok and (hi is None or v <= hi)):
             left = "(" if lo_open else "["
             right = f"{hi}]" if hi is not None else "inf)"
             raise ConfigError(f"{label}={v} must be a finite number in {left}{lo if lo is not None else '-inf'}, "

@@ -94,19 +94,14 @@ def with_server_optimizer(alg: Algorithm, tx: optax.GradientTransformation) -> A
         server, client = alg.init(key, sample_x)
         return {**server, STATE_KEY: tx.init(server["params"])}, client
 
-    def local_update(server, client, data, key, info):
-        return alg.local_update(inner(server), client, data, key, info)
-
     def aggregate(server, trained, weights, info):
         new, kept = alg.aggregate(inner(server), trained, weights, info)
         params, opt_state = server_step(tx, server["params"], new["params"], server[STATE_KEY])
         return {**new, "params": params, STATE_KEY: opt_state}, kept
 
-    def predict(server, client, x, client_id=None):
-        return alg.predict(inner(server), client, x, client_id)
-
-    def wrap(fn):
+    def wrap(fn):  # fn(server, ...) of ``alg``, given the server state without the optimizer's
         return None if fn is None else (lambda server, *a, **k: fn(inner(server), *a, **k))
 
-    return alg._replace(init=init, local_update=local_update, aggregate=aggregate, predict=predict,
-                        predict_trained=wrap(alg.predict_trained), prepare_predict=wrap(alg.prepare_predict))
+    return alg._replace(init=init, local_update=wrap(alg.local_update), aggregate=aggregate,
+                        predict=wrap(alg.predict), predict_trained=wrap(alg.predict_trained),
+                        prepare_predict=wrap(alg.prepare_predict))

@@ -22,7 +22,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
+from .config import replace_text
 
 
 # Fields that may change between a run and its resumption; any other change is refused.
@@ -113,9 +114,7 @@ class Checkpointer:
             kept = set(map(str, self.manager.all_steps()))
             digests = {k: v for k, v in self._digests().items() if k in kept}
             digests[str(round_idx)] = digest
-            tmp = self.directory / "digests.json.tmp"
-            tmp.write_text(json.dumps(digests))
-            os.replace(tmp, self.directory / "digests.json")
+            replace_text(self.directory / "digests.json", json.dumps(digests))
 
     def restore(self, round_idx: int, server, clients):
         """The state of step ``round_idx``; an exception if it does not restore or its digest differs."""
@@ -137,7 +136,7 @@ class Checkpointer:
             try:
                 restored = self.restore(step, server, clients)
             except Exception as e:  # noqa: BLE001 - any failure to read a step makes it unusable
-                damaged.append((step, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]))
+                damaged.append((step, first_line(e, 160)))
                 continue
             if damaged:
                 for bad, _ in damaged:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import tomllib
 from pathlib import Path
 
@@ -284,6 +285,17 @@ def clear_outputs(out: Path) -> None:
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path`` (atomic: a failed
+    write leaves the old file, and no temporary file behind)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_config_file(path: str | Path) -> dict:

@@ -25,9 +25,9 @@ from ..core.types import RunContext
 from ..data import load_dataset
 from ..data.federated import TEXT_DATASETS
 from ..data.ragged import RaggedClients
-from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped
+from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped, first_line
 from ..models import build_model
-from .config import RunConfig, check_output, clear_outputs, validate
+from .config import RunConfig, check_output, clear_outputs, replace_text, validate
 from .lock import RunLock
 from .plots import plot_accuracy
 
@@ -119,7 +119,7 @@ class Experiment:
         self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, lr=cfg.lr,
                                   momentum=cfg.momentum if cfg.optimizer == "sgd" else None)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
-        server_tx = cfg.resolved().server_optimizer()
+        server_tx = cfg.server_optimizer()
         if server_tx is not None:  # FedOpt: the aggregate becomes a pseudo-gradient step
             self.algorithm = with_server_optimizer(self.algorithm, server_tx)
         self.strategy = strategy = cfg.strategy_or_default()
@@ -212,9 +212,9 @@ def open_run(exp: Experiment, notify=None):
         store.set(clients)
     if is_primary():
         with written(out / "config.json", "before round 1" if not start else f"at round {start}", ckpt):
-            _replace_text(out / "config.json", json.dumps(cfg.resolved().to_dict(), indent=2))
+            replace_text(out / "config.json", json.dumps(cfg.resolved().to_dict(), indent=2))
         with written(out / "metrics.jsonl", "before round 1" if not start else f"at round {start}", ckpt):
-            _replace_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
+            replace_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
     return server, store, start, history, ckpt
 
 
@@ -347,7 +347,7 @@ def written(path: Path, when: str, ckpt):
         why = os_error_text(e)
         keep = (f"the log and the checkpoint of round {last} are intact; free space or fix the error, then "
                 f"continue with jaxfl run --out {path_out(path)} --resume" if last is not None else
-                "no checkpoint was written (--checkpoint-every 0)")
+                "no checkpoint was written yet")
         raise RunIOError(f"cannot write {str(path)!r} {when}: {why}; {keep}") from None
 
 
@@ -360,7 +360,7 @@ def os_error_text(e: Exception) -> str:
     code = code or (int(found.group(1)) if found else None)
     if code:
         return f"[Errno {code}] {os.strerror(code)}"
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    return first_line(e)
 
 
 def path_out(path: Path) -> str:
@@ -463,14 +463,3 @@ def _progress(it, enabled, start, total):
         return None
     from tqdm.auto import tqdm
     return tqdm(initial=start, total=total, desc="round", unit="round")
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path`` (atomic: a failed
-    write leaves the old file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
