@@ -9,7 +9,7 @@ import optax
 from conftest import assert_trees_close, info, make_data, make_trainer, trained_rows
 
 from jaxfl.algorithms import build_algorithm
-from jaxfl.algorithms._drift import optimizer_lr
+from jaxfl.algorithms._common import optimizer_lr
 from jaxfl.algorithms.feddc import dc_term
 from jaxfl.algorithms.feddyn import dyn_term
 from jaxfl.core.cohort import client_keys

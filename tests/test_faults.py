@@ -2,7 +2,6 @@
 
 Each fault must end in one line (never a traceback), leave the log clean, and resume bit-identically."""
 import json
-import os
 import signal
 import subprocess
 import sys

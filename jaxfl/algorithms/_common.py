@@ -4,6 +4,7 @@ sums, and evaluation after fine-tuning."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -11,10 +12,11 @@ import jax.numpy as jnp
 import optax
 
 from ..core.metrics import cross_entropy, weighted_mean_loss
-from ..core.trainer import LocalTrainer
+from ..core.trainer import LocalTrainer, batch_of
 from ..core.trees import PathPredicate, path_mask
 from ..core.types import Algorithm
 from ..data.clients import ClientData
+from ..errors import ConfigError
 from ..models import MLPHead
 
 
@@ -102,23 +104,27 @@ def logits_and_representation(representation: str = "penultimate"):
     return forward
 
 
-def class_feature_sums(model, variables, data: ClientData, num_classes: int, batch_size: int, preprocess):
+def class_feature_sums(model, variables, data: ClientData, num_classes: int, batch_size: int, preprocess,
+                       representation: str = "features"):
     """Over a client's real samples, in evaluation mode: S1 [C, d] = sum_{y=k} z, S2 [C] = sum_{y=k} ||z||^2,
-    N [C] = #{y = k}, with z = f(x) the encoder output; in batches, skipping the padding."""
+    N [C] = #{y = k}, with z = f(x) the ``representation`` (``logits_and_representation``; default the encoder
+    output); in batches, skipping the padding."""
     b, m = batch_size, data.y.shape[0]
     n_steps = (data.count + b - 1) // b
+    forward = logits_and_representation(representation)
+    features = lambda x: model.apply(variables, preprocess(x), False, None, method=forward)[1]
 
     def step(t, sums):
         idx = t * b + jnp.arange(b)
         w = (idx < data.count).astype(jnp.float32)
         idx = jnp.minimum(idx, m - 1)
-        z = model.apply(variables, preprocess(data.x[idx]), train=False, method="features")
-        onehot = jax.nn.one_hot(data.y[idx], num_classes) * w[:, None]
+        x, y = batch_of(data, idx)
+        z = features(x)
+        onehot = jax.nn.one_hot(y, num_classes) * w[:, None]
         s1, s2, n = sums
         return s1 + onehot.T @ z, s2 + onehot.T @ jnp.sum(z * z, -1), n + jnp.sum(onehot, 0)
 
-    d = jax.eval_shape(lambda x: model.apply(variables, preprocess(x), train=False, method="features"),
-                       data.x[:1]).shape[-1]
+    d = jax.eval_shape(features, batch_of(data, jnp.zeros(1, jnp.int32))[0]).shape[-1]
     zeros = (jnp.zeros((num_classes, d)), jnp.zeros(num_classes), jnp.zeros(num_classes))
     return jax.lax.fori_loop(0, n_steps, step, zeros)
 
@@ -167,3 +173,18 @@ def with_fine_tuning(base: Algorithm, model, trainer: LocalTrainer, ft_epochs: i
         return model.apply(trained["tuned"], x, train=False)
 
     return Algorithm(name, init, local_update, aggregate, predict, predict_trained)
+
+
+def optimizer_lr(trainer: LocalTrainer, lr: float | None = None, name: str = "scaffold", option: str = "lr") -> float:
+    """The client learning rate: ``lr`` if given (the option, else the run's base lr: ``RunContext.lr``), else
+    minus the first update the trainer's optimizer makes from a unit gradient at w = 0 (lr for SGD, with or
+    without momentum and weight decay, and for Adam)."""
+    if lr is not None:
+        return float(lr)
+    zero = jnp.zeros((), jnp.float32)
+    update, _ = trainer.tx.update(jnp.ones((), jnp.float32), trainer.tx.init(zero), zero)
+    step = -float(update)
+    if not (math.isfinite(step) and step > 0):
+        raise ConfigError(f"{name} cannot read the client learning rate from the optimizer (its first step is "
+                          f"{step}); pass --{name}.{option.replace('_', '-')}")
+    return step

@@ -1,30 +1,12 @@
-"""Drift correction shared by SCAFFOLD, FedDyn and FedDC: the client learning rate a correction divides by,
-sums over the cohort scaled by 1/N, and SCAFFOLD's option-II control variate (FedDC uses it too)."""
+"""Drift correction shared by SCAFFOLD, FedDyn and FedDC: sums over the cohort scaled by 1/N and SCAFFOLD's
+option-II control variate (FedDC uses it too). The client learning rate a correction divides by is
+``_common.optimizer_lr``."""
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 
 from ..core.aggregation import tree_weighted_mean
-from ..core.trainer import LocalTrainer
-from ..errors import ConfigError
-
-
-def optimizer_lr(trainer: LocalTrainer, lr: float | None = None, name: str = "scaffold") -> float:
-    """The client learning rate: ``lr`` if given (the option, else the run's base lr: ``RunContext.lr``), else
-    minus the first update the trainer's optimizer makes from a unit gradient at w = 0 (lr for SGD, with or
-    without momentum and weight decay, and for Adam)."""
-    if lr is not None:
-        return float(lr)
-    zero = jnp.zeros((), jnp.float32)
-    update, _ = trainer.tx.update(jnp.ones((), jnp.float32), trainer.tx.init(zero), zero)
-    step = -float(update)
-    if not (math.isfinite(step) and step > 0):
-        raise ConfigError(f"{name} cannot read the client learning rate from the optimizer (its first step is "
-                          f"{step}); pass --{name}.lr")
-    return step
 
 
 def cohort_sum_over_n(tree, weights, num_clients: int | None):

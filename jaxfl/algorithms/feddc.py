@@ -15,7 +15,7 @@ correction as the linear term)
 
 With full participation theta = mean_i (w_i + h_i), the paper's aggregation of the drift-corrected models. K_i
 is the client's own number of optimizer steps this round; lr the client learning rate (option ``lr``: by default
-the run's ``--lr``, ``LocalTrainer.lr``, else read from the optimizer, ``scaffold.optimizer_lr``); ``alpha`` =
+the run's ``--lr``, ``LocalTrainer.lr``, else read from the optimizer, ``_common.optimizer_lr``); ``alpha`` =
 0.01. In its first round (h_i = 0, G = G_i = 0) a client trains exactly FedProx's objective with mu = alpha, but
 the server adds the drift: alpha = 0 is not FedAvg (its first cloud model is 2 mean(w_i) - theta^0). BatchNorm
 running statistics are averaged as FedAvg does. Every client predicts with the cloud model theta.
@@ -42,7 +42,8 @@ from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ._common import ce_loss, global_model_predictors, init_variables, model_variables
-from ._drift import cohort_sum_over_n, control_variate, optimizer_lr
+from ._common import optimizer_lr
+from ._drift import cohort_sum_over_n, control_variate
 from ._registry import register
 
 

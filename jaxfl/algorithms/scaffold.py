@@ -42,7 +42,8 @@ from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ._common import ce_loss, global_model_predictors, init_variables, model_variables
-from ._drift import cohort_sum_over_n, control_variate, optimizer_lr
+from ._common import optimizer_lr
+from ._drift import cohort_sum_over_n, control_variate
 from ._registry import register
 
 

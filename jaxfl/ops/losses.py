@@ -81,12 +81,22 @@ def model_contrastive_loss(z, z_glob, z_prev, tau: float):
     return jnp.logaddexp(s_g, s_p) - s_g
 
 
-def class_log_prior(y, count, num_classes: int):
-    """log n_c, n_c = #{j < count : y_j = c}: the log class counts of one client's real training samples
-    (log 0 = -inf for an absent class; all zeros for a client without samples). y [M], count [] -> [C]."""
+def class_counts(y, count, num_classes: int):
+    """n_c = #{j < count : y_j = c}: the class counts of one client's real samples. y [M], count [] -> [C]."""
     real = jnp.arange(y.shape[0]) < count
-    n = jnp.sum(real[:, None] * jax.nn.one_hot(y, num_classes), 0)
-    return jnp.log(jnp.where(count > 0, n, 1.0))
+    return jnp.sum(real[:, None] * jax.nn.one_hot(y, num_classes), 0)
+
+
+def class_log_prior(y, count, num_classes: int):
+    """log n_c (``class_counts``): the log class counts of one client's real training samples
+    (log 0 = -inf for an absent class; all zeros for a client without samples). y [M], count [] -> [C]."""
+    return jnp.log(jnp.where(count > 0, class_counts(y, count, num_classes), 1.0))
+
+
+def logit_calibration(counts, tau: float, floor: float = 1e-8):
+    """FedLC's per-class logit offsets tau * max(n_c, floor)^(-1/4): the rarer a class on the client, the more
+    its logit is lowered during training (an absent class by tau * floor^(-1/4) = 100 tau). counts [C] -> [C]."""
+    return tau * jnp.maximum(counts, floor) ** -0.25
 
 
 def balanced_softmax_ce(logits, y, log_prior):

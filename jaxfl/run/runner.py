@@ -35,6 +35,13 @@ from .plots import plot_accuracy
 DEFAULT_MODEL = {"default": "digits_cnn", "digits": "digits_cnn", "pacs": "digits_cnn"}
 
 
+def model_size(server, clients) -> int:
+    """The model's parameter count: the server's model, or one client's where the server holds none (FedProto)."""
+    if "params" in server:
+        return count_params(server["params"])
+    return count_params(jax.tree_util.tree_map(lambda leaf: leaf[0], clients["params"]))
+
+
 def model_name(cfg: RunConfig) -> str:
     """--model, else the first model the algorithm allows, else the dataset's default (small_cnn otherwise;
     char_lstm for text)."""
@@ -314,7 +321,7 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
             raise Stopped(f"stopped at round {r}{how}", stop[0])
     if bar is not None:
         bar.close()
-    result = RunResult(cfg, names, history, server, store.state, count_params(server["params"]))
+    result = RunResult(cfg, names, history, server, store.state, model_size(server, store.state))
     if write:
         with written(out / "summary.json", f"after round {r}", ckpt):
             (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
