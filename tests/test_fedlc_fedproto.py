@@ -138,9 +138,9 @@ def test_fedproto_round_zero_is_local_training_and_the_server_holds_class_means(
     np.testing.assert_allclose(alg.predict(s2, v0, x), want, rtol=1e-5)
     head = setup("fedproto", predict="head")[0]
     np.testing.assert_allclose(head.predict(s2, v0, x), m.apply(v0, x, train=False), rtol=1e-6)
-    # the run's model size is one client's model when the server holds none
+    # the run's model size is the model's when the server holds none
     n = sum(a.size for a in jax.tree_util.tree_leaves(v0["params"]))
-    assert model_size(s2, c2) == n == model_size(*setup("fedavg")[2:])
+    assert model_size(s2, m, x) == n == model_size(setup("fedavg")[2], None, None)
     rows = trained_rows(alg, data, s1, c1, root, round_idx=1)
     assert rows["protos"].shape == (3, 4, 8) and rows["counts"].shape == (3, 4)
 

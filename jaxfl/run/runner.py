@@ -35,11 +35,12 @@ from .plots import plot_accuracy
 DEFAULT_MODEL = {"default": "digits_cnn", "digits": "digits_cnn", "pacs": "digits_cnn"}
 
 
-def model_size(server, clients) -> int:
-    """The model's parameter count: the server's model, or one client's where the server holds none (FedProto)."""
+def model_size(server, model, sample_x) -> int:
+    """The parameter count of the server's model, or where the server holds none (FedProto, FedAMP's table) of
+    ``model`` on a preprocessed sample ``sample_x`` (shapes only: nothing is computed)."""
     if "params" in server:
         return count_params(server["params"])
-    return count_params(jax.tree_util.tree_map(lambda leaf: leaf[0], clients["params"]))
+    return count_params(jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), sample_x)["params"])
 
 
 def model_name(cfg: RunConfig) -> str:
@@ -321,7 +322,8 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
             raise Stopped(f"stopped at round {r}{how}", stop[0])
     if bar is not None:
         bar.close()
-    result = RunResult(cfg, names, history, server, store.state, model_size(server, store.state))
+    sample_x = exp.trainer.preprocess(exp.dataset.train[0][0][:1])
+    result = RunResult(cfg, names, history, server, store.state, model_size(server, exp.model, sample_x))
     if write:
         with written(out / "summary.json", f"after round {r}", ckpt):
             (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
