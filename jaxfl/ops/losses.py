@@ -137,3 +137,30 @@ def prototype_contrastive_loss(z, y, cluster, cluster_valid, unbiased, class_val
     infonce = jax.nn.logsumexp(sims.reshape(-1, c * s), -1) - jax.nn.logsumexp(pos, -1)
     mse = jnp.mean(jnp.square(z - unbiased[y]), -1)
     return jnp.where(has, infonce + mse, 0.0)
+
+
+def soft_target_ce(logits, teacher_logits, temperature: float):
+    """Per-sample distillation CE -sum_c softmax(t / T)_c log_softmax(z)_c (teacher tempered by T, student at 1,
+    no T^2 factor: FedPHP's KD). logits, teacher_logits [B, C] -> [B]."""
+    target = jax.nn.softmax(teacher_logits / temperature, -1)
+    return -jnp.sum(target * jax.nn.log_softmax(logits, -1), -1)
+
+
+def multi_kernel_mmd(a, b, w, kernels: int = 5, multiplier: float = 2.0):
+    """Squared MMD between the real rows of a and b [B, d] (w [B]: 1 for real) with a sum of Gaussian kernels,
+    FedPHP's (DAN's) estimator: on U = [a; b], D_uv = ||U_u - U_v||^2, bandwidth
+    beta = sg(sum_uv D_uv / (n^2 - n)) (n = 2 sum w, real rows only), K = sum_{k<kernels} exp(-D / (beta m^k / m^(kernels//2))),
+    MMD^2 = mean over real (i, j) of K_aa + K_bb - K_ab - K_ba. -> []."""
+    u = jnp.concatenate([a, b], 0)
+    mu = jnp.concatenate([w, w], 0)
+    sq = jnp.sum(u * u, -1)
+    d = jnp.maximum(sq[:, None] + sq[None] - 2 * u @ u.T, 0.0)
+    pair = mu[:, None] * mu[None]
+    n = jnp.sum(mu)
+    beta = jax.lax.stop_gradient(jnp.sum(pair * d) / jnp.maximum(n * n - n, 1.0)) + 1e-8
+    base = beta / multiplier ** (kernels // 2)
+    k = sum(jnp.exp(-d / (base * multiplier ** i)) for i in range(kernels))
+    m = a.shape[0]
+    signed = k[:m, :m] + k[m:, m:] - k[:m, m:] - k[m:, :m]
+    real = w[:, None] * w[None]
+    return jnp.sum(real * signed) / jnp.maximum(jnp.sum(real), 1.0)

@@ -125,7 +125,7 @@ class Experiment:
         self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs, preprocess)
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
         self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, lr=cfg.lr,
-                                  momentum=cfg.momentum if cfg.optimizer == "sgd" else None)
+                                  momentum=cfg.momentum if cfg.optimizer == "sgd" else None, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
         server_tx = cfg.server_optimizer()
         if server_tx is not None:  # FedOpt: the aggregate becomes a pseudo-gradient step
