@@ -4,8 +4,8 @@ message passing between personal models.
 The server holds every client's latest personal model w_j (the paper's server needs them all). For client i it
 builds a personalized cloud model from the models of the clients that have uploaded one,
 
-    u_i = xi_ii w_i + sum_{j != i} xi_ij w_j,   xi_ij = alpha A'(||w_i - w_j||^2) = (alpha / sigma) exp(-||w_i - w_j||^2 / sigma),
-    xi_ii = 1 - sum_{j != i} xi_ij
+    u_i = xi_ii w_i + sum_{j != i} xi_ij w_j,   xi_ii = 1 - sum_{j != i} xi_ij,
+    xi_ij = alpha A'(||w_i - w_j||^2) = (alpha / sigma) exp(-||w_i - w_j||^2 / sigma)
 
 (A(x) = 1 - exp(-x / sigma); ``heuristic``: HeurFedAMP, xi_ii = ``self_weight`` and the rest split by a softmax
 of sigma cos(w_i, w_j)), and client i trains its own model w_i on CE + lam / (2 alpha) ||w - u_i||^2, then

@@ -82,7 +82,8 @@ def feddbe_loss(model, kappa: float, m: float):
                                            w, method=biased_forward, mutable=["batch_stats"],
                                            rngs=None if key is None else {"dropout": key})
         r = running_mean_step(state["r"], z, w, m)
-        loss = weighted_mean_loss(cross_entropy(logits, y), w) + jnp.where(active, kappa, 0.0) * mean_regulariser(r, gbar)
+        mr = jnp.where(active, kappa, 0.0) * mean_regulariser(r, gbar)
+        loss = weighted_mean_loss(cross_entropy(logits, y), w) + mr
         return loss, ({"bn": updated.get("batch_stats", {}), "r": jax.lax.stop_gradient(r)}, logits)
     return loss_fn
 

@@ -149,8 +149,8 @@ def soft_target_ce(logits, teacher_logits, temperature: float):
 def multi_kernel_mmd(a, b, w, kernels: int = 5, multiplier: float = 2.0):
     """Squared MMD between the real rows of a and b [B, d] (w [B]: 1 for real) with a sum of Gaussian kernels,
     FedPHP's (DAN's) estimator: on U = [a; b], D_uv = ||U_u - U_v||^2, bandwidth
-    beta = sg(sum_uv D_uv / (n^2 - n)) (n = 2 sum w, real rows only), K = sum_{k<kernels} exp(-D / (beta m^k / m^(kernels//2))),
-    MMD^2 = mean over real (i, j) of K_aa + K_bb - K_ab - K_ba. -> []."""
+    beta = sg(sum_uv D_uv / (n^2 - n)) (n = 2 sum w, real rows only),
+    K = sum_{k<kernels} exp(-D / (beta m^k / m^(kernels//2))), MMD^2 = mean over real (i, j) of K_aa + K_bb - K_ab - K_ba. -> []."""
     u = jnp.concatenate([a, b], 0)
     mu = jnp.concatenate([w, w], 0)
     sq = jnp.sum(u * u, -1)
