@@ -7,10 +7,11 @@ family), ``_submodel`` (sub-model methods and device levels), ``_drift`` (SCAFFO
 """
 from __future__ import annotations
 
-from . import (apfl, dapperfl, ditto, fedala, fedamp, fedavg, fedavg_ft, fedbabu, fedbn, feddbe,  # noqa: F401
-               feddc, feddrop, feddyn, fedfomo, fedlc, fedmp, fednova, fedpac, fedper, fedphp,
-               fedpick, fedproto, fedprox, fedrep, fedrod, fedselect, fedsr, fedtp, fpl, heterofl,
-               lg_fedavg, local, moon, nefl, perfedavg, pfedgp, pfedhn, pfedme, rfeddis, scaffold)
+from . import (apfl, dapperfl, ditto, fedala, fedamp, fedavg, fedavg_ft, fedbabu, fedbn, fedcp,  # noqa: F401
+               feddbe, feddc, feddrop, feddyn, fedfomo, fedlc, fedmp, fednova, fedpac, fedper,
+               fedphp, fedpick, fedproto, fedprox, fedrep, fedrod, fedselect, fedsr, fedtp, fpl,
+               gpfl, heterofl, lg_fedavg, local, moon, nefl, perfedavg, pfedgp, pfedhn, pfedme,
+               rfeddis, scaffold)
 from ._registry import REGISTRY, Registered, algorithm_options, build_algorithm, options_class, register
 
 

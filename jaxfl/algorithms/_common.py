@@ -104,6 +104,18 @@ def logits_and_representation(representation: str = "penultimate"):
     return forward
 
 
+def head_on(module, z, train: bool = False, mask=None):
+    """A ``Classifier`` method (``model.apply(variables, z, method=head_on)``): the head's logits on features z
+    that the caller computed (gated, shifted or biased representations)."""
+    return module.head(z, train, mask)
+
+
+def head_dense_kernels(head_params) -> list:
+    """The kernels [d_in, d_out] of a head's Dense layers, first to last (``fc1``, ``fc2``, ...)."""
+    fcs = sorted((k for k in head_params if k.startswith("fc") and k[2:].isdigit()), key=lambda k: int(k[2:]))
+    return [head_params[k]["linear"]["kernel"] for k in fcs]
+
+
 def class_feature_sums(model, variables, data: ClientData, num_classes: int, batch_size: int, preprocess,
                        representation: str = "features"):
     """Over a client's real samples, in evaluation mode: S1 [C, d] = sum_{y=k} z, S2 [C] = sum_{y=k} ||z||^2,

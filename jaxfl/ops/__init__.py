@@ -9,8 +9,10 @@ masks        relaxed feature masks (FedPick): logistic_noise, gumbel_sigmoid, ha
              in_out_channel_mask, magnitude_mask, keep_largest, num_pruned (DapperFL); tree_count, tree_size,
              tree_density, leaf_density
 losses       cross_entropy, weighted_mean_loss, correct_count, kl_divergence, symmetric_kl, reduce_kl,
-             negative_entropy, feature_norm; cosine_similarity, model_contrastive_loss (MOON); class_log_prior,
-             balanced_softmax_ce (FedRoD); gaussian_cmi_bound (FedSR); prototype_contrastive_loss (FPL)
+             negative_entropy, feature_norm; cosine_similarity, model_contrastive_loss (MOON); class_counts,
+             class_log_prior, balanced_softmax_ce (FedRoD); logit_calibration (FedLC); gaussian_cmi_bound
+             (FedSR); prototype_contrastive_loss (FPL); soft_target_ce, gaussian_mmd, adaptive_bandwidths,
+             multi_kernel_mmd (FedPHP, FedCP); cosine_ce (GPFL)
 evidential   (RFedDis) evidence, dirichlet_alpha, opinion, uncertainty, expected_probability, ds_combine,
              ds_combine_opinions, dirichlet_ce, remove_true_evidence, kl_to_uniform, edl_loss,
              annealing_coefficient, softmax_kl_mean, disentangle_loss
@@ -19,6 +21,8 @@ hypernet     (FedTP, pFedHN) hypernetwork (-> Hypernet(init, apply)), init_embed
 gp           (pFedGP) polya_gamma_sample, polya_gamma_mean, expected_log_sigmoid, rbf_kernel, masked_prior,
              gibbs_omega, predictive, class_zero_probability
 qp           (FedPAC) simplex_projection, simplex_qp, head_weights
+dense        small networks beside the model (FedCP's policy, GPFL's valve): dense_init, dense, layer_norm_init,
+             layer_norm
 clustering   (FPL) finch_partition, cluster_prototypes
 diagnostics  expected_calibration_error, auroc, sparsity_ratio, sparsity_per_sample, fisher_score,
              fisher_selection_probe, knn_predict, overlap_ratio, selection_ratio, layer_positions, masked_flops
@@ -26,4 +30,4 @@ diagnostics  expected_calibration_error, auroc, sparsity_ratio, sparsity_per_sam
 The aggregation reductions over the client axis (weighted_mean, masked_mean, recovered_mean, tree_* forms)
 are the engine's: ``jaxfl.core.aggregation``.
 """
-from . import clustering, diagnostics, evidential, gp, hypernet, losses, masks, qp  # noqa: F401
+from . import clustering, dense, diagnostics, evidential, gp, hypernet, losses, masks, qp  # noqa: F401

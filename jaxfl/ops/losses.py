@@ -146,21 +146,41 @@ def soft_target_ce(logits, teacher_logits, temperature: float):
     return -jnp.sum(target * jax.nn.log_softmax(logits, -1), -1)
 
 
-def multi_kernel_mmd(a, b, w, kernels: int = 5, multiplier: float = 2.0):
-    """Squared MMD between the real rows of a and b [B, d] (w [B]: 1 for real) with a sum of Gaussian kernels,
-    FedPHP's (DAN's) estimator: on U = [a; b], D_uv = ||U_u - U_v||^2, bandwidth
-    beta = sg(sum_uv D_uv / (n^2 - n)) (n = 2 sum w, real rows only),
-    K = sum_{k<kernels} exp(-D / (beta m^k / m^(kernels//2))), MMD^2 = mean over real (i, j) of K_aa + K_bb - K_ab - K_ba. -> []."""
+def gaussian_mmd(a, b, w, bandwidths):
+    """Squared MMD (biased: every pair, the diagonal included) between the real rows of a and b [B, d] with the
+    kernel k(D) = sum_s exp(-D / bandwidths_s) of squared distances D:
+    MMD^2 = mean over real (i, j) of k(D(a_i, a_j)) + k(D(b_i, b_j)) - 2 k(D(a_i, b_j)).
+    w [B]: 1 for real rows; bandwidths [S] (or a list). -> []."""
     u = jnp.concatenate([a, b], 0)
-    mu = jnp.concatenate([w, w], 0)
     sq = jnp.sum(u * u, -1)
     d = jnp.maximum(sq[:, None] + sq[None] - 2 * u @ u.T, 0.0)
-    pair = mu[:, None] * mu[None]
-    n = jnp.sum(mu)
-    beta = jax.lax.stop_gradient(jnp.sum(pair * d) / jnp.maximum(n * n - n, 1.0)) + 1e-8
-    base = beta / multiplier ** (kernels // 2)
-    k = sum(jnp.exp(-d / (base * multiplier ** i)) for i in range(kernels))
+    k = jnp.sum(jnp.exp(-d[None] / jnp.reshape(jnp.asarray(bandwidths, d.dtype), (-1, 1, 1))), 0)
     m = a.shape[0]
     signed = k[:m, :m] + k[m:, m:] - k[:m, m:] - k[m:, :m]
     real = w[:, None] * w[None]
     return jnp.sum(real * signed) / jnp.maximum(jnp.sum(real), 1.0)
+
+
+def adaptive_bandwidths(a, b, w, kernels: int = 5, multiplier: float = 2.0):
+    """DAN's (and FedPHP's) bandwidths beta m^k / m^(kernels // 2), k < kernels, with beta = sg(sum_uv D_uv /
+    (n^2 - n)) + 1e-8 the mean squared distance of the real rows of U = [a; b] (n = 2 sum w). -> [kernels]."""
+    u = jnp.concatenate([a, b], 0)
+    mu = jnp.concatenate([w, w], 0)
+    sq = jnp.sum(u * u, -1)
+    d = jnp.maximum(sq[:, None] + sq[None] - 2 * u @ u.T, 0.0)
+    n = jnp.sum(mu)
+    beta = jax.lax.stop_gradient(jnp.sum(mu[:, None] * mu[None] * d) / jnp.maximum(n * n - n, 1.0)) + 1e-8
+    return beta / multiplier ** (kernels // 2) * multiplier ** jnp.arange(kernels)
+
+
+def multi_kernel_mmd(a, b, w, kernels: int = 5, multiplier: float = 2.0):
+    """FedPHP's (DAN's) multi-kernel MMD^2: ``gaussian_mmd`` with ``adaptive_bandwidths``. a, b [B, d]; w [B]."""
+    return gaussian_mmd(a, b, w, adaptive_bandwidths(a, b, w, kernels, multiplier))
+
+
+def cosine_ce(features, embeddings, y):
+    """Per-sample CE of the cosine similarities as logits, -log softmax_c(cos(f, E_c))[y] (GPFL's angle-level
+    guidance: no temperature). features [B, d], embeddings [C, d], y [B] -> [B]."""
+    f = features / jnp.maximum(jnp.linalg.norm(features, axis=-1, keepdims=True), 1e-12)
+    e = embeddings / jnp.maximum(jnp.linalg.norm(embeddings, axis=-1, keepdims=True), 1e-12)
+    return cross_entropy(f @ e.T, y)
