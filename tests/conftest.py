@@ -178,6 +178,19 @@ def info(round_idx, client_id, num_rounds=None):
     return RoundInfo(jnp.asarray(round_idx, jnp.int32), jnp.asarray(client_id, jnp.int32), num_rounds)
 
 
+def assert_cli_runs(name, tmp_path, *extra):
+    """``jaxfl run --algorithm name`` for 2 rounds of a tiny run (plus ``extra`` flags) exits 0 and writes a
+    summary of round 2 with accuracies in [0, 1]."""
+    import json
+
+    from jaxfl.run.cli import main
+    assert main(["run", "--quiet", "--algorithm", name, "--rounds", "2", "--out", str(tmp_path / "r"),
+                 "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size", "16",
+                 "--test-per-client", "30", *extra]) == 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["last"]["round"] == 2 and 0.0 <= summary["last"]["mean_accuracy"] <= 1.0
+
+
 def padded_batch(seed=7, n=8, real=5, shape=(8, 8, 3), classes=4):
     """(x, y, w): a batch of n images whose last n - real rows are padding (w = 0) holding garbage."""
     rng = np.random.default_rng(seed)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_close, make_data, make_trainer, run_rounds
+from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import ce_loss
@@ -17,7 +17,6 @@ from jaxfl.core.trainer import epoch_permutation
 from jaxfl.core.types import RunContext
 from jaxfl.data.clients import ClientData
 from jaxfl.models import logreg, small_cnn
-from jaxfl.run.cli import main
 
 COUNTS = (12, 20, 7)
 LR = 0.05
@@ -152,9 +151,4 @@ def test_perfedavg_local_update_and_adaptation_by_hand():
 
 @pytest.mark.parametrize("name,extra", [("apfl", []), ("perfedavg", ["--perfedavg.variant", "hf"])])
 def test_the_cli_runs(name, extra, tmp_path):
-    assert main(["run", "--quiet", "--algorithm", name, "--rounds", "2", "--out", str(tmp_path / "r"),
-                 "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size", "16",
-                 "--test-per-client", "30", *extra]) == 0
-    import json
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["last"]["round"] == 2 and 0.0 <= summary["last"]["mean_accuracy"] <= 1.0
+    assert_cli_runs(name, tmp_path, *extra)

@@ -4,7 +4,7 @@ transcription of the official loop, prediction, and the CLI."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
+from conftest import assert_cli_runs, assert_trees_close, info, make_data, make_trainer, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import ce_loss
@@ -14,7 +14,6 @@ from jaxfl.core.step import init_state
 from jaxfl.core.trees import fill, prune
 from jaxfl.core.types import RunContext
 from jaxfl.models import small_cnn
-from jaxfl.run.cli import main
 
 COUNTS = (20, 30, 15)
 ROOT = jax.random.key(3)
@@ -109,9 +108,4 @@ def _row(row):
 
 
 def test_the_cli_runs_fedala(tmp_path):
-    assert main(["run", "--quiet", "--algorithm", "fedala", "--rounds", "2", "--out", str(tmp_path / "r"),
-                 "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size", "16",
-                 "--test-per-client", "30", "--fedala.layers", "head"]) == 0
-    import json
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["last"]["round"] == 2 and 0.0 <= summary["last"]["mean_accuracy"] <= 1.0
+    assert_cli_runs("fedala", tmp_path, "--fedala.layers", "head")

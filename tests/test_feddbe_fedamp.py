@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds, trained_rows
+from conftest import assert_cli_runs, assert_trees_close, info, make_data, make_trainer, run_rounds, trained_rows
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import ce_loss
@@ -13,7 +13,6 @@ from jaxfl.algorithms.feddbe import biased_forward, feddbe_loss, mean_regularise
 from jaxfl.core.step import init_state
 from jaxfl.core.types import RunContext
 from jaxfl.models import small_cnn
-from jaxfl.run.cli import main
 
 COUNTS = (12, 20, 7)
 ROOT = jax.random.key(3)
@@ -156,9 +155,4 @@ def test_amp_rounds_against_hand_computations():
 
 @pytest.mark.parametrize("name,extra", [("feddbe", []), ("fedamp", ["--fedamp.heuristic"])])
 def test_the_cli_runs(name, extra, tmp_path):
-    assert main(["run", "--quiet", "--algorithm", name, "--rounds", "2", "--out", str(tmp_path / "r"),
-                 "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size", "16",
-                 "--test-per-client", "30", *extra]) == 0
-    import json
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["last"]["round"] == 2 and 0.0 <= summary["last"]["mean_accuracy"] <= 1.0
+    assert_cli_runs(name, tmp_path, *extra)

@@ -4,7 +4,7 @@ table and affinities, and the CLI."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
+from conftest import assert_cli_runs, assert_trees_close, info, make_data, make_trainer, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import ce_loss
@@ -12,7 +12,6 @@ from jaxfl.algorithms.fedfomo import epsilon_greedy, fomo_combination, fomo_weig
 from jaxfl.core.step import init_state
 from jaxfl.core.types import RunContext
 from jaxfl.models import small_cnn
-from jaxfl.run.cli import main
 
 COUNTS = (20, 30, 15, 25)
 ROOT = jax.random.key(3)
@@ -110,9 +109,4 @@ def test_rounds_against_hand_computations():
 
 
 def test_the_cli_runs_fedfomo(tmp_path):
-    assert main(["run", "--quiet", "--algorithm", "fedfomo", "--rounds", "2", "--out", str(tmp_path / "r"),
-                 "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size", "16",
-                 "--test-per-client", "30", "--fedfomo.num-update-clients", "2"]) == 0
-    import json
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["last"]["round"] == 2 and 0.0 <= summary["last"]["mean_accuracy"] <= 1.0
+    assert_cli_runs("fedfomo", tmp_path, "--fedfomo.num-update-clients", "2")

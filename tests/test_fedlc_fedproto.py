@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, make_data, make_trainer, run_rounds, trained_rows
+from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds, trained_rows
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import logits_and_representation
@@ -15,7 +15,6 @@ from jaxfl.core.step import init_state
 from jaxfl.core.types import RunContext
 from jaxfl.models import small_cnn
 from jaxfl.ops.losses import class_counts, logit_calibration
-from jaxfl.run.cli import main
 from jaxfl.run.runner import model_size
 
 COUNTS = (12, 20, 7)
@@ -147,9 +146,4 @@ def test_fedproto_round_zero_is_local_training_and_the_server_holds_class_means(
 
 @pytest.mark.parametrize("name", ["fedlc", "fedproto"])
 def test_the_cli_runs(name, tmp_path):
-    assert main(["run", "--quiet", "--algorithm", name, "--rounds", "2", "--out", str(tmp_path / "r"),
-                 "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size", "16",
-                 "--test-per-client", "30"]) == 0
-    import json
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["last"]["round"] == 2 and 0.0 <= summary["last"]["mean_accuracy"] <= 1.0
+    assert_cli_runs(name, tmp_path)

@@ -4,7 +4,7 @@ FedAvg, and the CLI."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds, trained_rows
+from conftest import assert_cli_runs, assert_trees_close, info, make_data, make_trainer, run_rounds, trained_rows
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms.fedphp import inheritance_weight
@@ -12,7 +12,6 @@ from jaxfl.core.step import init_state
 from jaxfl.core.types import RunContext
 from jaxfl.models import small_cnn
 from jaxfl.ops.losses import multi_kernel_mmd, soft_target_ce
-from jaxfl.run.cli import main
 
 COUNTS = (12, 20, 7)
 ROOT = jax.random.key(3)
@@ -92,9 +91,4 @@ def test_hpm_update_and_fedavg_reduction():
 
 
 def test_the_cli_runs_fedphp_with_mmd(tmp_path):
-    assert main(["run", "--quiet", "--algorithm", "fedphp", "--fedphp.reg", "mmd", "--rounds", "2",
-                 "--out", str(tmp_path / "r"), "--model", "small_cnn", "--image-size", "12",
-                 "--samples-per-client", "40", "--batch-size", "16", "--test-per-client", "30"]) == 0
-    import json
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["last"]["round"] == 2 and 0.0 <= summary["last"]["mean_accuracy"] <= 1.0
+    assert_cli_runs("fedphp", tmp_path, "--fedphp.reg", "mmd")

@@ -3,7 +3,7 @@ inputs by definition, the loss by hand, the server's averages and what a client 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_trees_close, make_data, make_trainer, run_rounds, trained_rows
+from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds, trained_rows
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import head_on
@@ -12,7 +12,6 @@ from jaxfl.core.step import init_state
 from jaxfl.core.types import RunContext
 from jaxfl.models import small_cnn
 from jaxfl.ops.losses import cosine_ce
-from jaxfl.run.cli import main
 
 COUNTS = (12, 20, 7)
 ROOT = jax.random.key(3)
@@ -82,9 +81,4 @@ def test_loss_by_hand_and_a_round():
 
 
 def test_the_cli_runs_gpfl(tmp_path):
-    assert main(["run", "--quiet", "--algorithm", "gpfl", "--rounds", "2", "--out", str(tmp_path / "r"),
-                 "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size", "16",
-                 "--test-per-client", "30"]) == 0
-    import json
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["last"]["round"] == 2 and 0.0 <= summary["last"]["mean_accuracy"] <= 1.0
+    assert_cli_runs("gpfl", tmp_path)

@@ -57,6 +57,13 @@ def num_classes(model, variables, x) -> int:
     return jax.eval_shape(lambda: model.apply(variables, x[:1], False)).shape[-1]
 
 
+def feature_dim(model, variables, x, representation: str = "features") -> int:
+    """d, the size of the ``representation`` (``logits_and_representation``; default the encoder output) on
+    preprocessed inputs x (shapes only: nothing is computed)."""
+    forward = logits_and_representation(representation)
+    return jax.eval_shape(lambda: model.apply(variables, x[:1], False, None, method=forward)[1]).shape[-1]
+
+
 def global_model_predictors(model):
     """(predict, predict_trained) of a method whose clients predict with the server's model: evaluation-mode
     ``model.apply`` of the server's, respectively the just-trained row's, params and BN statistics."""

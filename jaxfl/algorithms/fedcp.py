@@ -46,7 +46,7 @@ from ..data.clients import ClientData
 from ..ops.dense import dense, dense_init, layer_norm, layer_norm_init
 from ..ops.losses import gaussian_mmd
 from ..ops.masks import gumbel_sigmoid
-from ._common import head_dense_kernels, head_on, init_variables
+from ._common import feature_dim, head_dense_kernels, head_on, init_variables
 from ._registry import register
 
 MMD_BANDWIDTHS = (20.0, 30.0, 40.0, 100.0)  # 2 x the official {10, 15, 20, 50}: exp(-D / (2 a))
@@ -114,7 +114,7 @@ def fedcp(model, trainer: LocalTrainer, o: FedCPOptions, ctx: RunContext) -> Alg
     def init(key, sample_x):
         v = init_variables(model, trainer, key, sample_x)
         x = trainer.preprocess(sample_x[:1])
-        d = jax.eval_shape(lambda: model.apply(v, x, False, method="features")).shape[-1]
+        d = feature_dim(model, v, x)
         cpn = policy_init(jax.random.fold_in(key, 1), d)
         head = v["params"]["head"]
         server = {"encoder": v["params"]["encoder"], "head_g": head, "cs": cpn}
@@ -147,8 +147,8 @@ def fedcp(model, trainer: LocalTrainer, o: FedCPOptions, ctx: RunContext) -> Alg
         z = model.apply({"params": {"encoder": encoder}, "batch_stats": client["batch_stats"]}, x, False,
                         method="features")
         pm, gm = policy_gates(client["cs"], z, client["context"], None, o.tau)
-        apply_head = lambda h, f: model.apply({"params": {"head": h}, "batch_stats": client["batch_stats"]}, f,  # noqa: E731
-                                              False, method=head_on)
+        def apply_head(h, f):
+            return model.apply({"params": {"head": h}, "batch_stats": client["batch_stats"]}, f, False, method=head_on)
         return apply_head(client["head"], z * pm) + apply_head(client["head_g"], z * gm)
 
     def predict(server, client, x, client_id=None):

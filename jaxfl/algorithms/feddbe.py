@@ -41,7 +41,7 @@ from ..core.options import Options, option
 from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
-from ._common import init_variables
+from ._common import feature_dim, init_variables
 from ._registry import register
 
 
@@ -96,7 +96,7 @@ def feddbe(model, trainer: LocalTrainer, o: FedDBEOptions, ctx: RunContext) -> A
     def init(key, sample_x):
         v = init_variables(model, trainer, key, sample_x)
         x = trainer.preprocess(sample_x[:1])
-        d = jax.eval_shape(lambda: model.apply(v, x, False, method="features")).shape[-1]
+        d = feature_dim(model, v, x)
         server = {"params": v["params"], "global_mean": jnp.zeros(d), "measured": jnp.array(False)}
         return server, {"prbm": jnp.zeros(d), "batch_stats": v["batch_stats"]}
 

@@ -40,7 +40,7 @@ from ..core.options import Options, option
 from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
-from ._common import (REPRESENTATIONS, class_feature_sums, init_variables, logits_and_representation,
+from ._common import (REPRESENTATIONS, class_feature_sums, feature_dim, init_variables, logits_and_representation,
                       model_variables, num_classes)
 from ._registry import register
 
@@ -102,7 +102,7 @@ def fedproto(model, trainer: LocalTrainer, o: FedProtoOptions, ctx: RunContext) 
     def init(key, sample_x):
         v = init_variables(model, trainer, key, sample_x)
         x = trainer.preprocess(sample_x[:1])
-        d = jax.eval_shape(lambda: model.apply(v, x, False, None, method=forward)[1]).shape[-1]
+        d = feature_dim(model, v, x, o.representation)
         c = num_classes(model, v, x)
         return {"prototypes": jnp.zeros((c, d)), "valid": jnp.zeros(c, bool)}, v
 

@@ -41,8 +41,8 @@ from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ..ops.clustering import cluster_prototypes
 from ..ops.losses import prototype_contrastive_loss
-from ._common import (class_feature_sums, global_model_predictors, init_variables, logits_and_representation,
-                      model_variables, num_classes)
+from ._common import (class_feature_sums, feature_dim, global_model_predictors, init_variables,
+                      logits_and_representation, model_variables, num_classes)
 from ._registry import register
 
 
@@ -82,7 +82,7 @@ def fpl(model, trainer: LocalTrainer, o: FPLOptions, ctx: RunContext) -> Algorit
     def init(key, sample_x):
         v = init_variables(model, trainer, key, sample_x)
         x = trainer.preprocess(sample_x[:1])
-        d = jax.eval_shape(lambda: model.apply(v, x, train=False, method="features")).shape[-1]
+        d = feature_dim(model, v, x)
         c = num_classes(model, v, x)
         protos = {"cluster": jnp.zeros((c, o.max_clusters, d)), "cluster_valid": jnp.zeros((c, o.max_clusters), bool),
                   "unbiased": jnp.zeros((c, d)), "class_valid": jnp.zeros(c, bool)}

@@ -9,7 +9,8 @@ With the global encoder f, the GCE table E [C, d] and the CoV,
 client i computes f_P = CoV(z, c_p,i), f_G = CoV(z, c_g,i) for z = f(x) and trains f, its head h, E and the
 CoV on
 
-    L = mean_b CE(h(f_P), y) + mean_b -log softmax_c(cos(f_G, E_c))[y] + lam ||f_G - sg(E)[y]||_F + mu/2 (||E||^2 + ||CoV||^2)
+    L = mean_b CE(h(f_P), y) + mean_b -log softmax_c(cos(f_G, E_c))[y] + lam ||f_G - sg(E)[y]||_F
+        + mu/2 (||E||^2 + ||CoV||^2)
 
 (the magnitude term is the Frobenius norm over the batch's real rows, neither squared nor averaged, as the
 official ``torch.norm``; mu/2 ||.||^2 is the official SGD weight decay mu on E and the CoV). The server averages
@@ -43,7 +44,7 @@ from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ..ops.dense import dense, dense_init, layer_norm, layer_norm_init
 from ..ops.losses import class_counts, cosine_ce
-from ._common import head_on, init_variables, num_classes
+from ._common import feature_dim, head_on, init_variables, num_classes
 from ._registry import register
 
 
@@ -103,7 +104,7 @@ def gpfl(model, trainer: LocalTrainer, o: GPFLOptions, ctx: RunContext) -> Algor
     def init(key, sample_x):
         v = init_variables(model, trainer, key, sample_x)
         x = trainer.preprocess(sample_x[:1])
-        d = jax.eval_shape(lambda: model.apply(v, x, False, method="features")).shape[-1]
+        d = feature_dim(model, v, x)
         c = num_classes(model, v, x)
         server = {"encoder": v["params"]["encoder"], "gce": jax.random.normal(jax.random.fold_in(key, 1), (c, d)),
                   "cov": valve_init(jax.random.fold_in(key, 2), d)}
@@ -112,7 +113,8 @@ def gpfl(model, trainer: LocalTrainer, o: GPFLOptions, ctx: RunContext) -> Algor
 
     def local_update(server, client, data: ClientData, key, info: RoundInfo = None):
         params = {"encoder": server["encoder"], "head": client["head"], "gce": server["gce"], "cov": server["cov"]}
-        fn = lambda p, s, x, y, w, k: loss_fn(p, s, x, y, w, k, client["c_p"], client["c_g"], server["gce"])  # noqa: E731
+        def fn(p, s, x, y, w, k):
+            return loss_fn(p, s, x, y, w, k, client["c_p"], client["c_g"], server["gce"])
         params, stats, _, metrics = trainer.run(fn, params, client["batch_stats"], trainer.tx.init(params), data,
                                                 key)
         c_p, c_g = conditional_inputs(params["gce"], class_counts(data.y, data.count, params["gce"].shape[0]))
