@@ -3,7 +3,7 @@ context by definition, the loss by hand, the server's averages and what the coho
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds, trained_rows
+from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import head_on
@@ -81,8 +81,7 @@ def test_loss_by_hand_and_a_round():
     want = ce + 2.0 * official_mmd(np.asarray(z), np.asarray(z_bar))
     np.testing.assert_allclose(float(loss), want, rtol=1e-4)
     # one round: the server averages encoder, policy and uploaded heads 0.5 h_p + 0.5 h_g; the cohort takes them back
-    rows = trained_rows(alg, data, server, clients, ROOT)
-    s1, c1, _ = run_rounds(alg, data, server, clients, ROOT, rounds=1)
+    s1, c1, _, rows = run_rounds(alg, data, server, clients, ROOT, rounds=1, keep_rows=True)
     p = np.array(COUNTS, np.float32) / sum(COUNTS)
     mean = lambda t: jax.tree_util.tree_map(lambda a: np.tensordot(p, np.asarray(a), 1), t)  # noqa: E731
     assert_trees_close(s1["encoder"], mean(rows["encoder"]), atol=1e-6)

@@ -57,16 +57,14 @@ def test_dbe_running_mean_and_regulariser_match_their_formulas():
 
 def test_dbe_round_zero_measures_the_mean_and_later_rounds_are_fedavg_with_a_bias():
     alg, data, server, clients = setup("feddbe", mdl=linear_head_model(), kappa=5.0)
-    rows = trained_rows(alg, data, server, clients, ROOT)
-    s1, c1, _ = run_rounds(alg, data, server, clients, ROOT, rounds=1)
+    s1, c1, _, rows = run_rounds(alg, data, server, clients, ROOT, rounds=1, keep_rows=True)
     assert_trees_close(s1["params"], server["params"], atol=0, rtol=0)  # the initialisation period is discarded
     assert bool(s1["measured"])
     p = np.array(COUNTS, np.float32) / sum(COUNTS)
     np.testing.assert_allclose(s1["global_mean"], (p[:, None] * np.asarray(rows["r"])).sum(0), rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(c1["prbm"], 0.0)  # no bias is trained in round 0
     # round 1: the server averages the trained models; each client keeps its own bias
-    rows1 = trained_rows(alg, data, s1, c1, ROOT)  # run_rounds below numbers its round 0 again
-    s2, c2, _ = run_rounds(alg, data, s1, c1, ROOT, rounds=1)
+    s2, c2, _, rows1 = run_rounds(alg, data, s1, c1, ROOT, rounds=1, keep_rows=True)
     want = jax.tree_util.tree_map(lambda a: np.tensordot(p, np.asarray(a), 1), rows1["params"])
     assert_trees_close(s2["params"], want, atol=1e-6)
     assert not np.allclose(c2["prbm"][0], c2["prbm"][1]) and np.abs(np.asarray(c2["prbm"])).max() > 0
@@ -120,10 +118,9 @@ def test_amp_distances_and_attention_match_their_formulas():
 def test_amp_rounds_against_hand_computations():
     alg, data, server, clients = setup("fedamp", lam=2.0, alpha=0.5, sigma=5.0)
     # round 0: no uploads yet, u_i = w_i: FedProx's local update with mu = lam / alpha from the same start
-    rows = trained_rows(alg, data, server, clients, ROOT)
+    s1, c1, _, rows = run_rounds(alg, data, server, clients, ROOT, rounds=1, keep_rows=True)
     prox = setup("fedprox", mu=4.0)
     assert_trees_close(rows["params"], trained_rows(*prox, ROOT)["params"], atol=1e-6)
-    s1, c1, _ = run_rounds(alg, data, server, clients, ROOT, rounds=1)
     assert_trees_close(s1["models"], rows["params"], atol=0, rtol=0)
     assert bool(s1["uploaded"].all())
     # round 1, client 1: u by the formula over the table, then CE + lam/(2 alpha) ||w - u||^2 from its own model

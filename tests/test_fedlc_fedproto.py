@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds, trained_rows
+from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import logits_and_representation
@@ -123,7 +123,7 @@ def test_fedproto_round_zero_is_local_training_and_the_server_holds_class_means(
     np.testing.assert_allclose(s1["prototypes"], want, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(s1["valid"], holds.any(0))
     # round 1 adds the regulariser: lam = 0 keeps local training, lam > 0 changes the models
-    s2, c2, _ = run_rounds(alg, data, s1, c1, root, rounds=1)
+    s2, c2, _, rows = run_rounds(alg, data, s1, c1, root, rounds=1, keep_rows=True)
     alg0 = setup("fedproto", lam=0.0)[0]
     _, c2_0, _ = run_rounds(alg0, data, s1, c1, root, rounds=1)
     gap = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree_util.tree_leaves(c2),
@@ -140,7 +140,6 @@ def test_fedproto_round_zero_is_local_training_and_the_server_holds_class_means(
     # the run's model size is the model's when the server holds none
     n = sum(a.size for a in jax.tree_util.tree_leaves(v0["params"]))
     assert model_size(s2, m, x) == n == model_size(setup("fedavg")[2], None, None)
-    rows = trained_rows(alg, data, s1, c1, root, round_idx=1)
     assert rows["protos"].shape == (3, 4, 8) and rows["counts"].shape == (3, 4)
 
 

@@ -4,7 +4,7 @@ FedAvg, and the CLI."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_cli_runs, assert_trees_close, info, make_data, make_trainer, run_rounds, trained_rows
+from conftest import assert_cli_runs, assert_trees_close, info, make_data, make_trainer, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms.fedphp import inheritance_weight
@@ -62,13 +62,12 @@ def test_inheritance_weight_grows_with_participations():
 
 def test_hpm_update_and_fedavg_reduction():
     alg, data, server, clients = setup("fedphp", cohort=3)
-    rows = trained_rows(alg, data, server, clients, ROOT, num_rounds=T)
+    s1, c1, _, rows = run_rounds(alg, data, server, clients, ROOT, rounds=1, keep_rows=True, num_rounds=T)
     # first participation: mu = 0, the HPM becomes the trained model
     assert_trees_close(rows["hpm"], {"params": rows["params"], "batch_stats": rows["batch_stats"]}, atol=0, rtol=0)
-    s1, c1, _ = run_rounds(alg, data, server, clients, ROOT, rounds=1, num_rounds=T)
     np.testing.assert_array_equal(c1["participations"], 1)
     # second: mu = 0.9 * 1 / (q T) = 0.09 with every client in the cohort (q = 1)
-    rows2 = trained_rows(alg, data, s1, c1, ROOT, num_rounds=T)
+    rows2 = run_rounds(alg, data, s1, c1, ROOT, rounds=1, keep_rows=True, num_rounds=T)[3]
     want = jax.tree_util.tree_map(lambda v, w: 0.09 * v + 0.91 * w, c1["hpm"],
                                   {"params": rows2["params"], "batch_stats": rows2["batch_stats"]})
     assert_trees_close(rows2["hpm"], want, atol=1e-6)

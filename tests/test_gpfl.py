@@ -3,7 +3,7 @@ inputs by definition, the loss by hand, the server's averages and what a client 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds, trained_rows
+from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import head_on
@@ -67,8 +67,7 @@ def test_loss_by_hand_and_a_round():
     decay = sum(float(jnp.sum(a * a)) for a in jax.tree_util.tree_leaves((gce, server["cov"])))
     np.testing.assert_allclose(float(loss), ce + angle + 0.5 * magnitude + 0.1 * decay, rtol=1e-4)
     # a round: encoder, table and valve averaged; each client keeps its head and sets c_p, c_g from its trained table
-    rows = trained_rows(alg, data, server, clients, ROOT)
-    s1, c1, _ = run_rounds(alg, data, server, clients, ROOT, rounds=1)
+    s1, c1, _, rows = run_rounds(alg, data, server, clients, ROOT, rounds=1, keep_rows=True)
     p = np.array(COUNTS, np.float32) / sum(COUNTS)
     for k in ("encoder", "gce", "cov"):
         assert_trees_close(s1[k], jax.tree_util.tree_map(lambda a: np.tensordot(p, np.asarray(a), 1), rows[k]),

@@ -144,7 +144,7 @@ def test_summary_names_last_best_mean_and_per_client_best():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'; valid: dapperfl, ditto, fedavg"),
+    (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'; valid: apfl, dapperfl, ditto, fedala"),
     (["--dataset", "svhn"], "unknown dataset 'svhn'; valid: default, digits, pacs"),
     (["--momentum", "1.5"], "momentum=1.5 is outside [0.0, 1.0]"),
     (["--lr", "inf"], "lr=inf must be a finite number"),

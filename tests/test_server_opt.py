@@ -5,10 +5,14 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import assert_trees_close
+from conftest import assert_trees_close, make_data, make_trainer, run_step
 
-from jaxfl.core.server_opt import server_optimizer, server_step
+from jaxfl.algorithms import build_algorithm
+from jaxfl.core.server_opt import STATE_KEY, server_optimizer, server_step, with_server_optimizer
+from jaxfl.core.step import init_state
+from jaxfl.core.types import RunContext
 from jaxfl.errors import ConfigError
+from jaxfl.models import small_cnn
 from jaxfl.run.cli import main
 from jaxfl.run.config import RunConfig
 from jaxfl.run.runner import Experiment
@@ -95,6 +99,22 @@ def test_sgd_at_server_lr_one_is_the_algorithm_itself_bitwise():
     assert_trees_close(plain.server["params"], sgd.server["params"], atol=0, rtol=0)
     assert_trees_close(plain.clients, sgd.clients, atol=0, rtol=0)
     assert [h["test_accuracy"] for h in plain.history] == [h["test_accuracy"] for h in sgd.history]
+
+
+@pytest.mark.parametrize("name", ["apfl", "fedala", "feddbe", "fedlc", "fedphp", "perfedavg"])
+def test_sgd_at_server_lr_one_leaves_the_newer_averaging_methods_bitwise_unchanged(name):
+    # the methods of issue 36 whose aggregate is a mean of shared parameters (their first two rounds: FedDBE's
+    # round 0 keeps the model, FedALA's server holds parameters only)
+    data = make_data([12, 20, 7])
+    alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(),
+                          RunContext(num_clients=3, num_rounds=4, cohort_size=3))
+    wrapped = with_server_optimizer(alg, server_optimizer("sgd", 1.0))
+    plain = run_step(alg, data, *init_state(alg, jax.random.key(0), data.x[0], 3), jax.random.key(3), rounds=2,
+                     num_rounds=4)
+    sgd = run_step(wrapped, data, *init_state(wrapped, jax.random.key(0), data.x[0], 3), jax.random.key(3),
+                   rounds=2, num_rounds=4)
+    assert_trees_close({k: v for k, v in sgd[0].items() if k != STATE_KEY}, plain[0], atol=0, rtol=0)
+    assert_trees_close(sgd[1], plain[1], atol=0, rtol=0)
 
 
 def test_fedadam_with_fedper_moves_the_shared_body_only_and_resumes_exactly(tmp_path):
