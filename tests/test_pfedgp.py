@@ -105,23 +105,24 @@ def test_a_client_predicts_its_own_classes_from_its_training_set_and_padding_cha
     np.testing.assert_allclose(rep["accuracy"][0], float(ev["accuracy"][0]), atol=1 / 16 + 1e-6)
     assert np.isfinite(rep["ece"][0]) and len(rep["u_clean"][0]) == 16
     # the probabilities: absent classes 0, the client's two sum to 1
-    view = alg.prepare_predict(server, state, ClientData(jnp.asarray(x) / 255.0, jnp.asarray(y), jnp.asarray(24)),
-                               jax.random.key(1))
-    probs = np.exp(np.asarray(alg.predict(server, view, jnp.asarray(xt) / 255.0)))
+    prepare, predict = jax.jit(alg.prepare_predict), jax.jit(alg.predict)  # one compilation each, not op by op
+    view = prepare(server, state, ClientData(jnp.asarray(x) / 255.0, jnp.asarray(y), jnp.asarray(24)),
+                   jax.random.key(1))
+    probs = np.exp(np.asarray(predict(server, view, jnp.asarray(xt) / 255.0)))
     np.testing.assert_allclose(probs[:, [1, 3]], 0.0, atol=1e-20)
     np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-5)
     # one GP node is all a two-class client needs: max_nodes=1 predicts the same
     one = build_algorithm("pfedgp", small_cnn(num_classes=4, width=4), make_trainer(), max_nodes=1, **FAST)
-    view1 = one.prepare_predict(server, state, ClientData(jnp.asarray(x) / 255.0, jnp.asarray(y), jnp.asarray(24)),
-                                jax.random.key(1))
-    np.testing.assert_allclose(np.exp(np.asarray(one.predict(server, view1, jnp.asarray(xt) / 255.0))), probs,
-                               rtol=1e-5, atol=1e-7)
+    view1 = jax.jit(one.prepare_predict)(server, state, ClientData(jnp.asarray(x) / 255.0, jnp.asarray(y),
+                                                                   jnp.asarray(24)), jax.random.key(1))
+    np.testing.assert_allclose(np.exp(np.asarray(jax.jit(one.predict)(server, view1, jnp.asarray(xt) / 255.0))),
+                               probs, rtol=1e-5, atol=1e-7)
     # padding the training set with garbage rows changes no prediction
     pad = np.concatenate([x, np.full((8,) + x.shape[1:], 255.0, np.float32)]) / 255.0
     y_pad = np.concatenate([y, np.full(8, 3, np.int32)])
-    view2 = alg.prepare_predict(server, state, ClientData(jnp.asarray(pad), jnp.asarray(y_pad), jnp.asarray(24)),
-                                jax.random.key(1))
-    probs2 = np.exp(np.asarray(alg.predict(server, view2, jnp.asarray(xt) / 255.0)))
+    view2 = prepare(server, state, ClientData(jnp.asarray(pad), jnp.asarray(y_pad), jnp.asarray(24)),
+                    jax.random.key(1))
+    probs2 = np.exp(np.asarray(predict(server, view2, jnp.asarray(xt) / 255.0)))
     assert np.abs(probs2 - probs).max() < 0.1  # other Gibbs draws (the chains' shapes differ), same posterior
     np.testing.assert_array_equal(probs2.argmax(1), probs.argmax(1))
 
