@@ -7,7 +7,7 @@ import numpy as np
 from conftest import assert_cli_runs, assert_trees_close, info, make_data, make_trainer, run_rounds
 
 from jaxfl.algorithms import build_algorithm
-from jaxfl.algorithms._common import ce_loss
+from jaxfl.algorithms._common import aux_key, ce_loss
 from jaxfl.algorithms.fedala import blend, converged, higher_layers, weight_step
 from jaxfl.core.metrics import cross_entropy, weighted_mean_loss
 from jaxfl.core.step import init_state
@@ -82,7 +82,7 @@ def test_first_participation_trains_the_global_model_and_the_second_runs_ala():
     c = jax.tree_util.tree_map(lambda a: a[i], c1)
     trained, metrics = jax.jit(alg.local_update)(s1, c, row, key, info(1, i))
     n, r = int(row.count), int(np.floor(0.8 * int(row.count)))
-    start = int(jax.random.randint(jax.random.fold_in(key, 3), (), 0, n - r + 1))
+    start = int(jax.random.randint(aux_key(key), (), 0, n - r + 1))
     w, top, passes = reference_ala(model(), s1["params"], c["top"], c["W"], c["batch_stats"], _row(row), start,
                                    r, 8, 1.0, True)
     assert passes == 11 and float(metrics["ala_passes"]) == 11.0 and not bool(trained["first_ala"])

@@ -46,6 +46,15 @@ def ce_loss(model, prox_mu: float = 0.0):
     return loss_fn
 
 
+AUX_STREAM = 2 ** 31 - 1  # far past any epoch index: LocalTrainer's epoch e draws from fold_in(key, e)
+
+
+def aux_key(key, i: int = 0):
+    """A client's round key for randomness beside its local training (candidate draws, data windows): a stream
+    that no epoch of ``LocalTrainer.run(key)`` shares."""
+    return jax.random.fold_in(jax.random.fold_in(key, AUX_STREAM), i)
+
+
 def model_variables(state):
     """The model's {"params", "batch_stats"} out of a server or client state that also holds other things
     (control variates, drifts, masks, a personal head)."""

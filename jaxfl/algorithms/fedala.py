@@ -43,7 +43,7 @@ from ..core.trainer import LocalTrainer, batch_of
 from ..core.trees import fill, path_mask, prune
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
-from ._common import ce_loss, init_variables
+from ._common import aux_key, ce_loss, init_variables
 from ._registry import register
 
 
@@ -145,7 +145,7 @@ def fedala(model, trainer: LocalTrainer, o: FedALAOptions, ctx: RunContext) -> A
 
     def local_update(server, client, data: ClientData, key, info: RoundInfo = None):
         glob = server["params"]
-        weights, top, passes = ala(glob, client, data, jax.random.fold_in(key, 3))
+        weights, top, passes = ala(glob, client, data, aux_key(key))
         run = client["trained"]  # in a client's first participation its model is the global one: no ALA
         weights = jax.tree_util.tree_map(lambda w, w0: jnp.where(run, w, w0), weights, client["W"])
         start = jax.tree_util.tree_map(lambda a, g: jnp.where(run, a, g), fill(glob, top), glob)

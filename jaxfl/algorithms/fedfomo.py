@@ -40,7 +40,7 @@ from ..core.trainer import ClientRows, LocalTrainer, batch_of
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ..ops.hypernet import require_table_size
-from ._common import ce_loss, init_variables, model_variables
+from ._common import aux_key, ce_loss, init_variables, model_variables
 from ._registry import register
 
 
@@ -140,7 +140,7 @@ def fedfomo(model, trainer: LocalTrainer, o: FedFomoOptions, ctx: RunContext) ->
         data = reordered(data, order, data.count)
         eps = jnp.maximum(o.epsilon - info.round * o.epsilon_decay, 0.0)
         others = server["uploaded"] & (jnp.arange(n_clients) != i)
-        picks, picked = epsilon_greedy(jax.random.fold_in(key, 2), server["affinity"][i], others,
+        picks, picked = epsilon_greedy(aux_key(key), server["affinity"][i], others,
                                        o.num_update_clients, eps)
         ids = jnp.concatenate([i[None], picks])
         valid = jnp.concatenate([server["uploaded"][i][None], picked]) & (n_train < data.count)
