@@ -94,7 +94,8 @@ def test_amp_distances_and_attention_match_their_formulas():
     row = {"a": rng.normal(size=(3, 2)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}
     flat_t = np.concatenate([table["a"].reshape(4, -1), table["b"]], 1)
     flat_r = np.concatenate([row["a"].reshape(-1), row["b"]])
-    d2, dot, sq_t = jax.jit(table_distances)(table, row)
+    d2, dot, sq_t, sq_r = jax.jit(table_distances)(table, row)
+    np.testing.assert_allclose(sq_r, (flat_r ** 2).sum(), rtol=1e-5)
     np.testing.assert_allclose(d2, ((flat_t - flat_r) ** 2).sum(1), rtol=1e-5)
     others = np.array([True, False, True, True])
     alpha, sigma = 0.5, 20.0

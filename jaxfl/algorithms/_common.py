@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from ..core.metrics import cross_entropy, weighted_mean_loss
-from ..core.trainer import LocalTrainer, batch_of
+from ..core.trainer import LocalTrainer, batch_of, num_positions
 from ..core.trees import PathPredicate, path_mask
 from ..core.types import Algorithm
 from ..data.clients import ClientData
@@ -126,10 +126,14 @@ def head_on(module, z, train: bool = False, mask=None):
     return module.head(z, train, mask)
 
 
+def head_dense_names(head_params) -> list[str]:
+    """The names of a head's Dense layers, first to last (``fc1``, ``fc2``, ...; ``MLPHead``'s naming)."""
+    return sorted((k for k in head_params if k.startswith("fc") and k[2:].isdigit()), key=lambda k: int(k[2:]))
+
+
 def head_dense_kernels(head_params) -> list:
-    """The kernels [d_in, d_out] of a head's Dense layers, first to last (``fc1``, ``fc2``, ...)."""
-    fcs = sorted((k for k in head_params if k.startswith("fc") and k[2:].isdigit()), key=lambda k: int(k[2:]))
-    return [head_params[k]["linear"]["kernel"] for k in fcs]
+    """The kernels [d_in, d_out] of a head's Dense layers, first to last (``head_dense_names``)."""
+    return [head_params[k]["linear"]["kernel"] for k in head_dense_names(head_params)]
 
 
 def class_feature_sums(model, variables, data: ClientData, num_classes: int, batch_size: int, preprocess,
@@ -137,7 +141,7 @@ def class_feature_sums(model, variables, data: ClientData, num_classes: int, bat
     """Over a client's real samples, in evaluation mode: S1 [C, d] = sum_{y=k} z, S2 [C] = sum_{y=k} ||z||^2,
     N [C] = #{y = k}, with z = f(x) the ``representation`` (``logits_and_representation``; default the encoder
     output); in batches, skipping the padding."""
-    b, m = batch_size, data.y.shape[0]
+    b, m = batch_size, num_positions(data)
     n_steps = (data.count + b - 1) // b
     forward = logits_and_representation(representation)
     features = lambda x: model.apply(variables, preprocess(x), False, None, method=forward)[1]

@@ -43,7 +43,7 @@ from ..core.trainer import LocalTrainer, batch_of
 from ..core.trees import fill, path_mask, prune
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
-from ._common import aux_key, ce_loss, init_variables
+from ._common import aux_key, ce_loss, head_dense_names, init_variables
 from ._registry import register
 
 
@@ -69,8 +69,8 @@ def higher_layers(params, layers: str):
     largest k; the whole head if it has none), "head": every head leaf, "all": every leaf."""
     if layers == "all":
         return path_mask(params, lambda p: True)
-    fcs = [k for k in params["head"] if k.startswith("fc") and k[2:].isdigit()]
-    last = max(fcs, key=lambda k: int(k[2:])) if fcs else None
+    fcs = head_dense_names(params["head"])
+    last = fcs[-1] if fcs else None
     if layers == "head" or last is None:
         return path_mask(params, lambda p: p[0] == "head")
     return path_mask(params, lambda p: p[0] == "head" and p[1] == last)

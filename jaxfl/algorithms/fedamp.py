@@ -34,6 +34,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ..core.aggregation import write_rows
 from ..core.options import Options, option
 from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm, RoundInfo, RunContext
@@ -58,15 +59,15 @@ class FedAMPOptions(Options):
 
 
 def table_distances(table, row):
-    """||row - table_j||^2 and <row, table_j>, ||table_j||^2 summed over the leaves, by Gram terms (no [N, ...]
-    difference is built). table: leaves [N, ...]; row: leaves [...] -> ([N], [N], [N])."""
+    """||row - table_j||^2, <row, table_j>, ||table_j||^2 and ||row||^2 summed over the leaves, by Gram terms (no
+    [N, ...] difference is built). table: leaves [N, ...]; row: leaves [...] -> ([N], [N], [N], [])."""
     def terms(t, r):
         flat = t.reshape(t.shape[0], -1)
         return flat @ r.reshape(-1), jnp.sum(flat * flat, -1)
     dots, sq = zip(*(terms(t, r) for t, r in zip(jax.tree_util.tree_leaves(table), jax.tree_util.tree_leaves(row))))
     dot, sq_t = sum(dots), sum(sq)
     sq_r = sum(jnp.sum(r * r) for r in jax.tree_util.tree_leaves(row))
-    return jnp.maximum(sq_r + sq_t - 2 * dot, 0.0), dot, sq_t
+    return jnp.maximum(sq_r + sq_t - 2 * dot, 0.0), dot, sq_t, sq_r
 
 
 def attention_weights(dist2, dot, sq_t, sq_r, others, alpha: float, sigma: float, heuristic: bool,
@@ -108,8 +109,7 @@ def fedamp(model, trainer: LocalTrainer, o: FedAMPOptions, ctx: RunContext) -> A
         i = info.client_id
         table = server["models"]
         own = jax.tree_util.tree_map(lambda t: t[i], table)
-        dist2, dot, sq_t = table_distances(table, own)
-        sq_r = sum(jnp.sum(r * r) for r in jax.tree_util.tree_leaves(own))
+        dist2, dot, sq_t, sq_r = table_distances(table, own)
         others = server["uploaded"] & (jnp.arange(n) != i)
         xi, xi_self = attention_weights(dist2, dot, sq_t, sq_r, others, o.alpha, o.sigma, o.heuristic,
                                         o.self_weight)
@@ -119,10 +119,8 @@ def fedamp(model, trainer: LocalTrainer, o: FedAMPOptions, ctx: RunContext) -> A
         return {"params": params, "batch_stats": stats}, dict(metrics, self_attention=xi_self)
 
     def aggregate(server, trained, weights, info: RoundInfo):
-        rows = jnp.where(weights > 0, info.client_id, n)  # a padded cohort row writes nothing ("drop")
-        table = jax.tree_util.tree_map(lambda t, new: t.at[rows].set(new, mode="drop"), server["models"],
-                                       trained["params"])
-        uploaded = server["uploaded"].at[rows].set(True, mode="drop")
+        table = write_rows(server["models"], info.client_id, weights, trained["params"])
+        uploaded = write_rows(server["uploaded"], info.client_id, weights, jnp.ones(weights.shape, bool))
         return {"models": table, "uploaded": uploaded}, {"batch_stats": trained["batch_stats"]}
 
     def predict(server, client, x, client_id):

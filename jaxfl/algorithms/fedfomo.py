@@ -34,9 +34,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ..core.aggregation import real_rows, write_rows
 from ..core.metrics import cross_entropy
 from ..core.options import Options, option
-from ..core.trainer import ClientRows, LocalTrainer, batch_of
+from ..core.trainer import ClientRows, LocalTrainer, batch_of, num_positions
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ..ops.hypernet import require_table_size
@@ -134,7 +135,7 @@ def fedfomo(model, trainer: LocalTrainer, o: FedFomoOptions, ctx: RunContext) ->
 
     def local_update(server, client, data, key, info: RoundInfo):
         i = info.client_id
-        m = data.length if isinstance(data, ClientRows) else data.y.shape[0]
+        m = num_positions(data)
         order, n_train = split_rows(jax.random.fold_in(jax.random.key(o.split_seed), i), data.count, m, o.val_frac)
         train = reordered(data, order, n_train)
         data = reordered(data, order, data.count)
@@ -159,11 +160,11 @@ def fedfomo(model, trainer: LocalTrainer, o: FedFomoOptions, ctx: RunContext) ->
         return trained, dict(metrics, helpers=jnp.sum(w > 0).astype(jnp.float32))
 
     def aggregate(server, trained, weights, info: RoundInfo):
-        rows = jnp.where(weights > 0, info.client_id, n_clients)  # a padded cohort row writes nothing ("drop")
-        table = jax.tree_util.tree_map(lambda t, new: t.at[rows].set(new, mode="drop"), server["models"],
-                                       model_variables(trained))
+        ids = info.client_id
+        table = write_rows(server["models"], ids, weights, model_variables(trained))
+        rows = real_rows(ids, weights, n_clients)  # a padded cohort row adds nothing ("drop")
         affinity = server["affinity"].at[rows[:, None], trained["ids"]].add(trained["d_affinity"], mode="drop")
-        uploaded = server["uploaded"].at[rows].set(True, mode="drop")
+        uploaded = write_rows(server["uploaded"], ids, weights, jnp.ones(weights.shape, bool))
         return {"models": table, "affinity": affinity, "uploaded": uploaded}, {"base": trained["base"]}
 
     def predict(server, client, x, client_id):

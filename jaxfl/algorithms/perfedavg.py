@@ -40,7 +40,7 @@ import optax
 from ..core.aggregation import tree_weighted_mean
 from ..core.metrics import correct_count
 from ..core.options import Options, option
-from ..core.trainer import ClientRows, LocalTrainer, batch_of, epoch_permutation
+from ..core.trainer import LocalTrainer, batch_of, epoch_permutation, num_positions
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ._common import ce_loss, global_model_predictors, init_variables, model_variables, optimizer_lr
@@ -109,7 +109,7 @@ def perfedavg(model, trainer: LocalTrainer, o: PerFedAvgOptions, ctx: RunContext
 
     def local_update(server, client, data: ClientData, key, info: RoundInfo = None):
         n = data.count
-        m = data.length if isinstance(data, ClientRows) else data.y.shape[0]
+        m = num_positions(data)
         steps = jnp.where(n > 0, jnp.maximum(1, ((n + b - 1) // b) // k), 0)
 
         def epoch(e, carry):

@@ -108,6 +108,20 @@ def tree_where(mask_tree, a, b):
     return jax.tree_util.tree_map(one, mask_tree, a, b)
 
 
+def real_rows(ids, weights, n: int):
+    """The cohort's row ids into a per-client table of ``n`` rows, with the padded cohort rows (weight 0, which
+    may carry a real client's id) sent past the table, for scatters with ``mode="drop"``. ids, weights [k] -> [k]."""
+    return jnp.where(weights > 0, ids, n)
+
+
+def write_rows(table, ids, weights, new):
+    """``table`` (leaves [n, ...]) with row ids[i] replaced by new[i] (leaves [k, ...]) for the cohort rows of
+    positive weight; padded rows write nothing."""
+    n = jax.tree_util.tree_leaves(table)[0].shape[0]
+    rows = real_rows(ids, weights, n)
+    return jax.tree_util.tree_map(lambda t, v: t.at[rows].set(v, mode="drop"), table, new)
+
+
 def broadcast_clients(tree, n: int):
     """Stack ``n`` copies of a pytree along a new leading client axis.
     Shapes: tree of leaves [...] -> the same tree with leaves [n, ...].

@@ -84,6 +84,11 @@ class ClientRows:
         return self.store_x[r], self.store_y[r]
 
 
+def num_positions(data) -> int:
+    """M, the padded positions of one client's ``ClientData`` or ``ClientRows`` (static)."""
+    return data.length if isinstance(data, ClientRows) else data.y.shape[0]
+
+
 def batch_of(data, idx):
     """(x, y) of the padded positions ``idx`` of one client's ``ClientData`` or ``ClientRows``."""
     if isinstance(data, ClientRows):
@@ -114,7 +119,7 @@ class LocalTrainer:
         and accuracy are means over the real training samples seen this round, ``steps`` the optimizer steps.
         """
         b = self.batch_size
-        m = data.length if isinstance(data, ClientRows) else data.y.shape[0]
+        m = num_positions(data)
         slots = -(-m // b) * b  # the permutation padded to whole batches (indices past m are never real)
         n_steps = (data.count + b - 1) // b
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)

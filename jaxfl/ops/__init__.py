@@ -12,7 +12,7 @@ losses       cross_entropy, weighted_mean_loss, correct_count, kl_divergence, sy
              negative_entropy, feature_norm; cosine_similarity, model_contrastive_loss (MOON); class_counts,
              class_log_prior, balanced_softmax_ce (FedRoD); logit_calibration (FedLC); gaussian_cmi_bound
              (FedSR); prototype_contrastive_loss (FPL); soft_target_ce, gaussian_mmd, adaptive_bandwidths,
-             multi_kernel_mmd (FedPHP, FedCP); cosine_ce (GPFL)
+             multi_kernel_mmd, joint_sq_distances (FedPHP, FedCP); cosine_ce (GPFL)
 evidential   (RFedDis) evidence, dirichlet_alpha, opinion, uncertainty, expected_probability, ds_combine,
              ds_combine_opinions, dirichlet_ce, remove_true_evidence, kl_to_uniform, edl_loss,
              annealing_coefficient, softmax_kl_mean, disentangle_loss

@@ -146,36 +146,49 @@ def soft_target_ce(logits, teacher_logits, temperature: float):
     return -jnp.sum(target * jax.nn.log_softmax(logits, -1), -1)
 
 
-def gaussian_mmd(a, b, w, bandwidths):
-    """Squared MMD (biased: every pair, the diagonal included) between the real rows of a and b [B, d] with the
-    kernel k(D) = sum_s exp(-D / bandwidths_s) of squared distances D:
-    MMD^2 = mean over real (i, j) of k(D(a_i, a_j)) + k(D(b_i, b_j)) - 2 k(D(a_i, b_j)).
-    w [B]: 1 for real rows; bandwidths [S] (or a list). -> []."""
+def joint_sq_distances(a, b):
+    """D_uv = ||U_u - U_v||^2 over the rows of U = [a; b]. a, b [B, d] -> [2B, 2B]."""
     u = jnp.concatenate([a, b], 0)
     sq = jnp.sum(u * u, -1)
-    d = jnp.maximum(sq[:, None] + sq[None] - 2 * u @ u.T, 0.0)
+    return jnp.maximum(sq[:, None] + sq[None] - 2 * u @ u.T, 0.0)
+
+
+def _mmd_of_distances(d, w, bandwidths):
+    """``gaussian_mmd`` from the joint squared distances d [2B, 2B] (``joint_sq_distances``)."""
     k = jnp.sum(jnp.exp(-d[None] / jnp.reshape(jnp.asarray(bandwidths, d.dtype), (-1, 1, 1))), 0)
-    m = a.shape[0]
+    m = w.shape[0]
     signed = k[:m, :m] + k[m:, m:] - k[:m, m:] - k[m:, :m]
     real = w[:, None] * w[None]
     return jnp.sum(real * signed) / jnp.maximum(jnp.sum(real), 1.0)
 
 
-def adaptive_bandwidths(a, b, w, kernels: int = 5, multiplier: float = 2.0):
-    """DAN's (and FedPHP's) bandwidths beta m^k / m^(kernels // 2), k < kernels, with beta = sg(sum_uv D_uv /
-    (n^2 - n)) + 1e-8 the mean squared distance of the real rows of U = [a; b] (n = 2 sum w). -> [kernels]."""
-    u = jnp.concatenate([a, b], 0)
+def _bandwidths_of_distances(d, w, kernels: int, multiplier: float):
+    """``adaptive_bandwidths`` from the joint squared distances d [2B, 2B]."""
     mu = jnp.concatenate([w, w], 0)
-    sq = jnp.sum(u * u, -1)
-    d = jnp.maximum(sq[:, None] + sq[None] - 2 * u @ u.T, 0.0)
     n = jnp.sum(mu)
     beta = jax.lax.stop_gradient(jnp.sum(mu[:, None] * mu[None] * d) / jnp.maximum(n * n - n, 1.0)) + 1e-8
     return beta / multiplier ** (kernels // 2) * multiplier ** jnp.arange(kernels)
 
 
+def gaussian_mmd(a, b, w, bandwidths):
+    """Squared MMD (biased: every pair, the diagonal included) between the real rows of a and b [B, d] with the
+    kernel k(D) = sum_s exp(-D / bandwidths_s) of squared distances D:
+    MMD^2 = mean over real (i, j) of k(D(a_i, a_j)) + k(D(b_i, b_j)) - 2 k(D(a_i, b_j)).
+    w [B]: 1 for real rows; bandwidths [S] (or a list). -> []."""
+    return _mmd_of_distances(joint_sq_distances(a, b), w, bandwidths)
+
+
+def adaptive_bandwidths(a, b, w, kernels: int = 5, multiplier: float = 2.0):
+    """DAN's (and FedPHP's) bandwidths beta m^k / m^(kernels // 2), k < kernels, with beta = sg(sum_uv D_uv /
+    (n^2 - n)) + 1e-8 the mean squared distance of the real rows of U = [a; b] (n = 2 sum w). -> [kernels]."""
+    return _bandwidths_of_distances(joint_sq_distances(a, b), w, kernels, multiplier)
+
+
 def multi_kernel_mmd(a, b, w, kernels: int = 5, multiplier: float = 2.0):
-    """FedPHP's (DAN's) multi-kernel MMD^2: ``gaussian_mmd`` with ``adaptive_bandwidths``. a, b [B, d]; w [B]."""
-    return gaussian_mmd(a, b, w, adaptive_bandwidths(a, b, w, kernels, multiplier))
+    """FedPHP's (DAN's) multi-kernel MMD^2: ``gaussian_mmd`` with ``adaptive_bandwidths`` (the distances computed
+    once for both). a, b [B, d]; w [B]."""
+    d = joint_sq_distances(a, b)
+    return _mmd_of_distances(d, w, _bandwidths_of_distances(d, w, kernels, multiplier))
 
 
 def cosine_ce(features, embeddings, y):
