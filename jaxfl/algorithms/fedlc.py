@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from ..core.aggregation import tree_weighted_mean
 from ..core.metrics import cross_entropy, weighted_mean_loss
 from ..core.options import Options, option
-from ..core.trainer import LocalTrainer
+from ..core.trainer import LocalTrainer, batch_of
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ..ops.losses import class_counts, logit_calibration
@@ -63,7 +65,8 @@ def fedlc(model, trainer: LocalTrainer, o: FedLCOptions, ctx: RunContext) -> Alg
         return init_variables(model, trainer, key, sample_x), {}
 
     def local_update(server, client, data: ClientData, key, info: RoundInfo = None):
-        c = num_classes(model, model_variables(server), trainer.preprocess(data.x[:1]))
+        x0 = trainer.preprocess(batch_of(data, jnp.zeros(1, jnp.int32))[0])  # one row (shapes only)
+        c = num_classes(model, model_variables(server), x0)
         offsets = logit_calibration(class_counts(data.y, data.count, c), o.tau)
         fn = lambda p, s, x, y, w, k: loss_fn(p, s, x, y, w, k, offsets)
         params, stats, _, metrics = trainer.run(fn, server["params"], server["batch_stats"],

@@ -123,11 +123,10 @@ def perfedavg(model, trainer: LocalTrainer, o: PerFedAvgOptions, ctx: RunContext
 
             def step(s, carry):
                 params, stats, sums = carry
-                g, stats, (l1, logits) = meta_gradient(grad_fn, params, stats,
-                                                       [batch(k * s + r) for r in range(k)], alpha, delta)
+                batches = [batch(k * s + r) for r in range(k)]
+                g, stats, (l1, logits) = meta_gradient(grad_fn, params, stats, batches, alpha, delta)
                 params = optax.apply_updates(params, optax.tree.scale(-o.beta, g))
-                y1 = batch(k * s + 1)[1]
-                sums = sums + jnp.stack([l1 * b, correct_count(logits, y1, jnp.ones(b)), float(b), 1.0])
+                sums = sums + jnp.stack([l1 * b, correct_count(logits, batches[1][1], jnp.ones(b)), float(b), 1.0])
                 return params, stats, sums
 
             return jax.lax.fori_loop(0, steps, step, carry)
