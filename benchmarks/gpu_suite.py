@@ -10,6 +10,12 @@ spent are skipped and listed as such.
                                                               # the 2-core CPU box under load, no budget
     python benchmarks/gpu_suite.py --project --out DIR        # no GPU: the H100 projection of every workload
                                                               # (projection.json / .md; compiles only)
+    python benchmarks/gpu_suite.py --out DIR --skip-done benchmarks/results/gpu_h200_2026-11-26
+                                                              # only the workloads no earlier run measured
+
+A workload whose runner fails (e.g. out of GPU memory) keeps its other runners' figures; the failure is a row of
+the table. The first GPU run (an H200, session 18) measured the small-model workloads and the FedAvg CNN at
+cohorts 10 and 100; ``--skip-done`` with its folder runs the rest first.
 
 The small-model workloads (``small:...``, issue 34) run the engine vmapped (one round per call and 10 rounds per
 call, ``Stacked``), the ragged engine's vmap buckets and the two loops (``GPU_SMALL_RUNNERS``).
@@ -51,6 +57,8 @@ def main(argv=None) -> None:
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip workloads once this much time is spent (default 480; none with --smoke)")
     p.add_argument("--smoke", action="store_true", help="two tiny workloads, to check the suite runs")
+    p.add_argument("--skip-done", default=None, metavar="DIR",
+                   help="skip the workloads some results.json under DIR already measured")
     p.add_argument("--project", action="store_true",
                    help="no GPU needed: XLA's flop / byte / kernel counts per round of every SUITE workload and the "
                         "H100 round time they imply (a projection; see project_workload)")
@@ -62,7 +70,10 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # jax and torch share the GPU
     start, results, skipped = time.perf_counter(), [], []
+    done = measured_keys(Path(args.skip_done)) if args.skip_done else set()
     for spec, cohort in (SMOKE if args.smoke else SUITE):
+        if spec_key(spec) in done:
+            continue
         left = budget - (time.perf_counter() - start)
         if left < 20:
             skipped.append(spec)
@@ -73,7 +84,7 @@ def main(argv=None) -> None:
         if res is None:
             skipped.append(spec)
             continue
-        res["suite_cohort"] = cohort
+        res["suite_cohort"], res["suite_spec"] = cohort, spec
         results.append(res)
         print("\n".join(throughput.report(results[-1:]).splitlines()[2:]), flush=True)
     elapsed = time.perf_counter() - start
@@ -362,6 +373,29 @@ def project_report(rows) -> str:
                          f"{v['flops'] / 1e9:.1f} | {v['bytes'] / 1e9:.2f} | {v['launches']} | {v['steps']} | "
                          f"{v['roofline_s']:.5f} | {v['launch_s']:.4f} | {v['round_s']:.4f} | {xt} |")
     return "\n".join(lines)
+
+
+def spec_key(spec: str) -> tuple[str, int, int]:
+    """(workload label, clients, cohort) that ``throughput.run_one`` reports for a suite spec."""
+    kind, *rest = _expand(spec, False).split(":")
+    if kind == "small":
+        return rest[0], int(rest[1]), int(rest[2])
+    if kind == "skewed":
+        return f"dirichlet {float(rest[0])}", int(rest[1]), int(rest[2])
+    name, n = rest[0], int(rest[1])
+    cohort = int(rest[2]) if len(rest) > 2 else throughput.WORKLOADS[name].get("cohort") or n
+    return name, n, min(cohort, n)
+
+
+def measured_keys(folder: Path) -> set:
+    """``spec_key``s of the workloads measured (a result without failed runners) in any results.json under
+    ``folder``."""
+    keys = set()
+    for f in folder.rglob("results.json"):
+        for r in json.loads(f.read_text())["results"]:
+            if not any(isinstance(v, dict) and "error" in v for v in r.values()):
+                keys.add((r["workload"], int(r["clients"]), int(r["cohort"])))
+    return keys
 
 
 def _expand(spec: str, smoke: bool) -> str:

@@ -75,6 +75,15 @@ def skewed_counts(alpha: float, n_clients: int, samples: int, seed: int = 0):
     return np.array([len(p) for p in dirichlet(labels, n_clients, alpha, np.random.default_rng(seed))])
 
 
+def guarded(fn, *args) -> dict:
+    """fn(*args), or {"error": its first line} if it raised: one runner's failure (e.g. out of GPU memory) leaves
+    the workload's other runners measured."""
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001 - any failure of a runner is a result to report
+        return {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"}
+
+
 def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algorithm="fedavg", torch=True,
             chunk_size=8) -> dict:
     """Time ``rounds`` rounds (the same cohorts for every runner) of each runner; see the module docstring."""
@@ -101,7 +110,7 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
     out = {"model": model_name, "clients": n, "cohort": cohort, "batch": batch, "rounds": rounds,
            "real_samples_per_round": real / rounds, "max_over_mean": float(np.max(counts) / np.mean(counts)),
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__}
-    for strategy in strategies:
+    def engine(strategy):
         sim = Ragged(alg, data, batch_size=batch, strategy=strategy, chunk_size=chunk_size, cohort_size=cohort)
         server, store = sim.init(jax.random.key(0), data.x[:1])
         t = time.perf_counter()
@@ -115,10 +124,12 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
             work.append(m["padded_work"])
         jax.block_until_ready(server)
         sec = (time.perf_counter() - t) / rounds
-        out[f"engine/{strategy}"] = {"round_s": sec, "samples_per_s": real / rounds / sec, "compile_s": first - sec * rounds,
-                                     "padded_work": float(np.mean(work)), "buckets": int(m["buckets"]),
-                                     "compiled_shapes": int(m["compiled_shapes"])}
-        del store
+        return {"round_s": sec, "samples_per_s": real / rounds / sec, "compile_s": first - sec * rounds,
+                "padded_work": float(np.mean(work)), "buckets": int(m["buckets"]),
+                "compiled_shapes": int(m["compiled_shapes"]), "lane_cap": sim.lane_cap}
+
+    for strategy in strategies:
+        out[f"engine/{strategy}"] = guarded(engine, strategy)
     # a jitted one-client update in a Python loop, each client padded to its own grid length, then aggregation
     one, agg = jax.jit(alg.local_update), jax.jit(alg.aggregate)
     server, client = alg.init(jax.random.key(0), data.x[:1])
@@ -389,7 +400,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
         out[runner] = dict({"round_s": sec_total / n, "samples_per_s": sps, "rounds_timed": n,
                             "flops_fraction": sps * cost["flops_per_sample"] / (peak * 1e9)}, **(extra or {}))
 
-    for runner in runners:
+    def run(runner):
         kind, *opt = runner.split("/")
         if kind == "stacked":
             strategy, kk = opt[0], int(opt[1][1:])
@@ -440,6 +451,11 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
             res = small_torch_loop(w, data, cohorts[:rounds])
             if res:
                 record(runner, res["round_s"] * rounds, rounds, {k_: v for k_, v in res.items() if k_ != "round_s"})
+
+    for runner in runners:
+        failed = guarded(run, runner)
+        if failed:
+            out[runner] = failed
     out["peak_rss_gb"] = peak_rss_gb()
     return out
 
@@ -572,6 +588,9 @@ def small_report(results: list[dict]) -> str:
     for r in results:
         base_j = r.get("jax_loop", {}).get("samples_per_s")
         base_t = r.get("torch_loop", {}).get("samples_per_s")
+        for runner in [k for k in r if isinstance(r[k], dict) and "error" in r[k]]:
+            lines.append(f"| {r['workload']} | {r['clients']} ({r['cohort']}) | - | {runner} | "
+                         f"failed: {r[runner]['error'][:120]} |" + " - |" * 7)
         for runner in [k for k in r if isinstance(r[k], dict) and "samples_per_s" in r[k]]:
             v = r[runner]
             f = lambda key, fmt: format(v[key], fmt) if key in v else "-"
@@ -588,17 +607,24 @@ def report(results: list[dict]) -> str:
     lines = ["| workload | clients (cohort) | max/mean size | runner | real samples/s | x torch | x jax_loop | "
              "padded/real | buckets (shapes) | round s | peak RSS GB |", "|---" * 11 + "|"]
     for r in results:
-        base_j = r["jax_loop"]["samples_per_s"]
+        base_j = r.get("jax_loop", {}).get("samples_per_s")
         base_t = r.get("torch_loop", {}).get("samples_per_s")
         for runner in [k for k in r if k.startswith("engine/")] + ["jax_loop", "torch_loop"]:
             if runner not in r:
                 continue
             v = r[runner]
+            if "error" in v:
+                lines.append(f"| {r['workload']} | {r['clients']} ({r['cohort']}) | {r['max_over_mean']:.1f} | {runner} | "
+                             f"failed: {v['error'][:120]} |" + " - |" * 6)
+                continue
             work = f"{v['padded_work']:.3f}" if "padded_work" in v else "-"
             shapes = f"{v['buckets']} ({v['compiled_shapes']})" if "buckets" in v else "-"
+            if v.get("lane_cap"):
+                shapes += f", capped at {v['lane_cap']} lanes"
             xt = f"{v['samples_per_s'] / base_t:.2f}" if base_t else "-"
+            xj = f"{v['samples_per_s'] / base_j:.2f}" if base_j else "-"
             lines.append(f"| {r['workload']} | {r['clients']} ({r['cohort']}) | {r['max_over_mean']:.1f} | {runner} | "
-                         f"{v['samples_per_s']:.0f} | {xt} | {v['samples_per_s'] / base_j:.2f} | {work} | {shapes} | "
+                         f"{v['samples_per_s']:.0f} | {xt} | {xj} | {work} | {shapes} | "
                          f"{v['round_s']:.3f} | {r['peak_rss_gb']:.2f} |")
     return "\n".join(lines)
 

@@ -59,6 +59,35 @@ def test_buckets_and_store_equal_the_stacked_round(name, strategy, chunk):
     np.testing.assert_allclose(m["loss"], m_ref["loss"], rtol=1e-4)
 
 
+def test_a_bucket_out_of_device_memory_is_retrained_in_smaller_buckets():
+    # the GPU suite's 1,000-lane FedAvg CNN bucket ran out of memory on an H200: the round is retrained in
+    # buckets of at most half as many lanes (here the fake device holds 1 lane), with the same numbers
+    alg, data = algorithm("fedbn"), ragged()
+    s_ref, c_ref, m_ref = reference(alg, data, 2, None)
+    sim = Ragged(alg, data, batch_size=8, strategy="vmap")
+    real, lanes_run = sim._train_into, []
+
+    def small_device(buffer, server, clients, d, ids, *rest):
+        lanes = ids.shape[0]
+        if lanes > 1:
+            raise jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: Out of memory ({lanes} lanes)")
+        lanes_run.append(lanes)
+        return real(buffer, server, clients, d, ids, *rest)
+
+    sim._train_into = small_device
+    server, store = sim.init(jax.random.key(0), data.x[:1])
+    with pytest.warns(UserWarning, match="out of device memory training 2 clients in one call; buckets are capped at 1"):
+        for r in range(2):
+            server, m = sim.round(server, store, r, ROOT)
+    assert sim.lane_cap == 1 and set(lanes_run) == {1}  # buckets of 2 lanes ran as 1 + 1
+    assert m["buckets"] == 6
+    assert_trees_close(server, s_ref, atol=2e-5, rtol=1e-4)
+    assert_trees_close(store.state, c_ref, atol=2e-5, rtol=1e-4)
+    sim._train_into = lambda *a: (_ for _ in ()).throw(jax.errors.JaxRuntimeError("INTERNAL: not memory"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # other runtime errors are not retried
+        sim.round(server, store, 2, ROOT)
+
+
 @pytest.mark.parametrize("strategy", ["map", "vmap"])
 def test_stacked_round_reads_rows_instead_of_copying_the_padded_cohort(strategy):
     # the cohort's data is never gathered as [cohort, longest client, ...]: minibatches read their rows from the

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,11 @@ def device_memory_bytes() -> int:
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def is_out_of_memory(err: Exception) -> bool:
+    """Whether a runtime error is a failed device allocation (XLA's RESOURCE_EXHAUSTED status)."""
+    return "RESOURCE_EXHAUSTED" in str(err)
 
 
 class ClientStore:
@@ -153,6 +159,8 @@ class Ragged(_Backend):
     number of lanes) or ``chunked`` (buckets of at most ``chunk_size`` lanes). ``mesh`` splits every call's
     lanes over devices (lanes are then multiples of the device count; the cohort must be one too).
     client_store: where the persistent states live (``ClientStore``).
+    A bucket that runs out of device memory (``vmap`` / ``chunked``) is not fatal: the round is retrained in
+    buckets of at most half as many lanes, and that cap (``lane_cap``) stays for the rest of the run.
     """
 
     def __init__(self, alg: Algorithm, train: RaggedClients, *, client_store: str = "auto", **kw):
@@ -170,6 +178,7 @@ class Ragged(_Backend):
         self._aggregate = jax.jit(step.aggregate)
         self._make_buffer = None
         self.shapes: set[tuple[int, int]] = set()  # (lanes, samples) of every bucket compiled so far
+        self.lane_cap: int | None = None  # set when a bucket ran out of device memory (``round``)
 
     def init(self, key, sample_x):
         """(server, store): the server state and every client's initial persistent state."""
@@ -180,6 +189,8 @@ class Ragged(_Backend):
         """The buckets of cohort ``ids`` (``buckets.plan_buckets`` with this strategy's lane limits)."""
         steps = -(-self.train.counts[ids] // self.batch_size)
         max_lanes = self.chunk_size * self.devices if self.strategy == "chunked" else len(ids)
+        if self.lane_cap is not None:
+            max_lanes = min(max_lanes, self.lane_cap)
         return plan_buckets(steps, max_lanes=max_lanes, lane_multiple=self.devices, single=self.strategy == "map")
 
     def round(self, server, store: ClientStore, round_idx: int, root, before_aggregate=None):
@@ -192,21 +203,21 @@ class Ragged(_Backend):
         order) before aggregation (to evaluate the models right after local training).
         """
         t0, d0 = time.perf_counter(), self.device_s
-        c = self.cohort_size
-        ids = np.asarray(sample_cohort(root, round_idx, self.num_clients, c))
-        plan = self.plan(ids)
-        buffer = None
-        for b in plan:
-            real = b.positions >= 0
-            bid = np.where(real, ids[np.maximum(b.positions, 0)], -1)
-            data = self.train.gather(bid, b.steps * self.batch_size)
-            args = (server, place_rows(store.gather(np.maximum(bid, 0)), self.mesh), place_rows(data, self.mesh),
-                    place_rows(np.maximum(bid, 0).astype(np.int32), self.mesh),
-                    place_rows(np.where(real, b.positions, c), self.mesh), round_idx, root)
-            if buffer is None:  # the cohort's rows, in cohort order, filled bucket by bucket
-                buffer = self._empty_buffer(args, c)
-            buffer = self.timed(self._train_into, buffer, *args)
-            self.shapes.add((b.lanes, b.steps))
+        ids = np.asarray(sample_cohort(root, round_idx, self.num_clients, self.cohort_size))
+        while True:
+            plan = self.plan(ids)
+            try:
+                buffer = self._train_buckets(plan, server, store, ids, round_idx, root)
+                break
+            except jax.errors.JaxRuntimeError as err:
+                lanes = max(b.lanes for b in plan)
+                if not is_out_of_memory(err) or self.strategy == "map" or lanes <= self.devices:
+                    raise
+                # a bucket's activations did not fit: retrain the cohort (its keys depend on client ids only,
+                # so the results do not change) in buckets of at most half as many lanes, from now on
+                self.lane_cap = max(self.devices, lanes // 2 // self.devices * self.devices)
+                warnings.warn(f"out of device memory training {lanes} clients in one call; buckets are capped "
+                              f"at {self.lane_cap} clients from now on", stacklevel=2)
         trained, metrics = buffer
         if before_aggregate is not None:
             t = time.perf_counter()
@@ -218,6 +229,22 @@ class Ragged(_Backend):
         host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)
         return server, dict(metrics, client_id=ids, **self.report(plan, ids), compiled_shapes=len(self.shapes),
                             host_share=max(host, 0.0))
+
+    def _train_buckets(self, plan, server, store: ClientStore, ids, round_idx: int, root):
+        """Train cohort ``ids`` bucket by bucket: (trained rows, metrics), stacked in cohort order."""
+        c, buffer = len(ids), None
+        for b in plan:
+            real = b.positions >= 0
+            bid = np.where(real, ids[np.maximum(b.positions, 0)], -1)
+            data = self.train.gather(bid, b.steps * self.batch_size)
+            args = (server, place_rows(store.gather(np.maximum(bid, 0)), self.mesh), place_rows(data, self.mesh),
+                    place_rows(np.maximum(bid, 0).astype(np.int32), self.mesh),
+                    place_rows(np.where(real, b.positions, c), self.mesh), round_idx, root)
+            if buffer is None:  # the cohort's rows, in cohort order, filled bucket by bucket
+                buffer = self._empty_buffer(args, c)
+            buffer = self.timed(self._train_into, buffer, *args)
+            self.shapes.add((b.lanes, b.steps))
+        return buffer
 
     def _empty_buffer(self, args, c):
         if self._make_buffer is None:  # the output rows' shapes do not depend on the bucket: trace once

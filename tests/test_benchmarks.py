@@ -1,0 +1,37 @@
+"""The GPU suite's bookkeeping (no timing here): which workloads an earlier run measured, and how a failed
+runner shows in the table."""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_suite  # noqa: E402
+import throughput  # noqa: E402
+
+
+def test_every_suite_workload_has_its_own_key():
+    keys = [gpu_suite.spec_key(spec) for spec, _ in gpu_suite.SUITE]
+    assert len(set(keys)) == len(keys)
+    assert gpu_suite.spec_key("xdev:100") == ("cross_device", 1000, 100)
+    assert gpu_suite.spec_key("skewed:0.3:1000:10") == ("dirichlet 0.3", 1000, 10)
+    assert gpu_suite.spec_key("equal:fedavg_cnn:10") == ("fedavg_cnn", 10, 10)
+
+
+def test_skip_done_skips_measured_workloads_but_not_failed_ones(tmp_path):
+    ok = {"workload": "fedavg_cnn", "clients": 10, "cohort": 10, "jax_loop": {"samples_per_s": 1.0}}
+    failed = {"workload": "fedavg_cnn", "clients": 1000, "cohort": 1000, "engine/vmap": {"error": "RESOURCE_EXHAUSTED"}}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "results.json").write_text(json.dumps({"results": [ok, failed]}))
+    assert gpu_suite.measured_keys(tmp_path) == {("fedavg_cnn", 10, 10)}
+
+
+def test_a_failed_runner_is_a_row_and_the_others_keep_their_ratios():
+    r = {"workload": "fedavg_cnn", "clients": 1000, "cohort": 1000, "max_over_mean": 1.0, "peak_rss_gb": 2.0,
+         "engine/vmap": {"error": "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"},
+         "engine/map": {"samples_per_s": 300.0, "round_s": 1.0, "padded_work": 1.0, "buckets": 1,
+                        "compiled_shapes": 1, "lane_cap": None},
+         "jax_loop": {"samples_per_s": 100.0, "round_s": 3.0}}
+    rows = throughput.report([r]).splitlines()[2:]
+    assert rows[0].startswith("| fedavg_cnn | 1000 (1000) | 1.0 | engine/vmap | failed: JaxRuntimeError: RESOURCE")
+    assert "| engine/map | 300 | - | 3.00 |" in rows[1]
+    assert throughput.guarded(lambda: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}
