@@ -4,8 +4,16 @@ from pathlib import Path
 # The tests run tiny models, where compiling dominates and XLA:CPU spends most of it in LLVM's optimisation:
 # unoptimised code halves the tests' time (measured: tests/test_moon_fedrod.py 36 s -> 18 s; the whole suite,
 # -n 2: 355 tests in 12.4 min, against 293 tests in 16.4 min before). Set before jax creates its CPU backend;
-# subprocess checks (sharding, multihost) inherit it.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# subprocess checks (sharding, multihost) inherit it. XLA:CPU's MLIR fusion emitters (the default) compile a
+# third slower than its older LLVM IR emitters: four of the slowest tests took 29.6 s with them, 20.1-21.0 s
+# without, the suite 11 min 40 s against 6 min 47 s (session 18). The older emitters round differently in
+# different programs, though: a test that claims two *different* programs agree bit for bit (a reduction run
+# as another algorithm, K rounds per call against one) runs, through ``default_codegen``, in a process of its
+# own with the default emitters, the code generator users run.
+DEFAULT_CODEGEN = os.environ.get("JAXFL_TEST_DEFAULT_CODEGEN") == "1"
+FAST_CODEGEN_FLAG = "--xla_cpu_use_fusion_emitters=false"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                           + ("" if DEFAULT_CODEGEN else " " + FAST_CODEGEN_FLAG)).strip()
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as jaxfl/__init__.py sets it (jax is imported first here)
 # Many tests build the same jitted round anew (a fresh Experiment, a fresh backend): XLA's persistent cache
 # turns the repeated LLVM compilations into a file read, within a worker, across the two xdist workers and in
@@ -17,6 +25,10 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(__import__("temp
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import functools  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -27,6 +39,23 @@ from jaxfl.core.trainer import LocalTrainer
 from jaxfl.data.clients import ClientData
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def default_codegen(test):
+    """Run ``test`` in a pytest subprocess with XLA:CPU's default code generator (see the top of this file):
+    for tests that assert bit-identity between two different compiled programs."""
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        if DEFAULT_CODEGEN:
+            return test(*args, **kwargs)
+        node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
+        env = dict(os.environ, JAXFL_TEST_DEFAULT_CODEGEN="1",
+                   XLA_FLAGS=os.environ["XLA_FLAGS"].replace(FAST_CODEGEN_FLAG, "").strip())
+        out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", node],
+                             capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+        assert out.returncode == 0, f"{node} with the default code generator:\n{out.stdout[-6000:]}{out.stderr[-2000:]}"
+        assert " passed" in out.stdout, out.stdout[-2000:]
+    return wrapper
 
 
 def make_data(counts, m=None, shape=(8, 8, 3), seed=0, classes=4):

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (assert_trees_close, make_backend, make_data, make_separable, make_trainer, ragged, run_rounds,
+from conftest import (assert_trees_close, default_codegen, make_backend, make_data, make_separable, make_trainer, ragged, run_rounds,
                       setup_algorithm, trained_rows)
 
 from jaxfl.algorithms import REGISTRY
@@ -169,6 +169,7 @@ def test_lg_fedavg_warmup_rounds_are_fedavg():
     assert_trees_close(s3["params"]["encoder"], warm[0]["params"]["encoder"], atol=0, rtol=0)
 
 
+@default_codegen
 def test_ditto_with_lambda_zero_has_purely_local_personal_models():
     alg, data, server, clients = setup("ditto", lam=0.0)
     s, c, _ = run(alg, data, server, clients)
@@ -196,6 +197,11 @@ def test_ditto_large_lambda_ties_personal_models_to_the_global_one():
     assert gap(near) < 0.5 * gap(far)
 
 
+# the two backends agree up to float reassociation (as in test_simulation.py); MOON's contrastive term amplifies
+# it over two rounds (2.5e-5 on a weight of 0.01 under XLA:CPU's LLVM IR emitters, which the suite uses)
+BACKEND_TOLERANCE = {"moon": dict(atol=1e-4, rtol=1e-2)}
+
+
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_algorithm_is_the_same_on_both_backends_and_learns_a_separable_task(name):
     # Stacked (one jit per round, vmap over the cohort) against Ragged under map (one bucket, every client its
@@ -212,7 +218,7 @@ def test_every_algorithm_is_the_same_on_both_backends_and_learns_a_separable_tas
         if r < 2:
             s_r, _ = by_map.round(s_r, store_r, r, ROOT)
         if r == 1:
-            assert_trees_close((s, store.state), (s_r, store_r.state), atol=1e-5)
+            assert_trees_close((s, store.state), (s_r, store_r.state), **BACKEND_TOLERANCE.get(name, dict(atol=2e-5, rtol=1e-4)))
     ev = Evaluator(alg, ragged(test), eval_batch_size=8, preprocess=make_trainer().preprocess,
                    train=ragged(data)).metrics(s, store)
     assert ev["accuracy"].shape == (3,) and np.all(np.isfinite(ev["loss"]))

@@ -6,7 +6,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_trees_close, make_data, make_trainer, round_function, run_rounds, setup_algorithm
+from conftest import assert_trees_close, make_data, make_trainer, round_function, run_rounds, setup_algorithm, default_codegen
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import ce_loss, class_feature_sums, in_part, only
@@ -86,6 +86,7 @@ def test_fedavg_ft_with_zero_epochs_is_fedavg():
     np.testing.assert_array_equal(predictions(alg_a, *a), predictions(alg_b, *b))  # the evaluated model
 
 
+@default_codegen
 def test_fedavg_ft_trains_fedavg_and_evaluates_the_received_model_fine_tuned():
     s1, _ = rounds("fedavg", n=1)
     s2, _ = rounds("fedavg")
@@ -123,6 +124,7 @@ def test_fedbabu_head_never_changes_and_the_body_is_fedavg_with_a_frozen_head():
     np.testing.assert_allclose(predictions(alg, server, clients), apply_rows(expected), atol=1e-5, rtol=1e-5)
 
 
+@default_codegen
 def test_fedbabu_head_only_fine_tuning_and_no_fine_tuning():
     s1, _ = rounds("fedbabu", n=1, ft_part="head", ft_epochs=1)
     server, clients = rounds("fedbabu", ft_part="head", ft_epochs=1)
@@ -283,6 +285,7 @@ def test_fedpac_without_alignment_and_combination_is_fedrep():
     assert_trees_close(a_c, b_c, atol=1e-6, rtol=1e-5)
 
 
+@default_codegen
 def test_fedpac_aggregate_averages_bodies_and_prototypes_and_combines_heads():
     alg, data, server, clients = setup("fedpac")
     rng = np.random.default_rng(2)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close
+from conftest import assert_trees_close, default_codegen
 
 from jaxfl.errors import ConfigError, NonFiniteError
 from jaxfl.run.cli import main
@@ -273,6 +273,7 @@ def _strip_time(history):
     return [{k: v for k, v in h.items() if k not in ("time_s", "compile_s", "host_share")} for h in history]
 
 
+@default_codegen
 def test_rounds_kept_on_the_device_give_the_same_run_for_any_rounds_per_call_and_resume(tmp_path):
     # K = 4 rounds per call, evaluation every 3 rounds and checkpoints every 2 cut the calls into 2, 1, 1, 2, ...
     # rounds: the same numbers, bit for bit, as one round per call; and a resumed run too

@@ -48,9 +48,10 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def stderr_kept_on_success():
+def stderr_collected(pass_on_success: bool = True):
     """Collects what is written to file descriptor 2 (Python and native code: absl logs, TensorStore's
-    thread tracebacks) while the block runs; passes it on if the block succeeds, drops it if it raises."""
+    thread tracebacks) while the block runs; passes it on if the block succeeds (and ``pass_on_success``),
+    drops it otherwise."""
     sys.stderr.flush()
     saved = os.dup(2)
     ok = False
@@ -63,7 +64,7 @@ def stderr_kept_on_success():
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
-            if ok:
+            if ok and pass_on_success:
                 tmp.seek(0)
                 if text := tmp.read():
                     os.write(2, text)
@@ -106,9 +107,17 @@ class Checkpointer:
 
     def save(self, round_idx: int, server, clients) -> None:
         state = {"server": server, "clients": clients}
-        with stderr_kept_on_success():  # a failed write is reported in one line by the caller, not by orbax
-            self.manager.save(round_idx, args=ocp.args.StandardSave(state))
-            self.manager.wait_until_finished()
+        with stderr_collected():  # a failed write is reported in one line by the caller, not by orbax
+            try:
+                self.manager.save(round_idx, args=ocp.args.StandardSave(state))
+                self.manager.wait_until_finished()
+            except BaseException:
+                # let orbax finish tearing the failed write down (its threads may still log, e.g. "Event loop is
+                # closed", seen once in the suite) while file descriptor 2 is still collected and dropped
+                with contextlib.suppress(Exception):
+                    self.manager.wait_until_finished()
+                    self.manager.reload()
+                raise
         digest = state_digest(state)
         if digest is not None and jax.process_index() == 0:
             kept = set(map(str, self.manager.all_steps()))

@@ -352,7 +352,9 @@ def written(path: Path, when: str, ckpt):
     except Exception as e:  # noqa: BLE001
         if not (isinstance(e, OSError) or checkpointing):
             raise
-        last = ckpt.latest_round() if ckpt is not None else None
+        from .checkpoint import stderr_collected  # orbax is imported only by runs that checkpoint
+        with stderr_collected(pass_on_success=False):  # orbax may still log about the failed write
+            last = ckpt.latest_round() if ckpt is not None else None
         why = os_error_text(e)
         keep = (f"the log and the checkpoint of round {last} are intact; free space or fix the error, then "
                 f"continue with jaxfl run --out {path_out(path)} --resume" if last is not None else
