@@ -23,6 +23,12 @@ class RunIOError(JaxflError, OSError):
     exit_code = 1
 
 
+class DeviceMemoryError(JaxflError, MemoryError):
+    """A compiled round did not fit in the device's memory: a fault of the run's size, not bad input (exit 1);
+    the message says which options make the calls smaller."""
+    exit_code = 1
+
+
 class Stopped(JaxflError):
     """The run stopped on SIGTERM/SIGINT after a complete round; the message says how to continue."""
 

@@ -12,6 +12,7 @@ from jaxfl.algorithms import build_algorithm
 from jaxfl.core.backends import ClientStore, Ragged, Stacked
 from jaxfl.core.buckets import grid_ceil, lane_sizes, padded_work, plan_buckets
 from jaxfl.data.ragged import RaggedClients
+from jaxfl.errors import DeviceMemoryError
 from jaxfl.models import small_cnn
 
 
@@ -86,6 +87,17 @@ def test_a_bucket_out_of_device_memory_is_retrained_in_smaller_buckets():
     sim._train_into = lambda *a: (_ for _ in ()).throw(jax.errors.JaxRuntimeError("INTERNAL: not memory"))
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # other runtime errors are not retried
         sim.round(server, store, 2, ROOT)
+
+
+def test_a_stacked_round_out_of_device_memory_is_one_line_naming_the_options():
+    alg, data = algorithm("fedavg"), ragged()
+    engine = Stacked(alg, data, batch_size=8, strategy="vmap", cohort_size=4)
+    server, store = engine.init(jax.random.key(0), data.x[:1])
+    engine._round = lambda *a: (_ for _ in ()).throw(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory"))
+    with pytest.raises(DeviceMemoryError, match=r"^out of device memory training 4 clients in one call "
+                       r"\(JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory\); --backend ragged") as err:
+        engine.round(server, store, 0, ROOT)
+    assert err.value.exit_code == 1 and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("strategy", ["map", "vmap"])

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
+from ..errors import DeviceMemoryError, first_line
 from .buckets import grid_ceil, padded_work, plan_buckets
 from .cohort import default_strategy, sample_cohort
 from .distributed import client_sharding, fetch, place_rows
@@ -332,6 +333,19 @@ class Stacked(_Backend):
         self._rounds = jax.jit(rounds_fn, donate_argnums=(1,))
         self._train = jax.jit(train_fn)
         self._finish = jax.jit(finish_fn, donate_argnums=(1,))
+
+    def timed(self, fn, *args):
+        """``_Backend.timed``; a call out of device memory becomes a one-line ``DeviceMemoryError`` (the whole
+        cohort is one call here: the ragged backend splits it into buckets that fit)."""
+        try:
+            return super().timed(fn, *args)
+        except jax.errors.JaxRuntimeError as err:
+            if not is_out_of_memory(err):
+                raise
+            raise DeviceMemoryError(
+                f"out of device memory training {self.cohort_size} clients in one call ({first_line(err, 120)}); "
+                f"--backend ragged trains the cohort in buckets that fit, or --strategy chunked with a smaller "
+                f"--chunk-size") from None
 
     def load(self, train: RaggedClients) -> None:
         """Replace the population's samples by ``train`` with the same client counts (e.g. another draw of the
