@@ -134,8 +134,7 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
     one, agg = jax.jit(alg.local_update), jax.jit(alg.aggregate)
     server, client = alg.init(jax.random.key(0), data.x[:1])
 
-    def loop_round(r):
-        ids = cohorts[r]
+    def loop_round(r, ids):
         keys = client_keys(root, r, jnp.asarray(ids))
         new = []
         for i, k in zip(ids, keys):
@@ -147,11 +146,11 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
         return jax.block_until_ready(agg(server, stacked, jnp.asarray(data.counts[ids], jnp.float32), info))
     t = time.perf_counter()
     for r in range(rounds):
-        loop_round(r)
+        loop_round(r, cohorts[r])
     first = time.perf_counter() - t
     t = time.perf_counter()
     for r in range(rounds):
-        loop_round(r)
+        loop_round(r, cohorts[r])
     sec = (time.perf_counter() - t) / rounds
     out["jax_loop"] = {"round_s": sec, "samples_per_s": real / rounds / sec, "compile_s": first - sec * rounds}
     if torch:
@@ -185,8 +184,8 @@ def torch_model(model_name, shape):
 
 def torch_loop(model_name, shape, batch, cohort_counts) -> dict | None:
     """Rounds in PyTorch (on CUDA if available): client after client, each doing only its real steps (the
-    last batch partial), then the mean of the states. Returns the median round time over the rounds, after
-    one untimed pass over the same rounds."""
+    last batch partial), then the mean of the states. Returns the mean round time over the rounds, after an
+    untimed round of the first round's first 8 clients (CUDA's and the allocator's start-up)."""
     model = torch_model(model_name, shape)
     if model is None:
         return None
@@ -213,8 +212,7 @@ def torch_loop(model_name, shape, batch, cohort_counts) -> dict | None:
             global_state[k] = torch.tensordot(w / w.sum(), torch.stack([s[k] for s in states]), 1)
         if dev == "cuda":
             torch.cuda.synchronize()
-    for counts in cohort_counts:
-        round_(counts)
+    round_(cohort_counts[0][:8])
     t = time.perf_counter()
     for counts in cohort_counts:
         round_(counts)
@@ -534,9 +532,10 @@ def small_torch_loop(w: dict, data, cohorts) -> dict | None:
     """The same rounds in PyTorch, client after client: load the global state, a fresh SGD, one epoch over a
     random permutation (``torch.randperm``) in batches (the last partial), add the weighted state to a running
     sum; the clients' tensors are made before timing (float images in [-1, 1] / int64 tokens). Returns the
-    median round time after one untimed pass, at 1 thread and at torch's default (the machine's cores): the
-    faster setting is ``round_s`` (intra-op threads do not help batches of 10, and busy-waiting OpenMP threads
-    are slow on a shared machine), both are kept in ``round_s_by_threads``."""
+    median round time after an untimed round of the first round's first 8 clients; on a CPU at 1 thread and at
+    torch's default (the machine's cores): the faster setting is ``round_s`` (intra-op threads do not help
+    batches of 10, and busy-waiting OpenMP threads are slow on a shared machine), both are kept in
+    ``round_s_by_threads``; on a GPU at the default only."""
     model = torch_small_model(w)
     if model is None:
         return None
@@ -563,10 +562,9 @@ def small_torch_loop(w: dict, data, cohorts) -> dict | None:
 
     by_threads = {}
     default = torch.get_num_threads()
-    for threads in sorted({1, default}):
+    for threads in sorted({default} if dev == "cuda" else {1, default}):
         torch.set_num_threads(threads)
-        for ids in cohorts:
-            round_(ids)
+        round_(cohorts[0][:8])
         times = []
         for ids in cohorts:
             t = time.perf_counter()
