@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     p.add_argument("--strategies", default="vmap,chunked,map")
     p.add_argument("--rounds", type=int, default=1, help="rounds timed per runner (after one compiling pass)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="skip workloads once this much time is spent (default 480; none with --smoke)")
+                   help="skip workloads once this much time is spent (default 540; none with --smoke)")
     p.add_argument("--smoke", action="store_true", help="two tiny workloads, to check the suite runs")
     p.add_argument("--skip-done", default=None, metavar="DIR",
                    help="skip the workloads some results.json under DIR already measured")

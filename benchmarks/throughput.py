@@ -78,10 +78,11 @@ def skewed_counts(alpha: float, n_clients: int, samples: int, seed: int = 0):
 def guarded(fn, *args) -> dict:
     """fn(*args), or {"error": its first line} if it raised: one runner's failure (e.g. out of GPU memory) leaves
     the workload's other runners measured."""
+    from jaxfl.errors import first_line
     try:
         return fn(*args)
     except Exception as err:  # noqa: BLE001 - any failure of a runner is a result to report
-        return {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"}
+        return {"error": first_line(err, 300)}
 
 
 def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algorithm="fedavg", torch=True,
