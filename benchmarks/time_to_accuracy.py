@@ -352,7 +352,9 @@ def report(entries: list[dict], meta: dict) -> str:
 
 
 def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} CPU cores visible, {platform.python_version()}"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"{platform.machine()}, {os.cpu_count()} CPU cores visible, {usable} usable by this process "
+            f"(taskset), {platform.python_version()}")
 
 
 def main(argv=None) -> None:

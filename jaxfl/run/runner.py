@@ -16,6 +16,7 @@ import numpy as np
 
 from ..algorithms import build_algorithm, options_class
 from ..core.backends import Ragged, Stacked, device_memory_bytes
+from ..core.cost import cohort_padding, stacked_is_cheaper, train_flops_per_sample
 from ..core.distributed import client_mesh, is_primary
 from ..core.evaluate import Evaluator
 from ..core.server_opt import with_server_optimizer
@@ -137,7 +138,8 @@ class Experiment:
             if self.cohort != n:
                 raise ConfigError("--eval-point local evaluates every client right after its local training, so "
                                   "every client must train every round (drop --clients-per-round/--participation)")
-        self.backend_name = choose_backend(cfg, self.train_data, self.algorithm, self.dataset.train[0][0][:1])
+        self.backend_name = choose_backend(cfg, self.train_data, self.algorithm, self.dataset.train[0][0][:1],
+                                           self.model, preprocess, self.cohort)
         kw = {"rounds_per_call": cfg.rounds_per_call} if self.backend_name == "stacked" else {
             "client_store": cfg.client_store}
         self.backend = {"stacked": Stacked, "ragged": Ragged}[self.backend_name](
@@ -403,11 +405,14 @@ def stop_signals():
             signal.signal(s, h)
 
 
-def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x) -> str:
+def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=None, preprocess=lambda x: x,
+                   cohort: int | None = None) -> str:
     """``--backend``, else ``stacked`` when the population fits (its samples and every client's persistent
     state in a quarter of the device's memory, one process, no mesh, no host store asked for) and one call over
     the whole cohort wastes little (``map``: every client its own steps; ``vmap``/``chunked``: clients within
-    25% of the mean step count); else ``ragged``. A ConfigError if rounds_per_call > 1 cannot be honoured."""
+    25% of the mean step count) or, on an accelerator, its padding costs less than the ragged backend's host
+    transfers (``core.cost.stacked_is_cheaper``: tiny models on uneven clients); else ``ragged``. A ConfigError
+    if rounds_per_call > 1 cannot be honoured."""
     if cfg.backend:
         return cfg.backend
     if cfg.devices != 1 or jax.process_count() > 1 or cfg.client_store == "host":
@@ -420,8 +425,26 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x) -> str:
     fits = train.nbytes + state_bytes <= device_memory_bytes() // 4
     if fits and even:
         return "stacked"
+    if fits and model is not None and platform() != "cpu":
+        if padding_is_cheap(cfg, train, model, sample_x, preprocess, cohort or train.num_clients):
+            return "stacked"
     return _ragged_unless_rounds_per_call(cfg, "the population does not fit on the device or its client sizes "
                                                "are too uneven for one call")
+
+
+def platform() -> str:
+    """The platform the run's arrays live on ("cpu", "gpu", "tpu")."""
+    return jax.default_backend()
+
+
+def padding_is_cheap(cfg: RunConfig, train: RaggedClients, model, sample_x, preprocess, cohort: int) -> bool:
+    """On an accelerator: whether one stacked call's padding costs less than the ragged backend's host
+    gathers and transfers (``core.cost``: padded FLOPs per input byte against the device's balance)."""
+    stacked, ragged = cohort_padding(train.counts, cfg.batch_size, cohort, strategy=cfg.strategy_or_default(),
+                                     chunk_size=cfg.chunk_size)
+    sample_bytes = math.prod(train.x.shape[1:]) * train.x.itemsize + train.y.itemsize
+    flops = train_flops_per_sample(model, sample_x, cfg.batch_size, preprocess)
+    return stacked_is_cheaper(stacked, ragged, flops, sample_bytes)
 
 
 def _ragged_unless_rounds_per_call(cfg: RunConfig, why: str) -> str:
