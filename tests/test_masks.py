@@ -205,6 +205,10 @@ class ChannelMaskTest(chex.TestCase):
         g = jnp.array([0.5, -0.1, 0.3, -2.0, 0.0])
         m = ops.masks.magnitude_mask(g, 0.4)  # prune round(2.0) = 2 smallest |g|: 0.0 and -0.1
         np.testing.assert_array_equal(m, [1, 0, 1, 1, 0])
+        # exact ties (BN scales at 1.0 after a step): the lower index is kept, the higher ones pruned first
+        tied = jnp.array([1.0, 0.5, 1.0, 1.0, 2.0])
+        np.testing.assert_array_equal(ops.masks.magnitude_mask(tied, 0.4), [1, 0, 1, 0, 1])
+        np.testing.assert_array_equal(ops.masks.magnitude_mask(tied, 0.6), [1, 0, 0, 0, 1])
         tree = {"a": m, "b": jnp.ones((2, 5))}
         assert int(ops.masks.tree_count(tree)) == 13 and ops.masks.tree_size(tree) == 15
         np.testing.assert_allclose(float(ops.masks.tree_density(tree)), 13 / 15)

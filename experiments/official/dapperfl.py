@@ -43,6 +43,10 @@ released-code preset of ``experiments/logs/dapperfl_seeds/seed<S>``):
   ``optim.SGD`` for a diagnostic), lr 0.01 and batch 64 (``best_args.py``), alpha 0.9 / alpha_min 0.1 /
   epsilon 0.2 / reg_coeff 0.01 (``main.py`` defaults), ``averaing='weight'``.
 
+``--check-weights`` (``check_weights``): both codes from the *same* initial weights (jaxfl's, converted by
+``jaxfl_to_torch``) on one batch per client, whole rounds compared entry by entry; ``--jaxfl-ties`` makes the
+official BN pruning break exact ties of |gamma| as jaxfl does (``use_jaxfl_tie_rule``; see dapperfl.md).
+
 Variants (``--variants``): ``dapperfl`` (``pr_strategy='AD'``, the released algorithm) and ``fedavg``: the
 repository ships no FedAvg model file (``best_args.py`` names one), so FedAvg is the official DapperFL class
 with ``pr_strategy='0'`` (no pruning, no recovery) and ``reg_coeff=0`` (no DAR): plain sample-weighted FedAvg
@@ -412,6 +416,141 @@ def check_semantics(off, inputs, clients: int = 5, samples: int = 64, rounds: in
     return report
 
 
+def jaxfl_to_torch(params, stats) -> dict:
+    """jaxfl ``resnet10_slim`` variables as the official ``resnet10(nf=16)`` state dict (numpy): conv kernels
+    HWIO -> OIHW, BatchNorm scale/bias/statistics -> weight/bias/running_*, the head's Dense kernel
+    transposed. Names: encoder/conv_stem -> conv1, bn_stem -> bn1, layerK_0/{conv,bn}{1,2} ->
+    layerK.0.{conv,bn}{1,2}, conv_shortcut / bn_shortcut -> layerK.0.shortcut.{0,1}, head/fc1 -> linear."""
+    enc, st = params["encoder"], stats["encoder"]
+    sd = {}
+
+    def conv(name, k):
+        sd[name + ".weight"] = np.transpose(np.asarray(k["kernel"]), (3, 2, 0, 1))
+
+    def bn(name, p_, s_):
+        sd.update({name + ".weight": np.asarray(p_["scale"]), name + ".bias": np.asarray(p_["bias"]),
+                   name + ".running_mean": np.asarray(s_["mean"]), name + ".running_var": np.asarray(s_["var"])})
+
+    conv("conv1", enc["conv_stem"])
+    bn("bn1", enc["bn_stem"], st["bn_stem"])
+    for k in (1, 2, 3, 4):
+        blk, bst, t = enc[f"layer{k}_0"], st[f"layer{k}_0"], f"layer{k}.0"
+        for i in (1, 2):
+            conv(f"{t}.conv{i}", blk[f"conv{i}"])
+            bn(f"{t}.bn{i}", blk[f"bn{i}"], bst[f"bn{i}"])
+        if "conv_shortcut" in blk:
+            conv(f"{t}.shortcut.0", blk["conv_shortcut"])
+            bn(f"{t}.shortcut.1", blk["bn_shortcut"], bst["bn_shortcut"])
+    head = params["head"]["fc1"]["linear"]
+    sd["linear.weight"], sd["linear.bias"] = np.asarray(head["kernel"]).T, np.asarray(head["bias"])
+    return sd
+
+
+# the official ResNet registers its stem and head twice (``_features`` = Sequential(conv1, bn1, ReLU, layer1..4),
+# ``cls`` = linear): its state dict lists them under both names
+ALIASES = (("_features.0.", "conv1."), ("_features.1.", "bn1."), ("_features.3.", "layer1."),
+           ("_features.4.", "layer2."), ("_features.5.", "layer3."), ("_features.6.", "layer4."), ("cls.", "linear."))
+
+
+def canonical(key: str) -> str:
+    for alias, name in ALIASES:
+        if key.startswith(alias):
+            return name + key[len(alias):]
+    return key
+
+
+def use_jaxfl_tie_rule(off) -> None:
+    """Diagnostic: the official BN pruning (``torch_prune.l1_unstructured``, dapperfl.py:161) with jaxfl's
+    tie rule. torch's ``topk`` returns tied entries in an implementation-defined order, and BN scales after a
+    few SGD steps from 1.0 tie exactly (float32 spacing at 1.0 is 6e-8): this prunes the round(amount n)
+    smallest |gamma|, ties broken as ``jaxfl.ops.masks.magnitude_mask`` breaks them (lower index kept)."""
+    import torch
+    prune = off.dapperfl.torch_prune
+    if getattr(prune, "_jaxfl_ties", False):
+        return
+
+    def l1_unstructured(module, name, amount):
+        w = getattr(module, name).detach().abs().flatten()
+        k = round(amount * w.numel())
+        order = sorted(range(w.numel()), key=lambda i: (float(w[i]), -i))  # ascending |w|, higher index first
+        mask = torch.ones_like(w)
+        mask[order[:k]] = 0
+        return prune.custom_from_mask(module, name, mask.reshape(getattr(module, name).shape))
+    prune.l1_unstructured, prune._jaxfl_ties = l1_unstructured, True
+
+
+def check_weights(off, inputs, rounds: int = 2, epochs: int = 3, samples: int = 64,
+                  jaxfl_ties: bool = False) -> dict:
+    """Weight-level differential check of whole rounds (``--check-weights``): the official DapperFL loop and
+    jaxfl's released-code preset from the *same* initial weights (jaxfl's init copied into every official net)
+    on the same clients, each client cut to ``samples`` = one batch of 64 (so both codes see the same batch in
+    every epoch whatever their shuffles), ``epochs`` local epochs (1 dense, the rest masked: momentum across the
+    pruning, the masked steps), weight decay 1e-5 on both sides (the official value), every client every round.
+    Returns per round the largest difference of the global model's entries (relative to the entry's largest
+    magnitude), split into parameters and BN running statistics, and the global models' test accuracy."""
+    import dataclasses
+
+    import jax
+    import torch
+
+    from jaxfl.run.runner import Experiment
+
+    cfg = dataclasses.replace(inputs.cfg, samples_per_client=samples, local_epochs=epochs, rounds=rounds,
+                              weight_decay=1e-5, eval_every=1, out=None, resume=False, checkpoint_every=0)
+    assert cfg.batch_size == samples, "one batch per client and epoch"
+    sub = jaxfl_inputs(cfg)
+    exp = Experiment(cfg)
+    server, store = exp.init()
+    args = official_args(0, rounds, epochs, sub.num_clients, "dapperfl", off.best_args)
+    off.conf.set_random_seed(0)
+    train, test, _ = make_loaders(sub, args.local_batch_size, "jaxfl", False)
+    nets = [off.resnet.resnet10(sub.num_classes, nf=16) for _ in range(sub.num_clients)]
+    sd0 = jaxfl_to_torch(server["params"], server["batch_stats"])
+    with torch.no_grad():
+        own = nets[0].state_dict()
+        for k, v in own.items():
+            name = canonical(k)
+            if name in sd0:
+                v.copy_(torch.from_numpy(np.array(sd0[name], np.float32)).reshape(v.shape))
+            elif not (k.startswith("encoder.") or k.endswith("num_batches_tracked")):
+                raise SystemExit(f"no jaxfl value for {k}")
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = os.getcwd()
+        os.chdir(tmp)
+        try:
+            model = off.DapperFL(nets, args, None)
+        finally:
+            os.chdir(cwd)
+    draw = CohortDraw(sub.cohorts)
+    model.random_state, model.trainloaders = draw, train
+    if jaxfl_ties:
+        use_jaxfl_tie_rule(off)
+    model.ini()  # every net and the global net start from net 0 = jaxfl's init
+    report = []
+    for r in range(rounds):
+        draw.round = r
+        model.epoch_index = r
+        with contextlib.redirect_stdout(io.StringIO()):
+            model.loc_update(train)
+        server, _ = exp.run_rounds(server, store, r, 1)
+        ours = jaxfl_to_torch(server["params"], server["batch_stats"])
+        theirs = {canonical(k): v.detach().numpy() for k, v in model.global_net.state_dict().items()}
+        worst = {"params": (0.0, ""), "bn_statistics": (0.0, "")}
+        for k, v in ours.items():
+            kind = "bn_statistics" if "running" in k else "params"
+            d = float(np.abs(theirs[k] - v).max() / max(np.abs(v).max(), 1e-12))
+            if d >= worst[kind][0]:
+                worst[kind] = (d, k)
+        with contextlib.redirect_stdout(io.StringIO()):
+            accs = off.training.global_evaluate(model, test, "domain_skew", "fl_digits")
+        ev = exp.evaluate(server, store)
+        report.append({"round": r + 1, "max_relative_difference": worst,
+                       "official_mean_accuracy": float(np.mean(accs)) / 100.0,
+                       "jaxfl_mean_accuracy": ev["mean_accuracy"]})
+    return {"clients": sub.num_clients, "samples_per_client": samples, "epochs": epochs, "rounds": report}
+
+
 JAXFL_RUNS = {"dapperfl": "jaxfl dapperfl (spec preset)",
               "dapperfl_use_fusionfalse_recover_modezero_bn_statsunmasked": "jaxfl released-code preset",
               "fedavg": "jaxfl fedavg"}
@@ -488,6 +627,11 @@ def main(argv=None) -> None:
     p.add_argument("--verbose", action="store_true", help="show the official code's prints")
     p.add_argument("--check", action="store_true", help="only the instrumented 2-round semantics check "
                    "(fusion gate, recovery, BN statistics), printed as JSON")
+    p.add_argument("--check-weights", action="store_true", help="only the weight-level check of --rounds "
+                   "whole rounds from the same initial weights (check_weights), printed as JSON")
+    p.add_argument("--check-epochs", type=int, default=3, help="with --check-weights: local epochs (1: dense only)")
+    p.add_argument("--jaxfl-ties", action="store_true", help="with --check-weights: the official BN pruning "
+                   "breaks exact ties as jaxfl does (use_jaxfl_tie_rule)")
     p.add_argument("--compare", default=None, metavar="OFFICIAL_ROOT", help="only compare: OFFICIAL_ROOT/"
                    "seed<s>/<variant>/metrics.jsonl against --jaxfl-logs for --seeds; prints markdown")
     p.add_argument("--seeds", default="0,1,2", help="with --compare")
@@ -499,7 +643,7 @@ def main(argv=None) -> None:
                       [v for v in a.variants.split(",") if v], Path(a.figure) if a.figure else None))
         return
     root = official_repo("DAPPERFL_OFFICIAL", "jyzgh/DapperFL")
-    if not a.check and not a.out:
+    if not (a.check or a.check_weights) and not a.out:
         p.error("--out is required")
     variants = [v for v in a.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
@@ -517,6 +661,10 @@ def main(argv=None) -> None:
     inputs = jaxfl_inputs(jaxfl_config(cfg_path, a.seed, a.rounds))
     if a.check:
         print(json.dumps(check_semantics(off, inputs), indent=1))
+        return
+    if a.check_weights:
+        print(json.dumps(check_weights(off, inputs, rounds=a.rounds, epochs=a.check_epochs,
+                                       jaxfl_ties=a.jaxfl_ties), indent=1))
         return
     for v in variants:
         t0 = time.perf_counter()

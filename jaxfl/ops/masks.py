@@ -189,7 +189,10 @@ def in_out_channel_mask(kernel, ratio, ord=1):
 
 
 def magnitude_mask(x, ratio):
-    """Unstructured mask: zero the round(ratio n) entries of smallest |x| (ties: lower index pruned first).
+    """Unstructured mask: zero the round(ratio n) entries of smallest |x|; among equal |x| the lower index is
+    kept (the higher one pruned first), as in ``keep_largest``. torch's ``prune.l1_unstructured`` (DapperFL's
+    BN pruning) breaks such ties in ``topk``'s implementation-defined order, and they are common there: BN
+    scales sit at 1.0 +- a few float32 ulps after an epoch (``experiments/official/dapperfl.md``).
     Shapes: x [...], ratio [] in [0, 1] -> 0/1 float mask of x's shape.
     """
     return keep_largest(jnp.abs(x), ratio).reshape(jnp.shape(x)).astype(jnp.result_type(x))
