@@ -490,7 +490,6 @@ def check_weights(off, inputs, rounds: int = 2, epochs: int = 3, samples: int = 
     magnitude), split into parameters and BN running statistics, and the global models' test accuracy."""
     import dataclasses
 
-    import jax
     import torch
 
     from jaxfl.run.runner import Experiment
