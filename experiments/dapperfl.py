@@ -67,6 +67,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--local-epochs", type=int, default=5)
     p.add_argument("--samples-per-client", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=1, help="evaluate every this many rounds (and after the last)")
     p.add_argument("--test-per-client", type=int, default=1000)
     p.add_argument("--datasets", default="digits")
     p.add_argument("--model", default=None, help="default: resnet10 (digits), resnet18 (pacs)")
@@ -81,7 +82,7 @@ def main(argv=None) -> None:
         base = RunConfig(dataset=dataset, model=args.model or MODELS[dataset], clients_per_domain=3,
                          samples_per_client=args.samples_per_client, test_per_client=args.test_per_client,
                          rounds=args.rounds, local_epochs=args.local_epochs, batch_size=64, lr=0.01,
-                         momentum=0.9, image_size=32)
+                         momentum=0.9, image_size=32, eval_every=args.eval_every)
         out, results = Path(args.out) / dataset, {}
         for spec in args.algorithms.split(","):
             results[spec] = run_seeds(spec, base, out, seeds, args.progress)
