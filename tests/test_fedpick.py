@@ -40,7 +40,9 @@ def check_sharing(before, after, trained, kept, shared):
             assert path not in kept, path
         else:
             np.testing.assert_array_equal(a, b, err_msg=str(path))
-            np.testing.assert_array_equal(kept[path], t, err_msg=str(path))
+            # the round's program and the direct local update are two compilations: equal up to float rounding
+            # (bit-equal on 2 cores, a few ulps apart when XLA:CPU compiles for one; averaging moves them by far more)
+            np.testing.assert_allclose(kept[path], t, rtol=1e-5, atol=1e-7, err_msg=str(path))
 
 
 def check_round(alg, data, server, clients, shared_param, shared_stats):
