@@ -336,6 +336,22 @@ def run(off, inputs, variant: str, seed: int, rounds: int, out: Path, normalize:
     return hist
 
 
+def scratch_model(off, nets, args, cohorts, train):
+    """(the official ``DapperFL`` over ``nets``, its ``CohortDraw``) for a check: built in a temporary working
+    directory (its constructor creates ./checkpoint/), drawing jaxfl's ``cohorts``, training on ``train``."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = os.getcwd()
+        os.chdir(tmp)
+        try:
+            model = off.DapperFL(nets, args, None)
+        finally:
+            os.chdir(cwd)
+    draw = CohortDraw(cohorts)
+    model.random_state, model.trainloaders = draw, train
+    return model, draw
+
+
 def check_semantics(off, inputs, clients: int = 5, samples: int = 64, rounds: int = 2, epochs: int = 2) -> dict:
     """Instrumented short run of the official DapperFL (``--check``) on the first ``clients`` clients (device
     levels 0..0.8), ``samples`` images each: in every round it records (a) whether any module of the client's
@@ -354,16 +370,7 @@ def check_semantics(off, inputs, clients: int = 5, samples: int = 64, rounds: in
     off.conf.set_random_seed(0)
     train, test, _ = make_loaders(sub, args.local_batch_size, "jaxfl", False)
     nets = [off.resnet.resnet10(sub.num_classes, nf=16) for _ in range(clients)]
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        cwd = os.getcwd()
-        os.chdir(tmp)
-        try:
-            model = off.DapperFL(nets, args, None)
-        finally:
-            os.chdir(cwd)
-    draw = CohortDraw(sub.cohorts)
-    model.random_state, model.trainloaders = draw, train
+    model, draw = scratch_model(off, nets, args, sub.cohorts, train)
     report = {"pruned_modules_at_fusion": [], "aggregation": []}
     res_pruning, aggregate = model._res_pruning, model.aggregate_nets
 
@@ -513,16 +520,7 @@ def check_weights(off, inputs, rounds: int = 2, epochs: int = 3, samples: int = 
                 v.copy_(torch.from_numpy(np.array(sd0[name], np.float32)).reshape(v.shape))
             elif not (k.startswith("encoder.") or k.endswith("num_batches_tracked")):
                 raise SystemExit(f"no jaxfl value for {k}")
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        cwd = os.getcwd()
-        os.chdir(tmp)
-        try:
-            model = off.DapperFL(nets, args, None)
-        finally:
-            os.chdir(cwd)
-    draw = CohortDraw(sub.cohorts)
-    model.random_state, model.trainloaders = draw, train
+    model, draw = scratch_model(off, nets, args, sub.cohorts, train)
     if jaxfl_ties:
         use_jaxfl_tie_rule(off)
     model.ini()  # every net and the global net start from net 0 = jaxfl's init
