@@ -78,3 +78,11 @@ def test_choose_backend_on_uneven_clients(monkeypatch, model_name, on_accelerato
     alg = build_algorithm(cfg.algorithm_options(), model, trainer, RunContext(num_clients=40, num_rounds=1))
     choice = runner.choose_backend(cfg, train, alg, train.x[:1], model, normalizer(), cohort=20)
     assert choice == expected
+
+
+@pytest.mark.parametrize("model_name", ["vit_tiny", "resnet10_slim"])
+def test_train_flops_of_models_with_dropout_or_batchnorm(model_name):
+    # dropout needs its own key in train mode; BatchNorm's statistics are updated state: both are lowered
+    one = cost.train_flops_per_sample(build_model(model_name, 10), np.zeros((1, 32, 32, 3), np.uint8), 2, normalizer())
+    two = cost.train_flops_per_sample(build_model(model_name, 10), np.zeros((1, 32, 32, 3), np.uint8), 4, normalizer())
+    assert one > 1e6 and two == pytest.approx(one, rel=0.05)  # per sample: independent of the batch

@@ -40,7 +40,8 @@ def train_flops_per_sample(model, sample_x, batch_size: int, preprocess=lambda x
     rest = {k: v for k, v in variables.items() if k != "params"}
 
     def total(params, rest, x):
-        y, _ = model.apply({**rest, "params": params}, x, True, mutable=list(rest))  # (output, updated state)
+        y, _ = model.apply({**rest, "params": params}, x, True, mutable=list(rest),  # (output, updated state)
+                           rngs={"dropout": jax.random.key(0)})  # train mode: dropout layers draw
         return jnp.sum(jnp.square(y))  # nonlinear in y, so the backward pass needs the forward one
 
     cost = jax.jit(jax.grad(total)).lower(variables["params"], rest, x).cost_analysis() or {}
