@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from jaxfl.algorithms import options_class
 from jaxfl.core.options import field_type
+from jaxfl.errors import JaxflError, Stopped
 from jaxfl.run.checkpoint import Checkpointer
 from jaxfl.run.config import RunConfig
 from jaxfl.run.runner import Experiment, RunResult
@@ -116,3 +118,19 @@ def run_seeds(spec: str, base: RunConfig, out_root: str | Path, seeds: list[int]
               progress: bool = False) -> list[list[dict]]:
     """The history of variant ``spec`` for each seed (``run_variant`` with ``base.seed`` replaced)."""
     return [run_variant(spec, base.replace(seed=s), seed_root(out_root, s, seeds), progress)[0] for s in seeds]
+
+
+def run_script(main, argv=None) -> int:
+    """Run a script's ``main(argv)`` as the CLI runs a command: a stop signal (``Stopped``, after a complete,
+    checkpointed round) and a ``JaxflError`` (bad input, a failed write) end in one line on stderr and the
+    CLI's exit code (130/143, 2, 1) instead of a traceback; rerunning the same command resumes."""
+    name = Path(sys.argv[0]).name
+    try:
+        main(argv)
+    except Stopped as e:
+        print(f"{name}: {e.args[0].split(';')[0]}; rerun the same command to continue", file=sys.stderr)
+        return e.exit_code
+    except JaxflError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    return 0

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import parse_seeds, plot_mean_accuracy, run_seeds, run_variant, seed_root, seed_table, table
+from common import parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table, table
 
 from jaxfl.run.config import RunConfig
 
@@ -105,4 +105,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

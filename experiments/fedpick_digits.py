@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import parse_seeds, plot_mean_accuracy, run_seeds, seed_table, table
+from common import parse_seeds, plot_mean_accuracy, run_script, run_seeds, seed_table, table
 
 from jaxfl.run.config import RunConfig
 
@@ -57,4 +57,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

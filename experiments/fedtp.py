@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import parse_seeds, plot_mean_accuracy, run_seeds, seed_table
+from common import parse_seeds, plot_mean_accuracy, run_script, run_seeds, seed_table
 
 from jaxfl.run.config import RunConfig
 
@@ -78,4 +78,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from common import parse_seeds, plot_mean_accuracy, run_seeds, run_variant, seed_root, seed_table, table
+from common import parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table, table
 
 from jaxfl.run.config import RunConfig
 from jaxfl.run.plots import plot_uncertainty_density
@@ -96,4 +96,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

@@ -7,7 +7,9 @@ import pytest
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-from common import parse_seeds, plot_mean_accuracy, seed_root, seed_stats, seed_table, table  # noqa: E402
+from common import parse_seeds, plot_mean_accuracy, run_script, seed_root, seed_stats, seed_table, table  # noqa: E402
+
+from jaxfl.errors import DataError, RunIOError, Stopped  # noqa: E402
 
 
 def history(accs, per_client=None):
@@ -61,3 +63,25 @@ def test_seeds_parse_and_lay_out_runs(tmp_path):
     assert seed_root(tmp_path, 3, [1, 3]) == tmp_path / "seed3"
     plot_mean_accuracy({"fedavg": [SEED0, SEED1]}, tmp_path / "a.png", "t")
     assert (tmp_path / "a.png").stat().st_size > 1000
+
+
+def test_run_script_ends_a_stop_or_an_error_in_one_line_with_the_cli_exit_code(capsys):
+    def stops(argv):
+        raise Stopped("stopped at round 6; continue with jaxfl run --out X --resume", 15)
+
+    def bad(argv):
+        raise DataError("data directory '/nowhere' does not exist")
+
+    def full(argv):
+        raise RunIOError("writing /tmp/x: [Errno 28] No space left on device")
+
+    seen = []
+    assert run_script(lambda argv: seen.append(argv), ["--rounds", "2"]) == 0 and seen == [["--rounds", "2"]]
+    assert run_script(stops) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(": stopped at round 6; rerun the same command to continue")
+    assert run_script(bad) == 2
+    assert capsys.readouterr().err.strip().endswith(": error: data directory '/nowhere' does not exist")
+    assert run_script(full) == 1
+    with pytest.raises(ValueError):  # anything else is a bug: its traceback stays
+        run_script(lambda argv: int("x"))
