@@ -586,7 +586,8 @@ def compare(official_root: Path, jaxfl_root: Path, seeds: list[int], official_va
     for v in official_variants:
         results[f"official {v}"] = [read_history(official_root / f"seed{s}" / v / "metrics.jsonl") for s in seeds]
     for v, name in JAXFL_RUNS.items():
-        results[name] = [read_history(jaxfl_root / f"seed{s}" / v / "metrics.jsonl") for s in seeds]
+        # the experiment scripts' layout: jaxfl_root/seed<s>/ for several seeds, jaxfl_root itself for one
+        results[name] = [read_history(ec.seed_root(jaxfl_root, s, seeds) / v / "metrics.jsonl") for s in seeds]
     text = ec.seed_table(results) + "\n\n"
     rows = ["| official | jaxfl | final: difference (points) | allowed | verdict | last 5: difference | allowed "
             "| verdict |", "|---|---|---|---|---|---|---|---|"]
@@ -604,7 +605,8 @@ def compare(official_root: Path, jaxfl_root: Path, seeds: list[int], official_va
     text += "\n".join(rows) + "\n"
     if figure is not None:
         figure.parent.mkdir(parents=True, exist_ok=True)
-        ec.plot_mean_accuracy(results, figure, f"DapperFL on digits: official code vs jaxfl ({len(seeds)} seeds)",
+        seeds_text = f"{len(seeds)} seeds" if len(seeds) > 1 else f"seed {seeds[0]}"
+        ec.plot_mean_accuracy(results, figure, f"DapperFL on digits: official code vs jaxfl ({seeds_text})",
                               highlight="official dapperfl")
     return text
 
@@ -632,7 +634,8 @@ def main(argv=None) -> None:
     p.add_argument("--compare", default=None, metavar="OFFICIAL_ROOT", help="only compare: OFFICIAL_ROOT/"
                    "seed<s>/<variant>/metrics.jsonl against --jaxfl-logs for --seeds; prints markdown")
     p.add_argument("--seeds", default="0,1,2", help="with --compare")
-    p.add_argument("--jaxfl-logs", default=str(LOGS / "dapperfl_seeds"), help="with --compare")
+    p.add_argument("--jaxfl-logs", default=str(LOGS / "dapperfl_seeds"), help="with --compare: the jaxfl runs "
+                   "(JAXFL_LOGS/seed<s>/<variant>/, or JAXFL_LOGS/<variant>/ for one seed)")
     p.add_argument("--figure", default=None, help="with --compare: the plot's path")
     a = p.parse_args(argv)
     if a.compare:
