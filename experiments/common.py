@@ -128,9 +128,9 @@ def run_script(main, argv=None) -> int:
     try:
         main(argv)
     except Stopped as e:
-        print(f"{name}: {e.args[0].split(';')[0]}; rerun the same command to continue", file=sys.stderr)
+        print(f"{name}: stopped at round {e.round_done}; rerun the same command to continue", file=sys.stderr)
         return e.exit_code
     except JaxflError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)
+        return e.exit_code
     return 0

@@ -2,7 +2,9 @@
 
 
 class JaxflError(Exception):
-    """Base class: a user-facing error whose message is the whole explanation."""
+    """Base class: a user-facing error whose message is the whole explanation; ``exit_code`` is the process's
+    exit status when it ends a command (2: bad input)."""
+    exit_code = 2
 
 
 class ConfigError(JaxflError, ValueError):
@@ -32,9 +34,10 @@ class DeviceMemoryError(JaxflError, MemoryError):
 class Stopped(JaxflError):
     """The run stopped on SIGTERM/SIGINT after a complete round; the message says how to continue."""
 
-    def __init__(self, message: str, signum: int):
+    def __init__(self, message: str, signum: int, round_done: int):
         super().__init__(message)
         self.exit_code = 128 + signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
+        self.round_done = round_done  # the last complete (and checkpointed, with an --out) round
 
 
 def first_line(e: BaseException, limit: int = 200) -> str:

@@ -67,7 +67,7 @@ def test_seeds_parse_and_lay_out_runs(tmp_path):
 
 def test_run_script_ends_a_stop_or_an_error_in_one_line_with_the_cli_exit_code(capsys):
     def stops(argv):
-        raise Stopped("stopped at round 6; continue with jaxfl run --out X --resume", 15)
+        raise Stopped("stopped at round 6; continue with jaxfl run --out X --resume", 15, 6)
 
     def bad(argv):
         raise DataError("data directory '/nowhere' does not exist")

@@ -209,7 +209,7 @@ def main(argv=None) -> int:
         return e.exit_code
     except JaxflError as e:  # bad input: exit 2; a failed write (RunIOError): exit 1
         print(f"jaxfl: error: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)
+        return e.exit_code
     summary = result.summary()
     if summary and is_primary():
         print(format_table(summary) if not quiet else json.dumps(summary["last"]))

@@ -321,7 +321,7 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
                 bar.close()
             how = (f"; continue with jaxfl run --out {cfg.out} --resume" if out is not None
                    else " (no --out: nothing was saved)")
-            raise Stopped(f"stopped at round {r}{how}", stop[0])
+            raise Stopped(f"stopped at round {r}{how}", stop[0], r)
     if bar is not None:
         bar.close()
     sample_x = exp.trainer.preprocess(exp.dataset.train[0][0][:1])
