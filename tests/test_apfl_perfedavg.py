@@ -146,6 +146,12 @@ def test_perfedavg_local_update_and_adaptation_by_hand():
     assert_trees_close(tuned["params"], optax.apply_updates(server["params"], optax.tree.scale(-0.2, g)), atol=1e-6)
     np.testing.assert_allclose(alg.predict(server, {"tuned": tuned}, train.x[:3]),
                                mdl.apply(tuned, train.x[:3]), rtol=1e-5)
+    # by default the meta step is the client lr (PFLlib's beta = alpha): one meta-step of size 0.2
+    tied, _ = jax.jit(build_algorithm("perfedavg", mdl, make_trainer(8, lr=0.2), ctx).local_update)(
+        server, {}, row, key, None)
+    want_tied = optax.apply_updates(server["params"],
+                                    optax.tree.scale(-0.2, jax.grad(f)(adapted, slice(8, 16))))
+    assert_trees_close(tied["params"], want_tied, atol=1e-6)
     plain = build_algorithm("perfedavg", mdl, make_trainer(8, lr=0.2), ctx, eval_steps=0)
     assert plain.prepare_predict is None
     np.testing.assert_allclose(plain.predict(server, {}, train.x[:3]), mdl.apply(server, train.x[:3]), rtol=1e-6)

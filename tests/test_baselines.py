@@ -37,7 +37,7 @@ def setup(name, **opts):
         return setup_algorithm(name, tiny_vit(), COUNTS, num_rounds=T, options=dict(TINY_HYPERNET, **opts))
     if name == "pfedhn":  # 20 inner steps per round (official 50) keep the test short
         opts = dict(inner_steps=20, **opts)
-    if name == "perfedavg":  # one meta-step per round here: a larger outer step than FL-bench's 1e-3
+    if name == "perfedavg":  # one meta-step per round here: a larger outer step than the client lr
         opts = dict(beta=0.3, **opts)
     if name == "pfedgp":  # fewer Gibbs chains and sweeps than the official 20/30 x 5
         opts = dict(train_draws=4, test_draws=4, gibbs_steps=2, **opts)

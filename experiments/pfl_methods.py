@@ -1,0 +1,97 @@
+"""The twelve methods PFLlib and FL-bench both ship (issue 36) beside FedAvg and local training, on PFLlib's
+"practical" label skew: MNIST (one channel), 20 clients, Dirichlet(0.1) labels, every client every round, batch
+10, one local epoch, plain SGD, each client's test set following its training label mix.
+
+Smaller than PFLlib's benchmark, so that a CPU affords a learning-rate grid and three seeds: at most 500 training
+images per client, the FedAvg paper's 2NN (``mlp_2nn``, 784-200-200-10; encoder = the two hidden layers, head =
+the last Dense layer) instead of PFLlib's 4-layer CNN, and 50 rounds instead of 2,000. Every method runs with its
+own defaults (its reference code's values; see ``docs/algorithms.md``); only the client learning rate is chosen,
+per method, from ``--lrs`` on the first seed by the mean test accuracy of the last 5 rounds (there is no
+validation split: the choice is made on the test clients, as PFLlib's and FL-bench's published tables do), then
+the other seeds run at that rate. Writes, under --out:
+  grid/<variant>_lr<lr>/ ...   the grid's runs (seed --seeds[0])
+  seed<s>/<variant>/ ...       the chosen rate's runs per seed (seed[0]'s is the grid's run, linked by config)
+  grid.md                      per method and rate: final and last-5 mean accuracy (%), the chosen rate marked
+  table.md                     per method at its rate: final, best-mean and last-5 accuracy, mean ± std over seeds
+  accuracy.png                 mean accuracy per round, bands over seeds
+
+    JAXFL_DATA_DIR=../shared/data python experiments/pfl_methods.py --seeds 0,1,2 --out ../runs/pfl_methods
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+from common import parse_seeds, plot_mean_accuracy, run_script, run_variant, seed_stats, seed_table
+
+from jaxfl.run.config import RunConfig
+
+BASELINES = ["fedavg", "local"]
+METHODS = ["fednova", "perfedavg", "perfedavg:variant=hf", "apfl", "fedfomo", "fedamp", "fedphp", "fedala",
+           "fedproto", "fedcp", "gpfl", "feddbe", "fedlc"]
+
+
+def base_config(args) -> RunConfig:
+    return RunConfig(dataset="mnist", channels=1, num_clients=20, partition="dirichlet", dirichlet_alpha=0.1,
+                     samples_per_client=args.samples_per_client, model=args.model, rounds=args.rounds,
+                     batch_size=10, local_epochs=1, momentum=0.0, weight_decay=0.0, eval_every=1)
+
+
+def tail_mean(hist: list[dict], tail: int = 5) -> float:
+    """Mean over the last ``tail`` evaluations of the mean client accuracy, %."""
+    return seed_stats([hist], tail=tail)["tail"][0]
+
+
+def grid_table(grid: dict[str, dict[float, list[dict]]], chosen: dict[str, float]) -> str:
+    lrs = sorted({lr for runs in grid.values() for lr in runs})
+    rows = ["| method | " + " | ".join(f"lr {lr:g}: final / last-5" for lr in lrs) + " | chosen lr |",
+            "|---" * (len(lrs) + 2) + "|"]
+    for spec, runs in grid.items():
+        cells = []
+        for lr in lrs:
+            st = seed_stats([runs[lr]])
+            text = f"{st['final'][0]:.1f} / {st['tail'][0]:.1f}"
+            cells.append(f"**{text}**" if lr == chosen[spec] else text)
+        rows.append(f"| {spec} | " + " | ".join(cells) + f" | {chosen[spec]:g} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--lrs", default="0.005,0.02,0.05", help="the client learning rates tried on the first seed")
+    p.add_argument("--model", default="mlp_2nn")
+    p.add_argument("--samples-per-client", type=int, default=500)
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; the first one chooses the rates")
+    p.add_argument("--algorithms", default=",".join(BASELINES + METHODS))
+    p.add_argument("--out", default="runs/pfl_methods")
+    p.add_argument("--progress", action="store_true")
+    args = p.parse_args(argv)
+    seeds, lrs = parse_seeds(args.seeds), [float(x) for x in args.lrs.split(",")]
+    out, base = Path(args.out), base_config(args)
+    grid, chosen, results = {}, {}, {}
+    for spec in args.algorithms.split(","):
+        grid[spec] = {lr: run_variant(f"{spec}:lr={lr}", base.replace(seed=seeds[0]), out / "grid",
+                                      args.progress)[0] for lr in lrs}
+        chosen[spec] = max(lrs, key=lambda lr: tail_mean(grid[spec][lr]))
+        results[spec] = [grid[spec][chosen[spec]]] + [
+            run_variant(f"{spec}:lr={chosen[spec]}", base.replace(seed=s), out / f"seed{s}", args.progress)[0]
+            for s in seeds[1:]]
+        print(spec, "lr", chosen[spec], [round(tail_mean(h), 2) for h in results[spec]], flush=True)
+    head = (f"MNIST (1 channel), 20 clients, Dirichlet(0.1), <= {args.samples_per_client} training images per "
+            f"client, model {args.model}, batch 10, 1 local epoch, SGD without momentum, {args.rounds} rounds, "
+            f"every client every round; seeds {args.seeds}\n\n")
+    (out / "grid.md").write_text(head + f"Learning-rate grid, seed {seeds[0]} (bold: the chosen rate, best "
+                                 f"last-5 mean):\n\n" + grid_table(grid, chosen) + "\n")
+    labelled = {f"{spec} (lr {chosen[spec]:g})": hists for spec, hists in results.items()}
+    text = head + seed_table(labelled) + "\n"
+    (out / "table.md").write_text(text)
+    plot_mean_accuracy(labelled, out / "accuracy.png", "MNIST, Dir(0.1), 20 clients, 2NN")
+    print(text, flush=True)
+    best = max(results, key=lambda s: np.mean([tail_mean(h) for h in results[s]]))
+    print(f"best last-5 mean: {best}", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_script(main))
