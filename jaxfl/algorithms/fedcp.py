@@ -17,6 +17,10 @@ product (c_i[j] = sum_k (K_1 ... K_L)[j, k]: for a linear head, the sum over cla
 statistics stay with the client. A client predicts with the global encoder, its h_p, h_g, cs and c_i, without
 the logistic noise. Defaults: lam = 5 (the official run script; its ``main.py`` default 0 switches the MMD off).
 
+Stability: with lam = 5 the MMD term needs a small client lr (the official 0.005). At 0.05 (2NN on MNIST) the
+features leave the kernels' range within a few steps, a third of them die and FedCP stops learning; the official
+code does the same from the same weights (``experiments/official/fedcp.md``).
+
 Every client starts from the same CPN, heads and context c ~ U[0, 1)^d (PFLlib's seeding; officially each client
 draws its own context).
 
