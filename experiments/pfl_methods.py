@@ -8,7 +8,8 @@ the last Dense layer) instead of PFLlib's 4-layer CNN, and 50 rounds instead of 
 own defaults (its reference code's values; see ``docs/algorithms.md``); only the client learning rate is chosen,
 per method, from ``--lrs`` on the first seed by the mean test accuracy of the last 5 rounds (there is no
 validation split: the choice is made on the test clients, as PFLlib's and FL-bench's published tables do), then
-the other seeds run at that rate. Writes, under --out:
+the other seeds run at that rate; if one of them diverges (a non-finite loss), the next best rate is taken
+(the diverged runs are listed under the table). Writes, under --out:
   grid/<variant>_lr<lr>/ ...   the grid's runs (seed --seeds[0])
   seed<s>/<variant>/ ...       the chosen rate's runs per seed (seed[0]'s is the grid's run, linked by config)
   grid.md                      per method and rate: final and last-5 mean accuracy (%), the chosen rate marked
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from common import parse_seeds, plot_mean_accuracy, run_script, run_variant, seed_stats, seed_table
 
+from jaxfl.errors import NonFiniteError
 from jaxfl.run.config import RunConfig
 
 BASELINES = ["fedavg", "local"]
@@ -38,9 +40,20 @@ def base_config(args) -> RunConfig:
                      batch_size=10, local_epochs=1, momentum=0.0, weight_decay=0.0, eval_every=1)
 
 
-def tail_mean(hist: list[dict], tail: int = 5) -> float:
-    """Mean over the last ``tail`` evaluations of the mean client accuracy, %."""
-    return seed_stats([hist], tail=tail)["tail"][0]
+def tail_mean(hist: list[dict] | None, tail: int = 5) -> float:
+    """Mean over the last ``tail`` evaluations of the mean client accuracy, % (-inf for a diverged run)."""
+    return float("-inf") if hist is None else seed_stats([hist], tail=tail)["tail"][0]
+
+
+def run_or_diverged(spec: str, cfg: RunConfig, root: Path, progress: bool, diverged: list[str]) -> list[dict] | None:
+    """The run's history, or None when it stopped on a non-finite loss (then a line is added to ``diverged``;
+    rerunning the script resumes it from its last good round and meets the same divergence)."""
+    try:
+        return run_variant(spec, cfg, root, progress)[0]
+    except NonFiniteError as e:
+        diverged.append(f"{spec}, seed {cfg.seed}: {str(e).split(';')[0]}")
+        print(diverged[-1], flush=True)
+        return None
 
 
 def grid_table(grid: dict[str, dict[float, list[dict]]], chosen: dict[str, float]) -> str:
@@ -50,10 +63,13 @@ def grid_table(grid: dict[str, dict[float, list[dict]]], chosen: dict[str, float
     for spec, runs in grid.items():
         cells = []
         for lr in lrs:
+            if runs[lr] is None:
+                cells.append("diverged")
+                continue
             st = seed_stats([runs[lr]])
             text = f"{st['final'][0]:.1f} / {st['tail'][0]:.1f}"
-            cells.append(f"**{text}**" if lr == chosen[spec] else text)
-        rows.append(f"| {spec} | " + " | ".join(cells) + f" | {chosen[spec]:g} |")
+            cells.append(f"**{text}**" if lr == chosen.get(spec) else text)
+        rows.append(f"| {spec} | " + " | ".join(cells) + f" | {chosen.get(spec, 'none')} |")
     return "\n".join(rows)
 
 
@@ -70,22 +86,29 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     seeds, lrs = parse_seeds(args.seeds), [float(x) for x in args.lrs.split(",")]
     out, base = Path(args.out), base_config(args)
-    grid, chosen, results = {}, {}, {}
+    grid, chosen, results, diverged = {}, {}, {}, []
     for spec in args.algorithms.split(","):
-        grid[spec] = {lr: run_variant(f"{spec}:lr={lr}", base.replace(seed=seeds[0]), out / "grid",
-                                      args.progress)[0] for lr in lrs}
-        chosen[spec] = max(lrs, key=lambda lr: tail_mean(grid[spec][lr]))
-        results[spec] = [grid[spec][chosen[spec]]] + [
-            run_variant(f"{spec}:lr={chosen[spec]}", base.replace(seed=s), out / f"seed{s}", args.progress)[0]
-            for s in seeds[1:]]
-        print(spec, "lr", chosen[spec], [round(tail_mean(h), 2) for h in results[spec]], flush=True)
+        grid[spec] = {lr: run_or_diverged(f"{spec}:lr={lr}", base.replace(seed=seeds[0]), out / "grid",
+                                          args.progress, diverged) for lr in lrs}
+        # the best rate on the first seed at which no other seed diverges (the next best otherwise)
+        for lr in sorted((lr for lr in lrs if grid[spec][lr] is not None), key=lambda r: -tail_mean(grid[spec][r])):
+            hists = [grid[spec][lr]] + [
+                run_or_diverged(f"{spec}:lr={lr}", base.replace(seed=s), out / f"seed{s}", args.progress, diverged)
+                for s in seeds[1:]]
+            chosen[spec], results[spec] = lr, [h for h in hists if h is not None]
+            if len(results[spec]) == len(seeds):
+                break
+        print(spec, "lr", chosen.get(spec), [round(tail_mean(h), 2) for h in results.get(spec, [])], flush=True)
     head = (f"MNIST (1 channel), 20 clients, Dirichlet(0.1), <= {args.samples_per_client} training images per "
             f"client, model {args.model}, batch 10, 1 local epoch, SGD without momentum, {args.rounds} rounds, "
             f"every client every round; seeds {args.seeds}\n\n")
-    (out / "grid.md").write_text(head + f"Learning-rate grid, seed {seeds[0]} (bold: the chosen rate, best "
-                                 f"last-5 mean):\n\n" + grid_table(grid, chosen) + "\n")
+    (out / "grid.md").write_text(head + f"Learning-rate grid, seed {seeds[0]} (bold: the chosen rate, the best "
+                                 f"last-5 mean at which no seed diverged):\n\n" + grid_table(grid, chosen) + "\n")
     labelled = {f"{spec} (lr {chosen[spec]:g})": hists for spec, hists in results.items()}
     text = head + seed_table(labelled) + "\n"
+    if diverged:
+        text += "\nStopped on a non-finite loss (left out of the rows above):\n\n" + "".join(
+            f"- {d}\n" for d in diverged)
     (out / "table.md").write_text(text)
     plot_mean_accuracy(labelled, out / "accuracy.png", "MNIST, Dir(0.1), 20 clients, 2NN")
     print(text, flush=True)

@@ -189,20 +189,22 @@ def plot_mean_accuracy(results: dict[str, list[list[dict]]], path: Path, title: 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, hists in results.items():
+    crowded = len(results) > 6  # then the legend goes beside the axes, and past 10 lines the styles alternate
+    fig, ax = plt.subplots(figsize=(8.5 if crowded else 6, 4))
+    for i, (label, hists) in enumerate(results.items()):
         curves = [accuracy_curve(h, key) for h in hists]
         n = min(len(c[0]) for c in curves)  # seeds evaluate the same rounds; guard against a short run
         rounds, acc = curves[0][0][:n], np.stack([c[1][:n] for c in curves]) * 100
         mean, std = acc.mean(0), acc.std(0)
         name = label.split(":")[0].split(" ")[0]
+        style = dict(color=plt.cm.tab10(i % 10), ls=("-", "--", ":")[i // 10 % 3]) if len(results) > 10 else {}
         line, = ax.plot(rounds, mean, marker="o", ms=3, label=label + (f" ({len(hists)} seeds)" if len(hists) > 1 else ""),
-                        lw=2.5 if highlight and name == highlight else 1.2)
+                        lw=2.5 if highlight and name == highlight else 1.2, **style)
         if len(hists) > 1:
             ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2, lw=0)
     ax.set(xlabel="round", ylabel=key.replace("_", " ") + " over clients (%)", title=title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, **(dict(loc="center left", bbox_to_anchor=(1.01, 0.5)) if crowded else {}))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
