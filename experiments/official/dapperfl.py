@@ -587,13 +587,15 @@ def compare(official_root: Path, jaxfl_root: Path, seeds: list[int], official_va
         results[f"official {v}"] = [read_history(official_root / f"seed{s}" / v / "metrics.jsonl") for s in seeds]
     for v, name in JAXFL_RUNS.items():
         # the experiment scripts' layout: jaxfl_root/seed<s>/ for several seeds, jaxfl_root itself for one
-        results[name] = [read_history(ec.seed_root(jaxfl_root, s, seeds) / v / "metrics.jsonl") for s in seeds]
+        paths = [ec.seed_root(jaxfl_root, s, seeds) / v / "metrics.jsonl" for s in seeds]
+        if all(p.is_file() for p in paths):  # a variant not run for every seed is left out
+            results[name] = [read_history(p) for p in paths]
     text = ec.seed_table(results) + "\n\n"
     rows = ["| official | jaxfl | final: difference (points) | allowed | verdict | last 5: difference | allowed "
             "| verdict |", "|---|---|---|---|---|---|---|---|"]
     pairs = [(o, j) for o in results if o.startswith("official dapperfl")
-             for j in ("jaxfl released-code preset", "jaxfl dapperfl (spec preset)")]
-    pairs += [(o, "jaxfl fedavg") for o in results if o.startswith("official fedavg")]
+             for j in ("jaxfl released-code preset", "jaxfl dapperfl (spec preset)") if j in results]
+    pairs += [(o, "jaxfl fedavg") for o in results if o.startswith("official fedavg") and "jaxfl fedavg" in results]
     for o, j in pairs:
         so, sj = ec.seed_stats(results[o]), ec.seed_stats(results[j])
         cells = []
