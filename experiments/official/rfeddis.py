@@ -413,8 +413,21 @@ def check(argv=None) -> None:
 # ---------------------------------------------------------------------------------------------- comparison
 
 def load_runs(root: Path, variant: str, seeds) -> list[list[dict]]:
-    return [[json.loads(line) for line in (root / f"seed{s}" / variant / "metrics.jsonl").read_text().splitlines()]
-            for s in seeds]
+    """The histories of ``root/seed<s>/variant`` (a single seed may also be ``root/variant``: the experiment
+    scripts' single-seed layout)."""
+    def folder(s):
+        d = root / f"seed{s}" / variant
+        return d if d.is_dir() or len(seeds) > 1 else root / variant
+    return [[json.loads(line) for line in (folder(s) / "metrics.jsonl").read_text().splitlines()] for s in seeds]
+
+
+def common_rounds(results: dict[str, list[list[dict]]]) -> dict[str, list[list[dict]]]:
+    """The histories with only the evaluations at rounds every run evaluated (e.g. a run evaluated every 10th
+    round beside one evaluated every round), so that "final" and "last 5" compare the same rounds."""
+    evaluated = [{r["round"] for r in h if "mean_accuracy" in r} for hists in results.values() for h in hists]
+    keep = set.intersection(*evaluated)
+    return {k: [[r for r in h if "mean_accuracy" not in r or r["round"] in keep] for h in hists]
+            for k, hists in results.items()}
 
 
 def compare(argv=None) -> None:
@@ -438,6 +451,11 @@ def compare(argv=None) -> None:
     results = {"jaxfl rfeddis": load_runs(Path(args.jaxfl), "rfeddis", seeds)}
     for v in args.variants.split(","):
         results[f"official {v}"] = load_runs(Path(args.official), v, seeds)
+    curves, results = results, common_rounds(results)
+    if results != curves:
+        rounds = sorted({r["round"] for h in next(iter(results.values())) for r in h if "mean_accuracy" in r})
+        print(f"(the runs evaluate different rounds: the table uses the {len(rounds)} rounds all evaluated, "
+              f"{rounds[0]}-{rounds[-1]}; the figure draws every evaluation)\n")
     print(seed_table(results))
     ref = seed_stats(results["jaxfl rfeddis"])
     for label, hists in results.items():
@@ -461,7 +479,7 @@ def compare(argv=None) -> None:
         acc = np.array([[r["mean_accuracy"] for r in h if "mean_accuracy" in r] for h in hists]) * 100
         print(f"| {label} | " + " / ".join(f"{v:.1f}" for v in acc.mean(0)) + " |")
     Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-    plot_mean_accuracy(results, Path(args.figure), "RFedDis on digits: official code vs jaxfl", highlight="")
+    plot_mean_accuracy(curves, Path(args.figure), "RFedDis on digits: official code vs jaxfl", highlight="")
     print("figure:", args.figure)
 
 
