@@ -112,3 +112,12 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         return rec
+
+
+def common_rounds(results: dict[str, list[list[dict]]]) -> dict[str, list[list[dict]]]:
+    """The histories with only the evaluations at rounds every run evaluated (e.g. a run evaluated every 10th
+    round beside one evaluated every round), so that "final" and "last 5" compare the same rounds."""
+    evaluated = [{r["round"] for r in h if "mean_accuracy" in r} for hists in results.values() for h in hists]
+    keep = set.intersection(*evaluated)
+    return {k: [[r for r in h if "mean_accuracy" not in r or r["round"] in keep] for h in hists]
+            for k, hists in results.items()}

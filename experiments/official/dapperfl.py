@@ -74,7 +74,7 @@ import numpy as np
 
 sys.dont_write_bytecode = True  # importing the official modules must not write __pycache__ into the checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float  # noqa: E402
+from common import MetricsLog, common_rounds, jaxfl_inputs, official_repo, to_nchw_float  # noqa: E402
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # the official local loop wraps its epochs in tqdm
 PKG = "fedml_api.standalone.domain_generalization"
@@ -590,6 +590,7 @@ def compare(official_root: Path, jaxfl_root: Path, seeds: list[int], official_va
         paths = [ec.seed_root(jaxfl_root, s, seeds) / v / "metrics.jsonl" for s in seeds]
         if all(p.is_file() for p in paths):  # a variant not run for every seed is left out
             results[name] = [read_history(p) for p in paths]
+    curves, results = results, common_rounds(results)  # "final" and "last 5" at rounds both sides evaluated
     text = ec.seed_table(results) + "\n\n"
     rows = ["| official | jaxfl | final: difference (points) | allowed | verdict | last 5: difference | allowed "
             "| verdict |", "|---|---|---|---|---|---|---|---|"]
@@ -608,7 +609,7 @@ def compare(official_root: Path, jaxfl_root: Path, seeds: list[int], official_va
     if figure is not None:
         figure.parent.mkdir(parents=True, exist_ok=True)
         seeds_text = f"{len(seeds)} seeds" if len(seeds) > 1 else f"seed {seeds[0]}"
-        ec.plot_mean_accuracy(results, figure, f"DapperFL on digits: official code vs jaxfl ({seeds_text})",
+        ec.plot_mean_accuracy(curves, figure, f"DapperFL on digits: official code vs jaxfl ({seeds_text})",
                               highlight="official dapperfl")
     return text
 

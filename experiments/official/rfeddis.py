@@ -75,7 +75,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import JaxflInputs, MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
+from common import JaxflInputs, MetricsLog, common_rounds, jaxfl_inputs, official_repo, to_nchw_float
 
 REPO = "LooKing9218/RFedDis"
 HERE = Path(__file__).resolve().parent
@@ -419,15 +419,6 @@ def load_runs(root: Path, variant: str, seeds) -> list[list[dict]]:
         d = root / f"seed{s}" / variant
         return d if d.is_dir() or len(seeds) > 1 else root / variant
     return [[json.loads(line) for line in (folder(s) / "metrics.jsonl").read_text().splitlines()] for s in seeds]
-
-
-def common_rounds(results: dict[str, list[list[dict]]]) -> dict[str, list[list[dict]]]:
-    """The histories with only the evaluations at rounds every run evaluated (e.g. a run evaluated every 10th
-    round beside one evaluated every round), so that "final" and "last 5" compare the same rounds."""
-    evaluated = [{r["round"] for r in h if "mean_accuracy" in r} for hists in results.values() for h in hists]
-    keep = set.intersection(*evaluated)
-    return {k: [[r for r in h if "mean_accuracy" not in r or r["round"] in keep] for h in hists]
-            for k, hists in results.items()}
 
 
 def compare(argv=None) -> None:
