@@ -85,3 +85,24 @@ def test_run_script_ends_a_stop_or_an_error_in_one_line_with_the_cli_exit_code(c
     assert run_script(full) == 1
     with pytest.raises(ValueError):  # anything else is a bug: its traceback stays
         run_script(lambda argv: int("x"))
+
+
+def test_official_comparisons_take_the_rounds_both_sides_evaluated(monkeypatch):
+    """experiments/official/common.py's ``common_rounds``: an official run evaluated every round beside a jaxfl run
+    evaluated every 5th is compared at rounds 5 and 10 only; train-only rows stay; seed_stats then reads those."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "experiments" / "official" / "common.py"
+    spec = importlib.util.spec_from_file_location("official_common", path)
+    official = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "official_common", official)  # its dataclasses look their module up
+    spec.loader.exec_module(official)
+    every = history([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.3])
+    sparse = [r for r in history([0.5] * 10) if "mean_accuracy" not in r or r["round"] % 5 == 0]
+    out = official.common_rounds({"official": [every], "jaxfl": [sparse]})
+    assert [r["round"] for r in out["official"][0] if "mean_accuracy" in r] == [5, 10]
+    assert out["official"][0][0] == {"round": 0, "train_loss": [1.0]}
+    assert out["jaxfl"] == [sparse]
+    st = seed_stats(out["official"], tail=5)
+    assert st["final"][0] == pytest.approx(30.0) and st["tail"][0] == pytest.approx(40.0)  # mean of 50 and 30
+    assert st["best"][0] == pytest.approx(50.0)
+    assert official.common_rounds({"a": [every], "b": [every]}) == {"a": [every], "b": [every]}
