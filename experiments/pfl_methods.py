@@ -11,7 +11,7 @@ validation split: the choice is made on the test clients, as PFLlib's and FL-ben
 the other seeds run at that rate; if one of them diverges (a non-finite loss), the next best rate is taken
 (the diverged runs are listed under the table). Writes, under --out:
   grid/<variant>_lr<lr>/ ...   the grid's runs (seed --seeds[0])
-  seed<s>/<variant>/ ...       the chosen rate's runs per seed (seed[0]'s is the grid's run, linked by config)
+  seed<s>/<variant>/ ...       the chosen rate's runs of the other seeds (the first seed's is its grid run)
   grid.md                      per method and rate: final and last-5 mean accuracy (%), the chosen rate marked
   table.md                     per method at its rate: final, best-mean and last-5 accuracy, mean ± std over seeds
   accuracy.png                 mean accuracy per round, bands over seeds
@@ -40,9 +40,9 @@ def base_config(args) -> RunConfig:
                      batch_size=10, local_epochs=1, momentum=0.0, weight_decay=0.0, eval_every=1)
 
 
-def tail_mean(hist: list[dict] | None, tail: int = 5) -> float:
-    """Mean over the last ``tail`` evaluations of the mean client accuracy, % (-inf for a diverged run)."""
-    return float("-inf") if hist is None else seed_stats([hist], tail=tail)["tail"][0]
+def tail_mean(hist: list[dict], tail: int = 5) -> float:
+    """Mean over the last ``tail`` evaluations of the mean client accuracy, %."""
+    return seed_stats([hist], tail=tail)["tail"][0]
 
 
 def run_or_diverged(spec: str, cfg: RunConfig, root: Path, progress: bool, diverged: list[str]) -> list[dict] | None:

@@ -47,7 +47,8 @@ def official_side(repo: Path, batches, lr: float, lam: float, seed: int = 0):
     """(rows, initial torch modules) of the official loop: per step (loss, mmd, active fraction)."""
     import torch
     import torch.nn as nn
-    sys.path.insert(0, str(repo / "system"))
+    if str(repo / "system") not in sys.path:  # called once per lr
+        sys.path.insert(0, str(repo / "system"))
     sys.modules.setdefault("utils.data_utils", types.SimpleNamespace(read_client_data=None))  # data loading only
     from flcore.clients.clientcp import MMD, Ensemble
     from flcore.servers.servercp import ConditionalSelection
