@@ -1,0 +1,406 @@
+"""PFLlib's training loops (TsingZ0/PFLlib, HEAD d832e76) for the methods of ``experiments/pfl_methods.py``,
+on jaxfl's exact inputs: a result-level check of the issue-36 methods against a reference implementation.
+
+    PFLLIB_OFFICIAL=/path/to/PFLlib JAXFL_DATA_DIR=../shared/data python experiments/official/pfllib.py \\
+        --method fedala --jaxfl-run experiments/logs/pfl_methods/seed0/fedala_lr0.05 \\
+        --out ../runs/official/pfllib/seed0/fedala
+    # every method PFLlib has, at the learning rate jaxfl's grid chose, 3 seeds, then the comparison:
+    PFLLIB_OFFICIAL=... JAXFL_DATA_DIR=... python experiments/official/pfllib.py --all \\
+        --jaxfl-logs experiments/logs/pfl_methods --seeds 0,1,2 --out ../runs/official/pfllib \\
+        --figure experiments/figures/pfllib_vs_jaxfl.png
+
+For FedALA, FedCP, GPFL and FedDBE, PFLlib *is* the official code (same first author; the notes in
+``docs/reference_notes/`` found the algorithm files identical up to names). For the other methods PFLlib is one
+of the references jaxfl was read against, and some of jaxfl's choices differ from it by design (listed per method
+in ``METHODS`` and in ``experiments/official/pfllib.md``); there the comparison measures what those choices cost
+or gain, and agreement is not expected.
+
+What runs unchanged from the checkout named by ``$PFLLIB_OFFICIAL`` (imported from its ``system/`` folder, never
+copied): each method's server class (``flcore/servers/server*.py``: its ``train()`` loop, client selection, model
+sending, aggregation and evaluation) with its client class, ``utils/data_utils.read_client_data`` and the base
+classes (``serverbase.Server``, ``clientbase.Client``: plain SGD, cross-entropy, DataLoaders with shuffled,
+drop-last training batches).
+
+What is replaced, and how it is matched:
+- Data. PFLlib's generated ``dataset/MNIST`` folders are replaced by the clients of the jaxfl run named by
+  ``--jaxfl-run`` (``common.jaxfl_inputs`` of its ``config.json``; in ``pfl_methods.py``'s setting: MNIST, one channel, 20 clients, Dirichlet(0.1)
+  labels, at most 500 training images, a test set following each client's label mix), written in PFLlib's
+  format (``train/<i>.npz`` and ``test/<i>.npz`` holding ``{"x": float NCHW, "y": int64}``), normalised as jaxfl
+  does, under ``--data-root``. PFLlib reads them through ``--dataset`` given as that absolute path.
+- Model. PFLlib's MNIST models are the 4-layer CNN and a 1-hidden-layer DNN; ``TwoNN`` below is jaxfl's
+  ``mlp_2nn`` (784-200-200-10, ReLU) in torch, its classifier named ``fc`` as PFLlib's models name it, so that
+  PFLlib's ``BaseHeadSplit`` (base = the two hidden layers, head = ``fc``) and FedALA's ``layer_idx`` = 2 (the
+  last two parameter tensors) take the same parts as jaxfl's encoder / head and ``layers="head_last"``. Its
+  initial weights are those of jaxfl's run of the same seed (``Experiment.init`` of fedavg; every algorithm draws
+  the base model alike), PFLlib's extra modules (FedCP's CPN, GPFL's GCE and CoV, ...) keep PFLlib's init.
+- Seeds. PFLlib seeds torch with 0 at import and in every client's constructor (so its runs differ by nothing);
+  the adapter seeds torch, numpy and python's ``random`` with ``--seed`` after the server is built (data order,
+  client order, Gumbel noise, FedFomo's/FedAMP's draws).
+- Hyperparameters. Every method runs with jaxfl's defaults mapped onto PFLlib's arguments (``METHODS``: e.g.
+  FedCP ``lamda`` 5, GPFL ``lamda`` 0.01 and ``mu`` 0.1, FedDBE ``momentum`` 1 and ``kl_weight`` 50, FedAMP
+  ``sigma`` 1e4), the jaxfl run's client learning rate (the one jaxfl's grid chose for the method), batch 10, one local epoch, every
+  client every round; every other argument keeps PFLlib ``main.py``'s default (``PFLLIB_DEFAULTS``).
+- Rounds. PFLlib evaluates at the start of round i (before training, after sending the models: the state after
+  i rounds), FedPHP after local training (after i + 1 rounds); the adapter logs each evaluation under the number
+  of rounds trained and stops the loop once round ``--rounds`` is logged (PFLlib would train one round more).
+- Diagnostic (``--fedlc-counts client``): FedLC's offsets from each client's own label counts (absent classes
+  counted as 1e-8), jaxfl's rule, set on PFLlib's clients after the server is built; everything else PFLlib's.
+- Metric. Each client's accuracy (correct / test samples) from PFLlib's ``test_metrics``; ``mean_accuracy`` (the
+  mean over clients, what jaxfl's tables compare) and ``weighted_accuracy`` (PFLlib's own number) follow.
+
+Writes ``--out/config.json`` and ``--out/metrics.jsonl`` (jaxfl's format, ``common.MetricsLog``). ``--all``
+writes ``--out/seed<s>/<variant>/`` per method and seed (a finished run is kept), then runs ``--compare``.
+``--compare --official-logs DIR --jaxfl-logs DIR``: per method, final and last-5 mean accuracy of both sides
+(mean ± std over seeds), the difference and the criterion max(2 pooled seed-stds, 1.5 points); a figure with
+one panel per method (``--figure``). See experiments/official/pfllib.md.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import random
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
+
+REPO = "TsingZ0/PFLlib"
+
+# PFLlib main.py's defaults (system/main.py L391-499) of every argument the servers and clients below read;
+# the run's settings and each method's mapping replace some of them.
+PFLLIB_DEFAULTS = dict(
+    goal="test", device="cpu", device_id="0", num_classes=10, batch_size=10, local_learning_rate=0.005,
+    learning_rate_decay=False, learning_rate_decay_gamma=0.99, global_rounds=2000, top_cnt=100, local_epochs=1,
+    join_ratio=1.0, random_join_ratio=False, num_clients=20, prev=0, times=1, eval_gap=1,
+    save_folder_name="items", auto_break=False, dlg_eval=False, dlg_gap=100, batch_num_per_client=2,
+    num_new_clients=0, fine_tuning_epoch_new=0, feature_dim=512, vocab_size=80, max_len=200, few_shot=0,
+    client_drop_rate=0.0, train_slow_rate=0.0, send_slow_rate=0.0, time_select=False, time_threthold=10000,
+    beta=0.0, lamda=1.0, mu=0.0, K=5, p_learning_rate=0.01, M=5, itk=4000, alphaK=1.0, sigma=1.0, alpha=1.0,
+    plocal_epochs=1, tau=1.0, fine_tuning_epochs=10, dr_learning_rate=0.0, L=1.0, noise_dim=512,
+    generator_learning_rate=0.005, hidden_dim=512, server_epochs=1000, localize_feature_extractor=False,
+    server_learning_rate=1.0, eta=1.0, rand_percent=80, layer_idx=2, mentee_learning_rate=0.005, T_start=0.95,
+    T_end=0.98, momentum=0.1, kl_weight=0.0, first_stage_bound=0, fedcross_alpha=0.99,
+    collaberative_model_select_strategy=1)
+
+# jaxfl variant -> PFLlib algorithm, its server module and class, whether main.py splits the model into
+# base + head for it, the arguments that carry jaxfl's defaults, and where jaxfl differs from PFLlib by design.
+METHODS = {
+    "fedavg": ("FedAvg", "serveravg", "FedAvg", True, {}, ""),
+    "local": ("Local", "serverlocal", "Local", False, {}, ""),
+    "fedala": ("FedALA", "serverala", "FedALA", False, dict(eta=1.0, rand_percent=80, layer_idx=2),
+               "the official code (PFLlib's ALA.py is the authors')"),
+    "fedcp": ("FedCP", "servercp", "FedCP", True, dict(lamda=5.0), "the official code; lamda 5 (its run_me.sh)"),
+    "gpfl": ("GPFL", "servergpfl", "GPFL", True, dict(lamda=0.01, mu=0.1),
+             "the official code; lamda 0.01, mu 0.1 (its run_me.sh for MLPs/CNNs)"),
+    "feddbe": ("FedDBE", "serverdbe", "FedDBE", True, dict(momentum=1.0, kl_weight=50.0),
+               "the official code; momentum 1, kl_weight 50 (its run_me.sh)"),
+    "fedproto": ("FedProto", "serverproto", "FedProto", True, dict(lamda=1.0),
+                 "local prototypes: jaxfl after training in eval mode, PFLlib averaged over the training batches"),
+    "fedamp": ("FedAMP", "serveramp", "FedAMP", False, dict(alphaK=1.0, lamda=1.0, sigma=1e4),
+               "proximal term: jaxfl squared (the paper), PFLlib not squared; attention over all clients' "
+               "last uploads vs last round's uploaders (the same under full participation)"),
+    "apfl": ("APFL", "serverapfl", "APFL", False, dict(alpha=0.5),
+             "jaxfl trains the personal model through the mixture and differentiates alpha exactly (the paper); "
+             "PFLlib trains the personal model on its own loss, alpha by a surrogate with +0.02 alpha"),
+    "perfedavg": ("PerAvg", "serverperavg", "PerAvg", False, {},
+                  "PFLlib calls the client's meta-training twice per round: 2 passes of n / 2B batch-pair steps, "
+                  "jaxfl 1 (FL-bench's count); beta = lr in both"),
+    "fedfomo": ("FedFomo", "serverfomo", "FedFomo", False, dict(M=4),
+                "jaxfl follows the official code (self + 4 models chosen epsilon-greedily, L1 distance, held-out "
+                "20% validation per client); PFLlib takes the top-M by affinity, L2 distance, the last 20%"),
+    "fedphp": ("FedPHP", "serverphp", "FedPHP", True, dict(lamda=0.1, mu=0.9),
+               "jaxfl follows the authors' FedRepo (KD from the HPM, mu from the participation count, predicts "
+               "with the HPM); PFLlib distils by MMD, mu = 0.9 R / T, and predicts with the trained local model"),
+    "fedlc": ("FedLC", "serverlc", "FedLC", True, dict(tau=1.0),
+              "calibration counts: jaxfl per client (paper, FL-bench), PFLlib summed over all clients"),
+}
+# jaxfl methods of pfl_methods.py that PFLlib does not ship: fednova, perfedavg:variant=hf.
+
+
+def two_nn(num_classes: int = 10):
+    """jaxfl's ``mlp_2nn`` in torch: flatten - fc1 (200) - ReLU - fc2 (200) - ReLU - fc (classes)."""
+    import torch.nn as nn
+
+    class TwoNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(784, 200)
+            self.fc2 = nn.Linear(200, 200)
+            self.fc = nn.Linear(200, num_classes)
+
+        def forward(self, x):
+            x = nn.functional.relu(self.fc1(x.flatten(1)))
+            return self.fc(nn.functional.relu(self.fc2(x)))
+
+    return TwoNN()
+
+
+def load_jaxfl_init(model, cfg) -> None:
+    """Copy jaxfl's initial ``mlp_2nn`` parameters of ``cfg``'s seed (flax kernels [in, out] -> torch [out, in])."""
+    import dataclasses
+
+    import torch
+    from jaxfl.run.runner import Experiment
+    server, _ = Experiment(dataclasses.replace(cfg, algorithm="fedavg", options={})).init()
+    enc, head = server["params"]["encoder"], server["params"]["head"]
+    pairs = {"fc1": enc["fc1"]["linear"], "fc2": enc["fc2"]["linear"], "fc": head["fc1"]["linear"]}
+    with torch.no_grad():
+        for name, layer in pairs.items():
+            getattr(model, name).weight.copy_(torch.from_numpy(np.array(layer["kernel"], np.float32).T))
+            getattr(model, name).bias.copy_(torch.from_numpy(np.array(layer["bias"], np.float32)))
+
+
+def write_pfllib_dataset(inputs, root: Path) -> Path:
+    """jaxfl's clients in PFLlib's layout: ``root/{train,test}/<i>.npz`` with ``data = {"x": float32 [n, 1, 28,
+    28] normalised as jaxfl does, "y": int64 [n]}``. Rewritten every time (cheap, and each file replaced
+    atomically), so a stale folder never feeds a run."""
+    for split, parts in (("train", inputs.train), ("test", inputs.test)):
+        (root / split).mkdir(parents=True, exist_ok=True)
+        for i, (x, y) in enumerate(parts):
+            tmp = root / split / f".{i}.npz.{os.getpid()}"
+            with open(tmp, "wb") as f:
+                np.savez(f, data={"x": to_nchw_float(x, inputs.normalize), "y": np.asarray(y, np.int64)})
+            os.replace(tmp, root / split / f"{i}.npz")  # atomic: a run reading this seed's files never sees half of one
+    return root
+
+
+def run_config(args, cfg, algorithm: str, arguments: dict) -> dict:
+    """config.json of a PFLlib run: what it computed, with the per-seed paths under ``data_dir`` and ``out``
+    (fields ``jaxfl compare`` ignores when it groups runs by seed) and the jaxfl run named by its folder."""
+    where = {"data_dir", "dataset", "save_folder_name", "model"}
+    return {"official": REPO, "commit": args.commit, "algorithm": algorithm, "jaxfl_variant": args.method,
+            "jaxfl_run": Path(args.jaxfl_run).name, "fedlc_counts": args.fedlc_counts, "seed": cfg.seed,
+            "lr": cfg.lr, "rounds": cfg.rounds, "arguments": {k: v for k, v in arguments.items() if k not in where},
+            "data_dir": arguments["dataset"], "out": str(args.out)}
+
+
+class _Done(Exception):
+    """Raised from the logging hook once the last round is logged: ends PFLlib's loop."""
+
+
+def run(args) -> None:
+    """One PFLlib run of ``args.method`` on the inputs, learning rate, seed and rounds of the jaxfl run in
+    ``args.jaxfl_run`` (an ``mlp_2nn`` run with batch 10, one local epoch, plain SGD, every client every round),
+    into ``args.out``."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+    from jaxfl.run.config import RunConfig
+
+    warnings.simplefilter("ignore")  # as PFLlib's main.py does (its evaluation warns every batch)
+    algorithm, module, cls, split, overrides, _ = METHODS[args.method]
+    cfg = RunConfig.from_dict(json.loads((Path(args.jaxfl_run) / "config.json").read_text()))
+    setting = (cfg.model, cfg.batch_size, cfg.local_epochs, cfg.momentum, cfg.weight_decay, cfg.clients_per_round)
+    if setting != ("mlp_2nn", 10, 1, 0.0, 0.0, None):
+        raise SystemExit(f"pfllib: error: {args.jaxfl_run} is not an mlp_2nn run with batch 10, one local epoch, "
+                         f"plain SGD and every client each round (model, batch, epochs, momentum, weight decay, "
+                         f"cohort: {setting})")
+    inputs = jaxfl_inputs(cfg)
+    data = write_pfllib_dataset(inputs, Path(args.data_root).resolve() / f"seed{cfg.seed}")
+
+    torch.set_num_threads(1)
+    model = two_nn(inputs.num_classes)
+    load_jaxfl_init(model, cfg)
+    ns = dict(PFLLIB_DEFAULTS, dataset=str(data), num_clients=inputs.num_clients, num_classes=inputs.num_classes,
+              batch_size=10, local_epochs=1, local_learning_rate=cfg.lr, global_rounds=cfg.rounds,
+              join_ratio=1.0, algorithm=algorithm, model=model, save_folder_name=str(Path(args.out) / "items"))
+    ns.update(overrides)
+    pargs = types.SimpleNamespace(**ns)
+    if split:  # main.py's BaseHeadSplit for this algorithm
+        from flcore.trainmodel.models import BaseHeadSplit
+        pargs.head = copy.deepcopy(model.fc)
+        model.fc = nn.Identity()
+        pargs.model = BaseHeadSplit(model, pargs.head)
+
+    server_cls = getattr(importlib.import_module(f"flcore.servers.{module}"), cls)
+    server = server_cls(pargs, 0)
+    if args.fedlc_counts == "client":  # diagnostic: jaxfl's (the paper's) per-client counts, absent -> 1e-8
+        if algorithm != "FedLC":
+            raise SystemExit("pfllib: error: --fedlc-counts client applies to --method fedlc only")
+        for client in server.clients:
+            offsets = pargs.tau * client.sample_per_class.clamp(min=1e-8) ** (-1 / 4)
+            client.calibration = torch.tile(offsets, (pargs.batch_size, 1))
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    random.seed(cfg.seed)
+
+    log = MetricsLog(args.out, inputs.client_names, run_config(args, cfg, algorithm, ns))
+    after_training = algorithm == "FedPHP"  # its train() evaluates after local training
+    evaluated = [0]
+    test_metrics = server.test_metrics
+
+    def logged_test_metrics():
+        ids, counts, correct, auc = test_metrics()
+        rounds_done = evaluated[0] + after_training
+        evaluated[0] += 1
+        if rounds_done >= 1:
+            order = np.argsort(ids)
+            acc = np.asarray(correct, float)[order] / np.asarray(counts, float)[order]
+            # every client trains every round (join ratio 1)
+            rec = log.round(rounds_done, sorted(c.id for c in server.selected_clients), test_accuracy=acc,
+                            test_count=np.asarray(counts)[order])
+            if args.progress:
+                print(f"round {rounds_done}: mean accuracy {rec['mean_accuracy']:.4f}", flush=True)
+        if rounds_done >= cfg.rounds:
+            raise _Done
+        return ids, counts, correct, auc
+
+    server.test_metrics = logged_test_metrics
+    try:
+        server.train()
+    except _Done:
+        pass
+    if evaluated[0] + after_training - 1 < cfg.rounds:
+        raise SystemExit(f"pfllib: error: the run stopped after {evaluated[0]} evaluations, before round "
+                         f"{cfg.rounds}")
+
+
+def finished(out: Path, rounds: int) -> bool:
+    """Whether ``out/metrics.jsonl`` holds an evaluation of round ``rounds``."""
+    path = out / "metrics.jsonl"
+    return path.exists() and any(json.loads(line)["round"] == rounds for line in path.read_text().splitlines())
+
+
+def jaxfl_runs(root: Path, seed: int) -> dict[str, Path]:
+    """{variant: run folder} of ``pfl_methods.py``'s logs for ``seed`` (folders ``<variant>_lr<lr>``)."""
+    return {d.name.rsplit("_lr", 1)[0]: d for d in sorted((root / f"seed{seed}").iterdir())
+            if (d / "metrics.jsonl").exists()}
+
+
+def run_all(args) -> None:
+    """Every method in ``METHODS`` that jaxfl's logs hold, for each seed, on its jaxfl run's inputs; then compare."""
+    import subprocess
+    for s in [int(s) for s in args.seeds.split(",")]:
+        for variant, folder in jaxfl_runs(Path(args.jaxfl_logs), s).items():
+            if variant not in METHODS or (args.methods and variant not in args.methods.split(",")):
+                continue
+            out = Path(args.out) / f"seed{s}" / variant
+            if finished(out, json.loads((folder / "config.json").read_text())["rounds"]):
+                continue
+            print(f"PFLlib {variant}, seed {s} ({folder.name})", flush=True)
+            # one process per run: PFLlib's modules keep state (torch seeds, imported servers) between runs
+            subprocess.run([sys.executable, __file__, "--method", variant, "--jaxfl-run", str(folder), "--out",
+                            str(out), "--data-root", args.data_root, "--commit", args.commit], check=True,
+                           stdout=subprocess.DEVNULL)
+    args.official_logs = args.out
+    compare(args)
+
+
+def load_experiments_common(path: str | None):
+    path = Path(path or Path(__file__).resolve().parent.parent / "common.py")
+    spec = importlib.util.spec_from_file_location("experiments_common", path)
+    ec = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ec)
+    return ec
+
+
+def compare(args) -> None:
+    """Per method on both sides: final and last-5 mean accuracy (mean ± std over seeds), the difference of the
+    final means and the criterion max(2 pooled seed-stds, 1.5 points); the figure, one panel per method."""
+    ec = load_experiments_common(args.experiments_common)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    load = lambda path: [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    pairs = {}
+    for variant in METHODS:
+        try:
+            jax_h = [load(jaxfl_runs(Path(args.jaxfl_logs), s)[variant]) for s in seeds]
+            off_h = [load(Path(args.official_logs) / f"seed{s}" / variant) for s in seeds]
+        except (KeyError, OSError):
+            continue
+        pairs[variant] = {"PFLlib": off_h, "jaxfl": jax_h}
+    rows = ["| method | PFLlib is | lr | PFLlib final | jaxfl final | difference | bound | verdict | "
+            "PFLlib last-5 | jaxfl last-5 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for variant, res in pairs.items():
+        (o_m, o_s), (j_m, j_s) = (ec.seed_stats(h)["final"] for h in res.values())
+        (ot_m, ot_s), (jt_m, jt_s) = (ec.seed_stats(h)["tail"] for h in res.values())
+        bound = max(2 * float(np.sqrt((o_s ** 2 + j_s ** 2) / 2)), 1.5)
+        lr = json.loads((jaxfl_runs(Path(args.jaxfl_logs), seeds[0])[variant] / "config.json").read_text())["lr"]
+        kind = "official" if METHODS[variant][5].startswith("the official code") else "a reference"
+        rows.append(f"| {variant} | {kind} | {lr:g} | {o_m:.2f} ± {o_s:.2f} | {j_m:.2f} ± {j_s:.2f} | "
+                    f"{j_m - o_m:+.2f} | {bound:.2f} | {'agree' if abs(o_m - j_m) <= bound else 'DIFFER'} | "
+                    f"{ot_m:.2f} ± {ot_s:.2f} | {jt_m:.2f} ± {jt_s:.2f} |")
+    table = "\n".join(rows)
+    print(table)
+    if args.table:
+        Path(args.table).write_text(f"PFLlib ({REPO} {args.commit[:7]}) vs jaxfl on jaxfl's inputs "
+                                    f"(experiments/pfl_methods.py's setting), seeds {args.seeds}; mean accuracy "
+                                    f"over clients, %\n\n{table}\n")
+        print("wrote", args.table)
+    if args.figure and pairs:
+        plot_panels(ec, pairs, Path(args.figure))
+        print("wrote", args.figure)
+
+
+def plot_panels(ec, pairs: dict, path: Path) -> None:
+    """One panel per method: PFLlib and jaxfl mean accuracy per round, ± one std over seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cols = 4
+    rows = -(-len(pairs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.5 * rows), sharex=True, squeeze=False)
+    for ax, (variant, res) in zip(axes.flat, pairs.items()):
+        for label, hists in res.items():
+            curves = [ec.accuracy_curve(h) for h in hists]
+            n = min(len(c[0]) for c in curves)
+            acc = np.stack([c[1][:n] for c in curves]) * 100
+            line, = ax.plot(curves[0][0][:n], acc.mean(0), lw=1.2, label=label)
+            ax.fill_between(curves[0][0][:n], acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0),
+                            color=line.get_color(), alpha=0.2, lw=0)
+        ax.set_title(variant, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(pairs):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.supxlabel("round", fontsize=8)
+    fig.supylabel("mean test accuracy over clients (%)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", choices=sorted(METHODS), help="the jaxfl variant whose PFLlib counterpart runs")
+    p.add_argument("--jaxfl-run", help="the jaxfl run (folder with config.json) whose inputs, lr, seed and rounds "
+                   "PFLlib's run takes")
+    p.add_argument("--out", help="output folder (of a run; with --all, of all runs)")
+    p.add_argument("--data-root", default="../runs/official/pfllib_data",
+                   help="where jaxfl's clients are written in PFLlib's format (one folder per seed)")
+    p.add_argument("--commit", default="d832e76f6a23b833038949ec1e4fdefe63a4d350", help="the checkout's commit")
+    p.add_argument("--progress", action="store_true")
+    p.add_argument("--fedlc-counts", choices=("global", "client"), default="global",
+                   help="diagnostic: FedLC's calibration from the counts summed over all clients (PFLlib) or from "
+                        "each client's own (jaxfl, the paper, FL-bench)")
+    p.add_argument("--all", action="store_true", help="run every method of --jaxfl-logs for --seeds, then compare")
+    p.add_argument("--methods", help="--all: only these variants (comma-separated)")
+    p.add_argument("--compare", action="store_true", help="compare finished runs: --official-logs, --jaxfl-logs")
+    p.add_argument("--official-logs")
+    p.add_argument("--jaxfl-logs", default=str(Path(__file__).resolve().parent.parent / "logs" / "pfl_methods"))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--table", help="compare: also write the markdown table here")
+    p.add_argument("--figure")
+    p.add_argument("--experiments-common", help="compare: path of experiments/common.py")
+    args = p.parse_args(argv)
+    if args.compare:
+        compare(args)
+    elif args.all:
+        run_all(args)
+    else:
+        if not (args.method and args.out and args.jaxfl_run):
+            p.error("a run needs --method, --jaxfl-run and --out (or use --all / --compare)")
+        sys.path.insert(0, str(official_repo("PFLLIB_OFFICIAL", REPO) / "system"))
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
