@@ -87,15 +87,21 @@ def test_run_script_ends_a_stop_or_an_error_in_one_line_with_the_cli_exit_code(c
         run_script(lambda argv: int("x"))
 
 
-def test_official_comparisons_take_the_rounds_both_sides_evaluated(monkeypatch):
-    """experiments/official/common.py's ``common_rounds``: an official run evaluated every round beside a jaxfl run
-    evaluated every 5th is compared at rounds 5 and 10 only; train-only rows stay; seed_stats then reads those."""
+@pytest.fixture
+def official(monkeypatch):
+    """experiments/official/common.py as a module (that folder is not a package)."""
     import importlib.util
     path = Path(__file__).resolve().parents[1] / "experiments" / "official" / "common.py"
     spec = importlib.util.spec_from_file_location("official_common", path)
-    official = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "official_common", official)  # its dataclasses look their module up
-    spec.loader.exec_module(official)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "official_common", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_official_comparisons_take_the_rounds_both_sides_evaluated(official):
+    """experiments/official/common.py's ``common_rounds``: an official run evaluated every round beside a jaxfl run
+    evaluated every 5th is compared at rounds 5 and 10 only; train-only rows stay; seed_stats then reads those."""
     every = history([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.3])
     sparse = [r for r in history([0.5] * 10) if "mean_accuracy" not in r or r["round"] % 5 == 0]
     out = official.common_rounds({"official": [every], "jaxfl": [sparse]})
@@ -106,3 +112,11 @@ def test_official_comparisons_take_the_rounds_both_sides_evaluated(monkeypatch):
     assert st["final"][0] == pytest.approx(30.0) and st["tail"][0] == pytest.approx(40.0)  # mean of 50 and 30
     assert st["best"][0] == pytest.approx(50.0)
     assert official.common_rounds({"a": [every], "b": [every]}) == {"a": [every], "b": [every]}
+
+
+def test_official_agreement_bound_is_two_pooled_stds_or_one_and_a_half_points(official):
+    """experiments/official/common.py's criterion, by hand: pooled std sqrt((s_a^2 + s_b^2) / 2)."""
+    assert official.pooled_std(3.0, 4.0) == pytest.approx((12.5) ** 0.5)
+    assert official.agreement_bound(3.0, 4.0) == pytest.approx(2 * 12.5 ** 0.5)  # 7.07: the stds decide
+    assert official.agreement_bound(0.3, 0.4) == 1.5  # 0.71 < 1.5: the floor decides
+    assert official.agreement_bound(0.0, 0.0) == 1.5

@@ -18,7 +18,9 @@ supplies the data), e.g. ``python -m venv ../venvs/torch; pip install torch==2.1
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import time
@@ -121,3 +123,35 @@ def common_rounds(results: dict[str, list[list[dict]]]) -> dict[str, list[list[d
     keep = set.intersection(*evaluated)
     return {k: [[r for r in h if "mean_accuracy" not in r or r["round"] in keep] for h in hists]
             for k, hists in results.items()}
+
+
+def pooled_std(std_a: float, std_b: float) -> float:
+    """sqrt((s_a^2 + s_b^2) / 2): the pooled seed-std of two sides with equal seed counts."""
+    return float(np.sqrt((std_a ** 2 + std_b ** 2) / 2))
+
+
+def agreement_bound(std_a: float, std_b: float) -> float:
+    """Issue 32's criterion for two sides' mean accuracies (points): they agree when
+    |mean_a - mean_b| <= max(2 pooled_std(std_a, std_b), 1.5)."""
+    return max(2 * pooled_std(std_a, std_b), 1.5)
+
+
+def experiments_common(path: str | Path | None = None):
+    """``experiments/common.py`` (its tables and plots), loaded as module ``experiments_common`` (this directory
+    has its own ``common``): ``path`` if given, else the file beside this folder or, if that one needs a newer
+    jaxfl than the installed one, the installed checkout's copy."""
+    def load(file):
+        spec = importlib.util.spec_from_file_location("experiments_common", file)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    if path:
+        return load(Path(path))
+    candidates = [Path(__file__).resolve().parents[1] / "common.py"]
+    with contextlib.suppress(ImportError):
+        import jaxfl
+        candidates.append(Path(jaxfl.__file__).resolve().parents[1] / "experiments" / "common.py")
+    for candidate in candidates:
+        with contextlib.suppress(ImportError):
+            return load(candidate)
+    raise SystemExit("cannot import experiments/common.py")

@@ -74,7 +74,8 @@ import numpy as np
 
 sys.dont_write_bytecode = True  # importing the official modules must not write __pycache__ into the checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MetricsLog, common_rounds, jaxfl_inputs, official_repo, to_nchw_float  # noqa: E402
+from common import (MetricsLog, agreement_bound, common_rounds, experiments_common, jaxfl_inputs,  # noqa: E402
+                    official_repo, to_nchw_float)
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # the official local loop wraps its epochs in tqdm
 PKG = "fedml_api.standalone.domain_generalization"
@@ -553,25 +554,6 @@ JAXFL_RUNS = {"dapperfl": "jaxfl dapperfl (spec preset)",
               "fedavg": "jaxfl fedavg"}
 
 
-def experiments_common():
-    """``experiments/common.py`` (its tables and plots), loaded under another name (this directory has its own
-    ``common``); if that file needs a newer jaxfl than the installed one, the installed checkout's copy."""
-    import importlib.util
-    candidates = [Path(__file__).resolve().parents[1] / "common.py"]
-    with contextlib.suppress(ImportError):
-        import jaxfl
-        candidates.append(Path(jaxfl.__file__).resolve().parents[1] / "experiments" / "common.py")
-    for path in candidates:
-        spec = importlib.util.spec_from_file_location("experiments_common", path)
-        mod = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(mod)
-            return mod
-        except ImportError:
-            continue
-    raise SystemExit("cannot import experiments/common.py")
-
-
 def read_history(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -602,7 +584,7 @@ def compare(official_root: Path, jaxfl_root: Path, seeds: list[int], official_va
         cells = []
         for key in ("final", "tail"):
             diff = so[key][0] - sj[key][0]
-            allowed = max(2 * np.sqrt((so[key][1] ** 2 + sj[key][1] ** 2) / 2), 1.5)
+            allowed = agreement_bound(so[key][1], sj[key][1])
             cells += [f"{diff:+.2f}", f"{allowed:.2f}", "match" if abs(diff) <= allowed else "DIFFER"]
         rows.append(f"| {o} | {j} | " + " | ".join(cells) + " |")
     text += "\n".join(rows) + "\n"

@@ -69,7 +69,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import JaxflInputs, MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
+from common import (JaxflInputs, MetricsLog, agreement_bound, experiments_common, jaxfl_inputs, official_repo,
+                    pooled_std, to_nchw_float)
 
 REPO = "lapisrocks/fedselect"
 
@@ -346,10 +347,7 @@ def compare(args) -> None:
     |final mean difference| <= max(2 pooled seed-stds, 1.5 points), the per-seed finals, and the plot
     (``plot_mean_accuracy``, mean ± std bands). ``seed_table`` / ``plot_mean_accuracy`` come from the
     experiments' ``common.py`` given by ``--experiments-common`` (default: ../common.py beside this folder)."""
-    path = Path(args.experiments_common or Path(__file__).resolve().parent.parent / "common.py")
-    spec = importlib.util.spec_from_file_location("experiments_common", path)
-    ec = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ec)
+    ec = experiments_common(args.experiments_common)
     seeds = [int(s) for s in args.seeds.split(",")]
     results = {"official (lapisrocks/fedselect)": load_histories(Path(args.official_logs), seeds),
                "jaxfl": load_histories(Path(args.jaxfl_logs), seeds)}
@@ -358,8 +356,7 @@ def compare(args) -> None:
         results[label] = load_histories(Path(root), seeds)
     print(ec.seed_table(results))
     (o_mean, o_std), (j_mean, j_std) = (ec.seed_stats(h)["final"] for h in list(results.values())[:2])
-    pooled = float(np.sqrt((o_std ** 2 + j_std ** 2) / 2))
-    bound = max(2 * pooled, 1.5)
+    pooled, bound = pooled_std(o_std, j_std), agreement_bound(o_std, j_std)
     print(f"\nfinal: official {o_mean:.2f} ± {o_std:.2f}, jaxfl {j_mean:.2f} ± {j_std:.2f}; difference "
           f"{o_mean - j_mean:+.2f}, bound max(2 x pooled std {pooled:.2f}, 1.5) = {bound:.2f}: "
           f"{'AGREE' if abs(o_mean - j_mean) <= bound else 'DIFFER'}")

@@ -73,7 +73,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
-from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float  # noqa: E402
+from common import MetricsLog, agreement_bound, jaxfl_inputs, official_repo, to_nchw_float  # noqa: E402
 
 ALGS = {"hypernet": "FedTP", "vanilla": "Personalized-T", "fedavg": "fedavg"}
 # module names of the official checkout that would shadow (or be shadowed by) others of the same name
@@ -384,7 +384,7 @@ def compare(argv=None) -> None:
             extra = "| | |"
             if side == "official" and "jaxfl" in stats:
                 d = fm - stats["jaxfl"][2]
-                crit = max(2 * np.sqrt((fs ** 2 + stats["jaxfl"][3] ** 2) / 2), 1.5)
+                crit = agreement_bound(fs, stats["jaxfl"][3])
                 extra = f"| {d:+.2f} | {crit:.2f} | {'agree' if abs(d) <= crit else 'DIFFER'} |"
             rows.append(f"| {v} | {side} | {k} | {fm:.2f} ± {fs:.2f} (R={r}) | {tm:.2f} ± {ts:.2f} | {marks} {extra}")
     print("\n".join(rows))

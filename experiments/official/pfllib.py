@@ -69,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
+from common import MetricsLog, agreement_bound, experiments_common, jaxfl_inputs, official_repo, to_nchw_float
 
 REPO = "TsingZ0/PFLlib"
 
@@ -223,8 +223,6 @@ def run(args) -> None:
     server_cls = getattr(importlib.import_module(f"flcore.servers.{module}"), cls)
     server = server_cls(pargs, 0)
     if args.fedlc_counts == "client":  # diagnostic: jaxfl's (the paper's) per-client counts, absent -> 1e-8
-        if algorithm != "FedLC":
-            raise SystemExit("pfllib: error: --fedlc-counts client applies to --method fedlc only")
         for client in server.clients:
             offsets = pargs.tau * client.sample_per_class.clamp(min=1e-8) ** (-1 / 4)
             client.calibration = torch.tile(offsets, (pargs.batch_size, 1))
@@ -294,24 +292,17 @@ def run_all(args) -> None:
     compare(args)
 
 
-def load_experiments_common(path: str | None):
-    path = Path(path or Path(__file__).resolve().parent.parent / "common.py")
-    spec = importlib.util.spec_from_file_location("experiments_common", path)
-    ec = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ec)
-    return ec
-
-
 def compare(args) -> None:
     """Per method on both sides: final and last-5 mean accuracy (mean ± std over seeds), the difference of the
     final means and the criterion max(2 pooled seed-stds, 1.5 points); the figure, one panel per method."""
-    ec = load_experiments_common(args.experiments_common)
+    ec = experiments_common(args.experiments_common)
     seeds = [int(s) for s in args.seeds.split(",")]
     load = lambda path: [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    runs = {s: jaxfl_runs(Path(args.jaxfl_logs), s) for s in seeds}
     pairs = {}
     for variant in METHODS:
         try:
-            jax_h = [load(jaxfl_runs(Path(args.jaxfl_logs), s)[variant]) for s in seeds]
+            jax_h = [load(runs[s][variant]) for s in seeds]
             off_h = [load(Path(args.official_logs) / f"seed{s}" / variant) for s in seeds]
         except (KeyError, OSError):
             continue
@@ -321,8 +312,8 @@ def compare(args) -> None:
     for variant, res in pairs.items():
         (o_m, o_s), (j_m, j_s) = (ec.seed_stats(h)["final"] for h in res.values())
         (ot_m, ot_s), (jt_m, jt_s) = (ec.seed_stats(h)["tail"] for h in res.values())
-        bound = max(2 * float(np.sqrt((o_s ** 2 + j_s ** 2) / 2)), 1.5)
-        lr = json.loads((jaxfl_runs(Path(args.jaxfl_logs), seeds[0])[variant] / "config.json").read_text())["lr"]
+        bound = agreement_bound(o_s, j_s)
+        lr = json.loads((runs[seeds[0]][variant] / "config.json").read_text())["lr"]
         kind = "official" if METHODS[variant][5].startswith("the official code") else "a reference"
         rows.append(f"| {variant} | {kind} | {lr:g} | {o_m:.2f} ± {o_s:.2f} | {j_m:.2f} ± {j_s:.2f} | "
                     f"{j_m - o_m:+.2f} | {bound:.2f} | {'agree' if abs(o_m - j_m) <= bound else 'DIFFER'} | "
@@ -398,6 +389,8 @@ def main(argv=None) -> None:
     else:
         if not (args.method and args.out and args.jaxfl_run):
             p.error("a run needs --method, --jaxfl-run and --out (or use --all / --compare)")
+        if args.fedlc_counts == "client" and args.method != "fedlc":
+            p.error("--fedlc-counts client applies to --method fedlc only")
         sys.path.insert(0, str(official_repo("PFLLIB_OFFICIAL", REPO) / "system"))
         run(args)
 

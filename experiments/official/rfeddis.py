@@ -75,7 +75,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import JaxflInputs, MetricsLog, common_rounds, jaxfl_inputs, official_repo, to_nchw_float
+from common import (JaxflInputs, MetricsLog, agreement_bound, common_rounds, experiments_common, jaxfl_inputs,
+                    official_repo, pooled_std, to_nchw_float)
 
 REPO = "LooKing9218/RFedDis"
 HERE = Path(__file__).resolve().parent
@@ -434,9 +435,7 @@ def compare(argv=None) -> None:
     p.add_argument("--figure", default=str(EXPERIMENTS / "figures" / "official_rfeddis.png"))
     args = p.parse_args(argv)
     sys.path.insert(0, str(EXPERIMENTS.parent))  # experiments/common.py imports jaxfl from the repository
-    spec = importlib.util.spec_from_file_location("experiments_common", EXPERIMENTS / "common.py")
-    ec = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ec)
+    ec = experiments_common(EXPERIMENTS / "common.py")
     plot_mean_accuracy, seed_stats, seed_table = ec.plot_mean_accuracy, ec.seed_stats, ec.seed_table
     seeds = [int(s) for s in args.seeds.split(",")]
     results = {"jaxfl rfeddis": load_runs(Path(args.jaxfl), "rfeddis", seeds)}
@@ -453,9 +452,8 @@ def compare(argv=None) -> None:
         if label == "jaxfl rfeddis":
             continue
         st = seed_stats(hists)
-        pooled = float(np.sqrt((st["final"][1] ** 2 + ref["final"][1] ** 2) / 2))
+        pooled, bound = pooled_std(st["final"][1], ref["final"][1]), agreement_bound(st["final"][1], ref["final"][1])
         diff = st["final"][0] - ref["final"][0]
-        bound = max(2 * pooled, 1.5)
         tdiff = st["tail"][0] - ref["tail"][0]
         print(f"\n{label} - jaxfl: final {diff:+.2f} points (bound max(2 x pooled std {pooled:.2f}, 1.5) = "
               f"{bound:.2f}: {'PASS' if abs(diff) <= bound else 'FAIL'}); last-5 mean {tdiff:+.2f}")
