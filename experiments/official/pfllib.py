@@ -66,6 +66,7 @@ import sys
 import types
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -89,37 +90,51 @@ PFLLIB_DEFAULTS = dict(
     T_end=0.98, momentum=0.1, kl_weight=0.0, first_stage_bound=0, fedcross_alpha=0.99,
     collaberative_model_select_strategy=1)
 
-# jaxfl variant -> PFLlib algorithm, its server module and class, whether main.py splits the model into
-# base + head for it, the arguments that carry jaxfl's defaults, and where jaxfl differs from PFLlib by design.
+class PfllibMethod(NamedTuple):
+    """How one jaxfl variant runs in PFLlib."""
+
+    algorithm: str     # PFLlib's ``--algorithm``
+    module: str        # its server module under flcore/servers/
+    cls: str           # its server class
+    split: bool        # whether main.py splits the model into base + head for it
+    overrides: dict    # PFLlib arguments that carry jaxfl's defaults
+    official: bool     # PFLlib's code *is* the method's official code (same authors)
+    note: str = ""     # where jaxfl differs from PFLlib by design
+
+
 METHODS = {
-    "fedavg": ("FedAvg", "serveravg", "FedAvg", True, {}, ""),
-    "local": ("Local", "serverlocal", "Local", False, {}, ""),
-    "fedala": ("FedALA", "serverala", "FedALA", False, dict(eta=1.0, rand_percent=80, layer_idx=2),
-               "the official code (PFLlib's ALA.py is the authors')"),
-    "fedcp": ("FedCP", "servercp", "FedCP", True, dict(lamda=5.0), "the official code; lamda 5 (its run_me.sh)"),
-    "gpfl": ("GPFL", "servergpfl", "GPFL", True, dict(lamda=0.01, mu=0.1),
-             "the official code; lamda 0.01, mu 0.1 (its run_me.sh for MLPs/CNNs)"),
-    "feddbe": ("FedDBE", "serverdbe", "FedDBE", True, dict(momentum=1.0, kl_weight=50.0),
-               "the official code; momentum 1, kl_weight 50 (its run_me.sh)"),
-    "fedproto": ("FedProto", "serverproto", "FedProto", True, dict(lamda=1.0),
-                 "local prototypes: jaxfl after training in eval mode, PFLlib averaged over the training batches"),
-    "fedamp": ("FedAMP", "serveramp", "FedAMP", False, dict(alphaK=1.0, lamda=1.0, sigma=1e4),
-               "proximal term: jaxfl squared (the paper), PFLlib not squared; attention over all clients' "
-               "last uploads vs last round's uploaders (the same under full participation)"),
-    "apfl": ("APFL", "serverapfl", "APFL", False, dict(alpha=0.5),
-             "jaxfl trains the personal model through the mixture and differentiates alpha exactly (the paper); "
-             "PFLlib trains the personal model on its own loss, alpha by a surrogate with +0.02 alpha"),
-    "perfedavg": ("PerAvg", "serverperavg", "PerAvg", False, {},
-                  "PFLlib calls the client's meta-training twice per round: 2 passes of n / 2B batch-pair steps, "
-                  "jaxfl 1 (FL-bench's count); beta = lr in both"),
-    "fedfomo": ("FedFomo", "serverfomo", "FedFomo", False, dict(M=4),
-                "jaxfl follows the official code (self + 4 models chosen epsilon-greedily, L1 distance, held-out "
-                "20% validation per client); PFLlib takes the top-M by affinity, L2 distance, the last 20%"),
-    "fedphp": ("FedPHP", "serverphp", "FedPHP", True, dict(lamda=0.1, mu=0.9),
-               "jaxfl follows the authors' FedRepo (KD from the HPM, mu from the participation count, predicts "
-               "with the HPM); PFLlib distils by MMD, mu = 0.9 R / T, and predicts with the trained local model"),
-    "fedlc": ("FedLC", "serverlc", "FedLC", True, dict(tau=1.0),
-              "calibration counts: jaxfl per client (paper, FL-bench), PFLlib summed over all clients"),
+    "fedavg": PfllibMethod("FedAvg", "serveravg", "FedAvg", True, {}, False),
+    "local": PfllibMethod("Local", "serverlocal", "Local", False, {}, False),
+    "fedala": PfllibMethod("FedALA", "serverala", "FedALA", False, dict(eta=1.0, rand_percent=80, layer_idx=2), True,
+                           "PFLlib's ALA.py is the authors'"),
+    "fedcp": PfllibMethod("FedCP", "servercp", "FedCP", True, dict(lamda=5.0), True, "lamda 5 (its run_me.sh)"),
+    "gpfl": PfllibMethod("GPFL", "servergpfl", "GPFL", True, dict(lamda=0.01, mu=0.1), True,
+                         "lamda 0.01, mu 0.1 (its run_me.sh for MLPs/CNNs)"),
+    "feddbe": PfllibMethod("FedDBE", "serverdbe", "FedDBE", True, dict(momentum=1.0, kl_weight=50.0), True,
+                           "momentum 1, kl_weight 50 (its run_me.sh)"),
+    "fedproto": PfllibMethod("FedProto", "serverproto", "FedProto", True, dict(lamda=1.0), False,
+                             "local prototypes: jaxfl after training in eval mode, PFLlib averaged over the "
+                             "training batches"),
+    "fedamp": PfllibMethod("FedAMP", "serveramp", "FedAMP", False, dict(alphaK=1.0, lamda=1.0, sigma=1e4), False,
+                           "proximal term: jaxfl squared (the paper), PFLlib not squared; attention over all "
+                           "clients' last uploads vs last round's uploaders (the same under full participation)"),
+    "apfl": PfllibMethod("APFL", "serverapfl", "APFL", False, dict(alpha=0.5), False,
+                         "jaxfl trains the personal model through the mixture and differentiates alpha exactly "
+                         "(the paper); PFLlib trains the personal model on its own loss, alpha by a surrogate with "
+                         "+0.02 alpha"),
+    "perfedavg": PfllibMethod("PerAvg", "serverperavg", "PerAvg", False, {}, False,
+                              "PFLlib calls the client's meta-training twice per round: 2 passes of n / 2B "
+                              "batch-pair steps, jaxfl 1 (FL-bench's count); beta = lr in both"),
+    "fedfomo": PfllibMethod("FedFomo", "serverfomo", "FedFomo", False, dict(M=4), False,
+                            "jaxfl follows the official code (self + 4 models chosen epsilon-greedily, L1 "
+                            "distance, held-out 20% validation per client); PFLlib takes the top-M by affinity, "
+                            "L2 distance, the last 20%"),
+    "fedphp": PfllibMethod("FedPHP", "serverphp", "FedPHP", True, dict(lamda=0.1, mu=0.9), False,
+                           "jaxfl follows the authors' FedRepo (KD from the HPM, mu from the participation count, "
+                           "predicts with the HPM); PFLlib distils by MMD, mu = 0.9 R / T, and predicts with the "
+                           "trained local model"),
+    "fedlc": PfllibMethod("FedLC", "serverlc", "FedLC", True, dict(tau=1.0), False,
+                          "calibration counts: jaxfl per client (paper, FL-bench), PFLlib summed over all clients"),
 }
 # jaxfl methods of pfl_methods.py that PFLlib does not ship: fednova, perfedavg:variant=hf.
 
@@ -196,7 +211,7 @@ def run(args) -> None:
     from jaxfl.run.config import RunConfig
 
     warnings.simplefilter("ignore")  # as PFLlib's main.py does (its evaluation warns every batch)
-    algorithm, module, cls, split, overrides, _ = METHODS[args.method]
+    algorithm, module, cls, split, overrides, *_ = METHODS[args.method]
     cfg = RunConfig.from_dict(json.loads((Path(args.jaxfl_run) / "config.json").read_text()))
     setting = (cfg.model, cfg.batch_size, cfg.local_epochs, cfg.momentum, cfg.weight_decay, cfg.clients_per_round)
     if setting != ("mlp_2nn", 10, 1, 0.0, 0.0, None):
@@ -314,7 +329,7 @@ def compare(args) -> None:
         (ot_m, ot_s), (jt_m, jt_s) = (ec.seed_stats(h)["tail"] for h in res.values())
         bound = agreement_bound(o_s, j_s)
         lr = json.loads((runs[seeds[0]][variant] / "config.json").read_text())["lr"]
-        kind = "official" if METHODS[variant][5].startswith("the official code") else "a reference"
+        kind = "official" if METHODS[variant].official else "a reference"
         rows.append(f"| {variant} | {kind} | {lr:g} | {o_m:.2f} ± {o_s:.2f} | {j_m:.2f} ± {j_s:.2f} | "
                     f"{j_m - o_m:+.2f} | {bound:.2f} | {'agree' if abs(o_m - j_m) <= bound else 'DIFFER'} | "
                     f"{ot_m:.2f} ± {ot_s:.2f} | {jt_m:.2f} ± {jt_s:.2f} |")
