@@ -70,7 +70,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from common import MetricsLog, agreement_bound, experiments_common, jaxfl_inputs, official_repo, to_nchw_float
+from common import MetricsLog, experiments_common, jaxfl_inputs, official_repo, to_nchw_float
+from pfl_setting import check_setting, compare_methods, finished, jaxfl_runs, load_jaxfl_init, plot_panels, two_nn
 
 REPO = "TsingZ0/PFLlib"
 
@@ -139,39 +140,6 @@ METHODS = {
 # jaxfl methods of pfl_methods.py that PFLlib does not ship: fednova, perfedavg:variant=hf.
 
 
-def two_nn(num_classes: int = 10):
-    """jaxfl's ``mlp_2nn`` in torch: flatten - fc1 (200) - ReLU - fc2 (200) - ReLU - fc (classes)."""
-    import torch.nn as nn
-
-    class TwoNN(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(784, 200)
-            self.fc2 = nn.Linear(200, 200)
-            self.fc = nn.Linear(200, num_classes)
-
-        def forward(self, x):
-            x = nn.functional.relu(self.fc1(x.flatten(1)))
-            return self.fc(nn.functional.relu(self.fc2(x)))
-
-    return TwoNN()
-
-
-def load_jaxfl_init(model, cfg) -> None:
-    """Copy jaxfl's initial ``mlp_2nn`` parameters of ``cfg``'s seed (flax kernels [in, out] -> torch [out, in])."""
-    import dataclasses
-
-    import torch
-    from jaxfl.run.runner import Experiment
-    server, _ = Experiment(dataclasses.replace(cfg, algorithm="fedavg", options={})).init()
-    enc, head = server["params"]["encoder"], server["params"]["head"]
-    pairs = {"fc1": enc["fc1"]["linear"], "fc2": enc["fc2"]["linear"], "fc": head["fc1"]["linear"]}
-    with torch.no_grad():
-        for name, layer in pairs.items():
-            getattr(model, name).weight.copy_(torch.from_numpy(np.array(layer["kernel"], np.float32).T))
-            getattr(model, name).bias.copy_(torch.from_numpy(np.array(layer["bias"], np.float32)))
-
-
 def write_pfllib_dataset(inputs, root: Path) -> Path:
     """jaxfl's clients in PFLlib's layout: ``root/{train,test}/<i>.npz`` with ``data = {"x": float32 [n, 1, 28,
     28] normalised as jaxfl does, "y": int64 [n]}``. Rewritten every time (cheap, and each file replaced
@@ -213,11 +181,7 @@ def run(args) -> None:
     warnings.simplefilter("ignore")  # as PFLlib's main.py does (its evaluation warns every batch)
     algorithm, module, cls, split, overrides, *_ = METHODS[args.method]
     cfg = RunConfig.from_dict(json.loads((Path(args.jaxfl_run) / "config.json").read_text()))
-    setting = (cfg.model, cfg.batch_size, cfg.local_epochs, cfg.momentum, cfg.weight_decay, cfg.clients_per_round)
-    if setting != ("mlp_2nn", 10, 1, 0.0, 0.0, None):
-        raise SystemExit(f"pfllib: error: {args.jaxfl_run} is not an mlp_2nn run with batch 10, one local epoch, "
-                         f"plain SGD and every client each round (model, batch, epochs, momentum, weight decay, "
-                         f"cohort: {setting})")
+    check_setting(cfg, args.jaxfl_run, "pfllib")
     inputs = jaxfl_inputs(cfg)
     data = write_pfllib_dataset(inputs, Path(args.data_root).resolve() / f"seed{cfg.seed}")
 
@@ -276,18 +240,6 @@ def run(args) -> None:
                          f"{cfg.rounds}")
 
 
-def finished(out: Path, rounds: int) -> bool:
-    """Whether ``out/metrics.jsonl`` holds an evaluation of round ``rounds``."""
-    path = out / "metrics.jsonl"
-    return path.exists() and any(json.loads(line)["round"] == rounds for line in path.read_text().splitlines())
-
-
-def jaxfl_runs(root: Path, seed: int) -> dict[str, Path]:
-    """{variant: run folder} of ``pfl_methods.py``'s logs for ``seed`` (folders ``<variant>_lr<lr>``)."""
-    return {d.name.rsplit("_lr", 1)[0]: d for d in sorted((root / f"seed{seed}").iterdir())
-            if (d / "metrics.jsonl").exists()}
-
-
 def run_all(args) -> None:
     """Every method in ``METHODS`` that jaxfl's logs hold, for each seed, on its jaxfl run's inputs; then compare."""
     import subprocess
@@ -311,29 +263,9 @@ def compare(args) -> None:
     """Per method on both sides: final and last-5 mean accuracy (mean ± std over seeds), the difference of the
     final means and the criterion max(2 pooled seed-stds, 1.5 points); the figure, one panel per method."""
     ec = experiments_common(args.experiments_common)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    load = lambda path: [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-    runs = {s: jaxfl_runs(Path(args.jaxfl_logs), s) for s in seeds}
-    pairs = {}
-    for variant in METHODS:
-        try:
-            jax_h = [load(runs[s][variant]) for s in seeds]
-            off_h = [load(Path(args.official_logs) / f"seed{s}" / variant) for s in seeds]
-        except (KeyError, OSError):
-            continue
-        pairs[variant] = {"PFLlib": off_h, "jaxfl": jax_h}
-    rows = ["| method | PFLlib is | lr | PFLlib final | jaxfl final | difference | bound | verdict | "
-            "PFLlib last-5 | jaxfl last-5 |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for variant, res in pairs.items():
-        (o_m, o_s), (j_m, j_s) = (ec.seed_stats(h)["final"] for h in res.values())
-        (ot_m, ot_s), (jt_m, jt_s) = (ec.seed_stats(h)["tail"] for h in res.values())
-        bound = agreement_bound(o_s, j_s)
-        lr = json.loads((runs[seeds[0]][variant] / "config.json").read_text())["lr"]
-        kind = "official" if METHODS[variant].official else "a reference"
-        rows.append(f"| {variant} | {kind} | {lr:g} | {o_m:.2f} ± {o_s:.2f} | {j_m:.2f} ± {j_s:.2f} | "
-                    f"{j_m - o_m:+.2f} | {bound:.2f} | {'agree' if abs(o_m - j_m) <= bound else 'DIFFER'} | "
-                    f"{ot_m:.2f} ± {ot_s:.2f} | {jt_m:.2f} ± {jt_s:.2f} |")
-    table = "\n".join(rows)
+    table, pairs = compare_methods(ec, "PFLlib", {v: m.official for v, m in METHODS.items()},
+                                   Path(args.official_logs), Path(args.jaxfl_logs),
+                                   [int(s) for s in args.seeds.split(",")])
     print(table)
     if args.table:
         Path(args.table).write_text(f"PFLlib ({REPO} {args.commit[:7]}) vs jaxfl on jaxfl's inputs "
@@ -343,35 +275,6 @@ def compare(args) -> None:
     if args.figure and pairs:
         plot_panels(ec, pairs, Path(args.figure))
         print("wrote", args.figure)
-
-
-def plot_panels(ec, pairs: dict, path: Path) -> None:
-    """One panel per method: PFLlib and jaxfl mean accuracy per round, ± one std over seeds."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    cols = 4
-    rows = -(-len(pairs) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.5 * rows), sharex=True, squeeze=False)
-    for ax, (variant, res) in zip(axes.flat, pairs.items()):
-        for label, hists in res.items():
-            curves = [ec.accuracy_curve(h) for h in hists]
-            n = min(len(c[0]) for c in curves)
-            acc = np.stack([c[1][:n] for c in curves]) * 100
-            line, = ax.plot(curves[0][0][:n], acc.mean(0), lw=1.2, label=label)
-            ax.fill_between(curves[0][0][:n], acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0),
-                            color=line.get_color(), alpha=0.2, lw=0)
-        ax.set_title(variant, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(pairs):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    fig.supxlabel("round", fontsize=8)
-    fig.supylabel("mean test accuracy over clients (%)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,134 @@
+"""What the adapters of libraries run on ``experiments/pfl_methods.py``'s logs share (``pfllib.py``,
+``fedrepo.py``): the setting's model in torch with jaxfl's initial weights, the check that a jaxfl run is in
+that setting, finding jaxfl's runs, and the per-method comparison table and figure.
+
+The setting: MNIST, 20 clients, Dirichlet(0.1) labels, ``mlp_2nn`` (784-200-200-10), plain SGD, batch 10, one
+local epoch, every client every round, mean test accuracy over clients.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from common import agreement_bound
+
+SETTING = ("mlp_2nn", 10, 1, 0.0, 0.0, None)  # model, batch, epochs, momentum, weight decay, cohort (all)
+
+
+def check_setting(cfg, run: str, prog: str) -> None:
+    """Exit with one line unless ``cfg`` (the jaxfl run ``run``'s RunConfig) is in the setting above."""
+    setting = (cfg.model, cfg.batch_size, cfg.local_epochs, cfg.momentum, cfg.weight_decay, cfg.clients_per_round)
+    if setting != SETTING:
+        raise SystemExit(f"{prog}: error: {run} is not an mlp_2nn run with batch 10, one local epoch, plain SGD and "
+                         f"every client each round (model, batch, epochs, momentum, weight decay, cohort: "
+                         f"{setting})")
+
+
+def two_nn(num_classes: int = 10, with_features: bool = False):
+    """jaxfl's ``mlp_2nn`` in torch: flatten - fc1 (200) - ReLU - fc2 (200) - ReLU - fc (classes), the classifier
+    named ``fc`` as PFLlib names it. ``with_features``: ``forward`` returns ``(features, logits)``, the features
+    being fc2's ReLU output (FedRepo's networks return ``(hs, logits)``)."""
+    import torch.nn as nn
+
+    class TwoNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(784, 200)
+            self.fc2 = nn.Linear(200, 200)
+            self.fc = nn.Linear(200, num_classes)
+
+        def forward(self, x):
+            h = nn.functional.relu(self.fc2(nn.functional.relu(self.fc1(x.flatten(1)))))
+            logits = self.fc(h)
+            return (h, logits) if with_features else logits
+
+    return TwoNN()
+
+
+def load_jaxfl_init(model, cfg) -> None:
+    """Copy jaxfl's initial ``mlp_2nn`` parameters of ``cfg``'s seed (flax kernels [in, out] -> torch [out, in])."""
+    import dataclasses
+
+    import torch
+    from jaxfl.run.runner import Experiment
+    server, _ = Experiment(dataclasses.replace(cfg, algorithm="fedavg", options={})).init()
+    enc, head = server["params"]["encoder"], server["params"]["head"]
+    pairs = {"fc1": enc["fc1"]["linear"], "fc2": enc["fc2"]["linear"], "fc": head["fc1"]["linear"]}
+    with torch.no_grad():
+        for name, layer in pairs.items():
+            getattr(model, name).weight.copy_(torch.from_numpy(np.array(layer["kernel"], np.float32).T))
+            getattr(model, name).bias.copy_(torch.from_numpy(np.array(layer["bias"], np.float32)))
+
+
+def finished(out: Path, rounds: int) -> bool:
+    """Whether ``out/metrics.jsonl`` holds an evaluation of round ``rounds``."""
+    path = out / "metrics.jsonl"
+    return path.exists() and any(json.loads(line)["round"] == rounds for line in path.read_text().splitlines())
+
+
+def jaxfl_runs(root: Path, seed: int) -> dict[str, Path]:
+    """{variant: run folder} of ``pfl_methods.py``'s logs for ``seed`` (folders ``<variant>_lr<lr>``)."""
+    return {d.name.rsplit("_lr", 1)[0]: d for d in sorted((root / f"seed{seed}").iterdir())
+            if (d / "metrics.jsonl").exists()}
+
+
+def compare_methods(ec, label: str, official: dict[str, bool], official_logs: Path, jaxfl_logs: Path,
+                    seeds: list[int]) -> tuple[str, dict]:
+    """Per method of ``official`` ({variant: whether ``label``'s code is the method's official code}) that both
+    sides logged for every seed (``official_logs/seed<s>/<variant>/``, ``jaxfl_runs(jaxfl_logs, s)``): final and
+    last-5 mean accuracy (mean ± std over seeds), the difference of the final means and issue 32's criterion
+    max(2 pooled seed-stds, 1.5 points). Returns the markdown table and {variant: {label: runs, "jaxfl": runs}}
+    for ``plot_panels``."""
+    load = lambda path: [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    runs = {s: jaxfl_runs(jaxfl_logs, s) for s in seeds}
+    pairs = {}
+    for variant in official:
+        try:
+            jax_h = [load(runs[s][variant]) for s in seeds]
+            off_h = [load(official_logs / f"seed{s}" / variant) for s in seeds]
+        except (KeyError, OSError):
+            continue
+        pairs[variant] = {label: off_h, "jaxfl": jax_h}
+    rows = [f"| method | {label} is | lr | {label} final | jaxfl final | difference | bound | verdict | "
+            f"{label} last-5 | jaxfl last-5 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for variant, res in pairs.items():
+        (o_m, o_s), (j_m, j_s) = (ec.seed_stats(h)["final"] for h in res.values())
+        (ot_m, ot_s), (jt_m, jt_s) = (ec.seed_stats(h)["tail"] for h in res.values())
+        bound = agreement_bound(o_s, j_s)
+        lr = json.loads((runs[seeds[0]][variant] / "config.json").read_text())["lr"]
+        kind = "official" if official[variant] else "a reference"
+        rows.append(f"| {variant} | {kind} | {lr:g} | {o_m:.2f} ± {o_s:.2f} | {j_m:.2f} ± {j_s:.2f} | "
+                    f"{j_m - o_m:+.2f} | {bound:.2f} | {'agree' if abs(o_m - j_m) <= bound else 'DIFFER'} | "
+                    f"{ot_m:.2f} ± {ot_s:.2f} | {jt_m:.2f} ± {jt_s:.2f} |")
+    return "\n".join(rows), pairs
+
+
+def plot_panels(ec, pairs: dict, path: Path) -> None:
+    """One panel per method: both sides' mean accuracy per round, ± one std over seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cols = min(4, len(pairs))
+    rows = -(-len(pairs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.5 * rows), sharex=True, squeeze=False)
+    for ax, (variant, res) in zip(axes.flat, pairs.items()):
+        for label, hists in res.items():
+            curves = [ec.accuracy_curve(h) for h in hists]
+            n = min(len(c[0]) for c in curves)
+            acc = np.stack([c[1][:n] for c in curves]) * 100
+            line, = ax.plot(curves[0][0][:n], acc.mean(0), lw=1.2, label=label)
+            ax.fill_between(curves[0][0][:n], acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0),
+                            color=line.get_color(), alpha=0.2, lw=0)
+        ax.set_title(variant, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(pairs):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.supxlabel("round", fontsize=8)
+    fig.supylabel("mean test accuracy over clients (%)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
