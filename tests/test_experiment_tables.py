@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 from common import parse_seeds, plot_mean_accuracy, run_script, seed_root, seed_stats, seed_table, table  # noqa: E402
+import common as experiments_common  # noqa: E402
 
 from jaxfl.errors import DataError, RunIOError, Stopped  # noqa: E402
 
@@ -120,3 +121,46 @@ def test_official_agreement_bound_is_two_pooled_stds_or_one_and_a_half_points(of
     assert official.agreement_bound(3.0, 4.0) == pytest.approx(2 * 12.5 ** 0.5)  # 7.07: the stds decide
     assert official.agreement_bound(0.3, 0.4) == 1.5  # 0.71 < 1.5: the floor decides
     assert official.agreement_bound(0.0, 0.0) == 1.5
+
+
+@pytest.fixture
+def pfl_setting(official, monkeypatch):
+    """experiments/official/pfl_setting.py, whose ``from common import`` means experiments/official/common.py."""
+    import importlib.util
+    monkeypatch.setitem(sys.modules, "common", official)
+    path = Path(__file__).resolve().parents[1] / "experiments" / "official" / "pfl_setting.py"
+    spec = importlib.util.spec_from_file_location("pfl_setting", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_library_comparison_pairs_runs_by_seed_and_applies_the_criterion(pfl_setting, tmp_path):
+    """pfl_setting.compare_methods (the PFLlib, FedRepo and FedProto adapters' table) on run folders laid out as
+    pfl_methods.py (``seed<s>/<variant>_lr<lr>/``) and the adapters (``seed<s>/<variant>/``) write them: a method
+    whose final means differ by 1 point with seed-stds of 1 agrees, one 10 points apart differs, one that only
+    one side ran is left out, and the figure is written."""
+    import json
+
+    def write(folder, finals, lr=None):
+        for s, final in enumerate(finals):
+            d = folder(s)
+            d.mkdir(parents=True)
+            (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in history([0.5, 0.6, final])))
+            (d / "config.json").write_text(json.dumps({"lr": lr}))
+
+    jax, off = tmp_path / "jaxfl", tmp_path / "lib"
+    write(lambda s: off / f"seed{s}" / "near", [0.90, 0.92])
+    write(lambda s: jax / f"seed{s}" / "near_lr0.05", [0.91, 0.93], lr=0.05)
+    write(lambda s: off / f"seed{s}" / "far", [0.80, 0.80])
+    write(lambda s: jax / f"seed{s}" / "far_lr0.02", [0.90, 0.90], lr=0.02)
+    write(lambda s: off / f"seed{s}" / "alone", [0.7, 0.7])
+    table, pairs = pfl_setting.compare_methods(experiments_common, "Lib", {"near": True, "far": False, "alone": False},
+                                               off, jax, [0, 1])
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table.splitlines()[2:]}
+    assert sorted(rows) == ["far", "near"] and sorted(pairs) == ["far", "near"]
+    assert rows["near"][1:4] == ["official", "0.05", "91.00 ± 1.00"] and rows["near"][5:8] == ["+1.00", "2.00", "agree"]
+    assert rows["far"][1:3] == ["a reference", "0.02"] and rows["far"][5:8] == ["+10.00", "1.50", "DIFFER"]
+    assert table.splitlines()[0].startswith("| method | Lib is | lr | Lib final | jaxfl final |")
+    pfl_setting.plot_panels(experiments_common, pairs, tmp_path / "fig.png")
+    assert (tmp_path / "fig.png").stat().st_size > 0

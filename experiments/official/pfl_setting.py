@@ -8,6 +8,7 @@ local epoch, every client every round, mean test accuracy over clients.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,8 @@ def load_jaxfl_init(model, cfg) -> None:
 
     import torch
     from jaxfl.run.runner import Experiment
-    server, _ = Experiment(dataclasses.replace(cfg, algorithm="fedavg", options={})).init()
+    with tempfile.TemporaryDirectory() as out:  # the run's own folder is not empty; nothing is written here
+        server, _ = Experiment(dataclasses.replace(cfg, algorithm="fedavg", options={}, out=out, resume=False)).init()
     enc, head = server["params"]["encoder"], server["params"]["head"]
     pairs = {"fc1": enc["fc1"]["linear"], "fc2": enc["fc2"]["linear"], "fc": head["fc1"]["linear"]}
     with torch.no_grad():
