@@ -58,8 +58,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import MetricsLog, experiments_common, jaxfl_inputs, official_repo, to_nchw_float
-from pfl_setting import compare_methods, load_jaxfl_init, plot_panels, two_nn
+from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
+from pfl_setting import add_comparison_arguments, compare_and_write, load_jaxfl_init, two_nn
 
 REPO = "yuetan031/FedProto"
 
@@ -206,18 +206,9 @@ def run(args) -> None:
 def compare(args) -> None:
     """The comparison table (``pfl_setting.compare_methods``: final and last-5 mean accuracy, issue 32's
     criterion) and, with ``--figure``, the curves."""
-    ec = experiments_common(args.experiments_common)
-    table, pairs = compare_methods(ec, "official", {"fedproto": True}, Path(args.official_logs),
-                                   Path(args.jaxfl_logs), [int(s) for s in args.seeds.split(",")])
-    print(table)
-    if args.table:
-        Path(args.table).write_text(f"FedProto's official code ({REPO} {args.commit[:7]}) vs jaxfl on jaxfl's "
-                                    f"inputs (pfl_methods' data, SGD momentum 0.5), seeds {args.seeds}; mean "
-                                    f"accuracy over clients, %\n\n{table}\n")
-        print("wrote", args.table)
-    if args.figure and pairs:
-        plot_panels(ec, pairs, Path(args.figure))
-        print("wrote", args.figure)
+    compare_and_write(args, "official", {"fedproto": True},
+                      f"FedProto's official code ({REPO} {args.commit[:7]}) vs jaxfl on jaxfl's inputs (pfl_methods' "
+                      f"data, SGD momentum 0.5)")
 
 
 def main(argv=None) -> None:
@@ -227,13 +218,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", help="output folder of the run")
     p.add_argument("--commit", default="97e42e2741e1ae2e2fce2465e80f38f6997f8836", help="the checkout's commit")
     p.add_argument("--progress", action="store_true")
-    p.add_argument("--compare", action="store_true", help="compare finished runs: --official-logs, --jaxfl-logs")
-    p.add_argument("--official-logs", help="folder of seed<s>/fedproto/ runs of this adapter")
-    p.add_argument("--jaxfl-logs", help="folder of seed<s>/fedproto_lr<lr>/ jaxfl runs")
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--table", help="compare: also write the markdown table here")
-    p.add_argument("--figure")
-    p.add_argument("--experiments-common", help="compare: path of experiments/common.py")
+    add_comparison_arguments(p, jaxfl_logs=None)
     args = p.parse_args(argv)
     if args.compare:
         if not (args.official_logs and args.jaxfl_logs):

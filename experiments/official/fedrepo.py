@@ -50,15 +50,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from common import MetricsLog, experiments_common, jaxfl_inputs, official_repo, to_nchw_float
-from pfl_setting import check_setting, compare_methods, finished, jaxfl_runs, load_jaxfl_init, plot_panels, two_nn
+from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
+from pfl_setting import add_comparison_arguments, add_run_arguments, check_setting, compare_and_write, load_jaxfl_init, run_each, two_nn
 
 REPO = "lxcnju/FedRepo"
 
@@ -177,55 +176,22 @@ def run(args) -> None:
 
 def run_all(args) -> None:
     """Every method in ``METHODS`` that jaxfl's logs hold, for each seed, on its jaxfl run's inputs; then compare."""
-    for s in [int(s) for s in args.seeds.split(",")]:
-        for variant, folder in jaxfl_runs(Path(args.jaxfl_logs), s).items():
-            if variant not in METHODS or (args.methods and variant not in args.methods.split(",")):
-                continue
-            out = Path(args.out) / f"seed{s}" / variant
-            if finished(out, json.loads((folder / "config.json").read_text())["rounds"]):
-                continue
-            print(f"FedRepo {variant}, seed {s} ({folder.name})", flush=True)
-            # one process per run: the imported modules and torch's seeds stay out of the next run
-            subprocess.run([sys.executable, __file__, "--method", variant, "--jaxfl-run", str(folder), "--out",
-                            str(out), "--commit", args.commit], check=True)
+    run_each(args, METHODS, __file__, "FedRepo")
     args.official_logs = args.out
     compare(args)
 
 
 def compare(args) -> None:
     """The comparison table (``pfl_setting.compare_methods``) and, with ``--figure``, one panel per method."""
-    ec = experiments_common(args.experiments_common)
-    table, pairs = compare_methods(ec, "FedRepo", {v: m.official for v, m in METHODS.items()},
-                                   Path(args.official_logs), Path(args.jaxfl_logs),
-                                   [int(s) for s in args.seeds.split(",")])
-    print(table)
-    if args.table:
-        Path(args.table).write_text(f"FedRepo ({REPO} {args.commit[:7]}) vs jaxfl on jaxfl's inputs "
-                                    f"(experiments/pfl_methods.py's setting), seeds {args.seeds}; mean accuracy "
-                                    f"over clients, %\n\n{table}\n")
-        print("wrote", args.table)
-    if args.figure and pairs:
-        plot_panels(ec, pairs, Path(args.figure))
-        print("wrote", args.figure)
+    compare_and_write(args, "FedRepo", {v: m.official for v, m in METHODS.items()},
+                      f"FedRepo ({REPO} {args.commit[:7]}) vs jaxfl on jaxfl's inputs (experiments/pfl_methods.py's "
+                      f"setting)")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", choices=sorted(METHODS), help="the jaxfl variant whose FedRepo counterpart runs")
-    p.add_argument("--jaxfl-run", help="the jaxfl run (folder with config.json) whose inputs, lr, seed and rounds "
-                   "FedRepo's run takes")
-    p.add_argument("--out", help="output folder (of a run; with --all, of all runs)")
-    p.add_argument("--commit", default="617ee015046409d95dbd76ba39eebb92d313ab94", help="the checkout's commit")
-    p.add_argument("--progress", action="store_true")
-    p.add_argument("--all", action="store_true", help="run every method of --jaxfl-logs for --seeds, then compare")
-    p.add_argument("--methods", help="--all: only these variants (comma-separated)")
-    p.add_argument("--compare", action="store_true", help="compare finished runs: --official-logs, --jaxfl-logs")
-    p.add_argument("--official-logs")
-    p.add_argument("--jaxfl-logs", default=str(Path(__file__).resolve().parent.parent / "logs" / "pfl_methods"))
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--table", help="compare: also write the markdown table here")
-    p.add_argument("--figure")
-    p.add_argument("--experiments-common", help="compare: path of experiments/common.py")
+    add_run_arguments(p, METHODS, "FedRepo", "617ee015046409d95dbd76ba39eebb92d313ab94")
+    add_comparison_arguments(p)
     args = p.parse_args(argv)
     if args.compare:
         compare(args)

@@ -134,3 +134,66 @@ def plot_panels(ec, pairs: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+PFL_METHODS_LOGS = str(Path(__file__).resolve().parent.parent / "logs" / "pfl_methods")
+
+
+def add_comparison_arguments(parser, jaxfl_logs: str | None = PFL_METHODS_LOGS) -> None:
+    """The options of ``compare_and_write`` (and of a run's ``--all``): ``--compare``, the two log folders,
+    ``--seeds``, ``--table``, ``--figure`` and ``--experiments-common``."""
+    parser.add_argument("--compare", action="store_true", help="compare finished runs: --official-logs, --jaxfl-logs")
+    parser.add_argument("--official-logs", help="the adapter's runs, seed<s>/<variant>/")
+    parser.add_argument("--jaxfl-logs", default=jaxfl_logs, help="jaxfl's runs, seed<s>/<variant>_lr<lr>/")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--table", help="compare: also write the markdown table here")
+    parser.add_argument("--figure", help="compare: also draw the curves here (PNG)")
+    parser.add_argument("--experiments-common", help="compare: path of experiments/common.py")
+
+
+def compare_and_write(args, label: str, official: dict[str, bool], caption: str) -> None:
+    """``compare_methods`` on ``args.official_logs`` and ``args.jaxfl_logs``: print the table, write it under
+    ``caption`` to ``--table`` and the curves to ``--figure`` when given."""
+    from common import experiments_common
+    ec = experiments_common(args.experiments_common)
+    table, pairs = compare_methods(ec, label, official, Path(args.official_logs), Path(args.jaxfl_logs),
+                                   [int(s) for s in args.seeds.split(",")])
+    print(table)
+    if args.table:
+        Path(args.table).write_text(f"{caption}, seeds {args.seeds}; mean accuracy over clients, %\n\n{table}\n")
+        print("wrote", args.table)
+    if args.figure and pairs:
+        plot_panels(ec, pairs, Path(args.figure))
+        print("wrote", args.figure)
+
+
+def run_each(args, methods, script: str, label: str, extra: tuple[str, ...] = (), quiet: bool = False) -> None:
+    """For each of ``--seeds``, every jaxfl run of ``--jaxfl-logs`` whose variant is in ``methods`` (and in
+    ``--methods`` if given) and is not finished under ``--out/seed<s>/<variant>/``: ``script --method ...`` in a
+    process of its own (the official modules keep state, torch's seeds and imported classes, between runs)."""
+    import subprocess
+    import sys
+    for s in [int(s) for s in args.seeds.split(",")]:
+        for variant, folder in jaxfl_runs(Path(args.jaxfl_logs), s).items():
+            if variant not in methods or (args.methods and variant not in args.methods.split(",")):
+                continue
+            out = Path(args.out) / f"seed{s}" / variant
+            if finished(out, json.loads((folder / "config.json").read_text())["rounds"]):
+                continue
+            print(f"{label} {variant}, seed {s} ({folder.name})", flush=True)
+            subprocess.run([sys.executable, script, "--method", variant, "--jaxfl-run", str(folder), "--out", str(out),
+                            "--commit", args.commit, *extra], check=True,
+                           stdout=subprocess.DEVNULL if quiet else None)
+
+
+def add_run_arguments(parser, methods, label: str, commit: str) -> None:
+    """A library adapter's run options: ``--method`` (one of ``methods``), ``--jaxfl-run``, ``--out``,
+    ``--commit`` (default ``commit``), ``--progress``, and ``--all`` / ``--methods`` for ``run_each``."""
+    parser.add_argument("--method", choices=sorted(methods), help=f"the jaxfl variant whose {label} counterpart runs")
+    parser.add_argument("--jaxfl-run", help=f"the jaxfl run (folder with config.json) whose inputs, lr, seed and "
+                        f"rounds {label}'s run takes")
+    parser.add_argument("--out", help="output folder (of a run; with --all, of all runs)")
+    parser.add_argument("--commit", default=commit, help="the checkout's commit")
+    parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--all", action="store_true", help="run every method of --jaxfl-logs for --seeds, then compare")
+    parser.add_argument("--methods", help="--all: only these variants (comma-separated)")

@@ -70,8 +70,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from common import MetricsLog, experiments_common, jaxfl_inputs, official_repo, to_nchw_float
-from pfl_setting import check_setting, compare_methods, finished, jaxfl_runs, load_jaxfl_init, plot_panels, two_nn
+from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
+from pfl_setting import add_comparison_arguments, add_run_arguments, check_setting, compare_and_write, load_jaxfl_init, run_each, two_nn
 
 REPO = "TsingZ0/PFLlib"
 
@@ -242,19 +242,7 @@ def run(args) -> None:
 
 def run_all(args) -> None:
     """Every method in ``METHODS`` that jaxfl's logs hold, for each seed, on its jaxfl run's inputs; then compare."""
-    import subprocess
-    for s in [int(s) for s in args.seeds.split(",")]:
-        for variant, folder in jaxfl_runs(Path(args.jaxfl_logs), s).items():
-            if variant not in METHODS or (args.methods and variant not in args.methods.split(",")):
-                continue
-            out = Path(args.out) / f"seed{s}" / variant
-            if finished(out, json.loads((folder / "config.json").read_text())["rounds"]):
-                continue
-            print(f"PFLlib {variant}, seed {s} ({folder.name})", flush=True)
-            # one process per run: PFLlib's modules keep state (torch seeds, imported servers) between runs
-            subprocess.run([sys.executable, __file__, "--method", variant, "--jaxfl-run", str(folder), "--out",
-                            str(out), "--data-root", args.data_root, "--commit", args.commit], check=True,
-                           stdout=subprocess.DEVNULL)
+    run_each(args, METHODS, __file__, "PFLlib", extra=("--data-root", args.data_root), quiet=True)
     args.official_logs = args.out
     compare(args)
 
@@ -262,43 +250,20 @@ def run_all(args) -> None:
 def compare(args) -> None:
     """Per method on both sides: final and last-5 mean accuracy (mean ± std over seeds), the difference of the
     final means and the criterion max(2 pooled seed-stds, 1.5 points); the figure, one panel per method."""
-    ec = experiments_common(args.experiments_common)
-    table, pairs = compare_methods(ec, "PFLlib", {v: m.official for v, m in METHODS.items()},
-                                   Path(args.official_logs), Path(args.jaxfl_logs),
-                                   [int(s) for s in args.seeds.split(",")])
-    print(table)
-    if args.table:
-        Path(args.table).write_text(f"PFLlib ({REPO} {args.commit[:7]}) vs jaxfl on jaxfl's inputs "
-                                    f"(experiments/pfl_methods.py's setting), seeds {args.seeds}; mean accuracy "
-                                    f"over clients, %\n\n{table}\n")
-        print("wrote", args.table)
-    if args.figure and pairs:
-        plot_panels(ec, pairs, Path(args.figure))
-        print("wrote", args.figure)
+    compare_and_write(args, "PFLlib", {v: m.official for v, m in METHODS.items()},
+                      f"PFLlib ({REPO} {args.commit[:7]}) vs jaxfl on jaxfl's inputs (experiments/pfl_methods.py's "
+                      f"setting)")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", choices=sorted(METHODS), help="the jaxfl variant whose PFLlib counterpart runs")
-    p.add_argument("--jaxfl-run", help="the jaxfl run (folder with config.json) whose inputs, lr, seed and rounds "
-                   "PFLlib's run takes")
-    p.add_argument("--out", help="output folder (of a run; with --all, of all runs)")
+    add_run_arguments(p, METHODS, "PFLlib", "d832e76f6a23b833038949ec1e4fdefe63a4d350")
     p.add_argument("--data-root", default="../runs/official/pfllib_data",
                    help="where jaxfl's clients are written in PFLlib's format (one folder per seed)")
-    p.add_argument("--commit", default="d832e76f6a23b833038949ec1e4fdefe63a4d350", help="the checkout's commit")
-    p.add_argument("--progress", action="store_true")
     p.add_argument("--fedlc-counts", choices=("global", "client"), default="global",
                    help="diagnostic: FedLC's calibration from the counts summed over all clients (PFLlib) or from "
                         "each client's own (jaxfl, the paper, FL-bench)")
-    p.add_argument("--all", action="store_true", help="run every method of --jaxfl-logs for --seeds, then compare")
-    p.add_argument("--methods", help="--all: only these variants (comma-separated)")
-    p.add_argument("--compare", action="store_true", help="compare finished runs: --official-logs, --jaxfl-logs")
-    p.add_argument("--official-logs")
-    p.add_argument("--jaxfl-logs", default=str(Path(__file__).resolve().parent.parent / "logs" / "pfl_methods"))
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--table", help="compare: also write the markdown table here")
-    p.add_argument("--figure")
-    p.add_argument("--experiments-common", help="compare: path of experiments/common.py")
+    add_comparison_arguments(p)
     args = p.parse_args(argv)
     if args.compare:
         compare(args)
