@@ -57,7 +57,8 @@ from typing import NamedTuple
 import numpy as np
 
 from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
-from pfl_setting import add_comparison_arguments, add_run_arguments, check_setting, compare_and_write, load_jaxfl_init, run_each, two_nn
+from pfl_setting import (add_comparison_arguments, add_run_arguments, check_setting, compare_and_write, load_jaxfl_init,
+                         run_each, two_nn)
 
 REPO = "lxcnju/FedRepo"
 

@@ -27,7 +27,7 @@ What is replaced, and how it is matched:
   labels, at most 500 training images, a test set following each client's label mix), written in PFLlib's
   format (``train/<i>.npz`` and ``test/<i>.npz`` holding ``{"x": float NCHW, "y": int64}``), normalised as jaxfl
   does, under ``--data-root``. PFLlib reads them through ``--dataset`` given as that absolute path.
-- Model. PFLlib's MNIST models are the 4-layer CNN and a 1-hidden-layer DNN; ``TwoNN`` below is jaxfl's
+- Model. PFLlib's MNIST models are the 4-layer CNN and a 1-hidden-layer DNN; ``pfl_setting.two_nn`` is jaxfl's
   ``mlp_2nn`` (784-200-200-10, ReLU) in torch, its classifier named ``fc`` as PFLlib's models name it, so that
   PFLlib's ``BaseHeadSplit`` (base = the two hidden layers, head = ``fc``) and FedALA's ``layer_idx`` = 2 (the
   last two parameter tensors) take the same parts as jaxfl's encoder / head and ``layers="head_last"``. Its
@@ -71,7 +71,8 @@ from typing import NamedTuple
 import numpy as np
 
 from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
-from pfl_setting import add_comparison_arguments, add_run_arguments, check_setting, compare_and_write, load_jaxfl_init, run_each, two_nn
+from pfl_setting import (add_comparison_arguments, add_run_arguments, check_setting, compare_and_write, load_jaxfl_init,
+                         run_each, two_nn)
 
 REPO = "TsingZ0/PFLlib"
 
