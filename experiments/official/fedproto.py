@@ -1,7 +1,8 @@
 """FedProto's official code (yuetan031/FedProto) on the inputs of a jaxfl FedProto run in the pfl_methods setting.
 
     FEDPROTO_OFFICIAL=/path/to/FedProto JAXFL_DATA_DIR=../shared/data python experiments/official/fedproto.py \\
-        --jaxfl-run ../runs/fedproto_official_setting/seed0/fedproto_lr0.01 --out ../runs/official/fedproto/seed0/fedproto
+        --jaxfl-run ../runs/fedproto_official_setting/seed0/fedproto_lr0.01 \\
+        --out ../runs/official/fedproto/seed0/fedproto
     # the comparison of finished runs (3 seeds of each side)
     python experiments/official/fedproto.py --compare --official-logs experiments/logs/official/fedproto \\
         --jaxfl-logs experiments/logs/fedproto_official_setting

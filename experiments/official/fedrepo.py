@@ -1,4 +1,4 @@
-"""FedRepo's code (lxcnju/FedRepo, by FedPHP's first author) on the inputs of jaxfl's ``experiments/pfl_methods.py`` runs.
+"""FedRepo's code (lxcnju/FedRepo, by FedPHP's first author) on the inputs of ``experiments/pfl_methods.py``'s runs.
 
     FEDREPO_OFFICIAL=/path/to/FedRepo JAXFL_DATA_DIR=../shared/data python experiments/official/fedrepo.py \\
         --method fedphp --jaxfl-run experiments/logs/pfl_methods/seed0/fedphp_lr0.05 \\
