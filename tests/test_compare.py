@@ -80,3 +80,21 @@ def test_groups_are_labelled_by_what_differs_among_them():
     # seed, out and strategy say how a run was executed: a and b are one group; fedavg has no mu to differ in
     assert groups == {"fedprox mu=0.1 lr=0.05": [["h0"], ["h1"]], "fedprox mu=0.01 lr=0.05": [["h2"]],
                       "fedprox mu=0.1 lr=0.1": [["h3"]], "fedavg lr=0.05": [["h4"]]}
+
+
+def test_runs_of_other_codes_are_labelled_by_the_fields_both_sides_have():
+    """An official code's run (its own config fields) beside jaxfl's: fields only one side has do not label the
+    groups (else every jaxfl field would), fields both have and that differ do; when only a field some configs
+    lack tells two groups apart, it labels them."""
+    from pathlib import Path
+    from jaxfl.run.compare import group_by_seed
+    official = {"official": "a/b", "algorithm": "FedX", "lr": 0.01, "seed": 0, "arguments": {"ld": 1}}
+    jaxfl = {"algorithm": "fedx", "lr": 0.01, "seed": 0, "batch_size": 10, "model": "mlp_2nn", "fedx": {"lam": 1.0}}
+    runs = [(Path("o0"), official, ["o0"]), (Path("o1"), dict(official, seed=1), ["o1"]),
+            (Path("j0"), jaxfl, ["j0"]), (Path("j1"), dict(jaxfl, lr=0.05), ["j1"])]
+    assert group_by_seed(runs) == {"FedX lr=0.01": [["o0"], ["o1"]], "fedx lr=0.01": [["j0"]],
+                                   "fedx lr=0.05": [["j1"]]}
+    older = dict(jaxfl)
+    del older["model"]  # e.g. a config written before a field existed
+    assert group_by_seed([(Path("j0"), jaxfl, ["j0"]), (Path("k0"), older, ["k0"])]) == {
+        "fedx model=mlp_2nn": [["j0"]], "fedx": [["k0"]]}

@@ -63,15 +63,19 @@ def group_by_seed(runs: list[tuple[Path, dict, list[dict]]]) -> dict[str, list[l
     for folder, cfg, hist in runs:
         groups.setdefault(identity(cfg) if cfg else str(folder), []).append((folder, cfg, hist))
     configs = [members[0][1] for members in groups.values()]
-    differing = _differing(configs)
+    labels = _labels(groups, _differing(configs))
+    if len(set(labels)) < len(labels):  # then a field only some configs have is what tells groups apart
+        labels = _labels(groups, _differing(configs, count_missing=True))
     out = {}
-    for members in groups.values():
-        folder, cfg, _ = members[0]
-        label = _label(cfg, differing) if cfg else folder.name
+    for label, members in zip(labels, groups.values()):
         while label in out:  # distinct groups never share a label
             label += "'"
         out[label] = [hist for _, _, hist in members]
     return out
+
+
+def _labels(groups: dict, differing: list[str]) -> list[str]:
+    return [_label(members[0][1], differing) if members[0][1] else members[0][0].name for members in groups.values()]
 
 
 def _flat(cfg: dict) -> dict:
@@ -85,14 +89,15 @@ def _flat(cfg: dict) -> dict:
     return flat
 
 
-def _differing(configs: list[dict]) -> list[str]:
-    """Fields whose values differ between configs; an algorithm's ``table.field`` only among that
-    algorithm's configs."""
+def _differing(configs: list[dict], count_missing: bool = False) -> list[str]:
+    """Fields whose values differ between the configs that have them (``count_missing``: a config without the
+    field counts as one more value, e.g. beside an official code's run, whose config has other fields); an
+    algorithm's ``table.field`` only among that algorithm's configs."""
     flats = [(c.get("algorithm"), _flat(c)) for c in configs if c]
     keys = sorted({k for _, f in flats for k in f})
 
     def differs(k):
-        among = [f for alg, f in flats if "." not in k or k.split(".")[0] == alg]
+        among = [f for alg, f in flats if ("." not in k or k.split(".")[0] == alg) and (count_missing or k in f)]
         return len({json.dumps(f.get(k)) for f in among}) > 1
     return [k for k in keys if k != "algorithm" and differs(k)]
 
