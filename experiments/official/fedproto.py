@@ -137,8 +137,8 @@ def run(args) -> None:
         raise SystemExit(f"fedproto: error: {args.jaxfl_run} is not a fedproto mlp_2nn run with batch 10, one local "
                          f"epoch, SGD momentum 0.5 (the official optimizer), no weight decay and every client each "
                          f"round (algorithm, model, batch, epochs, momentum, weight decay, cohort: {setting})")
+    repo = official_repo("FEDPROTO_OFFICIAL", REPO)  # before loading any data
     inputs = jaxfl_inputs(cfg)
-    repo = official_repo("FEDPROTO_OFFICIAL", REPO)
     stand_in_modules()
     spec = importlib.util.spec_from_file_location("federated_main", repo / "exps" / "federated_main.py")
     fm = importlib.util.module_from_spec(spec)
