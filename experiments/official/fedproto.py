@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 
 from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
-from pfl_setting import add_comparison_arguments, compare_and_write, load_jaxfl_init, two_nn
+from pfl_setting import add_comparison_arguments, check_setting, compare_and_write, load_jaxfl_init, two_nn
 
 REPO = "yuetan031/FedProto"
 
@@ -131,12 +131,7 @@ def run(args) -> None:
     from jaxfl.run.config import RunConfig
 
     cfg = RunConfig.from_dict(json.loads((Path(args.jaxfl_run) / "config.json").read_text()))
-    setting = (cfg.algorithm, cfg.model, cfg.batch_size, cfg.local_epochs, cfg.momentum, cfg.weight_decay,
-               cfg.clients_per_round)
-    if setting != ("fedproto", "mlp_2nn", 10, 1, 0.5, 0.0, None):
-        raise SystemExit(f"fedproto: error: {args.jaxfl_run} is not a fedproto mlp_2nn run with batch 10, one local "
-                         f"epoch, SGD momentum 0.5 (the official optimizer), no weight decay and every client each "
-                         f"round (algorithm, model, batch, epochs, momentum, weight decay, cohort: {setting})")
+    check_setting(cfg, args.jaxfl_run, "fedproto", momentum=0.5, algorithm="fedproto")  # the official optimizer
     repo = official_repo("FEDPROTO_OFFICIAL", REPO)  # before loading any data
     inputs = jaxfl_inputs(cfg)
     stand_in_modules()

@@ -153,9 +153,12 @@ def run(args) -> None:
     losses: dict[str, float] = {}
     update_local, update_global = algo.update_local, algo.update_global
 
+    # which client an update_local call trains: FedRepo passes only its loader
+    client_of = {id(loader): name for name, loader in algo.train_loaders.items()}
+
     def logged_update_local(*a, **kw):
         out = update_local(*a, **kw)
-        losses[kw["train_loader"].dataset_name] = float(out[-1])  # every update_local returns its loss last
+        losses[client_of[id(kw["train_loader"])]] = float(out[-1])  # every update_local returns its loss last
         return out
 
     def logged_update_global(*a, **kw):
@@ -169,8 +172,6 @@ def run(args) -> None:
         if args.progress:
             print(f"round {kw['r']}: mean accuracy {rec['mean_accuracy']:.4f}", flush=True)
 
-    for name, loader in algo.train_loaders.items():
-        loader.dataset_name = name  # which client an update_local call trains (FedRepo passes only its loader)
     algo.update_local, algo.update_global = logged_update_local, logged_update_global
     algo.train()
 

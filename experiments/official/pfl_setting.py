@@ -1,5 +1,5 @@
-"""What the adapters of libraries run on ``experiments/pfl_methods.py``'s logs share (``pfllib.py``,
-``fedrepo.py``): the setting's model in torch with jaxfl's initial weights, the check that a jaxfl run is in
+"""What the adapters that run on ``experiments/pfl_methods.py``'s setting share (``pfllib.py``, ``fedrepo.py``,
+``fedproto.py``): the setting's model in torch with jaxfl's initial weights, the check that a jaxfl run is in
 that setting, finding jaxfl's runs, and the per-method comparison table and figure.
 
 The setting: MNIST, 20 clients, Dirichlet(0.1) labels, ``mlp_2nn`` (784-200-200-10), plain SGD, batch 10, one
@@ -15,16 +15,21 @@ import numpy as np
 
 from common import agreement_bound
 
-SETTING = ("mlp_2nn", 10, 1, 0.0, 0.0, None)  # model, batch, epochs, momentum, weight decay, cohort (all)
+SETTING = dict(model="mlp_2nn", batch_size=10, local_epochs=1, momentum=0.0, weight_decay=0.0,
+               clients_per_round=None)  # None: every client every round
 
 
-def check_setting(cfg, run: str, prog: str) -> None:
-    """Exit with one line unless ``cfg`` (the jaxfl run ``run``'s RunConfig) is in the setting above."""
-    setting = (cfg.model, cfg.batch_size, cfg.local_epochs, cfg.momentum, cfg.weight_decay, cfg.clients_per_round)
-    if setting != SETTING:
-        raise SystemExit(f"{prog}: error: {run} is not an mlp_2nn run with batch 10, one local epoch, plain SGD and "
-                         f"every client each round (model, batch, epochs, momentum, weight decay, cohort: "
-                         f"{setting})")
+def check_setting(cfg, run: str, prog: str, momentum: float = 0.0, algorithm: str | None = None) -> None:
+    """Exit with one line unless ``cfg`` (the jaxfl run ``run``'s RunConfig) is in the setting above, with client
+    SGD momentum ``momentum`` (an official optimizer may fix it) and, if given, algorithm ``algorithm``; the
+    line names each field that differs and the value it needs."""
+    expected = dict(SETTING, momentum=momentum, **({"algorithm": algorithm} if algorithm else {}))
+    wrong = [f"{k} {getattr(cfg, k)!r} (needs {v!r})" for k, v in expected.items() if getattr(cfg, k) != v]
+    if wrong:
+        sgd = "plain SGD" if momentum == 0 else f"SGD momentum {momentum:g}"
+        raise SystemExit(f"{prog}: error: {run} is not {'a ' + algorithm if algorithm else 'an'} mlp_2nn run with "
+                         f"batch 10, one local epoch, {sgd}, no weight decay and every client each round: "
+                         f"{', '.join(wrong)}")
 
 
 def two_nn(num_classes: int = 10, with_features: bool = False):

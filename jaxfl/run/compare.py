@@ -75,6 +75,7 @@ def group_by_seed(runs: list[tuple[Path, dict, list[dict]]]) -> dict[str, list[l
 
 
 def _labels(groups: dict, differing: list[str]) -> list[str]:
+    """Each group's label by ``differing`` (its first run's folder name when it has no config)."""
     return [_label(members[0][1], differing) if members[0][1] else members[0][0].name for members in groups.values()]
 
 
