@@ -275,8 +275,9 @@ SMALL = {
 # (workload, clients, cohort): cohort 100 of 1,000 for every model (the targets), then population and cohort sweeps
 SMALL_PLAN = [("logreg", 1000, 100), ("2nn", 1000, 100), ("femnist_cnn", 1000, 100), ("char_lstm", 1000, 100),
               ("logreg", 10000, 10), ("logreg", 10000, 100), ("logreg", 10000, 1000), ("2nn", 10000, 1000)]
-SMALL_RUNNERS = ("stacked/map/K1", "stacked/map/K10", "stacked/vmap/K10", "ragged/map", "ragged/vmap", "jax_loop",
-                 "torch_loop")
+SMALL_RUNNERS = ("stacked/map/K1", "stacked/map/K10", "stacked/map/K1/D2", "stacked/map/K10/D2", "stacked/vmap/K10",
+                 "ragged/map", "ragged/vmap", "jax_loop", "torch_loop")
+# /D2: the cohort split over 2 devices (on a CPU, 2 CPU devices: one block of clients per core)
 SEQ_LEN = 80  # LEAF Shakespeare's input: 80 characters
 
 
@@ -367,6 +368,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     from jaxfl.algorithms import build_algorithm
     from jaxfl.core.backends import Ragged, Stacked
     from jaxfl.core.cohort import sample_cohort
+    from jaxfl.core.distributed import client_mesh
     from jaxfl.core.trainer import LocalTrainer
     from jaxfl.models import build_model
 
@@ -382,7 +384,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     trainer = LocalTrainer(optax.sgd(w["lr"]), batch, 1)
     alg = build_algorithm("fedavg", build_model(w["model"], w["classes"]), trainer)
     root = jax.random.key(1)
-    n_rounds = max(rounds, k if any("/K" in r and not r.endswith("/K1") for r in runners) else 0)
+    n_rounds = cohorts_needed(runners, rounds, k)
     cohorts = [np.asarray(sample_cohort(root, r, n_clients, cohort)) for r in range(n_rounds)]
     real = [int(counts[ids].sum()) for ids in cohorts]
     cost = train_step_cost(w)
@@ -402,8 +404,9 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     def run(runner):
         kind, *opt = runner.split("/")
         if kind == "stacked":
-            strategy, kk = opt[0], int(opt[1][1:])
-            sim = Stacked(alg, data, batch_size=batch, strategy=strategy, cohort_size=cohort, rounds_per_call=kk)
+            strategy, kk, devices = opt[0], int(opt[1][1:]), runner_devices(runner)
+            sim = Stacked(alg, data, batch_size=batch, strategy=strategy, cohort_size=cohort, rounds_per_call=kk,
+                          mesh=client_mesh(devices) if devices > 1 else None)
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             if kk == 1:
@@ -457,6 +460,17 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
             out[runner] = failed
     out["peak_rss_gb"] = peak_rss_gb()
     return out
+
+
+def cohorts_needed(runners, rounds: int, k: int) -> int:
+    """Rounds whose cohorts a workload draws: ``rounds`` timed, or K if a ``stacked/S/K`` runner with K > 1
+    (``stacked/map/K10``, ``stacked/map/K10/D2``) times K rounds in one call."""
+    return max(rounds, k if any(r.startswith("stacked/") and r.split("/")[2] != "K1" for r in runners) else 0)
+
+
+def runner_devices(runner: str) -> int:
+    """The devices a runner splits the cohort over: ``stacked/map/K1/D2`` -> 2 (no ``/D``: 1)."""
+    return int(runner.rsplit("/D", 1)[1]) if "/D" in runner else 1
 
 
 def small_jax_loop(alg, data, batch, cohorts, root) -> float:
@@ -702,6 +716,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     SMALL_OPTIONS.update(runners=args.runners.split(","), k=args.k, median=args.median, sigma=args.sigma)
     if args.one:
+        if args.one.startswith("small:"):  # /D runners: CPU devices, one per core, asked for before jax starts
+            from jaxfl.core.distributed import use_cpu_devices
+            use_cpu_devices(max(runner_devices(r) for r in SMALL_OPTIONS["runners"]))
         print(json.dumps(run_one(args.one, args.strategies.split(","), args.rounds)))
         return
     extra = []

@@ -42,6 +42,19 @@ for name, strategy, meshes, backend in (("fedavg", "vmap", (2,), "stacked"), ("f
                  for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
         failed |= not ok
         print(f"{name} {strategy} {backend} devices={n}: {'equal' if ok else 'DIFFERENT'}", flush=True)
+# the stacked backend places the population (samples and states) once on every device of the mesh, and the
+# states stay there round after round (an array on one device would be copied to the others in every round)
+data = make_data(COUNTS)
+engine = make_backend(build_algorithm("fedbn", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer()), data,
+                      "stacked", strategy="map", mesh=client_mesh(2))
+server, store = engine.init(jax.random.key(0), data.x[0])
+for r in range(2):
+    server, _ = engine.round(server, store, r, jax.random.key(1))
+placed = [a.sharding for a in jax.tree_util.tree_leaves((engine.data, store.state))]
+ok = bool(jax.tree_util.tree_leaves(store.state)) and all(
+    p.is_fully_replicated and len(p.device_set) == 2 for p in placed)
+failed |= not ok
+print(f"stacked population on both devices: {'equal' if ok else 'DIFFERENT ' + str(placed)}")
 # partial participation: a cohort of 2 of the 4 clients, split over 2 devices
 ref, out = run("fedavg", "map", cohort=2), run("fedavg", "map", client_mesh(2), cohort=2)
 ok = all(np.allclose(a, b, atol=1e-5) for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
@@ -53,11 +66,14 @@ from jaxfl.run.runner import Experiment  # noqa: E402
 tiny = dict(algorithm="fedbn", rounds=2, model="small_cnn", samples_per_client=40, test_per_client=20, clients_per_domain=2,
             batch_size=16)
 a = Experiment(RunConfig(**tiny)).run()
-for strategy in ("map", "vmap"):  # vmap: buckets whose lanes are multiples of the 2 devices
-    b = Experiment(RunConfig(devices=2, strategy=strategy, **tiny)).run()
-    ok = np.allclose(a.history[-1]["test_accuracy"], b.history[-1]["test_accuracy"]) and all(
+for strategy, backend in (("map", None), ("vmap", None), ("map", "ragged")):
+    exp = Experiment(RunConfig(devices=2, strategy=strategy, backend=backend, **tiny))
+    b = exp.run()
+    # equal clients: the stacked backend unless asked for ragged, on the mesh as without one
+    ok = exp.backend_name == (backend or "stacked") and np.allclose(
+        a.history[-1]["test_accuracy"], b.history[-1]["test_accuracy"]) and all(
         np.allclose(x, y, atol=1e-5) for x, y in zip(jax.tree_util.tree_leaves(a.clients),
                                                      jax.tree_util.tree_leaves(b.clients)))
     failed |= not ok
-    print(f"runner devices=2 {strategy}: {'equal' if ok else 'DIFFERENT'}")
+    print(f"runner devices=2 {strategy} ({exp.backend_name}): {'equal' if ok else 'DIFFERENT'}")
 sys.exit(1 if failed else 0)

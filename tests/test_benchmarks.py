@@ -35,3 +35,11 @@ def test_a_failed_runner_is_a_row_and_the_others_keep_their_ratios():
     assert rows[0].startswith("| fedavg_cnn | 1000 (1000) | 1.0 | engine/vmap | failed: JaxRuntimeError: RESOURCE")
     assert "| engine/map | 300 | - | 3.00 |" in rows[1]
     assert throughput.guarded(lambda: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}
+
+
+def test_small_runner_names():
+    """``stacked/S/K/D``: K rounds per call (the workload then draws K cohorts), D devices."""
+    assert [throughput.runner_devices(r) for r in ("stacked/map/K1", "stacked/map/K10/D2", "jax_loop")] == [1, 2, 1]
+    assert throughput.cohorts_needed(["stacked/map/K1", "stacked/map/K1/D2", "torch_loop"], 2, 10) == 2
+    assert throughput.cohorts_needed(["stacked/map/K1", "stacked/map/K10/D2"], 2, 10) == 10
+    assert throughput.cohorts_needed(["stacked/vmap/K10"], 12, 10) == 12

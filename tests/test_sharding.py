@@ -1,13 +1,16 @@
 """The client axis sharded over 2 (and, for FedAvg, 4) virtual CPU devices gives the single-device results (the device
 count must be set before jax starts, so the check runs in its own process: tests/sharding_check.py)."""
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
-from jaxfl.core.distributed import client_mesh
+from jaxfl.core.distributed import client_mesh, cpu_cores, use_cpu_devices
 
 
 def test_sharded_rounds_equal_single_device_rounds():
@@ -16,9 +19,45 @@ def test_sharded_rounds_equal_single_device_rounds():
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 8 and all(line.endswith("equal") for line in lines), out.stdout
+    assert len(lines) == 10 and all(line.endswith("equal") for line in lines), out.stdout
 
 
 def test_mesh_asks_for_available_devices():
     with pytest.raises(ValueError, match="num_devices=99"):
         client_mesh(99)
+
+
+@pytest.mark.skipif(cpu_cores() < 2, reason="needs 2 cores")
+def test_cli_devices_makes_one_cpu_device_per_core(tmp_path):
+    """``jaxfl run --devices 2`` on a CPU asks jax for 2 CPU devices before it starts (a fresh process), trains
+    on both (the stacked backend, the population on both) and logs what one device logs (1e-5)."""
+    flags = ["--algorithm", "fedbn", "--rounds", "2", "--model", "small_cnn", "--samples-per-client", "40",
+             "--test-per-client", "20", "--clients-per-domain", "2", "--batch-size", "16", "--quiet"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    logs = {}
+    for d in (1, 2):
+        out = subprocess.run([sys.executable, "-m", "jaxfl.run.cli", "run", *flags, "--devices", str(d),
+                              "--out", str(tmp_path / f"d{d}")], capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        logs[d] = [json.loads(line) for line in (tmp_path / f"d{d}" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in logs[2]] == [1, 2]
+    for a, b in zip(logs[1], logs[2]):
+        np.testing.assert_allclose(a["train_loss"], b["train_loss"], atol=1e-5)
+        np.testing.assert_allclose(a["test_accuracy"], b["test_accuracy"], atol=1e-5)
+
+
+def test_use_cpu_devices_only_before_jax_starts_and_up_to_the_cores():
+    jax.devices()  # this process's backends have started
+    assert not use_cpu_devices(2)
+    assert not use_cpu_devices(cpu_cores() + 1) and not use_cpu_devices(1)
+    assert jax.device_count() == 1
+
+
+def test_stacked_backend_is_one_process_only(monkeypatch):
+    from jaxfl.errors import ConfigError
+    from jaxfl.run.config import RunConfig
+    from jaxfl.run.runner import choose_backend
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match="backend=stacked keeps the whole population.*--backend ragged"):
+        choose_backend(RunConfig(backend="stacked"), None, None, None)
+    assert choose_backend(RunConfig(), None, None, None) == "ragged"

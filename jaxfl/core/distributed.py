@@ -10,6 +10,8 @@ inside the one jitted round. Per-client metrics are gathered to every process (`
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 
@@ -32,6 +34,25 @@ def client_mesh(num_devices: int | None = None, devices=None):
 def client_sharding(mesh):
     """Rows of the leading (client) axis split over ``mesh``'s "clients" axis."""
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(CLIENT_AXIS))
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask: ``taskset`` and containers limit it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def use_cpu_devices(n: int) -> bool:
+    """Ask for ``n`` CPU devices (``jax_num_cpu_devices``) so that ``--devices n`` can split a CPU run's clients
+    over its cores: one device per core runs its block of clients on its own thread. Only for 1 < n <=
+    ``cpu_cores()`` and before jax starts its backends (else returns False and changes nothing); on a machine
+    with an accelerator the run's devices are the accelerators and this changes nothing either."""
+    if not 1 < n <= cpu_cores():
+        return False
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backends have started: the device count is fixed
+        return False
+    return True
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:

@@ -18,7 +18,8 @@ HELP = {
     "backend": "stacked (the whole population on the device, one jitted call per round) | ragged (samples on "
                "the host, the cohort trained in buckets of similar clients) (default: stacked when the population "
                "fits in a quarter of the device's memory and its clients are even, else ragged)",
-    "devices": "split the clients over this many devices (0: all; clients per round must divide evenly)",
+    "devices": "split the clients over this many devices (0: all; clients per round must divide evenly); on a "
+               "CPU, N > 1 runs N CPU devices, one block of clients per core",
     "client_sizes": "dirichlet_quantity: client sizes equal | lognormal (then each client's labels ~ Dir(alpha p))",
     "size_sigma": "dirichlet_quantity with lognormal sizes: sigma of the log client size (>= 0)",
     "client_store": "where per-client persistent state lives: auto (device if it fits in a quarter of its "
@@ -178,7 +179,8 @@ def main(argv=None) -> int:
         return compare_main(args)
     quiet = args.pop("quiet", False)
     launch = {k: args.pop(k) for k in ("coordinator_address", "num_processes", "process_id") if k in args}
-    from ..core.distributed import initialize, is_primary  # imports jax: kept out of `jaxfl --help`'s start-up
+    # imports jax: kept out of `jaxfl --help`'s start-up
+    from ..core.distributed import initialize, is_primary, use_cpu_devices
     try:
         if launch.get("num_processes", 1) > 1:
             initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))
@@ -190,6 +192,8 @@ def main(argv=None) -> int:
         if not values.get("out") and not values.get("resume"):
             values["out"] = default_out(values)
         cfg = RunConfig.from_dict(values)
+        if launch.get("num_processes", 1) == 1:
+            use_cpu_devices(cfg.devices)  # on CPU, --devices N runs N devices (one per core), before jax starts
         other = sorted(k for k, v in flags.items() if isinstance(v, dict) and k != cfg.algorithm)
         if other:
             opts = ", ".join(f"--{k}.{f.replace('_', '-')}" for k in other for f in flags[k])

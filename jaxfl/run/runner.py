@@ -17,7 +17,7 @@ import numpy as np
 from ..algorithms import build_algorithm, options_class
 from ..core.backends import Ragged, Stacked, device_memory_bytes
 from ..core.cost import cohort_padding, stacked_is_cheaper, train_flops_per_sample
-from ..core.distributed import client_mesh, is_primary
+from ..core.distributed import client_mesh, cpu_cores, is_primary
 from ..core.evaluate import Evaluator
 from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer, client_optimizer, normalizer
@@ -102,8 +102,11 @@ class Experiment:
         self.cfg = cfg = validate(cfg)
         check_output(cfg)  # before any expensive work
         if cfg.devices > jax.device_count():
+            cpu = "" if platform() != "cpu" else (
+                f" (the command line makes one CPU device per core, {cpu_cores()} here; from Python call "
+                f"jaxfl.core.distributed.use_cpu_devices(N) before any jax work)")
             raise ConfigError(f"devices={cfg.devices}: this machine has {jax.device_count()} "
-                              f"{jax.default_backend()} device(s); use --devices 0 (all) or at most "
+                              f"{jax.default_backend()} device(s){cpu}; use --devices 0 (all) or at most "
                               f"{jax.device_count()}")
         self.dataset = ds = load_dataset(cfg.data_config())
         n = len(ds.client_names)
@@ -408,21 +411,27 @@ def stop_signals():
 def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=None, preprocess=lambda x: x,
                    cohort: int | None = None) -> str:
     """``--backend``, else ``stacked`` when the population fits (its samples and every client's persistent
-    state in a quarter of the device's memory, one process, no mesh, no host store asked for) and one call over
-    the whole cohort wastes little (``map``: every client its own steps; ``vmap``/``chunked``: clients within
-    25% of the mean step count) or, on an accelerator, its padding costs less than the ragged backend's host
-    transfers (``core.cost.stacked_is_cheaper``: tiny models on uneven clients); else ``ragged``. A ConfigError
-    if rounds_per_call > 1 cannot be honoured."""
+    state in a quarter of the device's memory, on each device of the mesh; one process, no host store asked
+    for) and one call over the whole cohort wastes little (``map``: every client its own steps;
+    ``vmap``/``chunked``: clients within 25% of the mean step count) or, on an accelerator, its padding costs
+    less than the ragged backend's host transfers (``core.cost.stacked_is_cheaper``: tiny models on uneven
+    clients); else ``ragged``. A ConfigError if rounds_per_call > 1 cannot be honoured or ``stacked`` is asked
+    for in a multi-process run."""
+    if cfg.backend == "stacked" and jax.process_count() > 1:
+        raise ConfigError(f"backend=stacked keeps the whole population on every device of one process; a run "
+                          f"over {jax.process_count()} processes needs --backend ragged")
     if cfg.backend:
         return cfg.backend
-    if cfg.devices != 1 or jax.process_count() > 1 or cfg.client_store == "host":
-        return _ragged_unless_rounds_per_call(cfg, "the run is split over devices or keeps states on the host")
+    if jax.process_count() > 1 or cfg.client_store == "host":
+        return _ragged_unless_rounds_per_call(cfg, "the run spans processes or keeps states on the host")
     states = jax.eval_shape(alg.init, jax.random.key(0), sample_x)[1]
     per_client = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree_util.tree_leaves(states))
     state_bytes = train.num_clients * per_client
     steps = -(-train.counts // cfg.batch_size)
     even = cfg.strategy_or_default() == "map" or steps.max() <= 1.25 * steps.mean()
-    fits = train.nbytes + state_bytes <= device_memory_bytes() // 4
+    # every device of the mesh holds the whole population; CPU devices share the host's memory
+    copies = (cfg.devices or jax.device_count()) if platform() == "cpu" else 1
+    fits = copies * (train.nbytes + state_bytes) <= device_memory_bytes() // 4
     if fits and even:
         return "stacked"
     if fits and model is not None and platform() != "cpu":
