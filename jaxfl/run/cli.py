@@ -179,8 +179,7 @@ def main(argv=None) -> int:
         return compare_main(args)
     quiet = args.pop("quiet", False)
     launch = {k: args.pop(k) for k in ("coordinator_address", "num_processes", "process_id") if k in args}
-    # imports jax: kept out of `jaxfl --help`'s start-up
-    from ..core.distributed import initialize, is_primary, use_cpu_devices
+    from ..core.distributed import initialize, is_primary  # imports jax: kept out of `jaxfl --help`'s start-up
     try:
         if launch.get("num_processes", 1) > 1:
             initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))
@@ -192,8 +191,6 @@ def main(argv=None) -> int:
         if not values.get("out") and not values.get("resume"):
             values["out"] = default_out(values)
         cfg = RunConfig.from_dict(values)
-        if launch.get("num_processes", 1) == 1:
-            use_cpu_devices(cfg.devices)  # on CPU, --devices N runs N devices (one per core), before jax starts
         other = sorted(k for k, v in flags.items() if isinstance(v, dict) and k != cfg.algorithm)
         if other:
             opts = ", ".join(f"--{k}.{f.replace('_', '-')}" for k in other for f in flags[k])

@@ -17,7 +17,7 @@ import numpy as np
 from ..algorithms import build_algorithm, options_class
 from ..core.backends import Ragged, Stacked, device_memory_bytes
 from ..core.cost import cohort_padding, stacked_is_cheaper, train_flops_per_sample
-from ..core.distributed import client_mesh, cpu_cores, is_primary
+from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
 from ..core.evaluate import Evaluator
 from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer, client_optimizer, normalizer
@@ -99,12 +99,14 @@ class Experiment:
     config. ``run()`` (``train``, the host loop below) trains it to ``cfg.rounds``, resuming if asked."""
 
     def __init__(self, cfg: RunConfig):
+        if isinstance(cfg.devices, int):
+            use_cpu_devices(cfg.devices)  # on a CPU, devices=N runs N CPU devices if jax has not started yet
         self.cfg = cfg = validate(cfg)
         check_output(cfg)  # before any expensive work
         if cfg.devices > jax.device_count():
             cpu = "" if platform() != "cpu" else (
-                f" (the command line makes one CPU device per core, {cpu_cores()} here; from Python call "
-                f"jaxfl.core.distributed.use_cpu_devices(N) before any jax work)")
+                f" (a run makes up to one CPU device per core, {cpu_cores()} here, if jax has not started before "
+                f"it: else call jaxfl.core.distributed.use_cpu_devices(N) before any jax work)")
             raise ConfigError(f"devices={cfg.devices}: this machine has {jax.device_count()} "
                               f"{jax.default_backend()} device(s){cpu}; use --devices 0 (all) or at most "
                               f"{jax.device_count()}")
