@@ -20,6 +20,8 @@ per entry over a grid. The frameworks:
   jaxfl   the engine: ``Stacked`` backend (population on the device, one jitted call per round that draws the
           cohort, trains it and aggregates), ``fedavg`` from the registry, ``LocalTrainer`` with
           ``client_optimizer("sgd", lr)`` (DataLoader-like: a fresh shuffle per epoch, the last batch partial)
+  jaxfl_d2  the same with the cohort split over 2 devices (on a CPU: 2 CPU devices, one per core, what
+          ``jaxfl run --devices 2`` does; asked for before jax starts)
   torch   a plain PyTorch loop, client after client: load the global state, a fresh ``torch.optim.SGD``, E epochs
           over ``torch.randperm`` minibatches of B (drop_last False), then the sample-weighted average;
           ``torch.set_num_threads(--threads)``; the clients' float tensors are made before timing
@@ -74,8 +76,8 @@ SETTINGS = {
                     lrs=(0.05, 0.1, 0.2)),
 }
 POPULATION = dict(clients=100, per_client=600, fraction=0.1, shards_per_client=2, test=None)
-SMOKE = dict(clients=10, per_client=60, fraction=0.1, shards_per_client=2, test=1000, rounds=2)
-FRAMEWORKS = ("jaxfl", "torch")
+SMOKE = dict(clients=10, per_client=60, fraction=0.2, shards_per_client=2, test=1000, rounds=2)
+FRAMEWORKS = ("jaxfl", "jaxfl_d2", "torch")
 EVAL_BATCH = 500
 
 
@@ -164,14 +166,18 @@ def initial_params(model_name: str, seed: int, sample_x):
     return jax.tree_util.tree_map(np.asarray, server["params"])
 
 
-def run_jaxfl(cfg: dict, train, test, lr: float, k: int, rounds: int, seed: int, stop: bool, label="") -> dict:
-    """FedAvg rounds on the ``Stacked`` backend; accuracy by jaxfl's ``Evaluator`` on the one test client."""
+def run_jaxfl(cfg: dict, train, test, lr: float, k: int, rounds: int, seed: int, stop: bool, label="",
+              devices: int = 1) -> dict:
+    """FedAvg rounds on the ``Stacked`` backend (the cohort split over ``devices``); accuracy by jaxfl's
+    ``Evaluator`` on the one test client."""
     import jax
 
     from jaxfl.core.backends import Stacked
+    from jaxfl.core.distributed import client_mesh
     from jaxfl.core.evaluate import Evaluator
     alg = jaxfl_algorithm(cfg["model"], lr, cfg["batch"], cfg["epochs"])
-    sim = Stacked(alg, train, batch_size=cfg["batch"], cohort_size=k)
+    sim = Stacked(alg, train, batch_size=cfg["batch"], cohort_size=k,
+                  mesh=client_mesh(devices) if devices > 1 else None)
     server, store = sim.init(jax.random.key(seed), train.x[:1])
     root = jax.random.key(seed + 1)
     evaluator = Evaluator(alg, test, eval_batch_size=EVAL_BATCH, preprocess=preprocess())
@@ -186,7 +192,7 @@ def run_jaxfl(cfg: dict, train, test, lr: float, k: int, rounds: int, seed: int,
         return float(evaluator.metrics(server, store)["accuracy"][0])
 
     out = track(step, accuracy, server, rounds, cfg["target"], stop, label)
-    return dict(out, compile_s=compile_s, strategy=sim.strategy, device=jax.devices()[0].device_kind,
+    return dict(out, compile_s=compile_s, strategy=sim.strategy, devices=devices, device=jax.devices()[0].device_kind,
                 backend=jax.default_backend(), jax=jax.__version__)
 
 
@@ -337,8 +343,8 @@ def report(entries: list[dict], meta: dict) -> str:
                      f"{paper['rounds']} ({paper['source']}) | {fmt(b['seconds_to_target'], '.1f')} | "
                      f"{b['sec_per_round']:.3f} | {b['compile_s']:.1f} | {b['final_accuracy']:.4f} |")
         speed.setdefault(setting, {})[fw] = b["seconds_to_target"]
-    ratios = [f"{s}: {v['torch'] / v['jaxfl']:.2f}x" for s, v in speed.items()
-              if v.get("jaxfl") and v.get("torch")]
+    ratios = [f"{s}: {v['torch'] / v[fw]:.2f}x ({fw})" for s, v in speed.items() for fw in FRAMEWORKS[:2]
+              if v.get(fw) and v.get("torch")]
     if ratios:
         lines += ["", "torch wall seconds to target / jaxfl's (each at its best lr): " + "; ".join(ratios)]
     lines += ["", "Every learning rate:", "",
@@ -375,6 +381,9 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true",
                    help="plumbing check: 10 clients of 60, 2 rounds, one lr, 1,000 test images")
     args = p.parse_args(argv)
+    if "jaxfl_d2" in args.frameworks.split(","):
+        from jaxfl.core.distributed import use_cpu_devices
+        use_cpu_devices(2)  # before jax starts (on a machine with an accelerator, its devices are used)
 
     import numpy as np
     pop = SMOKE if args.smoke else POPULATION
@@ -413,8 +422,9 @@ def main(argv=None) -> None:
                 entries = [e for e in entries if entry_key(e) != key]
                 label = f"{setting} {fw} lr {lr:g}"
                 load = os.getloadavg()[0]  # other jobs on the machine slow both, torch's 2 OpenMP threads most
-                if fw == "jaxfl":
-                    res = run_jaxfl(cfg, train, test, lr, k, rounds, args.seed, not args.no_stop, label)
+                if fw.startswith("jaxfl"):
+                    res = run_jaxfl(cfg, train, test, lr, k, rounds, args.seed, not args.no_stop, label,
+                                    devices=2 if fw == "jaxfl_d2" else 1)
                 else:
                     if torch_data is None:
                         torch_data = torch_inputs(x, y, parts), torch_inputs(xt, yt, [np.arange(len(yt))])[0]
