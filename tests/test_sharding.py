@@ -29,21 +29,19 @@ def test_mesh_asks_for_available_devices():
 
 @pytest.mark.skipif(cpu_cores() < 2, reason="needs 2 cores")
 def test_cli_devices_makes_one_cpu_device_per_core(tmp_path):
-    """``jaxfl run --devices 2`` on a CPU asks jax for 2 CPU devices before it starts (a fresh process), trains
-    on both (the stacked backend, the population on both) and logs what one device logs (1e-5)."""
-    flags = ["--algorithm", "fedbn", "--rounds", "2", "--model", "small_cnn", "--samples-per-client", "40",
-             "--test-per-client", "20", "--clients-per-domain", "2", "--batch-size", "16", "--quiet"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    logs = {}
-    for d in (1, 2):
-        out = subprocess.run([sys.executable, "-m", "jaxfl.run.cli", "run", *flags, "--devices", str(d),
-                              "--out", str(tmp_path / f"d{d}")], capture_output=True, text=True, env=env, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        logs[d] = [json.loads(line) for line in (tmp_path / f"d{d}" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in logs[2]] == [1, 2]
-    for a, b in zip(logs[1], logs[2]):
-        np.testing.assert_allclose(a["train_loss"], b["train_loss"], atol=1e-5)
-        np.testing.assert_allclose(a["test_accuracy"], b["test_accuracy"], atol=1e-5)
+    """``jaxfl run --devices 2`` on a CPU asks jax for 2 CPU devices before it starts (a fresh process: with one
+    device it would stop at "devices=2: this machine has 1 cpu device(s)") and trains on both. That a run over 2
+    devices logs what one device logs is checked in-process by sharding_check.py (the runner cases)."""
+    out = subprocess.run([sys.executable, "-m", "jaxfl.run.cli", "run", "--algorithm", "fedbn", "--rounds", "2",
+                          "--model", "small_cnn", "--samples-per-client", "40", "--test-per-client", "20",
+                          "--clients-per-domain", "2", "--batch-size", "16", "--quiet", "--devices", "2",
+                          "--out", str(tmp_path / "d2")], capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    log = [json.loads(line) for line in (tmp_path / "d2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in log] == [1, 2]
+    assert json.loads((tmp_path / "d2" / "config.json").read_text())["devices"] == 2
+    assert all(np.isfinite(r["train_loss"]).all() for r in log)
 
 
 def test_use_cpu_devices_only_before_jax_starts_and_up_to_the_cores():
