@@ -28,20 +28,26 @@ def test_mesh_asks_for_available_devices():
 
 
 @pytest.mark.skipif(cpu_cores() < 2, reason="needs 2 cores")
-def test_cli_devices_makes_one_cpu_device_per_core(tmp_path):
+def test_cli_devices_makes_one_cpu_device_per_core_and_resumes_exactly(tmp_path):
     """``jaxfl run --devices 2`` on a CPU asks jax for 2 CPU devices before it starts (a fresh process: with one
-    device it would stop at "devices=2: this machine has 1 cpu device(s)") and trains on both. That a run over 2
-    devices logs what one device logs is checked in-process by sharding_check.py (the runner cases)."""
-    out = subprocess.run([sys.executable, "-m", "jaxfl.run.cli", "run", "--algorithm", "fedbn", "--rounds", "2",
-                          "--model", "small_cnn", "--samples-per-client", "40", "--test-per-client", "20",
-                          "--clients-per-domain", "2", "--batch-size", "16", "--quiet", "--devices", "2",
-                          "--out", str(tmp_path / "d2")], capture_output=True, text=True,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+    device it would stop at "devices=2: this machine has 1 cpu device(s)") and trains on both (the stacked
+    backend: the population on both devices); a run stopped after round 2 and resumed to 3 logs what an
+    uninterrupted run logs, bit for bit. That 2 devices log what one logs (1e-5) is checked by sharding_check.py."""
+    flags = ["run", "--algorithm", "fedbn", "--model", "small_cnn", "--samples-per-client", "40",
+             "--test-per-client", "20", "--clients-per-domain", "2", "--batch-size", "16", "--quiet",
+             "--devices", "2", "--checkpoint-every", "1"]
+    code = (f"import sys; from jaxfl.run.cli import main; f = {flags!r}; "
+            f"sys.exit(main(f + ['--rounds', '2', '--out', sys.argv[1]]) or main(f + ['--rounds', '3', '--out', "
+            f"sys.argv[1], '--resume']) or main(f + ['--rounds', '3', '--out', sys.argv[2]]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "resumed"), str(tmp_path / "whole")],
+                         capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    log = [json.loads(line) for line in (tmp_path / "d2" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in log] == [1, 2]
-    assert json.loads((tmp_path / "d2" / "config.json").read_text())["devices"] == 2
-    assert all(np.isfinite(r["train_loss"]).all() for r in log)
+    logs = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("resumed", "whole")}
+    assert [r["round"] for r in logs["resumed"]] == [1, 2, 3]
+    assert json.loads((tmp_path / "whole" / "config.json").read_text())["devices"] == 2
+    for a, b in zip(logs["resumed"], logs["whole"]):
+        assert a["train_loss"] == b["train_loss"] and a["test_accuracy"] == b["test_accuracy"]
 
 
 def test_use_cpu_devices_only_before_jax_starts_and_up_to_the_cores():

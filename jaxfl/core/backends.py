@@ -293,7 +293,7 @@ class Stacked(_Backend):
         super().__init__(alg, train, **kw)
         self.rounds_per_call = rounds_per_call
         # with a mesh, every device holds the whole population (its samples and states), placed once: an array
-        # on one device would be copied to the others in every round (2.7x a logreg round on 2 CPU devices)
+        # on one device would be copied to the others in every round (3.3x a logreg round on 2 CPU devices)
         self.replicated = None if self.mesh is None else jax.sharding.NamedSharding(
             self.mesh, jax.sharding.PartitionSpec())
         self.data = self._place(train)
