@@ -277,7 +277,8 @@ SMALL_PLAN = [("logreg", 1000, 100), ("2nn", 1000, 100), ("femnist_cnn", 1000, 1
               ("logreg", 10000, 10), ("logreg", 10000, 100), ("logreg", 10000, 1000), ("2nn", 10000, 1000)]
 SMALL_RUNNERS = ("stacked/map/K1", "stacked/map/K10", "stacked/map/K1/D2", "stacked/map/K10/D2", "stacked/vmap/K10",
                  "ragged/map", "ragged/vmap", "jax_loop", "torch_loop")
-# /D2: the cohort split over 2 devices (on a CPU, 2 CPU devices: one block of clients per core)
+# /D2 (stacked and ragged runners): the cohort split over 2 devices (on a CPU, 2 CPU devices: one block of clients
+# per core)
 SEQ_LEN = 80  # LEAF Shakespeare's input: 80 characters
 
 
@@ -430,7 +431,9 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
                                     "host_share": float(np.mean([m["host_share"] for m in ms]))})
             del sim, store
         elif kind == "ragged":
-            sim = Ragged(alg, data, batch_size=batch, strategy=opt[0], cohort_size=cohort)
+            devices = runner_devices(runner)
+            sim = Ragged(alg, data, batch_size=batch, strategy=opt[0], cohort_size=cohort,
+                         mesh=client_mesh(devices) if devices > 1 else None)
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             for r in range(rounds):  # compile every bucket shape of these cohorts

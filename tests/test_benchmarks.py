@@ -38,8 +38,9 @@ def test_a_failed_runner_is_a_row_and_the_others_keep_their_ratios():
 
 
 def test_small_runner_names():
-    """``stacked/S/K/D``: K rounds per call (the workload then draws K cohorts), D devices."""
-    assert [throughput.runner_devices(r) for r in ("stacked/map/K1", "stacked/map/K10/D2", "jax_loop")] == [1, 2, 1]
+    """``stacked/S/K/D`` and ``ragged/S/D``: K rounds per call (the workload then draws K cohorts), D devices."""
+    runners = ("stacked/map/K1", "stacked/map/K10/D2", "ragged/map/D2", "jax_loop")
+    assert [throughput.runner_devices(r) for r in runners] == [1, 2, 2, 1]
     assert throughput.cohorts_needed(["stacked/map/K1", "stacked/map/K1/D2", "torch_loop"], 2, 10) == 2
     assert throughput.cohorts_needed(["stacked/map/K1", "stacked/map/K10/D2"], 2, 10) == 10
     assert throughput.cohorts_needed(["stacked/vmap/K10"], 12, 10) == 12
