@@ -60,6 +60,7 @@ def test_cli_writes_every_run_and_prints_a_line_per_round_when_piped(tmp_path, m
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1 and runs[0].name.startswith("fedbn-default-")  # runs/<algorithm>-<dataset>-<time>
     assert (runs[0] / "metrics.jsonl").is_file() and f"writing to runs/{runs[0].name}" in err
+    assert "strategy map, 1 device" in err  # 3 clients a round: no hint to split them over 2 cores
     # capsys is not a terminal: plain lines, no progress bar
     assert "round 1/2: train loss" in err and "round 2/2: train loss" in err and "\r" not in err
     assert main(["run", "--rounds", "1"] + CLI_TINY) == 0
@@ -330,3 +331,18 @@ def test_a_run_saves_the_protocol_it_used(tmp_path):
     Experiment(RunConfig(algorithm="fedselect", rounds=1, out=str(tmp_path), **tiny)).run()
     saved = json.loads((tmp_path / "config.json").read_text())
     assert (saved["lr"], saved["momentum"], saved["batch_size"], saved["eval_point"]) == (0.05, 0.0, 32, "local")
+
+
+def test_devices_note_suggests_the_idle_cores_only_where_the_cohort_splits_over_them(monkeypatch):
+    from types import SimpleNamespace
+
+    import jaxfl.core.distributed as distributed
+    from jaxfl.core.distributed import client_mesh
+    from jaxfl.run.cli import devices_note
+    monkeypatch.setattr(distributed, "cpu_cores", lambda: 4)
+    assert devices_note(SimpleNamespace(mesh=None, cohort=8)) == (
+        "1 device (--devices 4 would split each cohort over this CPU's 4 cores)")
+    assert devices_note(SimpleNamespace(mesh=None, cohort=6)) == "1 device"
+    assert devices_note(SimpleNamespace(mesh=client_mesh(1), cohort=8)).startswith("1 device (")
+    monkeypatch.setattr(distributed, "cpu_cores", lambda: 1)
+    assert devices_note(SimpleNamespace(mesh=None, cohort=8)) == "1 device"
