@@ -366,7 +366,8 @@ def machine() -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
-    p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    p.add_argument("--frameworks", default="jaxfl,torch",
+                   help=f"comma-separated, of {', '.join(FRAMEWORKS)} (jaxfl_d2 needs 2 devices: 2 CPU cores)")
     p.add_argument("--lrs", default=None, help="comma-separated learning rates for every setting "
                                                 "(default: the setting's grid, 0.05,0.1,0.2)")
     p.add_argument("--max-rounds", type=int, default=None,
