@@ -404,10 +404,12 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
 
     def run(runner):
         kind, *opt = runner.split("/")
+        devices = runner_devices(runner)
+        mesh = client_mesh(devices) if devices > 1 else None
         if kind == "stacked":
-            strategy, kk, devices = opt[0], int(opt[1][1:]), runner_devices(runner)
+            strategy, kk = opt[0], int(opt[1][1:])
             sim = Stacked(alg, data, batch_size=batch, strategy=strategy, cohort_size=cohort, rounds_per_call=kk,
-                          mesh=client_mesh(devices) if devices > 1 else None)
+                          mesh=mesh)
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             if kk == 1:
@@ -431,9 +433,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
                                     "host_share": float(np.mean([m["host_share"] for m in ms]))})
             del sim, store
         elif kind == "ragged":
-            devices = runner_devices(runner)
-            sim = Ragged(alg, data, batch_size=batch, strategy=opt[0], cohort_size=cohort,
-                         mesh=client_mesh(devices) if devices > 1 else None)
+            sim = Ragged(alg, data, batch_size=batch, strategy=opt[0], cohort_size=cohort, mesh=mesh)
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             for r in range(rounds):  # compile every bucket shape of these cohorts

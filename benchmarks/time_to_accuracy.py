@@ -343,7 +343,7 @@ def report(entries: list[dict], meta: dict) -> str:
                      f"{paper['rounds']} ({paper['source']}) | {fmt(b['seconds_to_target'], '.1f')} | "
                      f"{b['sec_per_round']:.3f} | {b['compile_s']:.1f} | {b['final_accuracy']:.4f} |")
         speed.setdefault(setting, {})[fw] = b["seconds_to_target"]
-    ratios = [f"{s}: {v['torch'] / v[fw]:.2f}x ({fw})" for s, v in speed.items() for fw in FRAMEWORKS[:2]
+    ratios = [f"{s}: {v['torch'] / v[fw]:.2f}x ({fw})" for s, v in speed.items() for fw in ("jaxfl", "jaxfl_d2")
               if v.get(fw) and v.get("torch")]
     if ratios:
         lines += ["", "torch wall seconds to target / jaxfl's (each at its best lr): " + "; ".join(ratios)]

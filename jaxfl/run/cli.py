@@ -221,7 +221,7 @@ def main(argv=None) -> int:
 
 def devices_note(exp) -> str:
     """How many devices the run's clients are split over, and on a CPU with idle cores a hint to use them (each
-    core then trains its block of the cohort: 2-2.7x for small models on 2 cores, benchmarks/RESULTS.md)."""
+    core then trains its block of the cohort: 1.7-2.7x for small models on 2 cores, benchmarks/RESULTS.md)."""
     from ..core.distributed import cpu_cores
     from .runner import platform
     n = 1 if exp.mesh is None else exp.mesh.devices.size
