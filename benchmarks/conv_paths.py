@@ -10,6 +10,9 @@ conv5x5(32)-pool-conv5x5(64)-pool-512-10, 28x28x1) inside one jitted call, timed
   matmul/unrolled      the same, the S steps unrolled (a static step count, as one bucket of the ragged engine has)
   lax/loop             XLA's own convolution (``lax.conv_general_dilated``) in the ``fori_loop``
   lax/unrolled         XLA's convolution with the steps unrolled (every convolution at the top level)
+  xla/loop             XLA's convolution with its backward convolutions written in the canonical NHWC/HWIO form
+                       that XLA:CPU's fast library takes inside loops too (``make_conv_xla``), in the ``fori_loop``
+  xla/unrolled         the same, the steps unrolled
   shiftsum/loop        no patch buffer: the sum over the 25 kernel taps of (shifted input) @ kernel[i, j]
   nchw/loop            channels-first im2col (Caffe / classic torch layout): kernel [co, ci*25] @ patches
                        [B, ci*25, H*W]
@@ -32,7 +35,8 @@ import subprocess
 import sys
 import time
 
-PATHS = ["matmul/loop", "matmul/unrolled", "lax/loop", "lax/unrolled", "shiftsum/loop", "nchw/loop", "vjp/loop",
+PATHS = ["matmul/loop", "matmul/unrolled", "lax/loop", "lax/unrolled", "xla/loop", "xla/unrolled", "shiftsum/loop",
+         "nchw/loop", "vjp/loop",
          "lax/unrolled+ynn", "lax/loop+ynn", "matmul/loop+fastmath", "matmul/loop+vec512", "torch/1", "torch/2"]
 FLAGS = {"ynn": "--xla_cpu_experimental_ynn_fusion_type=+individual_convolution",
          "fastmath": "--xla_cpu_enable_fast_math=true", "vec512": "--xla_cpu_prefer_vector_width=512"}
@@ -91,6 +95,35 @@ def make_conv_vjp():
     return conv
 
 
+def make_conv_xla(padding: int):
+    """XLA's stride-1 NHWC/HWIO convolution whose backward convolutions are written in the canonical form too.
+
+    Why lax/loop is slow: XLA:CPU's ``ConvCanonicalization`` pass, which rewrites a convolution into the
+    NHWC/HWIO form its fast library takes, visits the entry computation only; inside a ``while`` body
+    autodiff's backward convolutions (kernel gradient ``f01b_i01o->01bf``, input gradient with the flipped
+    kernel ``b01f_01oi->b01f``) run on naive emitted loops. Here (custom VJP):
+
+        dx = conv(dy, flip_hw(kernel) with Ci <-> Co swapped, padding kh - 1 - p)
+        dk[i, j, c, o] = sum_{b, h, w} xpad[b, h + i, w + j, c] dy[b, h, w, o]
+                       = conv(xpad^T, dy^T)   (x's channels as the batch, its batch as the features)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def conv_nhwc(x, k, p):
+        return jax.lax.conv_general_dilated(x, k, (1, 1), ((p, p), (p, p)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def grads(res, dy):
+        x, k = res
+        dx = conv_nhwc(dy, k[::-1, ::-1].transpose(0, 1, 3, 2), k.shape[0] - 1 - padding)
+        xp = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0))).transpose(3, 1, 2, 0)
+        return dx, conv_nhwc(xp, dy.transpose(1, 2, 0, 3), 0).transpose(1, 2, 0, 3)
+
+    conv = jax.custom_vjp(lambda x, k: conv_nhwc(x, k, padding))
+    conv.defvjp(lambda x, k: (conv_nhwc(x, k, padding), (x, k)), grads)
+    return conv
+
+
 def jax_path(path: str, model: str, batch: int, steps: int, reps: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -101,6 +134,7 @@ def jax_path(path: str, model: str, batch: int, steps: int, reps: int) -> dict:
     impl, loop = path.split("+")[0].split("/")
     cfg = MODELS[model]
     vjp_conv = make_conv_vjp() if impl == "vjp" else None
+    xla_conv = make_conv_xla(2) if impl == "xla" else None
 
     def conv(x, k):
         if impl in ("matmul",):
@@ -108,6 +142,8 @@ def jax_path(path: str, model: str, batch: int, steps: int, reps: int) -> dict:
         if impl == "lax":
             return jax.lax.conv_general_dilated(x, k, (1, 1), ((2, 2), (2, 2)),
                                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        if impl == "xla":
+            return xla_conv(x, k)
         if impl == "shiftsum":
             return conv_shiftsum(x, k, 2)
         if impl == "nchw":

@@ -44,3 +44,24 @@ def test_small_runner_names():
     assert throughput.cohorts_needed(["stacked/map/K1", "stacked/map/K1/D2", "torch_loop"], 2, 10) == 2
     assert throughput.cohorts_needed(["stacked/map/K1", "stacked/map/K10/D2"], 2, 10) == 10
     assert throughput.cohorts_needed(["stacked/vmap/K10"], 12, 10) == 12
+
+
+def test_conv_paths_xla_conv_has_autodiffs_gradients_inside_a_loop():
+    """conv_paths' canonical-backward convolution: the same (dx, dk) as lax's autodiff, in a fori_loop too."""
+    import conv_paths
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    conv = conv_paths.make_conv_xla(2)
+    ref = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), ((2, 2), (2, 2)),
+                                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    kx, kk = jax.random.split(jax.random.key(0))
+    x, k = jax.random.normal(kx, (3, 9, 8, 2)), jax.random.normal(kk, (5, 5, 2, 4))
+    loss = lambda f: (lambda x, k: jnp.sum(jnp.sin(f(x, k))))
+    looped = lambda f: jax.jit(lambda x, k: jax.lax.fori_loop(
+        0, 2, lambda i, c: tuple(a + b for a, b in zip(c, jax.grad(loss(f), (0, 1))(x, k))),
+        (jnp.zeros_like(x), jnp.zeros_like(k))))
+    for got, want in zip(looped(conv)(x, k), looped(ref)(x, k)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        assert float(jnp.abs(want).max()) > 1.0
+    np.testing.assert_allclose(conv(x, k), ref(x, k), rtol=1e-5, atol=1e-5)
