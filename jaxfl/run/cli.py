@@ -184,18 +184,7 @@ def main(argv=None) -> int:
         if launch.get("num_processes", 1) > 1:
             initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))
             quiet = quiet or not is_primary()  # one process prints
-        flags = config_values(args)
-        values = merge_config(load_config_file(args.pop("config")) if "config" in args else {}, flags)
-        values.pop("config", None)
-        values = with_saved_run(values)
-        if not values.get("out") and not values.get("resume"):
-            values["out"] = default_out(values)
-        cfg = RunConfig.from_dict(values)
-        other = sorted(k for k, v in flags.items() if isinstance(v, dict) and k != cfg.algorithm)
-        if other:
-            opts = ", ".join(f"--{k}.{f.replace('_', '-')}" for k in other for f in flags[k])
-            raise ConfigError(f"{opts}: option(s) of {', '.join(other)}, but the algorithm is {cfg.algorithm} "
-                              f"(its options are --{cfg.algorithm}.NAME)")
+        cfg = run_config(args)
         from .runner import Experiment
         exp = Experiment(cfg)
         if not quiet:
@@ -217,6 +206,26 @@ def main(argv=None) -> int:
     if not quiet:
         print(f"wrote {cfg.out}/metrics.jsonl, summary.json, accuracy.png", file=sys.stderr)
     return 0
+
+
+def run_config(args: dict) -> RunConfig:
+    """The validated RunConfig of parsed ``jaxfl run`` arguments (``vars(parse_args(...))`` less the launch
+    options): the config file, then the flags, over the saved config of ``--out`` under ``--resume``. Raises
+    ConfigError on bad input; builds nothing."""
+    args = dict(args)
+    flags = config_values(args)
+    values = merge_config(load_config_file(args.pop("config")) if "config" in args else {}, flags)
+    values.pop("config", None)
+    values = with_saved_run(values)
+    if not values.get("out") and not values.get("resume"):
+        values["out"] = default_out(values)
+    cfg = RunConfig.from_dict(values)
+    other = sorted(k for k, v in flags.items() if isinstance(v, dict) and k != cfg.algorithm)
+    if other:
+        opts = ", ".join(f"--{k}.{f.replace('_', '-')}" for k in other for f in flags[k])
+        raise ConfigError(f"{opts}: option(s) of {', '.join(other)}, but the algorithm is {cfg.algorithm} "
+                          f"(its options are --{cfg.algorithm}.NAME)")
+    return cfg
 
 
 def devices_note(exp) -> str:

@@ -1,0 +1,56 @@
+"""Every `jaxfl run` example in README's bash blocks is a valid command: it parses and its configuration
+validates through the CLI's own path (``cli.run_config``, then ``config.validate``, the first thing
+``Experiment`` does), with nothing built or trained."""
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from jaxfl.run import cli
+from jaxfl.run.config import validate
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_run_commands(text: str) -> list[str]:
+    """`jaxfl run ...` commands of the ```bash blocks: continuation lines joined, `;`-separated commands split,
+    comments dropped, schematic lines (with `...`) left out."""
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split(";"):
+                m = re.search(r"(?:^|\s)(jaxfl run\b.*)$", part.split("#", 1)[0].strip())
+                if m and "..." not in m.group(1):
+                    cmds.append(m.group(1))
+    return cmds
+
+
+COMMANDS = [c for c in readme_run_commands(README.read_text()) if "--help" not in c]
+
+
+def test_the_readme_has_run_examples_and_the_extractor_finds_continued_lines():
+    assert len(COMMANDS) >= 8
+    assert any("--samples-per-client 50" in c and "--model char_lstm" in c for c in COMMANDS)
+    assert readme_run_commands("```bash\njaxfl run --rounds 2 \\\n  --lr 0.1  # x\nls\n```\n") == [
+        "jaxfl run --rounds 2    --lr 0.1"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_run_example_is_a_valid_configuration(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --resume looks for runs/x/config.json here; nothing is written
+    (tmp_path / "my.toml").write_text('algorithm = "fedavg"\nrounds = 3\n')
+    args = vars(cli.build_parser().parse_args(shlex.split(command)[1:]))
+    assert args.pop("command") == "run"
+    for k in ("quiet", "coordinator_address", "num_processes", "process_id"):
+        args.pop(k, None)
+    cfg = validate(cli.run_config(args))
+    rounds = re.search(r"--rounds (\d+)", command)
+    if rounds:
+        assert cfg.rounds == int(rounds.group(1))
+    assert not any(tmp_path.glob("runs")), "validation wrote a run folder"
+
+
+def test_a_stale_flag_in_an_example_would_fail():
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(shlex.split("run --round-per-call 5"))
