@@ -74,6 +74,11 @@ CASES = {
                                  "--resume continues the run in --out, --overwrite replaces it"),
     "an option of another algorithm": (lambda d: ["--algorithm", "fedavg", "--fedselect.alpha", "0.5"],
                                        "--fedselect.alpha: option(s) of fedselect, but the algorithm is fedavg"),
+    # refused by the argument parser, which printed its whole usage (~170 lines) first
+    "--lr abc": (lambda d: ["--lr", "abc"],
+                 "argument --lr: invalid float value: 'abc' (jaxfl run --help lists the options)"),
+    "an unknown flag": (lambda d: ["--bogus", "1"], "unrecognized arguments: --bogus 1 (jaxfl run --help"),
+    "an abbreviated flag": (lambda d: ["--rounds-per-cal", "5"], "unrecognized arguments: --rounds-per-cal 5"),
 }
 
 
@@ -109,6 +114,12 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, monkeyp
     assert len(err) == 1 and err[0].startswith("jaxfl: error: ") and message in err[0], err
     assert "Traceback" not in captured.err and captured.out == ""
     assert tree(tmp_path) == before  # no output folder created, nothing changed
+
+
+def test_a_command_line_without_a_command_is_one_line_too(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["jaxfl: error: the following arguments are required: command (jaxfl --help lists the options)"]
 
 
 def test_help_lists_every_algorithms_options(capsys):

@@ -52,5 +52,5 @@ def test_readme_run_example_is_a_valid_configuration(command, tmp_path, monkeypa
 
 
 def test_a_stale_flag_in_an_example_would_fail():
-    with pytest.raises(SystemExit):
+    with pytest.raises(cli.UsageError, match="unrecognized arguments: --round-per-call 5"):
         cli.build_parser().parse_args(shlex.split("run --round-per-call 5"))

@@ -73,8 +73,24 @@ def generated_help() -> dict[str, str]:
     return out
 
 
+class UsageError(Exception):
+    """A command line argparse refuses (unknown or ambiguous flag, a value of the wrong type)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a refused command line raises UsageError (``main`` prints one line) instead of printing
+    the whole usage (~170 lines with every algorithm's options) and exiting. Flags must be spelled in full:
+    an abbreviation that works today would become ambiguous when an algorithm adds an option."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        raise UsageError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxfl", description="Vectorized personalized federated learning.")
+    parser = _Parser(prog="jaxfl", description="Vectorized personalized federated learning.")
     sub = parser.add_subparsers(dest="command", required=True)
     cmp = sub.add_parser("compare", help="runs side by side: one table and one figure, seeds grouped")
     cmp.add_argument("runs", nargs="+", metavar="RUN_DIR",
@@ -174,7 +190,14 @@ def compare_main(args: dict) -> int:
 
 
 def main(argv=None) -> int:
-    args = vars(build_parser().parse_args(argv))
+    try:
+        args = vars(build_parser().parse_args(argv))
+    except UsageError as e:
+        argv = sys.argv[1:] if argv is None else list(argv)
+        command = next((a for a in argv[:1] if a in ("run", "compare")), None)
+        print(f"jaxfl: error: {e} ({'jaxfl ' + command if command else 'jaxfl'} --help lists the options)",
+              file=sys.stderr)
+        return 2
     if args.pop("command") == "compare":
         return compare_main(args)
     quiet = args.pop("quiet", False)
