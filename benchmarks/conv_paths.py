@@ -95,6 +95,13 @@ def make_conv_vjp():
     return conv
 
 
+def conv_nhwc(x, k, padding: int):
+    """XLA's own stride-1 convolution, x [B, H, W, Ci], k [kh, kw, Ci, Co], zero padding ``padding``."""
+    import jax
+    return jax.lax.conv_general_dilated(x, k, (1, 1), ((padding, padding), (padding, padding)),
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
 def make_conv_xla(padding: int):
     """XLA's stride-1 NHWC/HWIO convolution whose backward convolutions are written in the canonical form too.
 
@@ -109,9 +116,6 @@ def make_conv_xla(padding: int):
     """
     import jax
     import jax.numpy as jnp
-
-    def conv_nhwc(x, k, p):
-        return jax.lax.conv_general_dilated(x, k, (1, 1), ((p, p), (p, p)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
     def grads(res, dy):
         x, k = res
@@ -140,8 +144,7 @@ def jax_path(path: str, model: str, batch: int, steps: int, reps: int) -> dict:
         if impl in ("matmul",):
             return conv2d_matmul(x, k, 1, 2)
         if impl == "lax":
-            return jax.lax.conv_general_dilated(x, k, (1, 1), ((2, 2), (2, 2)),
-                                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            return conv_nhwc(x, k, 2)
         if impl == "xla":
             return xla_conv(x, k)
         if impl == "shiftsum":

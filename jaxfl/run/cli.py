@@ -73,6 +73,9 @@ def generated_help() -> dict[str, str]:
     return out
 
 
+LAUNCH_OPTIONS = ("coordinator_address", "num_processes", "process_id")  # flags of the process, not the run
+
+
 class UsageError(Exception):
     """A command line argparse refuses (unknown or ambiguous flag, a value of the wrong type)."""
 
@@ -201,7 +204,7 @@ def main(argv=None) -> int:
     if args.pop("command") == "compare":
         return compare_main(args)
     quiet = args.pop("quiet", False)
-    launch = {k: args.pop(k) for k in ("coordinator_address", "num_processes", "process_id") if k in args}
+    launch = {k: args.pop(k) for k in LAUNCH_OPTIONS if k in args}
     from ..core.distributed import initialize, is_primary  # imports jax: kept out of `jaxfl --help`'s start-up
     try:
         if launch.get("num_processes", 1) > 1:
@@ -232,8 +235,8 @@ def main(argv=None) -> int:
 
 
 def run_config(args: dict) -> RunConfig:
-    """The validated RunConfig of parsed ``jaxfl run`` arguments (``vars(parse_args(...))`` less the launch
-    options): the config file, then the flags, over the saved config of ``--out`` under ``--resume``. Raises
+    """The validated RunConfig of parsed ``jaxfl run`` arguments (``vars(parse_args(...))`` less ``quiet``
+    and ``LAUNCH_OPTIONS``): the config file, then the flags, over the saved config of ``--out`` under ``--resume``. Raises
     ConfigError on bad input; builds nothing."""
     args = dict(args)
     flags = config_values(args)
@@ -253,7 +256,8 @@ def run_config(args: dict) -> RunConfig:
 
 def devices_note(exp) -> str:
     """How many devices the run's clients are split over, and on a CPU with idle cores a hint to use them (each
-    core then trains its block of the cohort: 1.7-2.7x for small models on 2 cores, benchmarks/RESULTS.md)."""
+    core then trains its block of the cohort: 1.6-2.7x for small models on 2 cores, EPYC and Xeon,
+    benchmarks/RESULTS.md)."""
     from ..core.distributed import cpu_cores
     from .runner import platform
     n = 1 if exp.mesh is None else exp.mesh.devices.size
