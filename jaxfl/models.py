@@ -43,7 +43,7 @@ def conv2d_matmul(x, kernel, stride: int = 1, padding: int = 0):
         y[b, h, w, o] = sum_{i, j, c} xpad[b, s*h + i, s*w + j, c] * kernel[i, j, c, o]
 
     Why not ``lax.conv``: on XLA:CPU a convolution's gradient inside a loop body (``scan``, ``lax.map``) runs
-    7-20x slower than at top level (the pass that rewrites convolutions into the form its fast library takes
+    8-22x slower than at top level (the pass that rewrites convolutions into the form its fast library takes
     visits only the entry computation, so autodiff's backward convolutions stay on naive loops; writing them
     canonically by hand removes that but does not beat this function: ``benchmarks/conv_paths.py``,
     RESULTS.md session 25), and under vmap over per-client kernels it becomes a grouped convolution, which is
