@@ -164,3 +164,31 @@ def test_library_comparison_pairs_runs_by_seed_and_applies_the_criterion(pfl_set
     assert table.splitlines()[0].startswith("| method | Lib is | lr | Lib final | jaxfl final |")
     pfl_setting.plot_panels(experiments_common, pairs, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").stat().st_size > 0
+
+
+def test_fedfomo_adapter_splits_each_client_as_jaxfl_does(pfl_setting, official, monkeypatch):
+    """experiments/official/fedfomo.py gives the official clients jaxfl's train/validation split: the positions
+    ``split_rows`` orders for a client padded to M (what ``fedfomo``'s local update uses) start with the adapter's
+    unpadded ones, so both codes validate on the same samples; the two parts cover the client's samples once."""
+    import importlib.util
+
+    import jax
+    import numpy as np
+
+    from jaxfl.algorithms.fedfomo import split_rows
+    monkeypatch.setitem(sys.modules, "common", official)
+    monkeypatch.setitem(sys.modules, "pfl_setting", pfl_setting)
+    path = Path(__file__).resolve().parents[1] / "experiments" / "official" / "fedfomo.py"
+    spec = importlib.util.spec_from_file_location("fedfomo_adapter", path)
+    adapter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(adapter)
+    opts = {"split_seed": 3, "val_frac": 0.2}
+    for count, cid in [(37, 5), (500, 0), (8, 19)]:
+        train, val = adapter.split_indices(count, cid, opts)
+        key = jax.random.fold_in(jax.random.key(3), cid)
+        order, n_train = split_rows(key, np.int32(count), 512, 0.2)  # padded to 512 positions, as in a bucket
+        order = np.asarray(order)
+        assert len(val) == count // 5 and len(train) == count - count // 5 == int(n_train)
+        np.testing.assert_array_equal(train, order[:int(n_train)])
+        np.testing.assert_array_equal(val, order[int(n_train):count])
+        assert sorted(np.concatenate([train, val]).tolist()) == list(range(count))
