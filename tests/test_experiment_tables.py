@@ -131,6 +131,7 @@ def pfl_setting(official, monkeypatch):
     path = Path(__file__).resolve().parents[1] / "experiments" / "official" / "pfl_setting.py"
     spec = importlib.util.spec_from_file_location("pfl_setting", path)
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "pfl_setting", module)  # its dataclass looks its module up
     spec.loader.exec_module(module)
     return module
 
@@ -177,7 +178,6 @@ def test_fedfomo_adapter_splits_each_client_as_jaxfl_does(pfl_setting, official,
 
     from jaxfl.algorithms.fedfomo import split_rows
     monkeypatch.setitem(sys.modules, "common", official)
-    monkeypatch.setitem(sys.modules, "pfl_setting", pfl_setting)
     path = Path(__file__).resolve().parents[1] / "experiments" / "official" / "fedfomo.py"
     spec = importlib.util.spec_from_file_location("fedfomo_adapter", path)
     adapter = importlib.util.module_from_spec(spec)
@@ -192,3 +192,27 @@ def test_fedfomo_adapter_splits_each_client_as_jaxfl_does(pfl_setting, official,
         np.testing.assert_array_equal(train, order[:int(n_train)])
         np.testing.assert_array_equal(val, order[int(n_train):count])
         assert sorted(np.concatenate([train, val]).tolist()) == list(range(count))
+
+
+def test_library_adapter_command_line(pfl_setting, tmp_path, capsys):
+    """pfl_setting.Library.main, the command line of the library adapters: ``--compare`` prints the table of
+    the runs both sides logged under the library's label; ``--all`` without ``--out`` and a run without its
+    folders are refused with a usage error (exit 2) before anything runs."""
+    import json
+
+    for folder, final in [(tmp_path / "lib" / "seed0" / "m", 0.90), (tmp_path / "jaxfl" / "seed0" / "m_lr0.1", 0.91)]:
+        folder.mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in history([0.5, final])))
+        (folder / "config.json").write_text(json.dumps({"lr": 0.1}))
+    ran = []
+    lib = pfl_setting.Library("Lib", "owner/lib", "0123456789abcdef", "LIB_CHECKOUT", {"m": True})
+    lib.main(["--compare", "--official-logs", str(tmp_path / "lib"), "--jaxfl-logs", str(tmp_path / "jaxfl"),
+              "--seeds", "0", "--experiments-common", str(Path(experiments_common.__file__))], "doc", "script",
+             ran.append)
+    out = capsys.readouterr().out
+    assert "| m | official | 0.1 | 90.00 ± 0.00 | 91.00 ± 0.00 | +1.00 | 1.50 | agree |" in out
+    for argv in (["--all"], ["--method", "m", "--out", str(tmp_path / "o")]):
+        with pytest.raises(SystemExit) as e:
+            lib.main(argv, "doc", "script", ran.append)
+        assert e.value.code == 2
+    assert ran == [] and not (tmp_path / "o").exists()

@@ -50,7 +50,6 @@ What is replaced, and how it is matched:
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import io
@@ -64,12 +63,10 @@ import numpy as np
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # the official loops' progress bars (read when tqdm is imported)
 
-from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
-from pfl_setting import (add_comparison_arguments, add_run_arguments, check_setting, compare_and_write, load_jaxfl_init,
-                         run_each, two_nn)
+from common import MetricsLog, jaxfl_inputs, to_nchw_float
+from pfl_setting import Library, check_setting, load_jaxfl_init, two_nn
 
 REPO = "NVlabs/FedFomo"
-METHODS = {"fedfomo": True}  # variant: the official code is the method's own
 
 
 def official_args(cfg, opts: dict, num_clients: int) -> list[str]:
@@ -254,35 +251,13 @@ def run(args) -> None:
         round_loop(server, population, official, cfg_fl, on_round)
 
 
-def run_all(args) -> None:
-    """Every seed of ``--seeds`` whose jaxfl run ``--jaxfl-logs`` holds; then compare."""
-    run_each(args, METHODS, __file__, "FedFomo")
-    args.official_logs = args.out
-    compare(args)
-
-
-def compare(args) -> None:
-    compare_and_write(args, "official", METHODS, f"FedFomo's official code ({REPO} {args.commit[:7]}) vs jaxfl on "
-                      f"jaxfl's inputs (experiments/pfl_methods.py's setting)")
+LIBRARY = Library("official", REPO, "fe04f6641407bce4fc58ea3fbf8cb314f9af8629", "FEDFOMO_OFFICIAL",
+                  {"fedfomo": True}, name="FedFomo's official code")
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_arguments(p, METHODS, "FedFomo's official", "fe04f6641407bce4fc58ea3fbf8cb314f9af8629")
-    add_comparison_arguments(p)
-    p.add_argument("--verbose", action="store_true", help="show the official code's own printing")
-    args = p.parse_args(argv)
-    if args.compare:
-        compare(args)
-    elif args.all:
-        if not args.out:
-            p.error("--all needs --out")
-        run_all(args)
-    else:
-        if not (args.method and args.out and args.jaxfl_run):
-            p.error("a run needs --method, --jaxfl-run and --out (or use --all / --compare)")
-        sys.path.insert(0, str(official_repo("FEDFOMO_OFFICIAL", REPO)))
-        run(args)
+    LIBRARY.main(argv, __doc__, __file__, run, lambda p: p.add_argument(
+        "--verbose", action="store_true", help="show the official code's own printing"))
 
 
 if __name__ == "__main__":

@@ -47,18 +47,15 @@ jaxfl (and in the official FedNova); 2 of the 20 clients hold fewer than 500 ima
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
-from pfl_setting import (add_comparison_arguments, add_run_arguments, check_setting, compare_and_write, load_jaxfl_init,
-                         run_each, two_nn)
+from common import MetricsLog, jaxfl_inputs, to_nchw_float
+from pfl_setting import Library, check_setting, load_jaxfl_init, two_nn
 
 REPO = "lxcnju/FedRepo"
 
@@ -176,36 +173,12 @@ def run(args) -> None:
     algo.train()
 
 
-def run_all(args) -> None:
-    """Every method in ``METHODS`` that jaxfl's logs hold, for each seed, on its jaxfl run's inputs; then compare."""
-    run_each(args, METHODS, __file__, "FedRepo")
-    args.official_logs = args.out
-    compare(args)
-
-
-def compare(args) -> None:
-    """The comparison table (``pfl_setting.compare_methods``) and, with ``--figure``, one panel per method."""
-    compare_and_write(args, "FedRepo", {v: m.official for v, m in METHODS.items()},
-                      f"FedRepo ({REPO} {args.commit[:7]}) vs jaxfl on jaxfl's inputs (experiments/pfl_methods.py's "
-                      f"setting)")
+LIBRARY = Library("FedRepo", REPO, "617ee015046409d95dbd76ba39eebb92d313ab94", "FEDREPO_OFFICIAL",
+                  {v: m.official for v, m in METHODS.items()})
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_arguments(p, METHODS, "FedRepo", "617ee015046409d95dbd76ba39eebb92d313ab94")
-    add_comparison_arguments(p)
-    args = p.parse_args(argv)
-    if args.compare:
-        compare(args)
-    elif args.all:
-        if not args.out:
-            p.error("--all needs --out")
-        run_all(args)
-    else:
-        if not (args.method and args.out and args.jaxfl_run):
-            p.error("a run needs --method, --jaxfl-run and --out (or use --all / --compare)")
-        sys.path.insert(0, str(official_repo("FEDREPO_OFFICIAL", REPO)))
-        run(args)
+    LIBRARY.main(argv, __doc__, __file__, run)
 
 
 if __name__ == "__main__":

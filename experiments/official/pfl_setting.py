@@ -1,19 +1,21 @@
 """What the adapters that run on ``experiments/pfl_methods.py``'s setting share (``pfllib.py``, ``fedrepo.py``,
-``fedproto.py``): the setting's model in torch with jaxfl's initial weights, the check that a jaxfl run is in
-that setting, finding jaxfl's runs, and the per-method comparison table and figure.
+``fedproto.py``, ``fedfomo.py``, ``flbench.py``): the setting's model in torch with jaxfl's initial weights, the
+check that a jaxfl run is in that setting, finding jaxfl's runs, the per-method comparison table and figure, and
+the library adapters' command line (``Library``).
 
 The setting: MNIST, 20 clients, Dirichlet(0.1) labels, ``mlp_2nn`` (784-200-200-10), plain SGD, batch 10, one
 local epoch, every client every round, mean test accuracy over clients.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from common import agreement_bound
+from common import agreement_bound, official_repo
 
 SETTING = dict(model="mlp_2nn", batch_size=10, local_epochs=1, momentum=0.0, weight_decay=0.0,
                clients_per_round=None)  # None: every client every round
@@ -55,8 +57,6 @@ def two_nn(num_classes: int = 10, with_features: bool = False):
 
 def load_jaxfl_init(model, cfg) -> None:
     """Copy jaxfl's initial ``mlp_2nn`` parameters of ``cfg``'s seed (flax kernels [in, out] -> torch [out, in])."""
-    import dataclasses
-
     import torch
     from jaxfl.run.runner import Experiment
     with tempfile.TemporaryDirectory() as out:  # the run's own folder is not empty; nothing is written here
@@ -202,3 +202,51 @@ def add_run_arguments(parser, methods, label: str, commit: str) -> None:
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--all", action="store_true", help="run every method of --jaxfl-logs for --seeds, then compare")
     parser.add_argument("--methods", help="--all: only these variants (comma-separated)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    """A library adapter's identity: the label of its columns, the repository and commit it was run from, the
+    environment variable that names the checkout and the folder of it that its modules import from, and
+    {jaxfl variant: whether the library's code is that method's official code}."""
+
+    label: str
+    repo: str
+    commit: str
+    env_var: str
+    official: dict
+    code_dir: str = ""
+    name: str = ""  # how the table's caption names the code (default: the label)
+
+    def compare(self, args) -> None:
+        """``compare_and_write`` for this library's methods."""
+        compare_and_write(args, self.label, self.official,
+                          f"{self.name or self.label} ({self.repo} {args.commit[:7]}) vs jaxfl on jaxfl's inputs "
+                          f"(experiments/pfl_methods.py's setting)")
+
+    def main(self, argv, doc: str, script: str, run, add_arguments=None, extra=lambda args: (),
+             quiet: bool = False) -> None:
+        """The adapter's command line: one run (``run(args)``, with the checkout on ``sys.path``), ``--all``
+        (``run_each`` with ``extra(args)`` passed on, then the comparison) or ``--compare``;
+        ``add_arguments(parser)`` adds the adapter's own options."""
+        import argparse
+        import sys
+        p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_run_arguments(p, self.official, self.label, self.commit)
+        if add_arguments:
+            add_arguments(p)
+        add_comparison_arguments(p)
+        args = p.parse_args(argv)
+        if args.compare:
+            self.compare(args)
+        elif args.all:
+            if not args.out:
+                p.error("--all needs --out")
+            run_each(args, self.official, script, self.label, extra=extra(args), quiet=quiet)
+            args.official_logs = args.out
+            self.compare(args)
+        else:
+            if not (args.method and args.out and args.jaxfl_run):
+                p.error("a run needs --method, --jaxfl-run and --out (or use --all / --compare)")
+            sys.path.insert(0, str(official_repo(self.env_var, self.repo) / self.code_dir))
+            run(args)

@@ -56,13 +56,11 @@ one panel per method (``--figure``). See experiments/official/pfllib.md.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import json
 import os
 import random
-import sys
 import types
 import warnings
 from pathlib import Path
@@ -70,9 +68,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
-from pfl_setting import (add_comparison_arguments, add_run_arguments, check_setting, compare_and_write, load_jaxfl_init,
-                         run_each, two_nn)
+from common import MetricsLog, jaxfl_inputs, to_nchw_float
+from pfl_setting import Library, check_setting, load_jaxfl_init, two_nn
 
 REPO = "TsingZ0/PFLlib"
 
@@ -179,6 +176,8 @@ def run(args) -> None:
     import torch.nn as nn
     from jaxfl.run.config import RunConfig
 
+    if args.fedlc_counts == "client" and args.method != "fedlc":
+        raise SystemExit("pfllib: error: --fedlc-counts client applies to --method fedlc only")
     warnings.simplefilter("ignore")  # as PFLlib's main.py does (its evaluation warns every batch)
     algorithm, module, cls, split, overrides, *_ = METHODS[args.method]
     cfg = RunConfig.from_dict(json.loads((Path(args.jaxfl_run) / "config.json").read_text()))
@@ -241,42 +240,21 @@ def run(args) -> None:
                          f"{cfg.rounds}")
 
 
-def run_all(args) -> None:
-    """Every method in ``METHODS`` that jaxfl's logs hold, for each seed, on its jaxfl run's inputs; then compare."""
-    run_each(args, METHODS, __file__, "PFLlib", extra=("--data-root", args.data_root), quiet=True)
-    args.official_logs = args.out
-    compare(args)
+LIBRARY = Library("PFLlib", REPO, "d832e76f6a23b833038949ec1e4fdefe63a4d350", "PFLLIB_OFFICIAL",
+                  {v: m.official for v, m in METHODS.items()}, code_dir="system")
 
 
-def compare(args) -> None:
-    """Per method on both sides: final and last-5 mean accuracy (mean ± std over seeds), the difference of the
-    final means and the criterion max(2 pooled seed-stds, 1.5 points); the figure, one panel per method."""
-    compare_and_write(args, "PFLlib", {v: m.official for v, m in METHODS.items()},
-                      f"PFLlib ({REPO} {args.commit[:7]}) vs jaxfl on jaxfl's inputs (experiments/pfl_methods.py's "
-                      f"setting)")
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_arguments(p, METHODS, "PFLlib", "d832e76f6a23b833038949ec1e4fdefe63a4d350")
+def add_arguments(p) -> None:
     p.add_argument("--data-root", default="../runs/official/pfllib_data",
                    help="where jaxfl's clients are written in PFLlib's format (one folder per seed)")
     p.add_argument("--fedlc-counts", choices=("global", "client"), default="global",
                    help="diagnostic: FedLC's calibration from the counts summed over all clients (PFLlib) or from "
                         "each client's own (jaxfl, the paper, FL-bench)")
-    add_comparison_arguments(p)
-    args = p.parse_args(argv)
-    if args.compare:
-        compare(args)
-    elif args.all:
-        run_all(args)
-    else:
-        if not (args.method and args.out and args.jaxfl_run):
-            p.error("a run needs --method, --jaxfl-run and --out (or use --all / --compare)")
-        if args.fedlc_counts == "client" and args.method != "fedlc":
-            p.error("--fedlc-counts client applies to --method fedlc only")
-        sys.path.insert(0, str(official_repo("PFLLIB_OFFICIAL", REPO) / "system"))
-        run(args)
+
+
+def main(argv=None) -> None:
+    LIBRARY.main(argv, __doc__, __file__, run, add_arguments, extra=lambda args: ("--data-root", args.data_root),
+                 quiet=True)
 
 
 if __name__ == "__main__":
