@@ -69,7 +69,12 @@ def main(argv=None) -> None:
                    help="comma-separated variants: name or name:key=value:... (e.g. rfeddis:fusion=sum)")
     p.add_argument("--out", default="runs/rfeddis")
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--from-logs", nargs="+", metavar="SEED_DIR",
+                   help="train nothing: the accuracy tables and figure of --algorithms from finished runs, one "
+                        "folder per seed holding <variant>/metrics.jsonl (one dataset), written under --out")
     args = p.parse_args(argv)
+    if args.from_logs:
+        return tables_from_logs(args)
     seeds = parse_seeds(args.seeds)
     for dataset in args.datasets.split(","):
         out, names = Path(args.out) / dataset, NAMES[dataset]
@@ -93,6 +98,26 @@ def main(argv=None) -> None:
         if reports:
             plot_uncertainty_density(reports, names, out / "uncertainty.png")
         print(text, flush=True)
+
+
+def tables_from_logs(args) -> None:
+    """``table.md`` (the paper's format, then final / best-mean / last-5 over seeds) and ``accuracy.png`` under
+    ``--out`` from the runs in ``--from-logs`` (one folder per seed), as a multi-seed run of this script writes
+    them, without the reliability report (it needs the final states)."""
+    dataset = args.datasets
+    if dataset not in NAMES:
+        raise SystemExit(f"rfeddis.py: error: --from-logs takes one dataset, got --datasets {dataset!r}")
+    load = lambda d: [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()]
+    results = {spec: [load(Path(root) / spec.replace(":", "_").replace("=", "")) for root in args.from_logs]
+               for spec in args.algorithms.split(",")}
+    text = (f"{dataset}, runs: {', '.join(args.from_logs)}; cells: best over evaluated rounds (last round), mean "
+            f"± std over the {len(args.from_logs)} seeds\n\n" + table(results, NAMES[dataset], PAPER[dataset])
+            + "\n\nMean accuracy over clients:\n\n" + seed_table(results) + "\n")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text)
+    plot_mean_accuracy(results, out / "accuracy.png", dataset, highlight="rfeddis")
+    print(text, flush=True)
 
 
 if __name__ == "__main__":
