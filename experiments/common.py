@@ -58,13 +58,18 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     return name, opts, run
 
 
+def variant_dir(spec: str) -> str:
+    """The folder name of variant ``spec`` ("rfeddis:fusion=sum" -> "rfeddis_fusionsum")."""
+    return spec.replace(":", "_").replace("=", "")
+
+
 def run_variant(spec: str, base: RunConfig, out_root: str | Path, progress: bool = False,
                 keep_state: bool = False) -> tuple[list[dict], Experiment | None, RunResult | None]:
     """(history, experiment, result) of one variant. A finished run with a matching config is reused: then
     experiment and result are None, unless ``keep_state``, which rebuilds the experiment and restores the final
     checkpoint (no retraining) so that the final states can be inspected."""
     name, opts, run = parse_variant(spec)
-    out = Path(out_root) / spec.replace(":", "_").replace("=", "")
+    out = Path(out_root) / variant_dir(spec)
     table = {**base.options.get(name, {}), **opts}
     cfg = base.replace(algorithm=name, out=str(out), checkpoint_every=1, options={name: table}, **run)
     default = RunConfig().to_dict()

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from common import parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table, table
+from common import (parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table, table,
+                    variant_dir)
 
+from jaxfl.run.checkpoint import read_metrics
 from jaxfl.run.config import RunConfig
 from jaxfl.run.plots import plot_uncertainty_density
 
@@ -107,8 +109,7 @@ def tables_from_logs(args) -> None:
     dataset = args.datasets
     if dataset not in NAMES:
         raise SystemExit(f"rfeddis.py: error: --from-logs takes one dataset, got --datasets {dataset!r}")
-    load = lambda d: [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()]
-    results = {spec: [load(Path(root) / spec.replace(":", "_").replace("=", "")) for root in args.from_logs]
+    results = {spec: [read_metrics(Path(root) / variant_dir(spec) / "metrics.jsonl") for root in args.from_logs]
                for spec in args.algorithms.split(",")}
     text = (f"{dataset}, runs: {', '.join(args.from_logs)}; cells: best over evaluated rounds (last round), mean "
             f"± std over the {len(args.from_logs)} seeds\n\n" + table(results, NAMES[dataset], PAPER[dataset])

@@ -20,13 +20,52 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import importlib.util
 import json
 import os
+import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
+
+
+class _AnyType(type):
+    """An attribute of a stub module: a class constructible with any arguments, usable in annotations and as a
+    base class, whose attributes are again such classes (``transforms.Compose([...])``,
+    ``models.ResNet18_Weights.DEFAULT``)."""
+
+    def __getattr__(cls, name):
+        return _any_attribute(name)
+
+
+def _any_attribute(name: str) -> type:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _AnyType(name, (), {"__init__": lambda self, *a, **k: None})
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        return _any_attribute(name)
+
+
+def stub_unimportable(name: str, submodules: tuple[str, ...] = ()) -> None:
+    """Stand-ins for a module the official code imports but an adapter's run never uses, when it does not import
+    (absent, or built for another torch, as PyPI's torchvision is for the CPU torch): ``name`` and
+    ``name.<sub>`` for each of ``submodules`` become ``_StubModule``s, each set as its parent's attribute."""
+    try:
+        importlib.import_module(name)
+        return
+    except Exception:
+        pass
+    for full in (name, *(f"{name}.{sub}" for sub in submodules)):
+        sys.modules[full] = _StubModule(full)
+        parent, _, child = full.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], child, sys.modules[full])
 
 
 def official_repo(env_var: str, name: str) -> Path:

@@ -15,7 +15,7 @@ the logging and file output left out. Everything it calls runs unchanged from th
 FOMO weights on the validation split, affinity update; ``federate``: the model update), ``client.Client``
 (``get_federating_clients``: epsilon-greedy picks, ``save_first_model``, ``train``, ``eval``) and
 ``federated/train.py`` (minibatch SGD, evaluation), with its arguments parsed by its own ``federated.args`` from
-the command line the official README gives for FedFomo, changed where jaxfl's setting differs (``OFFICIAL_ARGS``).
+the command line the official README gives for FedFomo, changed where jaxfl's setting differs (``official_args``).
 
 What is replaced, and how it is matched:
 - Data. The population (the official code builds CIFAR-10/100 populations only) is the clients of the jaxfl run
@@ -63,7 +63,7 @@ import numpy as np
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # the official loops' progress bars (read when tqdm is imported)
 
-from common import MetricsLog, jaxfl_inputs, to_nchw_float
+from common import MetricsLog, jaxfl_inputs, stub_unimportable, to_nchw_float
 from pfl_setting import Library, check_setting, load_jaxfl_init, two_nn
 
 REPO = "NVlabs/FedFomo"
@@ -102,10 +102,8 @@ def import_official(argv: list[str]):
     """The official modules, imported with ``argv`` as the command line their ``federated.args`` parses, with the
     stubs and the CPU device described in the module docstring. Returns (client, server, configs) modules."""
     import torch
-    sys.modules.setdefault("torchvision", types.ModuleType("torchvision"))
-    board = types.ModuleType("torch.utils.tensorboard")
-    board.SummaryWriter = None
-    sys.modules.setdefault("torch.utils.tensorboard", board)
+    stub_unimportable("torchvision")
+    stub_unimportable("torch.utils.tensorboard")
     saved, sys.argv = sys.argv, ["main.py", *argv]
     try:
         import client as client_module

@@ -48,52 +48,17 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import json
 import random
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
 
-from common import MetricsLog, jaxfl_inputs, to_nchw_float
+from common import MetricsLog, jaxfl_inputs, stub_unimportable, to_nchw_float
 from pfl_setting import Library, check_setting, load_jaxfl_init, two_nn
 
 REPO = "KarhouTam/FL-bench"
 METHODS = {"perfedavg": "fo", "perfedavg_varianthf": "hf"}  # jaxfl variant: FL-bench's --version
-
-
-class _AnyType(type):
-    """A stub's attribute: a class whose attributes are again such classes (``transforms.Compose``,
-    ``models.ResNet18_Weights.DEFAULT``), so that FL-bench's modules import without torchvision."""
-
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _AnyType(name, (), {})
-
-
-class _StubModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _AnyType(name, (), {})
-
-
-def stub_torchvision() -> None:
-    """Stub ``torchvision`` and the submodules FL-bench imports, unless a real one is importable."""
-    try:
-        importlib.import_module("torchvision")
-        return
-    except Exception:  # absent, or built for another torch
-        pass
-    for name in ("torchvision", "torchvision.transforms", "torchvision.io", "torchvision.io.image",
-                 "torchvision.models", "torchvision.datasets"):
-        sys.modules[name] = _StubModule(name)
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, sys.modules[name])
 
 
 def flbench_args(cfg, version: str, alpha: float, beta: float, delta: float):
@@ -143,7 +108,7 @@ def run(args) -> None:
     beta = opts.beta if opts.beta is not None else cfg.lr
     inputs = jaxfl_inputs(cfg)
     torch.set_num_threads(1)
-    stub_torchvision()
+    stub_unimportable("torchvision", ("transforms", "io", "io.image", "models", "datasets"))
     from src.client.perfedavg import PerFedAvgClient
 
     class ClientsDataset(TensorDataset):
@@ -178,6 +143,8 @@ def run(args) -> None:
     worker.model.device = torch.device("cpu")
     eval_rng = np.random.default_rng(cfg.seed)
     probe = copy.deepcopy(model)
+    x_all, y_all = dataset.tensors
+    splits = [(x_all[d["train"]], y_all[d["train"]], x_all[d["test"]], y_all[d["test"]]) for d in indices]
 
     config = {"official": REPO, "commit": args.commit, "algorithm": "perfedavg", "version": METHODS[args.method],
               "jaxfl_variant": args.method, "jaxfl_run": Path(args.jaxfl_run).name, "seed": cfg.seed, "lr": cfg.lr,
@@ -198,10 +165,7 @@ def run(args) -> None:
             global_state[name] = torch.sum(stacked * weights, dim=-1)
         acc, flbench = [], []
         for i in ids:
-            data = dataset.tensors
-            tr, te = indices[i]["train"], indices[i]["test"]
-            acc.append(one_step_accuracy(global_state, probe, data[0][tr], data[1][tr], data[0][te], data[1][te],
-                                         alpha, cfg.batch_size, eval_rng))
+            acc.append(one_step_accuracy(global_state, probe, *splits[i], alpha, cfg.batch_size, eval_rng))
             flbench.append(worker.test(package(i))["after"]["test"].accuracy / 100)
         rec = log.round(r + 1, sorted(uploads), test_accuracy=acc, test_count=[len(t[1]) for t in inputs.test],
                         flbench_accuracy=float(np.mean(flbench)))

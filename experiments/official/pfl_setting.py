@@ -225,10 +225,11 @@ class Library:
                           f"(experiments/pfl_methods.py's setting)")
 
     def main(self, argv, doc: str, script: str, run, add_arguments=None, extra=lambda args: (),
-             quiet: bool = False) -> None:
+             quiet: bool = False, check=lambda args: None) -> None:
         """The adapter's command line: one run (``run(args)``, with the checkout on ``sys.path``), ``--all``
         (``run_each`` with ``extra(args)`` passed on, then the comparison) or ``--compare``;
-        ``add_arguments(parser)`` adds the adapter's own options."""
+        ``add_arguments(parser)`` adds the adapter's own options, ``check(args)`` returns a usage error of one
+        run's arguments (or None)."""
         import argparse
         import sys
         p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,5 +249,7 @@ class Library:
         else:
             if not (args.method and args.out and args.jaxfl_run):
                 p.error("a run needs --method, --jaxfl-run and --out (or use --all / --compare)")
+            if check(args):
+                p.error(check(args))
             sys.path.insert(0, str(official_repo(self.env_var, self.repo) / self.code_dir))
             run(args)

@@ -176,8 +176,6 @@ def run(args) -> None:
     import torch.nn as nn
     from jaxfl.run.config import RunConfig
 
-    if args.fedlc_counts == "client" and args.method != "fedlc":
-        raise SystemExit("pfllib: error: --fedlc-counts client applies to --method fedlc only")
     warnings.simplefilter("ignore")  # as PFLlib's main.py does (its evaluation warns every batch)
     algorithm, module, cls, split, overrides, *_ = METHODS[args.method]
     cfg = RunConfig.from_dict(json.loads((Path(args.jaxfl_run) / "config.json").read_text()))
@@ -254,7 +252,8 @@ def add_arguments(p) -> None:
 
 def main(argv=None) -> None:
     LIBRARY.main(argv, __doc__, __file__, run, add_arguments, extra=lambda args: ("--data-root", args.data_root),
-                 quiet=True)
+                 quiet=True, check=lambda args: "--fedlc-counts client applies to --method fedlc only"
+                 if args.fedlc_counts == "client" and args.method != "fedlc" else None)
 
 
 if __name__ == "__main__":
