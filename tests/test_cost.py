@@ -1,5 +1,9 @@
-"""core.cost: the FLOP count of a training step, the padding of each backend, and the backend choice it drives
-on an accelerator (the CPU's choice is unchanged)."""
+"""core.cost: the FLOP count of a training step, the round-time model of each backend, and the backend choice it
+drives on an accelerator (the CPU's choice is unchanged)."""
+import os
+import sys
+from pathlib import Path
+
 import numpy as np
 import optax
 import pytest
@@ -12,6 +16,9 @@ from jaxfl.data.ragged import RaggedClients
 from jaxfl.models import build_model
 from jaxfl.run import runner
 from jaxfl.run.config import RunConfig, validate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import backend_model  # noqa: E402
 
 
 IMAGE = np.zeros((1, 28, 28, 1), np.uint8)
@@ -30,29 +37,50 @@ def test_train_flops_of_a_linear_model_by_hand():
     assert hand <= f2 <= 1.01 * hand
 
 
-def test_cohort_padding_by_hand():
-    counts = np.array([10, 10, 40])  # steps 1, 1, 4 at batch 10; 60 real samples
-    # stacked: 3 lanes run the longest client's 4 steps: 120 / 60; ragged (vmap): a bucket of the 4-step client,
-    # one of the two 1-step clients: 60 / 60; map: every client its own steps in both
-    assert cost.cohort_padding(counts, 10, 3, strategy="vmap", chunk_size=8) == (2.0, 1.0)
-    assert cost.cohort_padding(counts, 10, 3, strategy="map", chunk_size=8) == (1.0, 1.0)
-    # a partial last batch is computed whole: 3 clients of 15 samples at batch 10 run 2 steps each
-    assert cost.cohort_padding(np.array([15, 15, 15]), 10, 3, strategy="vmap", chunk_size=8) == (60 / 45, 60 / 45)
+def test_calls_of_each_backend_by_hand():
+    steps = [1, 1, 4]  # e.g. 10, 10 and 40 samples at batch 10
+    # stacked: one call whose 3 lanes step until the longest client is done; map: each client its own steps
+    assert cost.stacked_calls(steps, strategy="vmap", chunk_size=8) == [(3, 4)]
+    assert cost.stacked_calls(steps, strategy="map", chunk_size=8) == [(1, 1), (1, 1), (1, 4)]
+    assert cost.stacked_calls([5, 1, 4, 2], strategy="chunked", chunk_size=2) == [(2, 5), (2, 4)]  # cohort order
+    # ragged: a bucket of the 4-step client, one of the two 1-step clients; sent: 1 x 4 + 2 x 1 sample slots
+    assert cost.ragged_calls(steps, strategy="vmap", chunk_size=8) == ([(1, 4), (2, 1)], 6)
+    # map: one bucket padded to its longest client (3 x 4 slots sent), every client its own steps
+    assert cost.ragged_calls(steps, strategy="map", chunk_size=8) == ([(1, 1), (1, 1), (1, 4)], 12)
+    # a bucket runs to its longest *real* client while its data is padded to the step grid (5 -> 6)
+    assert cost.ragged_calls([5], strategy="vmap", chunk_size=8) == ([(1, 5)], 6)
 
 
-@pytest.mark.parametrize("workload, stacked_padding, ragged_padding, flops, sample_bytes, stacked_won", [
-    # one H200 (benchmarks/RESULTS.md, sessions 18-19): measured paddings, this module's FLOPs, uint8 inputs
-    ("logreg cohort 100", 2.134, 1.275, 3.14e4, 788, True),      # stacked 3.5M vs ragged 0.86M samples/s
-    ("2nn cohort 1000", 3.101, 1.303, 8.81e5, 788, True),        # 1.95M vs 1.21M
-    ("femnist_cnn cohort 100", 2.380, 1.344, 1.03e8, 788, False),  # 50k vs 62k
-    ("char_lstm cohort 100", 8.886, 1.576, 2.31e8, 324, False),  # 6.8k vs 9.7k
-])
-def test_the_balance_picks_the_backend_that_won_on_the_h200(workload, stacked_padding, ragged_padding, flops,
-                                                            sample_bytes, stacked_won):
-    extra = cost.stacked_extra_flops_per_byte(stacked_padding, ragged_padding, flops, sample_bytes)
-    assert extra == pytest.approx((stacked_padding - ragged_padding) * flops / sample_bytes)
-    assert cost.stacked_is_cheaper(stacked_padding, ragged_padding, flops, sample_bytes) == stacked_won
-    assert cost.stacked_is_cheaper(stacked_padding, ragged_padding, flops, sample_bytes, balance=extra)  # <=
+def test_round_seconds_by_hand():
+    rates = cost.DeviceRates(flops_per_s=1e12, step_s=1e-3, host_bytes_per_s=1e6)
+    # 4 steps of 3 lanes + 1 step of 2 lanes, 1 GFLOP a lane's step, 2 epochs, 1 MB sent
+    t = cost.round_seconds([(3, 4), (2, 1)], 1e9, sent_bytes=1e6, epochs=2, rates=rates)
+    assert t == pytest.approx(2 * (4 * (1e-3 + 3e-3) + 1 * (1e-3 + 2e-3)) + 1.0)
+    # with no step cost and nothing sent, only FLOPs count: lanes x steps x step FLOPs / P
+    assert cost.round_seconds([(3, 4)], 1e9, rates=cost.DeviceRates(1e12, 0.0, 1e6)) == pytest.approx(12e-3)
+
+
+def test_backend_seconds_adds_up_the_calls_of_a_drawn_cohort():
+    counts = np.array([10, 10, 40])  # the whole population in the cohort: every draw is the same
+    s, r = cost.backend_seconds(counts, 10, 3, 1e8, 100.0, strategy="vmap", chunk_size=8)
+    step = 10 * 1e8
+    assert s == pytest.approx(cost.round_seconds([(3, 4)], step))
+    assert r == pytest.approx(cost.round_seconds([(1, 4), (2, 1)], step, sent_bytes=6 * 10 * 100.0))
+    # map: the same calls on both backends, so stacked (nothing sent) is never slower
+    s, r = cost.backend_seconds(counts, 10, 3, 1e8, 100.0, strategy="map", chunk_size=8)
+    assert r - s == pytest.approx(12 * 10 * 100.0 / cost.H200.host_bytes_per_s)
+
+
+def test_the_model_picks_the_backend_that_won_on_every_measured_gpu_pair(data_dir):
+    # every stacked/ragged pair measured on the H200 (benchmarks/results/gpu_h200_*; the clients regenerated as
+    # those runs drew them): the modelled faster backend is the measured one; without the per-step cost tau,
+    # the FedAvg CNN at cohort 10 (padded lanes cheaper than ragged's extra sequential steps) goes wrong
+    os.environ.setdefault("JAXFL_DATA_DIR", data_dir)
+    rows = [backend_model.evaluate(pair) for pair in backend_model.measured_pairs()]
+    assert len(rows) == 10
+    assert [r["pick"] for r in rows] == [r["measured"] for r in rows]
+    wrong_without_tau = [(r["name"], r["cohort"]) for r in rows if r["pick_without_tau"] != r["measured"]]
+    assert wrong_without_tau == [("fedavg_cnn (MNIST Dirichlet 0.3, 100 clients)", 10)]
 
 
 def uneven_population(n=40, seed=0):
@@ -86,3 +114,11 @@ def test_train_flops_of_models_with_dropout_or_batchnorm(model_name):
     one = cost.train_flops_per_sample(build_model(model_name, 10), np.zeros((1, 32, 32, 3), np.uint8), 2, normalizer())
     two = cost.train_flops_per_sample(build_model(model_name, 10), np.zeros((1, 32, 32, 3), np.uint8), 4, normalizer())
     assert one > 1e6 and two == pytest.approx(one, rel=0.05)  # per sample: independent of the batch
+
+
+def test_train_flops_refuses_a_missing_flop_count(monkeypatch):
+    # a GPU plugin's Lowered.cost_analysis() returns None: read as 0 FLOPs it made every GPU run pick stacked
+    import jax.stages
+    monkeypatch.setattr(jax.stages.Lowered, "cost_analysis", lambda self: None)
+    with pytest.raises(ValueError, match="no FLOP count"):
+        cost.train_flops_per_sample(build_model("logreg", 10), IMAGE, 10, normalizer())

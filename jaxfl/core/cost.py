@@ -1,81 +1,136 @@
 """What a round costs on each data backend, for choosing between them on an accelerator (host-side, no run).
 
 The two backends trade padding for host work. ``Stacked`` keeps the population on the device and runs the
-cohort as one call in which every lane lasts as long as the population's longest client; ``Ragged`` keeps
-the data on the host, gathers each bucket's clients there, sends them to the device and runs buckets of
-similar lengths. Per round and real sample, stacked computes ``p_s - p_r`` more samples' worth of training
-(p = computed / real samples, ``buckets.padded_work``) and ragged moves one sample's input bytes ``b`` across
-the host link. With f the training FLOPs per sample, stacked is the cheaper one when
+cohort as one call whose lanes all step until the cohort's longest client is done (under ``vmap``);
+``Ragged`` keeps the data on the host, gathers each bucket of similar clients there, sends it to the device and
+runs the buckets one after another. A round's time on an accelerator is modelled as
 
-    (p_s - p_r) * f / b  <=  balance,
+    T = E * sum over calls (L lanes, S steps) of S * (tau + L * B * f / P)  +  M / W,
 
-balance being the device's achieved FLOP/s over the host path's bytes/s (FLOP per byte moved). On one H200
-(``benchmarks/RESULTS.md``, sessions 18-19; uint8 images, 788 bytes a sample with its label) the measured
-winners put the left side at 34-72 (logreg) and 2,000 (2NN), both won by stacked, against 135,000 (FEMNIST
-CNN) and 5 million (character LSTM), both won by ragged. The default balance, 12,500, is that device's
-measured ends: 25 TFLOP/s achieved (the character LSTM's stacked round) over 2 GB/s for the ragged backend's
-host gathers and transfers (logreg at cohort 1,000: 178 MB in 0.089 s of host time). It is calibrated on that
-one GPU and leaves per-bucket dispatch out (which would favour stacked a little more). On a CPU the data never
+with E local epochs, B the batch size, f the model's training FLOPs per sample (``train_flops_per_sample``),
+P the device's achieved FLOP/s, tau the fixed cost of one sequential local step (its kernel launches: a step of
+few lanes cannot fill the device), and M the bytes the ragged backend sends per round (each bucket's inputs,
+padded to its step grid) over W, the host path's bytes/s (M = 0 for stacked). Stacked is one call of C lanes
+and the cohort's longest client's steps; ragged is ``plan_buckets``' buckets, each running to its own longest
+client. Under ``map`` every client runs its own steps in both, so stacked saves the transfers; ``chunked`` runs
+chunks of ``chunk_size`` lanes (in cohort order for stacked, by size for ragged).
+
+``H200`` holds the constants measured on one H200 (``benchmarks/RESULTS.md``; ``benchmarks/backend_model.py``):
+P = 20 TFLOP/s (the FedAvg CNN's stacked rounds ran at 16-19, the character LSTM's at 25), W = 2 GB/s (the
+ragged backend's host gathers and transfers: 178 MB in 0.089 s of host time, logreg at cohort 1,000) and tau =
+0.2 ms (a FedAvg CNN step of 10 lanes took 0.6 ms; with tau = 0 the model gets one of the ten measured pairs
+wrong: the FedAvg CNN at cohort 10, where the padded lanes of one stacked call are cheaper than the ragged
+backend's extra sequential steps). With these, the model picks the faster backend on all ten stacked/ragged
+pairs measured there (logreg, 2NN, FEMNIST CNN, character LSTM, FedAvg CNN; synthetic and MNIST clients;
+cohorts 10-1,000); tau and P were chosen on those same ten pairs (no held-out pair). On a CPU the data never
 leaves the host, so the rule does not apply there.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .buckets import padded_work, plan_buckets
+from .buckets import plan_buckets
 
 
-ACCELERATOR_BALANCE = 12_500.0  # FLOP per byte: an accelerator's achieved FLOP/s over its host path's bytes/s
+@dataclasses.dataclass(frozen=True)
+class DeviceRates:
+    """An accelerator's rates for the round-time model (see the module docstring)."""
+    flops_per_s: float = 2e13  # P: achieved training FLOP/s
+    step_s: float = 2e-4  # tau: the fixed cost of one sequential local step
+    host_bytes_per_s: float = 2e9  # W: the ragged backend's host gathers and transfers
+
+
+H200 = DeviceRates()
 
 
 def train_flops_per_sample(model, sample_x, batch_size: int, preprocess=lambda x: x) -> float:
     """XLA's FLOP count of one gradient of sum(model(preprocess(x))^2) (train mode) over a batch of
-    ``batch_size`` inputs shaped like the rows of ``sample_x``, per sample. Lowered from abstract shapes only:
-    nothing is compiled or run."""
-    raw = jax.ShapeDtypeStruct((batch_size,) + tuple(sample_x.shape[1:]), sample_x.dtype)
-    x = jax.eval_shape(preprocess, raw)
-    variables = jax.eval_shape(lambda k, x: model.init(k, x, False), jax.random.key(0), x)
-    rest = {k: v for k, v in variables.items() if k != "params"}
+    ``batch_size`` inputs shaped like the rows of ``sample_x``, per sample. Lowered from abstract shapes only,
+    for the CPU whatever the default device (a GPU plugin's ``Lowered.cost_analysis()`` returns None, which
+    read as 0 FLOPs made every GPU run pick the stacked backend): nothing is compiled or run. Raises
+    ValueError if XLA reports no FLOP count."""
+    with jax.default_device(_cpu_device()):  # unsharded abstract inputs lower for the default device
+        raw = jax.ShapeDtypeStruct((batch_size,) + tuple(sample_x.shape[1:]), sample_x.dtype)
+        x = _abstract(jax.eval_shape(preprocess, raw))
+        variables = _abstract(jax.eval_shape(lambda k, x: model.init(k, x, False), jax.random.key(0), x))
+        rest = {k: v for k, v in variables.items() if k != "params"}
 
-    def total(params, rest, x):
-        y, _ = model.apply({**rest, "params": params}, x, True, mutable=list(rest),  # (output, updated state)
-                           rngs={"dropout": jax.random.key(0)})  # train mode: dropout layers draw
-        return jnp.sum(jnp.square(y))  # nonlinear in y, so the backward pass needs the forward one
+        def total(params, rest, x):
+            y, _ = model.apply({**rest, "params": params}, x, True, mutable=list(rest),  # (output, updated state)
+                               rngs={"dropout": jax.random.key(0)})  # train mode: dropout layers draw
+            return jnp.sum(jnp.square(y))  # nonlinear in y, so the backward pass needs the forward one
 
-    cost = jax.jit(jax.grad(total)).lower(variables["params"], rest, x).cost_analysis() or {}
-    return float(cost.get("flops", 0.0)) / batch_size
+        cost = jax.jit(jax.grad(total)).lower(variables["params"], rest, x).cost_analysis() or {}
+    flops = float(cost.get("flops", 0.0))
+    if not flops > 0:
+        raise ValueError(f"XLA reports no FLOP count for {type(model).__name__}'s training step: {cost}")
+    return flops / batch_size
 
 
-def cohort_padding(counts, batch_size: int, cohort: int, *, strategy: str, chunk_size: int, seed: int = 0):
-    """(p_s, p_r): computed / real samples of one epoch of a cohort of ``cohort`` of the population's clients
-    (``counts`` [N] samples each; a fixed draw of ``seed``) for the stacked backend (every lane runs the
-    population's longest client's steps) and for the ragged one (``plan_buckets`` at this strategy's lanes;
-    under ``map`` every client runs its own steps)."""
-    counts = np.asarray(counts, np.int64)
-    ids = np.sort(np.random.default_rng(seed).choice(len(counts), size=min(cohort, len(counts)), replace=False))
-    real = max(int(counts[ids].sum()), 1)
-    steps = -(-counts // batch_size)
+def _cpu_device():
+    """A CPU device, or None (the default device) where jax runs without its CPU platform."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # e.g. JAX_PLATFORMS=cuda
+        return None
+
+
+def _abstract(tree):
+    """The tree's ShapeDtypeStructs without shardings (a sharding would pin the lowering to its device)."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def stacked_calls(steps, *, strategy: str, chunk_size: int) -> list[tuple[int, int]]:
+    """The (lanes, sequential steps) of the stacked backend's calls for a cohort of per-client step counts
+    ``steps`` [C] (cohort order): vmap, one call of C lanes running to the longest client; map, every client
+    its own steps one after another; chunked, chunks of ``chunk_size`` lanes in cohort order."""
+    steps = [int(s) for s in steps]
     if strategy == "map":
-        done, _ = padded_work([], counts[ids], batch_size, per_client_trips=True)
-        return done / real, done / real
-    stacked = len(ids) * int(steps.max(initial=0)) * batch_size / real
-    lanes = chunk_size if strategy == "chunked" else len(ids)
-    done, _ = padded_work(plan_buckets(steps[ids], max_lanes=lanes), counts[ids], batch_size, per_client_trips=False)
-    return stacked, done / real
+        return [(1, s) for s in steps]
+    size = chunk_size if strategy == "chunked" else max(len(steps), 1)
+    return [(len(steps[i:i + size]), max(steps[i:i + size])) for i in range(0, len(steps), size)]
 
 
-def stacked_extra_flops_per_byte(stacked_padding: float, ragged_padding: float, flops_per_sample: float,
-                                 bytes_per_sample: float) -> float:
-    """(p_s - p_r) * f / b: the stacked backend's extra (padded) training FLOPs per input byte that the ragged
-    backend sends to the device instead."""
-    return (stacked_padding - ragged_padding) * flops_per_sample / max(bytes_per_sample, 1.0)
+def ragged_calls(steps, *, strategy: str, chunk_size: int) -> tuple[list[tuple[int, int]], int]:
+    """The ragged backend's calls for the same cohort, and the sample slots it sends to the device: (list of
+    (lanes, sequential steps), lanes x grid steps summed over buckets). Buckets come from ``plan_buckets``
+    (at most ``chunk_size`` lanes under chunked, the whole cohort in one bucket under map); a bucket's lanes
+    step until its longest real client is done, and its data is padded to its grid length."""
+    steps = np.asarray(steps, np.int64)
+    lanes = chunk_size if strategy == "chunked" else len(steps)
+    plan = plan_buckets(steps, max_lanes=max(lanes, 1), single=strategy == "map")
+    slots = sum(b.lanes * b.steps for b in plan)
+    if strategy == "map":
+        return [(1, int(s)) for s in steps], slots
+    return [(b.lanes, int(steps[b.positions[b.positions >= 0]].max())) for b in plan], slots
 
 
-def stacked_is_cheaper(stacked_padding: float, ragged_padding: float, flops_per_sample: float,
-                       bytes_per_sample: float, balance: float = ACCELERATOR_BALANCE) -> bool:
-    """Whether, on an accelerator, the stacked backend's padding costs less than the ragged backend's host
-    transfers: ``stacked_extra_flops_per_byte(...) <= balance``."""
-    return stacked_extra_flops_per_byte(stacked_padding, ragged_padding, flops_per_sample,
-                                        bytes_per_sample) <= balance
+def round_seconds(calls, step_flops: float, sent_bytes: float = 0.0, epochs: int = 1,
+                  rates: DeviceRates = H200) -> float:
+    """E * sum over calls (L, S) of S * (tau + L * step_flops / P) + sent_bytes / W: the modelled time of
+    one round; ``step_flops`` = B * f, one lane's local step."""
+    compute = sum(s * (rates.step_s + lanes * step_flops / rates.flops_per_s) for lanes, s in calls)
+    return epochs * compute + sent_bytes / rates.host_bytes_per_s
+
+
+def backend_seconds(counts, batch_size: int, cohort: int, flops_per_sample: float, bytes_per_sample: float, *,
+                    strategy: str, chunk_size: int, epochs: int = 1, rates: DeviceRates = H200, draws: int = 3,
+                    seed: int = 0) -> tuple[float, float]:
+    """(stacked, ragged): the modelled round seconds of each backend, averaged over ``draws`` cohorts of
+    ``cohort`` of the population's clients (``counts`` [N] samples each; fixed draws of ``seed``)."""
+    counts = np.asarray(counts, np.int64)
+    steps = -(-counts // batch_size)
+    rng = np.random.default_rng(seed)
+    step_flops = batch_size * flops_per_sample
+    stacked = ragged = 0.0
+    for _ in range(draws):
+        ids = np.sort(rng.choice(len(counts), size=min(cohort, len(counts)), replace=False))
+        stacked += round_seconds(stacked_calls(steps[ids], strategy=strategy, chunk_size=chunk_size),
+                                 step_flops, epochs=epochs, rates=rates)
+        calls, slots = ragged_calls(steps[ids], strategy=strategy, chunk_size=chunk_size)
+        ragged += round_seconds(calls, step_flops, slots * batch_size * bytes_per_sample, epochs, rates)
+    return stacked / draws, ragged / draws

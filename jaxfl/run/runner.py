@@ -16,7 +16,7 @@ import numpy as np
 
 from ..algorithms import build_algorithm, options_class
 from ..core.backends import Ragged, Stacked, device_memory_bytes
-from ..core.cost import cohort_padding, stacked_is_cheaper, train_flops_per_sample
+from ..core.cost import backend_seconds, train_flops_per_sample
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
 from ..core.evaluate import Evaluator
 from ..core.server_opt import with_server_optimizer
@@ -415,9 +415,9 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=No
     """``--backend``, else ``stacked`` when the population fits (its samples and every client's persistent
     state in a quarter of the device's memory, on each device of the mesh; one process, no host store asked
     for) and one call over the whole cohort wastes little (``map``: every client its own steps;
-    ``vmap``/``chunked``: clients within 25% of the mean step count) or, on an accelerator, its padding costs
-    less than the ragged backend's host transfers (``core.cost.stacked_is_cheaper``: tiny models on uneven
-    clients); else ``ragged``. A ConfigError if rounds_per_call > 1 cannot be honoured or ``stacked`` is asked
+    ``vmap``/``chunked``: clients within 25% of the mean step count) or, on an accelerator, its modelled round
+    time is no longer than the ragged backend's (``core.cost.backend_seconds``: padded lanes against the
+    ragged backend's extra sequential steps and host transfers); else ``ragged``. A ConfigError if rounds_per_call > 1 cannot be honoured or ``stacked`` is asked
     for in a multi-process run."""
     if cfg.backend == "stacked" and jax.process_count() > 1:
         raise ConfigError(f"backend=stacked keeps the whole population on every device of one process; a run "
@@ -449,13 +449,17 @@ def platform() -> str:
 
 
 def padding_is_cheap(cfg: RunConfig, train: RaggedClients, model, sample_x, preprocess, cohort: int) -> bool:
-    """On an accelerator: whether one stacked call's padding costs less than the ragged backend's host
-    gathers and transfers (``core.cost``: padded FLOPs per input byte against the device's balance)."""
-    stacked, ragged = cohort_padding(train.counts, cfg.batch_size, cohort, strategy=cfg.strategy_or_default(),
-                                     chunk_size=cfg.chunk_size)
+    """On an accelerator: whether one stacked call per round (padded lanes, no transfers) is modelled to take
+    no longer than the ragged backend's buckets and host transfers (``core.cost.backend_seconds``)."""
     sample_bytes = math.prod(train.x.shape[1:]) * train.x.itemsize + train.y.itemsize
-    flops = train_flops_per_sample(model, sample_x, cfg.batch_size, preprocess)
-    return stacked_is_cheaper(stacked, ragged, flops, sample_bytes)
+    try:
+        flops = train_flops_per_sample(model, sample_x, cfg.batch_size, preprocess)
+    except ValueError:  # no FLOP count from XLA here: keep the ragged backend, right for any model
+        return False
+    stacked, ragged = backend_seconds(train.counts, cfg.batch_size, cohort, flops, sample_bytes,
+                                      strategy=cfg.strategy_or_default(), chunk_size=cfg.chunk_size,
+                                      epochs=cfg.local_epochs)
+    return stacked <= ragged
 
 
 def _ragged_unless_rounds_per_call(cfg: RunConfig, why: str) -> str:

@@ -1,0 +1,114 @@
+"""Does ``jaxfl run``'s automatic backend choice pick the faster backend? For each workload, two ``jaxfl run``
+processes on the same MNIST split (``--dataset mnist``, read through ``JAXFL_DATA_DIR``): the default (the
+backend it chose is read from the CLI's start-up line) and the other backend (``--backend``). A
+round's time is the median of ``time_s - compile_s`` over the rounds between the first and the last (which
+evaluates), from each run's ``metrics.jsonl``: the steady cost once its shapes are compiled. Writes ``backend_choice.json`` and ``backend_choice.md`` into
+``--out``.
+
+    python benchmarks/backend_choice.py --out DIR                 # the workloads below (~6 min on an H200)
+    python benchmarks/backend_choice.py --out DIR --smoke         # two tiny ones, any machine
+
+The rule (``jaxfl/core/cost.py``) was calibrated on the GPU suite's synthetic workloads; these are MNIST splits it
+never saw: label-skewed (Dirichlet 0.3, so client sizes are uneven) FedAvg CNN and 2NN cohorts, and logreg.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name: the `jaxfl run` flags of the workload (every run adds --rounds, --eval-every, --backend, --out)
+WORKLOADS = {
+    "fedavg_cnn dir0.3 100 clients, cohort 10": "--model fedavg_cnn --num-clients 100 --clients-per-round 10",
+    "fedavg_cnn dir0.3 100 clients, cohort 100": "--model fedavg_cnn --num-clients 100 --clients-per-round 100",
+    "mlp_2nn dir0.3 300 clients, cohort 100": "--model mlp_2nn --num-clients 300 --clients-per-round 100",
+    "logreg dir0.3 300 clients, cohort 100": "--model logreg --num-clients 300 --clients-per-round 100",
+}
+SMOKE = {
+    "mlp_2nn dir0.3 20 clients, cohort 4": "--model mlp_2nn --num-clients 20 --clients-per-round 4",
+    "logreg dir0.3 20 clients, cohort 4": "--model logreg --num-clients 20 --clients-per-round 4",
+}
+COMMON = "--dataset mnist --algorithm fedavg --partition dirichlet --dirichlet-alpha 0.3 --batch-size 10 --lr 0.05"
+
+
+def run_once(flags: str, backend: str | None, rounds: int, out: Path) -> dict:
+    """One ``jaxfl run`` process: {backend (the one it ran: its start-up line), round_s (median of rounds
+    2 .. rounds-1, less their compiling: new bucket shapes compile once per run), compile_s (all rounds'),
+    wall_s}, or {error, wall_s}."""
+    argv = [sys.executable, "-m", "jaxfl.run.cli", "run", *COMMON.split(), *flags.split(), "--rounds", str(rounds),
+            "--eval-every", str(rounds), "--out", str(out)] + (["--backend", backend] if backend else [])
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t = time.perf_counter()
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1], "wall_s": wall}
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    found = re.search(r", backend (\w+),", proc.stderr)
+    return {"backend": found.group(1) if found else None, "round_s": statistics.median(r["time_s"] - r["compile_s"] for r in recs[1:-1]),
+            "compile_s": sum(r["compile_s"] for r in recs), "wall_s": wall}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--rounds", type=int, default=8, help="rounds per run: the first compiles, the last evaluates")
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip the workloads left after this many seconds")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--only", default="", help="run only the workloads whose name contains this text")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start, rows = time.perf_counter(), []
+    import jax  # the device, for the record
+    device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+    for name, flags in (SMOKE if args.smoke else WORKLOADS).items():
+        if args.only not in name:
+            continue
+        if time.perf_counter() - start > args.budget_s:
+            rows.append({"workload": name, "flags": flags, "skipped": "budget spent"})
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            row = {"workload": name, "flags": flags}
+            auto = run_once(flags, None, args.rounds, Path(tmp) / "auto")  # the default: times the chosen one
+            row["chosen"] = auto.get("backend") or f"? ({auto.get('error')})"
+            for backend in ("stacked", "ragged"):
+                same = auto.get("backend") == backend
+                row[backend] = auto if same else run_once(flags, backend, args.rounds, Path(tmp) / backend)
+        times = {b: row[b]["round_s"] for b in ("stacked", "ragged") if "round_s" in row[b]}
+        row["faster"] = min(times, key=times.get) if len(times) == 2 else None
+        row["right"] = row["faster"] == row["chosen"] if row["faster"] else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"device": device, "command": "python benchmarks/backend_choice.py " + " ".join(argv or sys.argv[1:]),
+              "common_flags": COMMON, "rounds": args.rounds, "rows": rows}
+    (out / "backend_choice.json").write_text(json.dumps(result, indent=1))
+    (out / "backend_choice.md").write_text(report(result))
+    print(report(result))
+
+
+def report(result: dict) -> str:
+    lines = [f"Device: {result['device']}. `{result['command']}`; every run: `jaxfl run {result['common_flags']}`.",
+             "", "| workload | chosen | stacked s/round | ragged s/round | faster | chosen is faster |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['workload']} | skipped ({r['skipped']}) | | | | |")
+            continue
+        cell = lambda m: f"{m['round_s']:.4f}" if "round_s" in m else f"failed: {m['error']}"
+        lines.append(f"| {r['workload']} | {r['chosen']} | {cell(r['stacked'])} | {cell(r['ragged'])} | "
+                     f"{r['faster'] or '-'} | {'yes' if r['right'] else 'no' if r['right'] is False else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The round-time model behind the automatic backend choice (``jaxfl/core/cost.py``) against every stacked/ragged
+pair measured on a GPU: the small-model workloads of the GPU suite (``benchmarks/results/gpu_h200_2026-11-26``:
+``stacked/vmap/K1`` and ``ragged/vmap`` rows; clients regenerated as ``throughput.lognormal_counts``) and the
+MNIST workloads of ``benchmarks/backend_choice.py`` (``.../gpu_h200_2026-11-27/choice``; clients from the same
+``jaxfl run`` split, read through ``JAXFL_DATA_DIR``). Host-side only: no GPU needed.
+
+    python benchmarks/backend_model.py [--out DIR]    # prints the table (and writes backend_model.md)
+
+Columns: measured and modelled round seconds of each backend, the faster one measured, and the model's pick
+with the H200 rates and with the step cost tau set to 0 (FLOPs and transfers only).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import throughput  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+SUITE = [RESULTS / "gpu_h200_2026-11-26" / "small", RESULTS / "gpu_h200_2026-11-26" / "rest"]
+CHOICE = RESULTS / "gpu_h200_2026-11-27" / "choice"
+
+
+def measured_pairs() -> list[dict]:
+    """[{name, counts, cohort, batch, model, classes, sample_x, preprocess, stacked_s, ragged_s}] of every
+    measured stacked/ragged pair."""
+    from jaxfl.core.trainer import normalizer
+    pairs = []
+    for folder in SUITE:
+        for r in json.loads((folder / "results.json").read_text())["results"]:
+            if "stacked/vmap/K1" not in r or "ragged/vmap" not in r:
+                continue
+            w = throughput.SMALL[r["workload"]]
+            image = w["input"] == "image"
+            pairs.append(dict(
+                name=f"{r['workload']} (lognormal, {r['clients']} clients)", cohort=r["cohort"], batch=w["batch"],
+                counts=throughput.lognormal_counts(r["clients"], w["median"], w["sigma"]), model=w["model"],
+                classes=w["classes"], preprocess=normalizer() if image else (lambda x: x),
+                sample_x=np.zeros((1, 28, 28, 1), np.uint8) if image else np.zeros((1, throughput.SEQ_LEN), np.int32),
+                stacked_s=r["stacked/vmap/K1"]["round_s"], ragged_s=r["ragged/vmap"]["round_s"]))
+    import tempfile
+
+    import backend_choice
+    from jaxfl.data.federated import load_dataset
+    from jaxfl.run.cli import LAUNCH_OPTIONS, build_parser, run_config
+    for part in sorted(CHOICE.glob("*.json")):
+        for r in json.loads(part.read_text())["rows"]:
+            if "round_s" not in r.get("stacked", {}) or "round_s" not in r.get("ragged", {}):
+                continue
+            argv = ["run", *backend_choice.COMMON.split(), *r["flags"].split(), "--out", tempfile.mkdtemp()]
+            args = vars(build_parser().parse_args(argv))  # the workload's config as `jaxfl run` reads it
+            for k in ("command", "quiet", *LAUNCH_OPTIONS):
+                args.pop(k, None)
+            cfg = run_config(args)
+            ds = load_dataset(cfg.data_config())
+            pairs.append(dict(
+                name=f"{cfg.model} (MNIST Dirichlet {cfg.dirichlet_alpha}, {cfg.num_clients} clients)",
+                cohort=cfg.clients_per_round, batch=cfg.batch_size, counts=np.asarray(ds.train_counts()),
+                model=cfg.model, classes=ds.num_classes, sample_x=ds.train[0][0][:1],
+                preprocess=normalizer(*ds.normalize),
+                stacked_s=r["stacked"]["round_s"], ragged_s=r["ragged"]["round_s"]))
+    return pairs
+
+
+def evaluate(pair: dict) -> dict:
+    from jaxfl.core import cost
+    from jaxfl.models import build_model
+    f = cost.train_flops_per_sample(build_model(pair["model"], pair["classes"]), pair["sample_x"], pair["batch"],
+                                    pair["preprocess"])
+    b = pair["sample_x"][0].nbytes + 4  # the input and its int32 label
+    kw = dict(strategy="vmap", chunk_size=8)
+    s, r = cost.backend_seconds(pair["counts"], pair["batch"], pair["cohort"], f, b, **kw)
+    s0, r0 = cost.backend_seconds(pair["counts"], pair["batch"], pair["cohort"], f, b,
+                                  rates=dataclasses.replace(cost.H200, step_s=0.0), **kw)
+    measured = "stacked" if pair["stacked_s"] <= pair["ragged_s"] else "ragged"
+    return dict(name=pair["name"], cohort=pair["cohort"], flops_per_sample=f, measured=measured,
+                stacked_s=pair["stacked_s"], ragged_s=pair["ragged_s"], model_stacked_s=s, model_ragged_s=r,
+                pick="stacked" if s <= r else "ragged", pick_without_tau="stacked" if s0 <= r0 else "ragged")
+
+
+def report(rows: list[dict]) -> str:
+    lines = ["| workload | cohort | f (MFLOP/sample) | stacked s (model) | ragged s (model) | faster | model picks | "
+             "picks with tau = 0 |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['cohort']} | {r['flops_per_sample'] / 1e6:.2f} | {r['stacked_s']:.4f} "
+                     f"({r['model_stacked_s']:.4f}) | {r['ragged_s']:.4f} ({r['model_ragged_s']:.4f}) | "
+                     f"{r['measured']} | {r['pick']} | {r['pick_without_tau']} |")
+    right = sum(r["pick"] == r["measured"] for r in rows)
+    right0 = sum(r["pick_without_tau"] == r["measured"] for r in rows)
+    lines += ["", f"Model's pick = the faster backend on {right} of {len(rows)} pairs ({right0} with tau = 0)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    text = report([evaluate(pair) for pair in measured_pairs()])
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "backend_model.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
