@@ -10,12 +10,14 @@ spent are skipped and listed as such.
                                                               # the 2-core CPU box under load, no budget
     python benchmarks/gpu_suite.py --project --out DIR        # no GPU: the H100 projection of every workload
                                                               # (projection.json / .md; compiles only)
-    python benchmarks/gpu_suite.py --out DIR --skip-done benchmarks/results/gpu_h200_2026-11-26
+    python benchmarks/gpu_suite.py --out DIR --skip-done benchmarks/results
                                                               # only the workloads no earlier run measured
 
 A workload whose runner fails (e.g. out of GPU memory) keeps its other runners' figures; the failure is a row of
-the table. The first GPU run (an H200, session 18) measured the small-model workloads and the FedAvg CNN at
-cohorts 10 and 100; ``--skip-done`` with its folder runs the rest first.
+the table. Sessions 18, 19 and 27 measured every workload on an H200 (``benchmarks/results/gpu_h200_*``), so
+``--skip-done benchmarks/results`` goes straight to the last part: with the budget left and MNIST under
+``$JAXFL_DATA_DIR/digits``, ``benchmarks/backend_choice.py`` (into ``DIR/choice``) checks that ``jaxfl run``
+picks the faster data backend on that device. The workloads' processes import jaxfl from this checkout.
 
 The small-model workloads (``small:...``, issue 34) run the engine vmapped (one round per call and 10 rounds per
 call, ``Stacked``), the ragged engine's vmap buckets and the two loops (``GPU_SMALL_RUNNERS``).
@@ -68,7 +70,10 @@ def main(argv=None) -> None:
     budget = args.budget_s if args.budget_s is not None else (float("inf") if args.smoke else 540.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # jax and torch share the GPU
+    # jax and torch share the GPU; the workloads' processes import jaxfl from this checkout (nothing installed)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     start, results, skipped = time.perf_counter(), [], []
     done = measured_keys(Path(args.skip_done)) if args.skip_done else set()
     for spec, cohort in (SMOKE if args.smoke else SUITE):
@@ -87,13 +92,20 @@ def main(argv=None) -> None:
         res["suite_cohort"], res["suite_spec"] = cohort, spec
         results.append(res)
         print("\n".join(throughput.report(results[-1:]).splitlines()[2:]), flush=True)
+    left = budget - (time.perf_counter() - start)
+    if not args.smoke and left >= 60 and mnist_available():
+        # does `jaxfl run` pick the faster backend here? (benchmarks/backend_choice.py, ~6 min on an H200)
+        import backend_choice
+        backend_choice.main(["--out", str(out / "choice"), "--budget-s", str(left - 60)])
+    elif not args.smoke:
+        skipped.append("backend_choice (no MNIST under $JAXFL_DATA_DIR/digits, or no budget left)")
     elapsed = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps({"results": results, "skipped": skipped, "elapsed_s": elapsed},
                                                  indent=1))
     device = results[0]["device"] if results else "none"
     md = [f"Device: {device}; backend {results[0]['backend'] if results else '-'}; "
           f"jax {results[0]['jax'] if results else '-'}; suite time {elapsed:.0f} s; "
-          f"command: python benchmarks/gpu_suite.py --out {args.out}" + (" --smoke" if args.smoke else ""), "",
+          f"command: python benchmarks/gpu_suite.py {' '.join(argv if argv is not None else sys.argv[1:])}", "",
           throughput.report([r for r in results if "train_step_cost" not in r]), "",
           throughput.small_report([r for r in results if "train_step_cost" in r])]
     if skipped:
@@ -111,6 +123,13 @@ def main(argv=None) -> None:
 H100 = dict(peak_flops=66.9e12, tf32_flops=494.7e12, hbm_bytes_per_s=3.35e12, launch_s=5e-6)
 SKIP_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
             "replica-id", "opt-barrier"}
+
+
+def mnist_available() -> bool:
+    """Whether ``jaxfl run --dataset mnist`` finds its files (``$JAXFL_DATA_DIR/digits/mnist_{train,test}.npz``)."""
+    folder = Path(os.environ.get("JAXFL_DATA_DIR", "")) / "digits"
+    return bool(os.environ.get("JAXFL_DATA_DIR")) and all(
+        (folder / f"mnist_{part}.npz").is_file() for part in ("train", "test"))
 
 
 def hlo_launches(text: str) -> int:
@@ -216,7 +235,6 @@ def project_workload(spec: str) -> dict:
     """
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
 
     from jaxfl import models
