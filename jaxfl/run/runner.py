@@ -437,7 +437,7 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=No
     if fits and even:
         return "stacked"
     if fits and model is not None and platform() != "cpu":
-        if padding_is_cheap(cfg, train, model, sample_x, preprocess, cohort or train.num_clients):
+        if stacked_is_faster(cfg, train, model, sample_x, preprocess, cohort or train.num_clients):
             return "stacked"
     return _ragged_unless_rounds_per_call(cfg, "the population does not fit on the device or its client sizes "
                                                "are too uneven for one call")
@@ -448,7 +448,7 @@ def platform() -> str:
     return jax.default_backend()
 
 
-def padding_is_cheap(cfg: RunConfig, train: RaggedClients, model, sample_x, preprocess, cohort: int) -> bool:
+def stacked_is_faster(cfg: RunConfig, train: RaggedClients, model, sample_x, preprocess, cohort: int) -> bool:
     """On an accelerator: whether one stacked call per round (padded lanes, no transfers) is modelled to take
     no longer than the ragged backend's buckets and host transfers (``core.cost.backend_seconds``)."""
     sample_bytes = math.prod(train.x.shape[1:]) * train.x.itemsize + train.y.itemsize
