@@ -7,7 +7,8 @@ MNIST workloads of ``benchmarks/backend_choice.py`` (``.../gpu_h200_2026-11-27/c
     python benchmarks/backend_model.py [--out DIR]    # prints the table (and writes backend_model.md)
 
 Columns: measured and modelled round seconds of each backend, the faster one measured, and the model's pick
-with the H200 rates and with the step cost tau set to 0 (FLOPs and transfers only).
+with the H200 rates and with the step cost tau set to 0 (FLOPs and transfers only). A second table holds each
+pair out in turn: tau and P chosen from a grid on the other nine, then the held-out pair's pick.
 """
 from __future__ import annotations
 
@@ -68,20 +69,67 @@ def measured_pairs() -> list[dict]:
     return pairs
 
 
+def modelled(pair: dict, rates) -> tuple[float, float]:
+    """(stacked, ragged) modelled round seconds of a measured pair (vmap, as measured) at ``rates``."""
+    from jaxfl.core import cost
+    if "flops" not in pair:
+        from jaxfl.models import build_model
+        pair["flops"] = cost.train_flops_per_sample(build_model(pair["model"], pair["classes"]), pair["sample_x"],
+                                                    pair["batch"], pair["preprocess"])
+    b = pair["sample_x"][0].nbytes + 4  # the input and its int32 label
+    return cost.backend_seconds(pair["counts"], pair["batch"], pair["cohort"], pair["flops"], b, strategy="vmap",
+                                chunk_size=8, rates=rates)
+
+
+def faster(pair: dict) -> str:
+    return "stacked" if pair["stacked_s"] <= pair["ragged_s"] else "ragged"
+
+
 def evaluate(pair: dict) -> dict:
     from jaxfl.core import cost
-    from jaxfl.models import build_model
-    f = cost.train_flops_per_sample(build_model(pair["model"], pair["classes"]), pair["sample_x"], pair["batch"],
-                                    pair["preprocess"])
-    b = pair["sample_x"][0].nbytes + 4  # the input and its int32 label
-    kw = dict(strategy="vmap", chunk_size=8)
-    s, r = cost.backend_seconds(pair["counts"], pair["batch"], pair["cohort"], f, b, **kw)
-    s0, r0 = cost.backend_seconds(pair["counts"], pair["batch"], pair["cohort"], f, b,
-                                  rates=dataclasses.replace(cost.H200, step_s=0.0), **kw)
-    measured = "stacked" if pair["stacked_s"] <= pair["ragged_s"] else "ragged"
+    s, r = modelled(pair, cost.H200)
+    s0, r0 = modelled(pair, dataclasses.replace(cost.H200, step_s=0.0))
+    f, measured = pair["flops"], faster(pair)
     return dict(name=pair["name"], cohort=pair["cohort"], flops_per_sample=f, measured=measured,
                 stacked_s=pair["stacked_s"], ragged_s=pair["ragged_s"], model_stacked_s=s, model_ragged_s=r,
                 pick="stacked" if s <= r else "ragged", pick_without_tau="stacked" if s0 <= r0 else "ragged")
+
+
+TAUS = (0.0, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3)  # the grid the held-out check chooses tau and P from
+FLOPS = (5e12, 1e13, 2e13, 4e13)
+
+
+def held_out(pairs: list[dict]) -> list[dict]:
+    """Leave one pair out: choose (tau, P) on the others (most right picks, then the least squared log error
+    of the modelled round times; W stays 2 GB/s, measured apart), then pick the held-out pair's backend.
+    [{name, cohort, measured, pick, tau, flops_per_s}] per pair."""
+    from jaxfl.core import cost
+    grid = [dataclasses.replace(cost.H200, step_s=t, flops_per_s=p) for t in TAUS for p in FLOPS]
+    times = [[modelled(pair, rates) for rates in grid] for pair in pairs]  # [pair][grid point] -> (s, r)
+
+    def score(g, rows):
+        right = sum((times[i][g][0] <= times[i][g][1]) == (faster(pairs[i]) == "stacked") for i in rows)
+        err = sum(np.log(times[i][g][0] / pairs[i]["stacked_s"]) ** 2 + np.log(times[i][g][1] / pairs[i]["ragged_s"]) ** 2
+                  for i in rows)
+        return right, -err
+
+    out = []
+    for k, pair in enumerate(pairs):
+        g = max(range(len(grid)), key=lambda g: score(g, [i for i in range(len(pairs)) if i != k]))
+        s, r = times[k][g]
+        out.append(dict(name=pair["name"], cohort=pair["cohort"], measured=faster(pair),
+                        pick="stacked" if s <= r else "ragged", tau=grid[g].step_s, flops_per_s=grid[g].flops_per_s))
+    return out
+
+
+def held_out_report(rows: list[dict]) -> str:
+    lines = ["| held-out workload | cohort | tau, P chosen on the other pairs | faster | model picks |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['cohort']} | {r['tau'] * 1e3:g} ms, {r['flops_per_s'] / 1e12:g} TFLOP/s | "
+                     f"{r['measured']} | {r['pick']} |")
+    right = sum(r["pick"] == r["measured"] for r in rows)
+    return "\n".join(lines + ["", f"Held out, the model picks the faster backend on {right} of {len(rows)} pairs."]) + "\n"
 
 
 def report(rows: list[dict]) -> str:
@@ -101,7 +149,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    text = report([evaluate(pair) for pair in measured_pairs()])
+    pairs = measured_pairs()
+    text = report([evaluate(pair) for pair in pairs]) + "\n" + held_out_report(held_out(pairs))
     print(text)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

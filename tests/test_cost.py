@@ -76,11 +76,16 @@ def test_the_model_picks_the_backend_that_won_on_every_measured_gpu_pair(data_di
     # those runs drew them): the modelled faster backend is the measured one; without the per-step cost tau,
     # the FedAvg CNN at cohort 10 (padded lanes cheaper than ragged's extra sequential steps) goes wrong
     os.environ.setdefault("JAXFL_DATA_DIR", data_dir)
-    rows = [backend_model.evaluate(pair) for pair in backend_model.measured_pairs()]
+    pairs = backend_model.measured_pairs()
+    rows = [backend_model.evaluate(pair) for pair in pairs]
     assert len(rows) == 10
     assert [r["pick"] for r in rows] == [r["measured"] for r in rows]
     wrong_without_tau = [(r["name"], r["cohort"]) for r in rows if r["pick_without_tau"] != r["measured"]]
     assert wrong_without_tau == [("fedavg_cnn (MNIST Dirichlet 0.3, 100 clients)", 10)]
+    # H200's tau and P are what the grid choice makes on all ten; made without each pair, it still picks right
+    held = backend_model.held_out(pairs)
+    assert [r["pick"] for r in held] == [r["measured"] for r in held]
+    assert {(r["tau"], r["flops_per_s"]) for r in held} == {(cost.H200.step_s, cost.H200.flops_per_s)}
 
 
 def uneven_population(n=40, seed=0):

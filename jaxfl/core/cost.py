@@ -15,15 +15,16 @@ and the cohort's longest client's steps; ragged is ``plan_buckets``' buckets, ea
 client. Under ``map`` every client runs its own steps in both, so stacked saves the transfers; ``chunked`` runs
 chunks of ``chunk_size`` lanes (in cohort order for stacked, by size for ragged).
 
-``H200`` holds the constants measured on one H200 (``benchmarks/RESULTS.md``; ``benchmarks/backend_model.py``):
-P = 20 TFLOP/s (the FedAvg CNN's stacked rounds ran at 16-19, the character LSTM's at 25), W = 2 GB/s (the
-ragged backend's host gathers and transfers: 178 MB in 0.089 s of host time, logreg at cohort 1,000) and tau =
-0.2 ms (a FedAvg CNN step of 10 lanes took 0.6 ms; with tau = 0 the model gets one of the ten measured pairs
-wrong: the FedAvg CNN at cohort 10, where the padded lanes of one stacked call are cheaper than the ragged
-backend's extra sequential steps). With these, the model picks the faster backend on all ten stacked/ragged
-pairs measured there (logreg, 2NN, FEMNIST CNN, character LSTM, FedAvg CNN; synthetic and MNIST clients;
-cohorts 10-1,000); tau and P were chosen on those same ten pairs (no held-out pair). On a CPU the data never
-leaves the host, so the rule does not apply there.
+``H200`` holds one H200's constants (``benchmarks/RESULTS.md``, session 27; ``benchmarks/backend_model.py``):
+W = 2 GB/s, measured apart (the ragged backend's host gathers and transfers: 178 MB in 0.089 s of host time,
+logreg at cohort 1,000); tau = 0.2 ms and P = 10 TFLOP/s, the point of a grid (tau 0-1 ms, P 5-40 TFLOP/s)
+that picks the faster backend on the most of the ten stacked/ragged pairs measured there (logreg, 2NN, FEMNIST
+CNN, character LSTM, FedAvg CNN; synthetic and MNIST clients; cohorts 10-1,000), then has the least squared
+log error in round time. It picks right on all ten; so does the same choice made without each pair in turn (it
+lands on the same point every time). P is an effective rate, below the 16-25 TFLOP/s of the stacked CNN and
+LSTM rounds: it also absorbs the time of memory-bound work. With tau = 0 the model gets the FedAvg CNN at
+cohort 10 wrong (one stacked call's padded lanes cost less than the ragged backend's extra sequential steps).
+On a CPU the data never leaves the host, so the rule does not apply there.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from .buckets import plan_buckets
 @dataclasses.dataclass(frozen=True)
 class DeviceRates:
     """An accelerator's rates for the round-time model (see the module docstring)."""
-    flops_per_s: float = 2e13  # P: achieved training FLOP/s
+    flops_per_s: float = 1e13  # P: achieved training FLOP/s (an effective rate: see the module docstring)
     step_s: float = 2e-4  # tau: the fixed cost of one sequential local step
     host_bytes_per_s: float = 2e9  # W: the ragged backend's host gathers and transfers
 
