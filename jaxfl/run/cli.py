@@ -17,7 +17,9 @@ HELP = {
     "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU)",
     "backend": "stacked (the whole population on the device, one jitted call per round) | ragged (samples on "
                "the host, the cohort trained in buckets of similar clients) (default: stacked when the population "
-               "fits in a quarter of each device's memory and its clients are even, else ragged)",
+               "fits in a quarter of each device's memory and its clients are even or, on an accelerator, one "
+               "call per round is modelled to be faster (jaxfl.core.cost), else ragged; the start-up line names "
+               "the choice)",
     "devices": "split the clients over this many devices (0: all; clients per round must divide evenly); on a "
                "CPU, N > 1 runs N CPU devices, one block of clients per core",
     "client_sizes": "dirichlet_quantity: client sizes equal | lognormal (then each client's labels ~ Dir(alpha p))",
