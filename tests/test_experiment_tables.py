@@ -221,19 +221,22 @@ def test_library_adapter_command_line(pfl_setting, tmp_path, capsys):
 def test_stub_unimportable_stands_in_only_for_modules_that_do_not_import(official, monkeypatch):
     """experiments/official/common.py's ``stub_unimportable``: a module that does not import becomes a stub from
     which any name imports, as a class constructible with any arguments, usable as a base class and in
-    annotations, its attributes again such classes; its submodules are set on it; a module that imports is kept."""
+    annotations, its attributes again such classes, its instances not callable; its submodules are set on it; a
+    module that imports is kept. It says whether it stubbed (the FedTP adapter records the names)."""
     import json
     import typing
 
     for name in ("no_such_pkg_xyz", "no_such_pkg_xyz.io", "no_such_pkg_xyz.io.image"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    official.stub_unimportable("no_such_pkg_xyz", ("io", "io.image"))
+    assert official.stub_unimportable("no_such_pkg_xyz", ("io", "io.image")) is True
     from no_such_pkg_xyz.io.image import ImageReadMode  # the import a first version of the stub failed
     import no_such_pkg_xyz
     assert ImageReadMode.__name__ == "ImageReadMode"
     assert no_such_pkg_xyz.io.image is sys.modules["no_such_pkg_xyz.io.image"]
     transform = no_such_pkg_xyz.transforms.Compose([1, 2], size=3)
     assert type(transform).__name__ == "Compose"
+    with pytest.raises(TypeError):  # applying a stubbed transform fails loudly
+        transform([0])
     assert typing.Optional[no_such_pkg_xyz.transforms.Compose] is not None
     assert no_such_pkg_xyz.models.ResNet18_Weights.DEFAULT.__name__ == "DEFAULT"
 
@@ -241,5 +244,5 @@ def test_stub_unimportable_stands_in_only_for_modules_that_do_not_import(officia
         pass
 
     assert Dataset() is not None
-    official.stub_unimportable("json")
+    assert official.stub_unimportable("json") is False
     assert sys.modules["json"] is json  # (monkeypatch removes the stubs again: the names were absent)

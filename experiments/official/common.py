@@ -52,13 +52,15 @@ class _StubModule(types.ModuleType):
         return _any_attribute(name)
 
 
-def stub_unimportable(name: str, submodules: tuple[str, ...] = ()) -> None:
+def stub_unimportable(name: str, submodules: tuple[str, ...] = ()) -> bool:
     """Stand-ins for a module the official code imports but an adapter's run never uses, when it does not import
     (absent, or built for another torch, as PyPI's torchvision is for the CPU torch): ``name`` and
-    ``name.<sub>`` for each of ``submodules`` become ``_StubModule``s, each set as its parent's attribute."""
+    ``name.<sub>`` for each of ``submodules`` (in order; ``a.b`` after ``a``) become ``_StubModule``s, each set
+    as its parent's attribute. Their attributes are classes constructible with anything whose instances do
+    nothing and cannot be called (applying a stubbed transform is a TypeError). Returns whether it stubbed."""
     try:
         importlib.import_module(name)
-        return
+        return False
     except Exception:
         pass
     for full in (name, *(f"{name}.{sub}" for sub in submodules)):
@@ -66,6 +68,7 @@ def stub_unimportable(name: str, submodules: tuple[str, ...] = ()) -> None:
         parent, _, child = full.rpartition(".")
         if parent in sys.modules:
             setattr(sys.modules[parent], child, sys.modules[full])
+    return True
 
 
 def official_repo(env_var: str, name: str) -> Path:

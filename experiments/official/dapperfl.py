@@ -75,7 +75,7 @@ import numpy as np
 sys.dont_write_bytecode = True  # importing the official modules must not write __pycache__ into the checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (MetricsLog, agreement_bound, common_rounds, experiments_common, jaxfl_inputs,  # noqa: E402
-                    official_repo, to_nchw_float)
+                    official_repo, stub_unimportable, to_nchw_float)
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # the official local loop wraps its epochs in tqdm
 PKG = "fedml_api.standalone.domain_generalization"
@@ -87,43 +87,14 @@ IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # datasets/digits.py:
 # importing the official modules
 # ----------------------------------------------------------------------------------------------------------
 
-class _Anything:
-    """Stands in for any torchvision transform / dataset class: constructible with any arguments, unused."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError("torchvision stub: the official datasets/transforms are replaced by the adapter")
-
-
-def _stub_module(name: str, **attrs) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    mod.__dict__.update(attrs)
-    def getattr_(attr):  # any other public name (Resize, MNIST, ...) -> the stub class
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Anything
-    mod.__getattr__ = getattr_
-    return mod
-
-
 def install_stubs() -> None:
     """Modules the official code imports but this run does not use: torchvision (datasets and transforms
     only, both replaced; no CPU build for this torch), thop/torchstat (profiling imports in dapperfl.py:6-7),
     wandb (training.py:13, used only with --wandb)."""
-    missing = lambda m: importlib.util.find_spec(m) is None  # noqa: E731
-    if missing("torchvision"):
-        transforms = _stub_module("torchvision.transforms")
-        transforms.transforms = transforms  # `from torchvision.transforms import transforms`
-        datasets = _stub_module("torchvision.datasets")
-        tv = _stub_module("torchvision", transforms=transforms, datasets=datasets)
-        sys.modules.update({"torchvision": tv, "torchvision.transforms": transforms,
-                            "torchvision.transforms.transforms": transforms, "torchvision.datasets": datasets})
-    for name, attrs in {"thop": {"profile": None}, "torchstat": {"stat": None},
-                        "wandb": {"init": None, "log": None, "finish": None}}.items():
-        if missing(name):
-            sys.modules[name] = _stub_module(name, **attrs)
+    # transforms.transforms: `from torchvision.transforms import transforms`
+    stub_unimportable("torchvision", ("transforms", "transforms.transforms", "datasets"))
+    for name in ("thop", "torchstat", "wandb"):
+        stub_unimportable(name)
 
 
 def import_official(root: Path) -> types.SimpleNamespace:

@@ -59,31 +59,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common import MetricsLog, jaxfl_inputs, official_repo, to_nchw_float
+from common import MetricsLog, jaxfl_inputs, official_repo, stub_unimportable, to_nchw_float
 from pfl_setting import add_comparison_arguments, check_setting, compare_and_write, load_jaxfl_init, two_nn
 
 REPO = "yuetan031/FedProto"
-
-
-class _StandIn(types.ModuleType):
-    """A module whose every attribute is a callable returning None (``transforms.Compose([...])`` at import)."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: None
-
-
-def stand_in_modules() -> None:
-    """Stand-ins for torchvision (its datasets, transforms, models) and tensorboardX where they are not installed:
-    ``federated_main`` and ``lib`` import them at the top (``lib/utils.py`` builds its CIFAR transforms at import),
-    this path uses neither."""
-    for name in ("torchvision", "tensorboardX"):
-        if importlib.util.find_spec(name) is None:
-            root = sys.modules[name] = _StandIn(name)
-            for sub in ("datasets", "transforms", "models"):
-                setattr(root, sub, _StandIn(f"{name}.{sub}"))
-                sys.modules[f"{name}.{sub}"] = getattr(root, sub)
 
 
 class NoWriter:
@@ -134,7 +113,10 @@ def run(args) -> None:
     check_setting(cfg, args.jaxfl_run, "fedproto", momentum=0.5, algorithm="fedproto")  # the official optimizer
     repo = official_repo("FEDPROTO_OFFICIAL", REPO)  # before loading any data
     inputs = jaxfl_inputs(cfg)
-    stand_in_modules()
+    # federated_main and lib/ import torchvision (lib/utils.py builds its CIFAR transforms at import) and
+    # tensorboardX at the top; this path uses neither
+    stub_unimportable("torchvision", ("datasets", "transforms", "models"))
+    stub_unimportable("tensorboardX")
     spec = importlib.util.spec_from_file_location("federated_main", repo / "exps" / "federated_main.py")
     fm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fm)  # puts lib/ and lib/models/ on sys.path itself

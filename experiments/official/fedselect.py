@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from common import (JaxflInputs, MetricsLog, agreement_bound, experiments_common, jaxfl_inputs, official_repo,
-                    pooled_std, to_nchw_float)
+                    pooled_std, stub_unimportable, to_nchw_float)
 
 REPO = "lapisrocks/fedselect"
 
@@ -87,36 +87,11 @@ def jaxfl_config(args):
                      model="fedavg_cnn", eval_every=1, eval_point="local", seed=args.seed)
 
 
-def stub_torchvision() -> None:
-    """The official modules import torchvision for CIFAR10, transforms and resnet18 only, all replaced here;
-    torchvision has no CPU build for this torch, so a stub module stands in (building a transform is a no-op,
-    using CIFAR10 or resnet18 is an error)."""
-    if "torchvision" in sys.modules:
-        return
-
-    class _Transform:
-        def __init__(self, *a, **k):
-            pass
-
-    def _unavailable(*a, **k):
-        raise RuntimeError("torchvision stub: the adapter replaces this")
-
-    tv = types.ModuleType("torchvision")
-    tv.datasets = types.ModuleType("torchvision.datasets")
-    tv.datasets.CIFAR10 = _unavailable
-    tv.transforms = types.ModuleType("torchvision.transforms")
-    for name in ("Compose", "RandomCrop", "RandomHorizontalFlip", "ToTensor", "Normalize"):
-        setattr(tv.transforms, name, _Transform)
-    tv.models = types.ModuleType("torchvision.models")
-    tv.models.resnet18 = _unavailable
-    for m in (tv, tv.datasets, tv.transforms, tv.models):
-        sys.modules[m.__name__] = m
-
-
 def load_official(repo: Path) -> types.ModuleType:
     """The official ``fedselect.py`` as module ``fedselect_official`` (this adapter is named fedselect.py too),
     with the checkout first on sys.path for its own imports (utils, pflopt, lottery_ticket, broadcast)."""
-    stub_torchvision()
+    # the official modules import torchvision for CIFAR10, transforms and resnet18 only, all replaced here
+    stub_unimportable("torchvision", ("datasets", "transforms", "models"))
     sys.path.insert(0, str(repo))
     spec = importlib.util.spec_from_file_location("fedselect_official", repo / "fedselect.py")
     mod = importlib.util.module_from_spec(spec)

@@ -65,7 +65,6 @@ import os
 import runpy
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +72,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
-from common import MetricsLog, agreement_bound, jaxfl_inputs, official_repo, to_nchw_float  # noqa: E402
+from common import (MetricsLog, agreement_bound, jaxfl_inputs, official_repo, stub_unimportable,  # noqa: E402
+                    to_nchw_float)
 
 ALGS = {"hypernet": "FedTP", "vanilla": "Personalized-T", "fedavg": "fedavg"}
 # module names of the official checkout that would shadow (or be shadowed by) others of the same name
@@ -98,42 +98,12 @@ def vit_widths():
                 mlp_dim=e.mlp_dim, dropout=e.dropout, emb_dropout=e.dropout)
 
 
-class _Absent:
-    """Stand-in for a class of a package that is not installed; using it is an error."""
-
-    def __init__(self, *a, **k):
-        raise RuntimeError(f"{type(self).__name__}: not available in this adapter (stubbed import)")
-
-
-def _stub(name: str):
-    mod = types.ModuleType(name)
-    mod.__path__ = []  # a package, so that submodule imports resolve through sys.modules
-
-    def __getattr__(attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return type(attr, (_Absent,), {})
-    mod.__getattr__ = __getattr__
-    return mod
-
-
 def install_stubs() -> list[str]:
-    """Empty modules for the official code's imports that only serve data sets, logging and kNN."""
-    stubbed = []
-    groups = {"torchvision": ["torchvision", "torchvision.transforms", "torchvision.utils", "torchvision.datasets",
-                              "torchvision.datasets.vision", "torchvision.datasets.utils", "torchvision.models"],
-              "torch.utils.tensorboard": ["torch.utils.tensorboard"], "faiss": ["faiss"]}
-    for probe, names in groups.items():
-        try:
-            __import__(probe)
-        except ImportError:
-            for n in names:
-                sys.modules[n] = _stub(n)
-                parent, _, child = n.rpartition(".")
-                if parent in sys.modules:
-                    setattr(sys.modules[parent], child, sys.modules[n])
-            stubbed.append(probe)
-    return stubbed
+    """Stand-ins for the official code's imports that only serve data sets, logging and kNN, where they do not
+    import: the names stubbed."""
+    groups = {"torchvision": ("transforms", "utils", "datasets", "datasets.vision", "datasets.utils", "models"),
+              "torch.utils.tensorboard": (), "faiss": ()}
+    return [name for name, subs in groups.items() if stub_unimportable(name, subs)]
 
 
 def main(argv=None) -> None:

@@ -76,7 +76,7 @@ from pathlib import Path
 import numpy as np
 
 from common import (JaxflInputs, MetricsLog, agreement_bound, common_rounds, experiments_common, jaxfl_inputs,
-                    official_repo, pooled_std, to_nchw_float)
+                    official_repo, pooled_std, stub_unimportable, to_nchw_float)
 
 REPO = "LooKing9218/RFedDis"
 HERE = Path(__file__).resolve().parent
@@ -92,33 +92,12 @@ def jaxfl_config(args):
                      local_epochs=args.epochs, eval_every=1, seed=args.seed)
 
 
-def stub_torchvision() -> None:
-    """``federated/RFedDis_digits.py`` and ``utils/data_utils.py`` import ``torchvision.transforms`` for their
-    data pipeline only (replaced here); torchvision has no CPU build for this torch, so a stub stands in
-    (building a transform is a no-op; applying one is an error)."""
-    if "torchvision" in sys.modules:
-        return
-
-    class _Transform:
-        def __init__(self, *a, **k):
-            pass
-
-        def __call__(self, *a, **k):
-            raise RuntimeError("torchvision stub: the adapter replaces the official transforms")
-
-    tv = types.ModuleType("torchvision")
-    tv.transforms = types.ModuleType("torchvision.transforms")
-    for name in ("Compose", "Grayscale", "Resize", "ToTensor", "Normalize", "RandomHorizontalFlip",
-                 "RandomRotation", "CenterCrop"):
-        setattr(tv.transforms, name, _Transform)
-    for m in (tv, tv.transforms):
-        sys.modules[m.__name__] = m
-
-
 def load_official(repo: Path) -> types.ModuleType:
     """``federated/RFedDis_digits.py`` as module ``rfeddis_digits_official`` (its ``__main__`` block does not
     run), with the checkout first on sys.path for its imports (``nets.models``, ``utils.data_utils``)."""
-    stub_torchvision()
+    # federated/RFedDis_digits.py and utils/data_utils.py import torchvision.transforms for their data pipeline
+    # only (replaced here)
+    stub_unimportable("torchvision", ("transforms",))
     sys.path.insert(0, str(repo))
     spec = importlib.util.spec_from_file_location("rfeddis_digits_official", repo / "federated" / "RFedDis_digits.py")
     mod = importlib.util.module_from_spec(spec)
