@@ -2,8 +2,8 @@
 processes on the same MNIST split (``--dataset mnist``, read through ``JAXFL_DATA_DIR``): the default (the
 backend it chose is read from the CLI's start-up line) and the other backend (``--backend``). A
 round's time is the median of ``time_s - compile_s`` over the rounds between the first and the last (which
-evaluates), from each run's ``metrics.jsonl``: the steady cost once its shapes are compiled. Writes ``backend_choice.json`` and ``backend_choice.md`` into
-``--out``.
+evaluates), from each run's ``metrics.jsonl``: the steady cost once its shapes are compiled. Writes
+``backend_choice.json`` and ``backend_choice.md`` into ``--out``.
 
     python benchmarks/backend_choice.py --out DIR                 # the workloads below (~6 min on an H200)
     python benchmarks/backend_choice.py --out DIR --smoke         # two tiny ones, any machine
@@ -54,7 +54,8 @@ def run_once(flags: str, backend: str | None, rounds: int, out: Path) -> dict:
         return {"error": (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1], "wall_s": wall}
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     found = re.search(r", backend (\w+),", proc.stderr)
-    return {"backend": found.group(1) if found else None, "round_s": statistics.median(r["time_s"] - r["compile_s"] for r in recs[1:-1]),
+    steady = statistics.median(r["time_s"] - r["compile_s"] for r in recs[1:-1])
+    return {"backend": found.group(1) if found else None, "round_s": steady,
             "compile_s": sum(r["compile_s"] for r in recs), "wall_s": wall}
 
 

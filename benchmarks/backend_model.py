@@ -109,8 +109,8 @@ def held_out(pairs: list[dict]) -> list[dict]:
 
     def score(g, rows):
         right = sum((times[i][g][0] <= times[i][g][1]) == (faster(pairs[i]) == "stacked") for i in rows)
-        err = sum(np.log(times[i][g][0] / pairs[i]["stacked_s"]) ** 2 + np.log(times[i][g][1] / pairs[i]["ragged_s"]) ** 2
-                  for i in rows)
+        err = sum(np.log(times[i][g][0] / pairs[i]["stacked_s"]) ** 2
+                  + np.log(times[i][g][1] / pairs[i]["ragged_s"]) ** 2 for i in rows)
         return right, -err
 
     out = []
@@ -129,7 +129,8 @@ def held_out_report(rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | {r['cohort']} | {r['tau'] * 1e3:g} ms, {r['flops_per_s'] / 1e12:g} TFLOP/s | "
                      f"{r['measured']} | {r['pick']} |")
     right = sum(r["pick"] == r["measured"] for r in rows)
-    return "\n".join(lines + ["", f"Held out, the model picks the faster backend on {right} of {len(rows)} pairs."]) + "\n"
+    lines += ["", f"Held out, the model picks the faster backend on {right} of {len(rows)} pairs."]
+    return "\n".join(lines) + "\n"
 
 
 def report(rows: list[dict]) -> str:

@@ -126,10 +126,14 @@ SKIP_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "a
 
 
 def mnist_available() -> bool:
-    """Whether ``jaxfl run --dataset mnist`` finds its files (``$JAXFL_DATA_DIR/digits/mnist_{train,test}.npz``)."""
-    folder = Path(os.environ.get("JAXFL_DATA_DIR", "")) / "digits"
-    return bool(os.environ.get("JAXFL_DATA_DIR")) and all(
-        (folder / f"mnist_{part}.npz").is_file() for part in ("train", "test"))
+    """Whether ``jaxfl run --dataset mnist`` finds its files under ``$JAXFL_DATA_DIR`` (jaxfl's own lookup)."""
+    from jaxfl.data.sources import data_dir, npz_path
+    from jaxfl.errors import DataError
+    try:
+        root = data_dir()
+    except DataError:
+        return False
+    return all(npz_path(root, "digits", "mnist", split).is_file() for split in ("train", "test"))
 
 
 def hlo_launches(text: str) -> int:

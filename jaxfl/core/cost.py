@@ -133,5 +133,6 @@ def backend_seconds(counts, batch_size: int, cohort: int, flops_per_sample: floa
         stacked += round_seconds(stacked_calls(steps[ids], strategy=strategy, chunk_size=chunk_size),
                                  step_flops, epochs=epochs, rates=rates)
         calls, slots = ragged_calls(steps[ids], strategy=strategy, chunk_size=chunk_size)
-        ragged += round_seconds(calls, step_flops, slots * batch_size * bytes_per_sample, epochs, rates)
+        ragged += round_seconds(calls, step_flops, sent_bytes=slots * batch_size * bytes_per_sample,
+                                epochs=epochs, rates=rates)
     return stacked / draws, ragged / draws

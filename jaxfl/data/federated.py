@@ -9,7 +9,7 @@ import numpy as np
 from ..errors import DataError, check_choice
 from . import partition as part
 from .embedded import load_embedded
-from .sources import data_dir, load_image_folder, load_npz, load_tfds
+from .sources import data_dir, load_image_folder, load_npz, load_tfds, npz_path
 from .transforms import prepare
 
 
@@ -111,7 +111,7 @@ DIGITS_OPTIONAL = ("synth", "svhn")  # used when a user supplies {domain}_{train
 def _digits(cfg, rng):
     root = data_dir(cfg.data_dir)
     size = cfg.image_size or 32
-    found = [d for d in DIGITS_OPTIONAL if (root / "digits" / f"{d}_train.npz").is_file()]
+    found = [d for d in DIGITS_OPTIONAL if npz_path(root, "digits", d, "train").is_file()]
     doms = {}
     for d in DIGITS_DOMAINS + tuple(found):
         tx, ty = load_npz(root, "digits", d, "train", 10)

@@ -27,10 +27,15 @@ def data_dir(explicit: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def npz_path(root: str | os.PathLike, benchmark: str, domain: str, split: str) -> Path:
+    """Where a benchmark's split lives: ``root/benchmark/{domain}_{split}.npz``."""
+    return Path(root) / benchmark / f"{domain}_{split}.npz"
+
+
 def load_npz(root: Path, benchmark: str, domain: str, split: str, num_classes: int | None = None):
-    """Read ``root/benchmark/{domain}_{split}.npz`` with keys ``images`` [N,H,W,C] uint8, ``labels`` [N] (in
-    [0, num_classes) when given: a label outside would give NaN losses)."""
-    path = Path(root) / benchmark / f"{domain}_{split}.npz"
+    """Read ``npz_path(root, benchmark, domain, split)`` with keys ``images`` [N,H,W,C] uint8, ``labels`` [N]
+    (in [0, num_classes) when given: a label outside would give NaN losses)."""
+    path = npz_path(root, benchmark, domain, split)
     if not path.is_file():
         raise DataError(f"missing data file {str(path)!r}; expected {benchmark}/{domain}_{split}.npz "
                         f"under the data directory")

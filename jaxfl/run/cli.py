@@ -218,7 +218,8 @@ def main(argv=None) -> int:
         if not quiet:
             print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {len(exp.dataset.client_names)} clients "
                   f"{exp.dataset.client_names}, train sizes {exp.dataset.train_counts().tolist()}, "
-                  f"strategy {exp.strategy}, backend {exp.backend_name}, {devices_note(exp)}; writing to {cfg.out}", file=sys.stderr)
+                  f"strategy {exp.strategy}, backend {exp.backend_name}, {devices_note(exp)}; writing to {cfg.out}",
+                  file=sys.stderr)
         bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
         result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds),
                          notify=lambda line: print(f"jaxfl: {line}", file=sys.stderr, flush=True))

@@ -417,8 +417,8 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=No
     for) and one call over the whole cohort wastes little (``map``: every client its own steps;
     ``vmap``/``chunked``: clients within 25% of the mean step count) or, on an accelerator, its modelled round
     time is no longer than the ragged backend's (``core.cost.backend_seconds``: padded lanes against the
-    ragged backend's extra sequential steps and host transfers); else ``ragged``. A ConfigError if rounds_per_call > 1 cannot be honoured or ``stacked`` is asked
-    for in a multi-process run."""
+    ragged backend's extra sequential steps and host transfers); else ``ragged``. A ConfigError if
+    rounds_per_call > 1 cannot be honoured or ``stacked`` is asked for in a multi-process run."""
     if cfg.backend == "stacked" and jax.process_count() > 1:
         raise ConfigError(f"backend=stacked keeps the whole population on every device of one process; a run "
                           f"over {jax.process_count()} processes needs --backend ragged")
