@@ -45,7 +45,8 @@ def run_once(flags: str, backend: str | None, rounds: int, out: Path) -> dict:
     2 .. rounds-1, less their compiling: new bucket shapes compile once per run), compile_s (all rounds'),
     wall_s}, or {error, wall_s}."""
     argv = [sys.executable, "-m", "jaxfl.run.cli", "run", *COMMON.split(), *flags.split(), "--rounds", str(rounds),
-            "--eval-every", str(rounds), "--out", str(out)] + (["--backend", backend] if backend else [])
+            "--eval-every", str(rounds), "--out", str(out), "--compile-cache", "none"
+            ] + (["--backend", backend] if backend else [])  # no cache: each run's compile_s is its own
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t = time.perf_counter()
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)

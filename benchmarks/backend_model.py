@@ -49,14 +49,14 @@ def measured_pairs() -> list[dict]:
 
     import backend_choice
     from jaxfl.data.federated import load_dataset
-    from jaxfl.run.cli import LAUNCH_OPTIONS, build_parser, run_config
+    from jaxfl.run.cli import PROCESS_OPTIONS, build_parser, run_config
     for part in sorted(CHOICE.glob("*.json")):
         for r in json.loads(part.read_text())["rows"]:
             if "round_s" not in r.get("stacked", {}) or "round_s" not in r.get("ragged", {}):
                 continue
             argv = ["run", *backend_choice.COMMON.split(), *r["flags"].split(), "--out", tempfile.mkdtemp()]
             args = vars(build_parser().parse_args(argv))  # the workload's config as `jaxfl run` reads it
-            for k in ("command", "quiet", *LAUNCH_OPTIONS):
+            for k in ("command", *PROCESS_OPTIONS):
                 args.pop(k, None)
             cfg = run_config(args)
             ds = load_dataset(cfg.data_config())

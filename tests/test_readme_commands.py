@@ -42,7 +42,7 @@ def test_readme_run_example_is_a_valid_configuration(command, tmp_path, monkeypa
     (tmp_path / "my.toml").write_text('algorithm = "fedavg"\nrounds = 3\n')
     args = vars(cli.build_parser().parse_args(shlex.split(command)[1:]))
     assert args.pop("command") == "run"
-    for k in ("quiet",) + cli.LAUNCH_OPTIONS:
+    for k in cli.PROCESS_OPTIONS:
         args.pop(k, None)
     cfg = validate(cli.run_config(args))
     rounds = re.search(r"--rounds (\d+)", command)

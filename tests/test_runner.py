@@ -1,4 +1,5 @@
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,8 @@ def test_cli_writes_every_run_and_prints_a_line_per_round_when_piped(tmp_path, m
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1 and runs[0].name.startswith("fedbn-default-")  # runs/<algorithm>-<dataset>-<time>
     assert (runs[0] / "metrics.jsonl").is_file() and f"writing to runs/{runs[0].name}" in err
-    assert "strategy map, backend stacked, 1 device;" in err  # 3 clients a round: no hint to split them over 2 cores
+    assert "strategy map, backend stacked, 1 device," in err  # 3 clients a round: no hint to split them over 2 cores
+    assert f"compile cache {os.environ['JAX_COMPILATION_CACHE_DIR']};" in err  # jax's own setting (conftest's) kept
     # capsys is not a terminal: plain lines, no progress bar
     assert "round 1/2: train loss" in err and "round 2/2: train loss" in err and "\r" not in err
     assert main(["run", "--rounds", "1"] + CLI_TINY) == 0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError, JaxflError, Stopped
+from .compile_cache import cache_warnings, check_compile_cache, default_compile_cache, use_compile_cache
 from .config import TRAINING_DEFAULTS, RunConfig, load_config_file
 
 
@@ -75,7 +76,8 @@ def generated_help() -> dict[str, str]:
     return out
 
 
-LAUNCH_OPTIONS = ("coordinator_address", "num_processes", "process_id")  # flags of the process, not the run
+LAUNCH_OPTIONS = ("coordinator_address", "num_processes", "process_id")
+PROCESS_OPTIONS = ("quiet", "compile_cache") + LAUNCH_OPTIONS  # flags of the process, not of the run
 
 
 class UsageError(Exception):
@@ -112,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                          argument_default=argparse.SUPPRESS)
     run.add_argument("--config", help="TOML or JSON file of options; flags override it")
     run.add_argument("--quiet", action="store_true", help="no progress bar or table")
+    run.add_argument("--compile-cache", metavar="DIR",
+                     help="keep compiled programs in DIR for later runs of the same shapes (a sweep's other seeds "
+                          "and rates), or none; the same numbers either way (default: $JAXFL_COMPILE_CACHE, else "
+                          "~/.cache/jaxfl/xla; jax's own JAX_COMPILATION_CACHE_DIR, if set, is kept)")
     launch = run.add_argument_group("multi-process launch (one process per host; see README, Scale-out)")
     launch.add_argument("--coordinator-address", help="host:port of process 0, the same for every process")
     launch.add_argument("--num-processes", type=int, help="processes in the run (default 1)")
@@ -206,6 +212,7 @@ def main(argv=None) -> int:
     if args.pop("command") == "compare":
         return compare_main(args)
     quiet = args.pop("quiet", False)
+    cache_flag = args.pop("compile_cache", None)
     launch = {k: args.pop(k) for k in LAUNCH_OPTIONS if k in args}
     from ..core.distributed import initialize, is_primary  # imports jax: kept out of `jaxfl --help`'s start-up
     try:
@@ -213,16 +220,18 @@ def main(argv=None) -> int:
             initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))
             quiet = quiet or not is_primary()  # one process prints
         cfg = run_config(args)
+        cache = use_compile_cache(check_compile_cache(cache_flag or default_compile_cache()),
+                                  explicit=cache_flag is not None)
         from .runner import Experiment
-        exp = Experiment(cfg)
-        if not quiet:
-            print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {len(exp.dataset.client_names)} clients "
-                  f"{exp.dataset.client_names}, train sizes {exp.dataset.train_counts().tolist()}, "
-                  f"strategy {exp.strategy}, backend {exp.backend_name}, {devices_note(exp)}; writing to {cfg.out}",
-                  file=sys.stderr)
-        bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
-        result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds),
-                         notify=lambda line: print(f"jaxfl: {line}", file=sys.stderr, flush=True))
+        with cache_warnings(cache, say):
+            exp = Experiment(cfg)
+            if not quiet:
+                print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {len(exp.dataset.client_names)} clients "
+                      f"{exp.dataset.client_names}, train sizes {exp.dataset.train_counts().tolist()}, strategy "
+                      f"{exp.strategy}, backend {exp.backend_name}, {devices_note(exp)}, compile cache "
+                      f"{cache or 'off'}; writing to {cfg.out}", file=sys.stderr)
+            bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
+            result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds), notify=say)
     except Stopped as e:  # SIGTERM/SIGINT: the run is checkpointed at a round boundary
         print(f"jaxfl: {e}", file=sys.stderr)
         return e.exit_code
@@ -237,10 +246,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def say(line: str) -> None:
+    """One ``jaxfl: ...`` line on stderr (a run's notices: a checkpoint fallback, a compile-cache fault)."""
+    print(f"jaxfl: {line}", file=sys.stderr, flush=True)
+
+
 def run_config(args: dict) -> RunConfig:
-    """The validated RunConfig of parsed ``jaxfl run`` arguments (``vars(parse_args(...))`` less ``quiet``
-    and ``LAUNCH_OPTIONS``): the config file, then the flags, over the saved config of ``--out`` under ``--resume``. Raises
-    ConfigError on bad input; builds nothing."""
+    """The validated RunConfig of parsed ``jaxfl run`` arguments (``vars(parse_args(...))`` less
+    ``PROCESS_OPTIONS``): the config file, then the flags, over the saved config of ``--out`` under
+    ``--resume``. Raises ConfigError on bad input; builds nothing."""
     args = dict(args)
     flags = config_values(args)
     values = merge_config(load_config_file(args.pop("config")) if "config" in args else {}, flags)
