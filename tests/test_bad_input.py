@@ -49,6 +49,8 @@ CASES = {
     "--out cannot be written": (lambda d: ["--out", "/sys/jaxfl-test-out"], "is not a writable folder"),
     "--compile-cache is a file": (lambda d: ["--compile-cache", str(write(d / "cache", "x"))],
                                   "is not a folder; give a folder, or none"),
+    "--compile-cache cannot be written": (lambda d: ["--compile-cache", "/sys/jaxfl-test-cache"],
+                                          "'/sys' is not writable; give a writable folder, or none"),
     "corrupt npz": (lambda d: ["--dataset", "mnist", "--data-dir", str(corrupt(d / "data"))],
                     "is not a readable .npz archive"),
     "--devices beyond the machine": (lambda d: ["--devices", "64"], "devices=64: this machine has"),

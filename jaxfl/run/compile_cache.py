@@ -8,7 +8,7 @@ The cache holds at most ``MAX_BYTES``, least recently used entries evicted first
 ``filelock`` package). An entry jax cannot read or write (a file truncated by a full disk or a kill) only costs
 its program's compilation: the run says so in one line (``cache_warnings``). Deleting the folder is safe.
 
-Standard library only until ``use_compile_cache`` (no jax import), so the path is checked before any work.
+The path is checked (``check_compile_cache``) before any work; jax is configured only in ``use_compile_cache``.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import ConfigError
+from .config import writable
 
 MAX_BYTES = 1 << 30  # 1 GiB: CPU entries are ~10 KB, an accelerator's a few MB
 ENV = "JAXFL_COMPILE_CACHE"
@@ -44,7 +45,7 @@ def check_compile_cache(path: str) -> Path | None:
     if not parent.is_dir():
         raise ConfigError(f"--compile-cache {path!r}: {str(parent)!r} is not a folder; give a folder, or none "
                           f"to compile every program anew")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not writable(parent):
         raise ConfigError(f"--compile-cache {path!r}: {str(parent)!r} is not writable; give a writable folder, "
                           f"or none to compile every program anew")
     return folder

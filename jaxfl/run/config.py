@@ -248,7 +248,7 @@ def check_output(cfg: RunConfig) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder (it is created if missing)")
     if out.is_dir():
-        if not _writable(out):
+        if not writable(out):
             raise ConfigError(f"--out {str(out)!r} is not writable")
         if is_primary():  # another run is writing here (a multi-process run's lock is process 0's)
             check_free(out)
@@ -261,11 +261,11 @@ def check_output(cfg: RunConfig) -> None:
     if cfg.resume:
         raise ConfigError(f"--resume: {str(out)!r} does not exist")
     parent = next((p for p in out.absolute().parents if p.exists()), None)
-    if parent is None or not parent.is_dir() or not _writable(parent):
+    if parent is None or not parent.is_dir() or not writable(parent):
         raise ConfigError(f"--out {str(out)!r} cannot be created: {str(parent)!r} is not a writable folder")
 
 
-def _writable(folder: Path) -> bool:
+def writable(folder: Path) -> bool:
     """Whether a file can be created in ``folder`` (a real probe: permission bits do not stop root, read-only
     and virtual file systems do)."""
     import tempfile
