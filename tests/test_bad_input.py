@@ -76,6 +76,11 @@ CASES = {
                                            "--resume: no checkpoint in"),
     "--resume and --overwrite": (lambda d: ["--resume", "--overwrite", "--out", str(d / "o")],
                                  "--resume continues the run in --out, --overwrite replaces it"),
+    "--seeds with a repeat": (lambda d: ["--seeds", "0,1,0"], "--seeds '0,1,0': give distinct integers >= 0"),
+    "--seeds and --seed": (lambda d: ["--seeds", "0,1", "--seed", "2"], "--seed 2 and --seeds 0,1: give one of them"),
+    "--seeds with a used seed folder": (lambda d: ["--seeds", "0,1", "--out", str(write(d / "s" / "seed1" / "x", "")
+                                                                                 .parent.parent)],
+                                        "seed1' is not empty; pass --resume"),
     "an option of another algorithm": (lambda d: ["--algorithm", "fedavg", "--fedselect.alpha", "0.5"],
                                        "--fedselect.alpha: option(s) of fedselect, but the algorithm is fedavg"),
     # refused by the argument parser, which printed its whole usage (~170 lines) first

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..errors import ConfigError, JaxflError, Stopped
 from .compile_cache import cache_warnings, check_compile_cache, default_compile_cache, use_compile_cache
-from .config import TRAINING_DEFAULTS, RunConfig, load_config_file
+from .config import TRAINING_DEFAULTS, RunConfig, check_output, load_config_file, validate
+from .lock import LOCK_NAME
 
 
 HELP = {
@@ -77,7 +78,7 @@ def generated_help() -> dict[str, str]:
 
 
 LAUNCH_OPTIONS = ("coordinator_address", "num_processes", "process_id")
-PROCESS_OPTIONS = ("quiet", "compile_cache") + LAUNCH_OPTIONS  # flags of the process, not of the run
+PROCESS_OPTIONS = ("quiet", "compile_cache", "seeds") + LAUNCH_OPTIONS  # flags of the process, not of a run
 
 
 class UsageError(Exception):
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                          argument_default=argparse.SUPPRESS)
     run.add_argument("--config", help="TOML or JSON file of options; flags override it")
     run.add_argument("--quiet", action="store_true", help="no progress bar or table")
+    run.add_argument("--seeds", metavar="S,S,...",
+                     help="one run per seed, one after another, into OUT/seed<S> (OUT: --out or a new runs/... "
+                          "folder), then the table of `jaxfl compare` (mean ± std over the seeds) on stdout and in "
+                          "OUT/compare.md, and its figure in OUT/compare.png; with --resume, each seed continues "
+                          "(or starts) its own run")
     run.add_argument("--compile-cache", metavar="DIR",
                      help="keep compiled programs in DIR for later runs of the same shapes (a sweep's other seeds "
                           "and rates), or none; the same numbers either way (default: $JAXFL_COMPILE_CACHE, else "
@@ -213,37 +219,110 @@ def main(argv=None) -> int:
         return compare_main(args)
     quiet = args.pop("quiet", False)
     cache_flag = args.pop("compile_cache", None)
+    seeds_flag = args.pop("seeds", None)
     launch = {k: args.pop(k) for k in LAUNCH_OPTIONS if k in args}
     from ..core.distributed import initialize, is_primary  # imports jax: kept out of `jaxfl --help`'s start-up
+    seed = None
     try:
         if launch.get("num_processes", 1) > 1:
             initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))
             quiet = quiet or not is_primary()  # one process prints
-        cfg = run_config(args)
+        root, cfgs = (None, [run_config(args)]) if seeds_flag is None else seed_configs(args, seeds_flag)
         cache = use_compile_cache(check_compile_cache(cache_flag or default_compile_cache()),
                                   explicit=cache_flag is not None)
-        from .runner import Experiment
         with cache_warnings(cache, say):
-            exp = Experiment(cfg)
-            if not quiet:
-                print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {len(exp.dataset.client_names)} clients "
-                      f"{exp.dataset.client_names}, train sizes {exp.dataset.train_counts().tolist()}, strategy "
-                      f"{exp.strategy}, backend {exp.backend_name}, {devices_note(exp)}, compile cache "
-                      f"{cache or 'off'}; writing to {cfg.out}", file=sys.stderr)
-            bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
-            result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds), notify=say)
+            for cfg in cfgs:
+                seed = cfg.seed
+                if root is not None and cfg.resume and finished(cfg):
+                    continue
+                result = run_one(cfg, quiet, cache)
+                summary = result.summary()
+                if root is None and summary and is_primary():
+                    print(format_table(summary) if not quiet else json.dumps(summary["last"]))
+        table = seeds_table(root, [c.out for c in cfgs]) if root is not None and is_primary() else None
     except Stopped as e:  # SIGTERM/SIGINT: the run is checkpointed at a round boundary
-        print(f"jaxfl: {e}", file=sys.stderr)
+        message = str(e) if root is None else (f"stopped at round {e.round_done} of seed {seed}; continue with jaxfl "
+                                               f"run --out {root} --seeds {seeds_flag} --resume")
+        print(f"jaxfl: {message}", file=sys.stderr)
         return e.exit_code
     except JaxflError as e:  # bad input: exit 2; a failed write (RunIOError): exit 1
         print(f"jaxfl: error: {e}", file=sys.stderr)
         return e.exit_code
-    summary = result.summary()
-    if summary and is_primary():
-        print(format_table(summary) if not quiet else json.dumps(summary["last"]))
+    if table is not None:
+        print(table)
+    return 0
+
+
+def parse_seeds(text: str) -> list[int]:
+    """"0,1,2" -> [0, 1, 2]; ConfigError unless distinct integers >= 0."""
+    try:
+        seeds = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ConfigError(f"--seeds {text!r}: give distinct integers >= 0, comma-separated, e.g. 0,1,2")
+    return seeds
+
+
+def seed_configs(args: dict, seeds_flag: str) -> tuple[str, list[RunConfig]]:
+    """(OUT, the validated config of each seed's run in OUT/seed<S>), all checked before any run starts. Under
+    --resume a seed whose folder is missing or empty starts its run."""
+    seeds = parse_seeds(seeds_flag)
+    if "seed" in args:
+        raise ConfigError(f"--seed {args['seed']} and --seeds {seeds_flag}: give one of them")
+    if args.get("resume") and not args.get("out"):
+        raise ConfigError(f"--seeds {seeds_flag} --resume: give the --out of the runs to continue")
+    root = args.get("out") or run_config({k: v for k, v in args.items() if k != "resume"}).out
+    cfgs = []
+    for seed in seeds:
+        out = Path(root) / f"seed{seed}"
+        resume = bool(args.get("resume")) and out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir())
+        cfg = validate(run_config({**args, "seed": seed, "out": str(out), "resume": resume}))
+        if not (resume and finished(cfg)):  # a finished seed needs no checkpoint to be resumed
+            check_output(cfg)
+        cfgs.append(cfg)
+    return str(root), cfgs
+
+
+def finished(cfg: RunConfig) -> bool:
+    """Whether ``cfg.out`` holds a run that has reached ``cfg.rounds`` (its summary written)."""
+    log, summary = Path(cfg.out) / "metrics.jsonl", Path(cfg.out) / "summary.json"
+    try:
+        lines = log.read_text().splitlines()
+        return summary.is_file() and bool(lines) and json.loads(lines[-1])["round"] == cfg.rounds
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def seeds_table(root: str, outs: list[str]) -> str:
+    """The ``jaxfl compare`` table of a --seeds run's folders, also written to ROOT/compare.md, with the mean
+    accuracy per round (± one std over the seeds) in ROOT/compare.png."""
+    from ..errors import RunIOError
+    from .compare import compare, plot_mean_accuracy
+    results, table, _ = compare(outs)
+    try:
+        (Path(root) / "compare.md").write_text(table + "\n")
+        plot_mean_accuracy(results, Path(root) / "compare.png", f"{len(outs)} seeds")
+    except OSError as e:
+        raise RunIOError(f"writing {root}/compare.md or compare.png: {e}; the runs are complete (jaxfl compare "
+                         f"{root} redoes the table)") from None
+    return table
+
+
+def run_one(cfg: RunConfig, quiet: bool, cache: str | None):
+    """Build and train one run, with the start-up line, a progress bar (a terminal) or one line per round."""
+    from .runner import Experiment
+    exp = Experiment(cfg)
+    if not quiet:
+        print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {len(exp.dataset.client_names)} clients "
+              f"{exp.dataset.client_names}, train sizes {exp.dataset.train_counts().tolist()}, strategy "
+              f"{exp.strategy}, backend {exp.backend_name}, {devices_note(exp)}, compile cache {cache or 'off'}; "
+              f"writing to {cfg.out}", file=sys.stderr)
+    bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
+    result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds), notify=say)
     if not quiet:
         print(f"wrote {cfg.out}/metrics.jsonl, summary.json, accuracy.png", file=sys.stderr)
-    return 0
+    return result
 
 
 def say(line: str) -> None:
