@@ -8,8 +8,9 @@ from pathlib import Path
 # third slower than its older LLVM IR emitters: four of the slowest tests took 29.6 s with them, 20.1-21.0 s
 # without, the suite 11 min 40 s against 6 min 47 s (session 18). The older emitters round differently in
 # different programs, though: a test that claims two *different* programs agree bit for bit (a reduction run
-# as another algorithm, K rounds per call against one) runs, through ``default_codegen``, in a process of its
-# own with the default emitters, the code generator users run.
+# as another algorithm, K rounds per call against one) compiles, through ``default_codegen``, with the default
+# emitters, the code generator users run (in the same process since session 28: ~20 s less than a pytest
+# subprocess per such test). JAXFL_TEST_DEFAULT_CODEGEN=1 runs the whole suite with the default emitters.
 DEFAULT_CODEGEN = os.environ.get("JAXFL_TEST_DEFAULT_CODEGEN") == "1"
 FAST_CODEGEN_FLAG = "--xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
@@ -25,9 +26,8 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(__import__("temp
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import contextlib  # noqa: E402
 import functools  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -41,20 +41,57 @@ from jaxfl.data.clients import ClientData
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+_CODEGEN_CACHES = []
+
+
+def codegen_cache(fn):
+    """``functools.lru_cache(fn)``, emptied whenever ``default_emitters`` switches the code generator: a cached
+    *result* (trained states) computed with one generator must not stand in for the other's in a bit-identity
+    test. (Cached functions and algorithms need none of this: jax's caches are cleared at the switch.)"""
+    cached = functools.lru_cache(maxsize=None)(fn)
+    _CODEGEN_CACHES.append(cached)
+    return cached
+
+
+def _clear_compiled():
+    jax.clear_caches()
+    for cached in _CODEGEN_CACHES:
+        cached.cache_clear()
+
+
+@contextlib.contextmanager
+def default_emitters():
+    """Within the block, every XLA:CPU compilation uses its default (fusion) emitters: the suite's flag is
+    overridden per compilation (``env_option_overrides``, what ``jax.jit(..., compiler_options=...)`` sets), and
+    jax's in-memory caches (and ``codegen_cache`` results) are cleared on entry and exit, so that nothing compiled
+    with the other emitters is reused inside the block, nor anything of the block's outside it. (The persistent
+    cache keys programs by their compile options, these overrides included.) Patches jax's private
+    ``compiler.get_compile_options``: if a jax release moves it, the bit-identity tests fail, never pass wrongly."""
+    from jax._src import compiler
+    make = compiler.get_compile_options
+
+    def with_default_emitters(*args, **kwargs):
+        options = make(*args, **kwargs)
+        options.env_option_overrides = [*options.env_option_overrides, ("xla_cpu_use_fusion_emitters", True)]
+        return options
+    _clear_compiled()
+    compiler.get_compile_options = with_default_emitters
+    try:
+        yield
+    finally:
+        compiler.get_compile_options = make
+        _clear_compiled()
+
+
 def default_codegen(test):
-    """Run ``test`` in a pytest subprocess with XLA:CPU's default code generator (see the top of this file):
+    """Run ``test`` with XLA:CPU's default code generator (see the top of this file, and ``default_emitters``):
     for tests that assert bit-identity between two different compiled programs."""
     @functools.wraps(test)
     def wrapper(*args, **kwargs):
         if DEFAULT_CODEGEN:
             return test(*args, **kwargs)
-        node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
-        env = dict(os.environ, JAXFL_TEST_DEFAULT_CODEGEN="1",
-                   XLA_FLAGS=os.environ["XLA_FLAGS"].replace(FAST_CODEGEN_FLAG, "").strip())
-        out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", node],
-                             capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
-        assert out.returncode == 0, f"{node} with the default code generator:\n{out.stdout[-6000:]}{out.stderr[-2000:]}"
-        assert " passed" in out.stdout, out.stdout[-2000:]
+        with default_emitters():
+            return test(*args, **kwargs)
     return wrapper
 
 

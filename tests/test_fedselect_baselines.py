@@ -6,7 +6,8 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_trees_close, make_data, make_trainer, round_function, run_rounds, setup_algorithm, default_codegen
+from conftest import (assert_trees_close, codegen_cache, default_codegen, make_data, make_trainer, round_function,
+                      run_rounds, setup_algorithm)
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import ce_loss, class_feature_sums, in_part, only
@@ -25,7 +26,7 @@ def model():
     return small_cnn(num_classes=4, width=4, hidden=(8,))  # a BatchNorm in the head too
 
 
-@functools.lru_cache(maxsize=None)
+@codegen_cache
 def history(name, **opts):
     """[(server, clients) after round 1, after round 2] of ``name`` from the common start (cached: jit once)."""
     alg, data, server, clients = setup_algorithm(name, model(), COUNTS, options=opts)
