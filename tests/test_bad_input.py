@@ -81,6 +81,9 @@ CASES = {
     "--seeds with a used seed folder": (lambda d: ["--seeds", "0,1", "--out", str(write(d / "s" / "seed1" / "x", "")
                                                                                  .parent.parent)],
                                         "seed1' is not empty; pass --resume"),
+    "--seeds into a single run's folder": (lambda d: ["--seeds", "0,1", "--out",
+                                                      str(write(d / "one" / "metrics.jsonl", "{}").parent)],
+                                            "holds a run of its own; --seeds writes one run per seed"),
     "an option of another algorithm": (lambda d: ["--algorithm", "fedavg", "--fedselect.alpha", "0.5"],
                                        "--fedselect.alpha: option(s) of fedselect, but the algorithm is fedavg"),
     # refused by the argument parser, which printed its whole usage (~170 lines) first

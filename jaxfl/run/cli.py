@@ -273,6 +273,9 @@ def seed_configs(args: dict, seeds_flag: str) -> tuple[str, list[RunConfig]]:
     if args.get("resume") and not args.get("out"):
         raise ConfigError(f"--seeds {seeds_flag} --resume: give the --out of the runs to continue")
     root = args.get("out") or run_config({k: v for k, v in args.items() if k != "resume"}).out
+    if (Path(root) / "metrics.jsonl").exists() or (Path(root) / "config.json").exists():
+        raise ConfigError(f"--out {str(root)!r} holds a run of its own; --seeds writes one run per seed into "
+                          f"{str(root)!r}/seed<S>: choose another folder")
     cfgs = []
     for seed in seeds:
         out = Path(root) / f"seed{seed}"
