@@ -19,6 +19,7 @@ import numpy as np
 from jaxfl.algorithms import options_class
 from jaxfl.core.options import field_type
 from jaxfl.errors import JaxflError, Stopped
+from jaxfl.run import cli
 from jaxfl.run.checkpoint import Checkpointer
 from jaxfl.run.compile_cache import check_compile_cache, default_compile_cache, use_compile_cache
 from jaxfl.run.config import RunConfig
@@ -110,11 +111,11 @@ def table(results: dict[str, list[list[dict]]], names: list[str], paper: dict) -
 
 
 def parse_seeds(text: str) -> list[int]:
-    """"0,1,2" -> [0, 1, 2] (distinct seeds, in order)."""
-    seeds = [int(t) for t in str(text).split(",") if t.strip()]
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise SystemExit(f"--seeds {text!r}: give distinct integers, e.g. 0,1,2")
-    return seeds
+    """"0,1,2" -> [0, 1, 2] (distinct seeds >= 0, in order), as ``jaxfl run --seeds`` reads them."""
+    try:
+        return cli.parse_seeds(str(text))
+    except JaxflError as e:
+        raise SystemExit(str(e)) from None
 
 
 def seed_root(out_root: str | Path, seed: int, seeds: list[int]) -> Path:
