@@ -98,6 +98,20 @@ def test_embedded_default_needs_no_files(monkeypatch):
     assert len(ds2.client_names) == 6
 
 
+def test_embedded_sources_are_scikit_learns_datasets_read_without_importing_it():
+    from jaxfl.data.embedded import sklearn_digits_images, sklearn_sample_photos
+    from sklearn.datasets import load_digits, load_sample_images
+    images, labels = sklearn_digits_images()
+    d = load_digits()
+    np.testing.assert_array_equal(images, d.images)
+    np.testing.assert_array_equal(labels, d.target)
+    assert images.shape == (1797, 8, 8) and labels.dtype == np.int64
+    photos, want = sklearn_sample_photos(), load_sample_images().images
+    assert len(photos) == len(want) == 2
+    for a, b in zip(photos, want):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_mnist_preset_with_quantity_controlled_lognormal_clients(data_dir):
     cfg = DataConfig("mnist", data_dir=data_dir, num_clients=30, partition="dirichlet_quantity",
                      client_sizes="lognormal", size_sigma=1.0, dirichlet_alpha=1.0)

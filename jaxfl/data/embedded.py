@@ -12,10 +12,14 @@ are generated with a fixed seed, so the benchmark is the same on every machine.
 """
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import os
+from pathlib import Path
 
 import numpy as np
 
+from ..errors import DataError
 from .transforms import resize_images, to_channels
 
 
@@ -23,17 +27,43 @@ DOMAINS = ("sk-digits", "sk-digits-photo", "font-digits")
 _SEED = 20261122
 
 
+def sklearn_datasets_dir() -> Path:
+    """scikit-learn's ``datasets`` folder, found without importing scikit-learn (1.7 s of a run's start-up):
+    the files read below are what its ``load_digits`` and ``load_sample_images`` read."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the embedded benchmark (--dataset default) reads scikit-learn's data files: pip install "
+                        "scikit-learn")
+    return Path(list(spec.submodule_search_locations)[0]) / "datasets"
+
+
+def sklearn_digits_images() -> tuple[np.ndarray, np.ndarray]:
+    """(images float [1797, 8, 8] in 0..16, labels int64 [1797]): ``sklearn.datasets.load_digits``'s data, read
+    from its CSV (pixels, then the label, per row)."""
+    with gzip.open(sklearn_datasets_dir() / "data" / "digits.csv.gz", "rt", encoding="utf-8") as f:
+        table = np.loadtxt(f, delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
+
+
+def sklearn_sample_photos() -> list[np.ndarray]:
+    """``sklearn.datasets.load_sample_images().images``: its JPEG photos in file-name order, uint8 [H, W, 3]."""
+    from PIL import Image
+    photos = []
+    for path in sorted((sklearn_datasets_dir() / "images").glob("*.jpg")):
+        with Image.open(path) as im:
+            photos.append(np.asarray(im))
+    return photos
+
+
 def _sklearn_digits(size: int):
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    images = np.clip(d.images * (255.0 / 16.0), 0, 255).astype(np.uint8)[..., None]
-    return resize_images(images, size), d.target.astype(np.int64)
+    digits, labels = sklearn_digits_images()
+    images = np.clip(digits * (255.0 / 16.0), 0, 255).astype(np.uint8)[..., None]
+    return resize_images(images, size), labels
 
 
 def _photo_blend(digits, rng):
     """MNIST-M: |photo patch - digit| per channel, a random patch of a random photo for each digit."""
-    from sklearn.datasets import load_sample_images
-    photos = load_sample_images().images
+    photos = sklearn_sample_photos()
     n, s = len(digits), digits.shape[1]
     out = np.empty((n, s, s, 3), np.uint8)
     grey = to_channels(digits, 3).astype(np.int16)
