@@ -21,7 +21,7 @@ from jaxfl.core.options import field_type
 from jaxfl.errors import JaxflError, Stopped
 from jaxfl.run import cli
 from jaxfl.run.checkpoint import Checkpointer
-from jaxfl.run.compile_cache import check_compile_cache, default_compile_cache, use_compile_cache
+from jaxfl.run.compile_cache import resolve_compile_cache, use_compile_cache
 from jaxfl.run.config import RunConfig
 from jaxfl.run.runner import Experiment, RunResult
 # the seed tables and the figure are jaxfl's own (``jaxfl compare`` writes the same from run folders)
@@ -81,7 +81,7 @@ def run_variant(spec: str, base: RunConfig, out_root: str | Path, progress: bool
     if done and not keep_state:
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], None, None
     # the CLI's compile cache: a script's other seeds and variants of the same shapes read their programs
-    use_compile_cache(check_compile_cache(default_compile_cache()), explicit=False)
+    use_compile_cache(*resolve_compile_cache(None)[:2])
     ckpts = out / "checkpoints"  # resume only from a saved round (a run killed before its first has none)
     experiment = Experiment(cfg.replace(resume=ckpts.is_dir() and Checkpointer(ckpts).latest_round() is not None))
     result = experiment.run(progress=progress)

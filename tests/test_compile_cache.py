@@ -9,7 +9,8 @@ import warnings
 import pytest
 
 from jaxfl.errors import ConfigError
-from jaxfl.run.compile_cache import cache_warnings, check_compile_cache, default_compile_cache
+from jaxfl.run.compile_cache import (cache_warnings, check_compile_cache, default_compile_cache,
+                                     resolve_compile_cache)
 
 
 def test_default_folder_follows_jaxfl_then_xdg_then_home(monkeypatch, tmp_path):
@@ -31,6 +32,17 @@ def test_check_accepts_a_new_folder_without_creating_it_and_refuses_a_file(tmp_p
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="'f/sub': 'f' is not a folder"):
         check_compile_cache("f/sub")  # under a file
+
+
+def test_an_unusable_default_folder_turns_the_cache_off_but_a_named_one_is_bad_input(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAXFL_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/sys/none")  # a read-only home must not stop a run
+    folder, named, note = resolve_compile_cache(None)
+    assert folder is None and not named and note.startswith("compiling without a cache: the compile cache '/sys/")
+    assert resolve_compile_cache(str(tmp_path / "c")) == (tmp_path / "c", True, None)
+    monkeypatch.setenv("JAXFL_COMPILE_CACHE", "/sys/x")
+    with pytest.raises(ConfigError, match=r"\$JAXFL_COMPILE_CACHE '/sys/x': '/sys' is not writable"):
+        resolve_compile_cache(None)
 
 
 def test_cache_warnings_become_one_line_and_other_warnings_pass(monkeypatch):

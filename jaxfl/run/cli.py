@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError, JaxflError, Stopped
-from .compile_cache import cache_warnings, check_compile_cache, default_compile_cache, use_compile_cache
+from .compile_cache import cache_warnings, resolve_compile_cache, use_compile_cache
 from .config import TRAINING_DEFAULTS, RunConfig, check_output, load_config_file, validate
 from .lock import LOCK_NAME
 
@@ -228,8 +228,10 @@ def main(argv=None) -> int:
             initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))
             quiet = quiet or not is_primary()  # one process prints
         root, cfgs = (None, [run_config(args)]) if seeds_flag is None else seed_configs(args, seeds_flag)
-        cache = use_compile_cache(check_compile_cache(cache_flag or default_compile_cache()),
-                                  explicit=cache_flag is not None)
+        folder, named, note = resolve_compile_cache(cache_flag)
+        cache = use_compile_cache(folder, explicit=named)
+        if cache is None and note and not quiet:
+            say(note)
         with cache_warnings(cache, say):
             for cfg in cfgs:
                 seed = cfg.seed

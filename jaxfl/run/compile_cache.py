@@ -33,7 +33,7 @@ def default_compile_cache() -> str:
     return os.path.join(base, "jaxfl", "xla")
 
 
-def check_compile_cache(path: str) -> Path | None:
+def check_compile_cache(path: str, what: str = "--compile-cache") -> Path | None:
     """The cache folder ``path`` names (None for ``none``), checked without writing anything: an existing
     folder, or a new one whose nearest existing parent is a writable folder. Raises ConfigError otherwise."""
     if path.strip().lower() in ("none", "off", ""):
@@ -43,12 +43,26 @@ def check_compile_cache(path: str) -> Path | None:
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise ConfigError(f"--compile-cache {path!r}: {str(parent)!r} is not a folder; give a folder, or none "
-                          f"to compile every program anew")
+        raise ConfigError(f"{what} {path!r}: {str(parent)!r} is not a folder; give a folder, or none to compile "
+                          f"every program anew")
     if not writable(parent):
-        raise ConfigError(f"--compile-cache {path!r}: {str(parent)!r} is not writable; give a writable folder, "
-                          f"or none to compile every program anew")
+        raise ConfigError(f"{what} {path!r}: {str(parent)!r} is not writable; give a writable folder, or none "
+                          f"to compile every program anew")
     return folder
+
+
+def resolve_compile_cache(flag: str | None) -> tuple[Path | None, bool, str | None]:
+    """(folder or None, whether the user named it, a note): ``--compile-cache FLAG``, else
+    ``$JAXFL_COMPILE_CACHE``, both checked (ConfigError if unusable: the user asked for them); else the default
+    folder, or None and a one-line note if it cannot be used (a read-only home must not stop a run)."""
+    if flag is not None:
+        return check_compile_cache(flag), True, None
+    if os.environ.get(ENV):
+        return check_compile_cache(os.environ[ENV], f"${ENV}"), True, None
+    try:
+        return check_compile_cache(default_compile_cache(), "the compile cache"), False, None
+    except ConfigError as e:
+        return None, False, f"compiling without a cache: {e}"
 
 
 def use_compile_cache(folder: Path | None, explicit: bool) -> str | None:
