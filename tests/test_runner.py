@@ -95,6 +95,25 @@ def test_cli_seeds_runs_each_seed_in_its_folder_resumes_them_and_tables_them(tmp
     assert logs[0][1]["train_loss"] != logs[1][1]["train_loss"]
 
 
+def test_cli_seeds_go_on_past_a_seed_that_diverges_and_table_the_others(tmp_path, capsys, monkeypatch):
+    from jaxfl.run import cli
+    real = cli.run_one
+
+    def seed_one_diverges(cfg, quiet, cache):
+        if cfg.seed == 1:
+            raise NonFiniteError("training produced NaN/Inf in round 1 on client(s) x")
+        return real(cfg, quiet, cache)
+    monkeypatch.setattr(cli, "run_one", seed_one_diverges)
+    out = tmp_path / "sweep"
+    assert main(["run", "--quiet", "--rounds", "1", "--seeds", "0,1,2", "--out", str(out)] + CLI_TINY) == 2
+    captured = capsys.readouterr()
+    assert "| fedbn | 2 | 1 | " in captured.out  # seeds 0 and 2
+    err = captured.err.strip().splitlines()
+    assert err == ["jaxfl: error: seed 1: training produced NaN/Inf in round 1 on client(s) x",
+                   "jaxfl: error: seed(s) 1 stopped on non-finite numbers (above); the table covers the other 2"]
+    assert (out / "seed2" / "summary.json").is_file()
+
+
 def test_cli_resume_keeps_the_saved_config_and_allows_what_it_recommends(tmp_path, capsys):
     out = str(tmp_path / "o")
     assert main(["run", "--quiet", "--rounds", "2", "--checkpoint-every", "1", "--lr", "0.05", "--out", out]

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError, JaxflError, Stopped
+from ..errors import ConfigError, JaxflError, NonFiniteError, Stopped
 from .compile_cache import cache_warnings, resolve_compile_cache, use_compile_cache
 from .config import TRAINING_DEFAULTS, RunConfig, check_output, load_config_file, validate
 from .lock import LOCK_NAME
@@ -232,16 +232,25 @@ def main(argv=None) -> int:
         cache = use_compile_cache(folder, explicit=named)
         if cache is None and note and not quiet:
             say(note)
+        diverged = []  # --seeds: a seed whose training turned NaN/Inf; the sweep goes on without it
         with cache_warnings(cache, say):
             for cfg in cfgs:
                 seed = cfg.seed
                 if root is not None and cfg.resume and finished(cfg):
                     continue
-                result = run_one(cfg, quiet, cache)
+                try:
+                    result = run_one(cfg, quiet, cache)
+                except NonFiniteError as e:
+                    if root is None:
+                        raise
+                    say(f"error: seed {seed}: {e}")
+                    diverged.append(seed)
+                    continue
                 summary = result.summary()
                 if root is None and summary and is_primary():
                     print(format_table(summary) if not quiet else json.dumps(summary["last"]))
-        table = seeds_table(root, [c.out for c in cfgs]) if root is not None and is_primary() else None
+        done = [c.out for c in cfgs if c.seed not in diverged]
+        table = seeds_table(root, done) if root is not None and done and is_primary() else None
     except Stopped as e:  # SIGTERM/SIGINT: the run is checkpointed at a round boundary
         message = str(e) if root is None else (f"stopped at round {e.round_done} of seed {seed}; continue with jaxfl "
                                                f"run --out {root} --seeds {seeds_flag} --resume")
@@ -252,6 +261,10 @@ def main(argv=None) -> int:
         return e.exit_code
     if table is not None:
         print(table)
+    if root is not None and diverged:
+        say(f"error: seed(s) {', '.join(map(str, diverged))} stopped on non-finite numbers (above); "
+            + (f"the table covers the other {len(done)}" if done else "no seed finished"))
+        return NonFiniteError.exit_code
     return 0
 
 
