@@ -49,16 +49,13 @@ def measured_pairs() -> list[dict]:
 
     import backend_choice
     from jaxfl.data.federated import load_dataset
-    from jaxfl.run.cli import PROCESS_OPTIONS, build_parser, run_config
+    from jaxfl.run.cli import command_config
     for part in sorted(CHOICE.glob("*.json")):
         for r in json.loads(part.read_text())["rows"]:
             if "round_s" not in r.get("stacked", {}) or "round_s" not in r.get("ragged", {}):
                 continue
             argv = ["run", *backend_choice.COMMON.split(), *r["flags"].split(), "--out", tempfile.mkdtemp()]
-            args = vars(build_parser().parse_args(argv))  # the workload's config as `jaxfl run` reads it
-            for k in ("command", *PROCESS_OPTIONS):
-                args.pop(k, None)
-            cfg = run_config(args)
+            cfg = command_config(argv)  # the workload's config as `jaxfl run` reads it
             ds = load_dataset(cfg.data_config())
             pairs.append(dict(
                 name=f"{cfg.model} (MNIST Dirichlet {cfg.dirichlet_alpha}, {cfg.num_clients} clients)",

@@ -8,7 +8,7 @@ import pytest
 from conftest import assert_trees_close, default_codegen
 
 from jaxfl.errors import ConfigError, NonFiniteError
-from jaxfl.run.cli import PROCESS_OPTIONS, build_parser, main, run_config
+from jaxfl.run.cli import command_config, main
 from jaxfl.run.config import RunConfig, validate
 from jaxfl.run.runner import Experiment, summarize
 
@@ -82,13 +82,10 @@ def test_cli_seeds_runs_each_seed_in_its_folder_resumes_them_and_tables_them(tmp
     assert (out / "compare.png").stat().st_size > 0
     # each seed's run is the run `--seed S --out OUT/seedS` would be (its numbers are a function of its config)
     for s in (0, 1):
-        argv = flags + ["--seed", str(s), "--rounds", "2", "--out", str(out / f"seed{s}")]
-        args = vars(build_parser().parse_args(argv))
-        for k in ("command", *PROCESS_OPTIONS):
-            args.pop(k, None)
+        cfg = command_config(flags + ["--seed", str(s), "--rounds", "2", "--out", str(out / f"seed{s}")])
         saved = json.loads((out / f"seed{s}" / "config.json").read_text())
         unset = {"resume": None, "eval_point": None}  # (the run sets eval_point from its cohort)
-        assert {**saved, **unset} == {**run_config(args).resolved().to_dict(), **unset}
+        assert {**saved, **unset} == {**cfg.resolved().to_dict(), **unset}
     logs = [[json.loads(line) for line in (out / f"seed{s}" / "metrics.jsonl").read_text().splitlines()]
             for s in (0, 1)]
     assert [[r["round"] for r in log] for log in logs] == [[1, 2]] * 2

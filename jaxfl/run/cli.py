@@ -7,10 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError, JaxflError, NonFiniteError, Stopped
+from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped
 from .compile_cache import cache_warnings, resolve_compile_cache, use_compile_cache
-from .config import TRAINING_DEFAULTS, RunConfig, check_output, load_config_file, validate
-from .lock import LOCK_NAME
+from .config import TRAINING_DEFAULTS, RunConfig, check_output, holds_files, load_config_file, validate
 
 
 HELP = {
@@ -227,7 +226,7 @@ def main(argv=None) -> int:
         if launch.get("num_processes", 1) > 1:
             initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))
             quiet = quiet or not is_primary()  # one process prints
-        root, cfgs = (None, [run_config(args)]) if seeds_flag is None else seed_configs(args, seeds_flag)
+        root, cfgs, skip = (None, [run_config(args)], ()) if seeds_flag is None else seed_configs(args, seeds_flag)
         folder, named, note = resolve_compile_cache(cache_flag)
         cache = use_compile_cache(folder, explicit=named)
         if cache is None and note and not quiet:
@@ -236,7 +235,7 @@ def main(argv=None) -> int:
         with cache_warnings(cache, say):
             for cfg in cfgs:
                 seed = cfg.seed
-                if root is not None and cfg.resume and finished(cfg):
+                if seed in skip:
                     continue
                 try:
                     result = run_one(cfg, quiet, cache)
@@ -252,12 +251,11 @@ def main(argv=None) -> int:
         done = [c.out for c in cfgs if c.seed not in diverged]
         table = seeds_table(root, done) if root is not None and done and is_primary() else None
     except Stopped as e:  # SIGTERM/SIGINT: the run is checkpointed at a round boundary
-        message = str(e) if root is None else (f"stopped at round {e.round_done} of seed {seed}; continue with jaxfl "
-                                               f"run --out {root} --seeds {seeds_flag} --resume")
-        print(f"jaxfl: {message}", file=sys.stderr)
+        say(str(e) if root is None else f"stopped at round {e.round_done} of seed {seed}; continue with jaxfl run "
+                                        f"--out {root} --seeds {seeds_flag} --resume")
         return e.exit_code
     except JaxflError as e:  # bad input: exit 2; a failed write (RunIOError): exit 1
-        print(f"jaxfl: error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return e.exit_code
     if table is not None:
         print(table)
@@ -279,9 +277,10 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def seed_configs(args: dict, seeds_flag: str) -> tuple[str, list[RunConfig]]:
-    """(OUT, the validated config of each seed's run in OUT/seed<S>), all checked before any run starts. Under
-    --resume a seed whose folder is missing or empty starts its run."""
+def seed_configs(args: dict, seeds_flag: str) -> tuple[str, list[RunConfig], set[int]]:
+    """(OUT, the validated config of each seed's run in OUT/seed<S>, the seeds whose runs are already finished),
+    all checked before any run starts. Under --resume a seed whose folder is missing or empty starts its run,
+    and a finished one is skipped."""
     seeds = parse_seeds(seeds_flag)
     if "seed" in args:
         raise ConfigError(f"--seed {args['seed']} and --seeds {seeds_flag}: give one of them")
@@ -291,15 +290,17 @@ def seed_configs(args: dict, seeds_flag: str) -> tuple[str, list[RunConfig]]:
     if (Path(root) / "metrics.jsonl").exists() or (Path(root) / "config.json").exists():
         raise ConfigError(f"--out {str(root)!r} holds a run of its own; --seeds writes one run per seed into "
                           f"{str(root)!r}/seed<S>: choose another folder")
-    cfgs = []
+    cfgs, skip = [], set()
     for seed in seeds:
         out = Path(root) / f"seed{seed}"
-        resume = bool(args.get("resume")) and out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir())
+        resume = bool(args.get("resume")) and out.is_dir() and holds_files(out)
         cfg = validate(run_config({**args, "seed": seed, "out": str(out), "resume": resume}))
-        if not (resume and finished(cfg)):  # a finished seed needs no checkpoint to be resumed
+        if resume and finished(cfg):  # a finished seed needs no checkpoint to be resumed
+            skip.add(seed)
+        else:
             check_output(cfg)
         cfgs.append(cfg)
-    return str(root), cfgs
+    return str(root), cfgs, skip
 
 
 def finished(cfg: RunConfig) -> bool:
@@ -315,7 +316,6 @@ def finished(cfg: RunConfig) -> bool:
 def seeds_table(root: str, outs: list[str]) -> str:
     """The ``jaxfl compare`` table of a --seeds run's folders, also written to ROOT/compare.md, with the mean
     accuracy per round (± one std over the seeds) in ROOT/compare.png."""
-    from ..errors import RunIOError
     from .compare import compare, plot_mean_accuracy
     results, table, _ = compare(outs)
     try:
@@ -346,6 +346,17 @@ def run_one(cfg: RunConfig, quiet: bool, cache: str | None):
 def say(line: str) -> None:
     """One ``jaxfl: ...`` line on stderr (a run's notices: a checkpoint fallback, a compile-cache fault)."""
     print(f"jaxfl: {line}", file=sys.stderr, flush=True)
+
+
+def command_config(argv) -> RunConfig:
+    """The RunConfig of a ``jaxfl run ...`` command line (``argv``: what follows ``jaxfl``) as ``main`` builds
+    it, process flags (``PROCESS_OPTIONS``) aside; nothing runs. Raises UsageError or ConfigError."""
+    args = vars(build_parser().parse_args(argv))
+    if args.pop("command") != "run":
+        raise UsageError(f"{argv[0]!r} is not `jaxfl run`")
+    for k in PROCESS_OPTIONS:
+        args.pop(k, None)
+    return run_config(args)
 
 
 def run_config(args: dict) -> RunConfig:

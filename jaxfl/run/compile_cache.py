@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import ConfigError
-from .config import writable
+from .config import nearest_existing, writable
 
 MAX_BYTES = 1 << 30  # 1 GiB: CPU entries are ~10 KB, an accelerator's a few MB
 ENV = "JAXFL_COMPILE_CACHE"
@@ -39,10 +39,8 @@ def check_compile_cache(path: str, what: str = "--compile-cache") -> Path | None
     if path.strip().lower() in ("none", "off", ""):
         return None
     folder = Path(path).expanduser()
-    parent = folder
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
+    parent = nearest_existing(folder)
+    if parent is None or not parent.is_dir():
         raise ConfigError(f"{what} {path!r}: {str(parent)!r} is not a folder; give a folder, or none to compile "
                           f"every program anew")
     if not writable(parent):
@@ -57,10 +55,11 @@ def resolve_compile_cache(flag: str | None) -> tuple[Path | None, bool, str | No
     folder, or None and a one-line note if it cannot be used (a read-only home must not stop a run)."""
     if flag is not None:
         return check_compile_cache(flag), True, None
-    if os.environ.get(ENV):
-        return check_compile_cache(os.environ[ENV], f"${ENV}"), True, None
+    path, named = default_compile_cache(), bool(os.environ.get(ENV))
+    if named:
+        return check_compile_cache(path, f"${ENV}"), True, None
     try:
-        return check_compile_cache(default_compile_cache(), "the compile cache"), False, None
+        return check_compile_cache(path, "the compile cache"), False, None
     except ConfigError as e:
         return None, False, f"compiling without a cache: {e}"
 
@@ -68,7 +67,8 @@ def resolve_compile_cache(flag: str | None) -> tuple[Path | None, bool, str | No
 def use_compile_cache(folder: Path | None, explicit: bool) -> str | None:
     """Turn on jax's persistent compilation cache in ``folder`` for this process (before its first compilation)
     and return the folder in use. A cache jax already has (``JAX_COMPILATION_CACHE_DIR``, or set in code) is
-    kept unless ``explicit`` (the user named a folder on the command line); ``folder`` None turns it off."""
+    kept unless ``explicit`` (the user named a folder: ``--compile-cache`` or ``$JAXFL_COMPILE_CACHE``);
+    ``folder`` None turns it off."""
     import jax
     current = jax.config.jax_compilation_cache_dir
     if current and not explicit:

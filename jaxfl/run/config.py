@@ -252,7 +252,7 @@ def check_output(cfg: RunConfig) -> None:
             raise ConfigError(f"--out {str(out)!r} is not writable")
         if is_primary():  # another run is writing here (a multi-process run's lock is process 0's)
             check_free(out)
-        if any(p.name != LOCK_NAME for p in out.iterdir()) and not (cfg.resume or cfg.overwrite):
+        if holds_files(out) and not (cfg.resume or cfg.overwrite):
             raise ConfigError(f"--out {str(out)!r} is not empty; pass --resume to continue its run, --overwrite "
                               f"to replace it, or choose another folder")
         if cfg.resume and not (out / "checkpoints").is_dir():
@@ -260,9 +260,19 @@ def check_output(cfg: RunConfig) -> None:
         return
     if cfg.resume:
         raise ConfigError(f"--resume: {str(out)!r} does not exist")
-    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    parent = nearest_existing(out.absolute())
     if parent is None or not parent.is_dir() or not writable(parent):
         raise ConfigError(f"--out {str(out)!r} cannot be created: {str(parent)!r} is not a writable folder")
+
+
+def holds_files(folder: Path) -> bool:
+    """Whether ``folder`` holds anything besides a run's lock file (``LOCK_NAME``, left by any run)."""
+    return any(p.name != LOCK_NAME for p in folder.iterdir())
+
+
+def nearest_existing(path: Path) -> Path | None:
+    """``path`` if it exists, else its nearest existing parent; None if none exists (a deleted working folder)."""
+    return next((p for p in (path, *path.parents) if p.exists()), None)
 
 
 def writable(folder: Path) -> bool:
