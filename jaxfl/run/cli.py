@@ -284,9 +284,11 @@ def seed_configs(args: dict, seeds_flag: str) -> tuple[str, list[RunConfig], set
     seeds = parse_seeds(seeds_flag)
     if "seed" in args:
         raise ConfigError(f"--seed {args['seed']} and --seeds {seeds_flag}: give one of them")
-    if args.get("resume") and not args.get("out"):
+    # OUT: the flag, else the config file's ``out``, else a new folder (not under --resume)
+    root = args.get("out") or (load_config_file(args["config"]).get("out") if args.get("config") else None)
+    if args.get("resume") and not root:
         raise ConfigError(f"--seeds {seeds_flag} --resume: give the --out of the runs to continue")
-    root = args.get("out") or run_config({k: v for k, v in args.items() if k != "resume"}).out
+    root = root or run_config({k: v for k, v in args.items() if k != "resume"}).out
     if (Path(root) / "metrics.jsonl").exists() or (Path(root) / "config.json").exists():
         raise ConfigError(f"--out {str(root)!r} holds a run of its own; --seeds writes one run per seed into "
                           f"{str(root)!r}/seed<S>: choose another folder")
