@@ -17,7 +17,9 @@ A workload whose runner fails (e.g. out of GPU memory) keeps its other runners' 
 the table. Sessions 18, 19 and 27 measured every workload on an H200 (``benchmarks/results/gpu_h200_*``), so
 ``--skip-done benchmarks/results`` goes straight to the last part: with the budget left and MNIST under
 ``$JAXFL_DATA_DIR/digits``, ``benchmarks/backend_choice.py`` (into ``DIR/choice``) checks that ``jaxfl run``
-picks the faster data backend on that device. The workloads' processes import jaxfl from this checkout.
+picks the faster data backend on that device, then ``benchmarks/seed_axis.py`` (into ``DIR/seed_axis.json``)
+whether a round over a seed axis beats one round per seed there. The workloads' processes import jaxfl from this
+checkout.
 
 The small-model workloads (``small:...``, issue 34) run the engine vmapped (one round per call and 10 rounds per
 call, ``Stacked``), the ragged engine's vmap buckets and the two loops (``GPU_SMALL_RUNNERS``).
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,6 +102,17 @@ def main(argv=None) -> None:
         backend_choice.main(["--out", str(out / "choice"), "--budget-s", str(left - 60)])
     elif not args.smoke:
         skipped.append("backend_choice (no MNIST under $JAXFL_DATA_DIR/digits, or no budget left)")
+    left = budget - (time.perf_counter() - start)
+    if not args.smoke and left >= 60:
+        # a lead for `jaxfl run --seeds`: one round over a seed axis against S rounds (a loss on the CPU)
+        try:
+            subprocess.run([sys.executable, str(Path(__file__).parent / "seed_axis.py"), "--workload", "logreg,2nn",
+                            "--seeds", "3,10", "--strategy", "vmap", "--rounds", "10",
+                            "--out", str(out / "seed_axis.json")], env=env, timeout=left - 30, check=False)
+        except subprocess.TimeoutExpired:
+            skipped.append("seed_axis (out of budget)")
+    elif not args.smoke:
+        skipped.append("seed_axis (no budget left)")
     elapsed = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps({"results": results, "skipped": skipped, "elapsed_s": elapsed},
                                                  indent=1))

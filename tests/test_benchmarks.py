@@ -64,3 +64,11 @@ def test_conv_paths_xla_conv_has_autodiffs_gradients_inside_a_loop():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
         assert float(jnp.abs(want).max()) > 1.0
     np.testing.assert_allclose(conv(x, k), ref(x, k), rtol=1e-5, atol=1e-5)
+
+
+def test_the_seed_axis_benchmark_compares_the_same_rounds():
+    # one round over a seed axis (vmap) and one round per seed train the same models, unequal partitions included
+    import seed_axis
+    r = seed_axis.measure("logreg", n=12, cohort=4, seeds=2, strategy="map", rounds=1, equal=False)
+    assert r["seeds"] == 2 and r["sequential_s"] > 0 and r["vectorized_s"] > 0
+    assert r["max_param_diff"] <= 1e-6
