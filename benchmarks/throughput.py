@@ -416,7 +416,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
                 server, m = sim.round(server, store, 0, root)  # compile
                 first = time.perf_counter() - t
                 t, ms = time.perf_counter(), []
-                for r in range(rounds):
+                for r in range(rounds):  # one call per round (run_rounds would run the K-round program)
                     server, m = sim.round(server, store, r, root)
                     ms.append(m)
                 jax.block_until_ready(server)
@@ -439,15 +439,14 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
             for r in range(rounds):  # compile every bucket shape of these cohorts
                 server, m = sim.round(server, store, r, root)
             first = time.perf_counter() - t
-            t, ms = time.perf_counter(), []
-            for r in range(rounds):
-                server, m = sim.round(server, store, r, root)
-                ms.append(m)
+            t = time.perf_counter()
+            server, ms = sim.run_rounds(server, store, 0, rounds, root)
             jax.block_until_ready(server)
             sec = time.perf_counter() - t
             record(runner, sec, rounds, {"compile_s": first - sec, "padded_work": float(np.mean([m["padded_work"] for m in ms])),
                                          "host_share": float(np.mean([m["host_share"] for m in ms])),
-                                         "buckets": int(m["buckets"]), "compiled_shapes": int(m["compiled_shapes"])})
+                                         "buckets": int(ms[-1]["buckets"]),
+                                         "compiled_shapes": int(ms[-1]["compiled_shapes"])})
             del sim, store
         elif kind == "jax_loop":
             sec = small_jax_loop(alg, data, batch, cohorts[:rounds], root)
