@@ -76,6 +76,13 @@ CASES = {
                                            "--resume: no checkpoint in"),
     "--resume and --overwrite": (lambda d: ["--resume", "--overwrite", "--out", str(d / "o")],
                                  "--resume continues the run in --out, --overwrite replaces it"),
+    "--stragglers 1.5": (lambda d: ["--stragglers", "1.5"], "stragglers=1.5 is outside [0.0, 1.0]"),
+    "--stragglers with one local epoch": (lambda d: ["--stragglers", "0.5"],
+                                          "stragglers=0.5: a straggler runs 1 to E-1 of its E local_epochs, so "
+                                          "--local-epochs must be at least 2 (it is 1)"),
+    "--stragglers with one FedSelect alternation": (lambda d: ["--algorithm", "fedselect", "--stragglers", "0.9",
+                                                               "--local-epochs", "5"],
+                                                    "of its E la_epochs, so --fedselect.la-epochs must be at least 2 (it is 1)"),
     "--seeds with a repeat": (lambda d: ["--seeds", "0,1,0"], "--seeds '0,1,0': give distinct integers >= 0"),
     "--seeds and --seed": (lambda d: ["--seeds", "0,1", "--seed", "2"], "--seed 2 and --seeds 0,1: give one of them"),
     "--seeds with a used seed folder": (lambda d: ["--seeds", "0,1", "--out", str(write(d / "s" / "seed1" / "x", "")

@@ -104,8 +104,8 @@ def split_rows(key, count, m: int, val_frac: float):
 def reordered(data, order, count):
     """The client's data with its positions in ``order`` and ``count`` real samples (the training split)."""
     if isinstance(data, ClientRows):
-        return ClientRows(data.store_x, data.store_y, data.rows[order], count)
-    return ClientData(data.x[order], data.y[order], count)
+        return ClientRows(data.store_x, data.store_y, data.rows[order], count, data.work)
+    return ClientData(data.x[order], data.y[order], count, data.work)
 
 
 @register(FedFomoOptions)

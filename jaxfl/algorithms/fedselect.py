@@ -33,7 +33,7 @@ import optax
 
 from ..core.aggregation import masked_mean, weighted_mean
 from ..core.options import Options, option
-from ..core.trainer import LocalTrainer
+from ..core.trainer import LocalTrainer, client_epochs
 from ..core.trees import path_mask
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
@@ -60,7 +60,8 @@ def mask_updates(mask) -> optax.GradientTransformation:
 
 def local_alt(trainer: LocalTrainer, loss_fn, params, stats, mask, data: ClientData, key, la_epochs: int):
     """LocalAlt: ``la_epochs`` times a personal pass (mask) then a global pass (~mask), one epoch each, with a
-    fresh optimizer per pass. Returns (params, stats, metrics of the last alternation: mean of its passes)."""
+    fresh optimizer per pass (a straggler: its first ``client_epochs(data, la_epochs)`` alternations). Returns
+    (params, stats, metrics of the last alternation: mean of its passes)."""
     one_epoch = dataclasses.replace(trainer, epochs=1)
     global_mask = jax.tree_util.tree_map(jnp.logical_not, mask)
 
@@ -80,13 +81,22 @@ def local_alt(trainer: LocalTrainer, loss_fn, params, stats, mask, data: ClientD
         metrics = jax.tree_util.tree_map(lambda a, b: (a + b) / 2, m_p, m_g)
         return (params, stats), metrics
 
-    (params, stats), metrics = jax.lax.scan(alternation, (params, stats), jnp.arange(la_epochs))
-    return params, stats, jax.tree_util.tree_map(lambda a: a[-1], metrics)
+    if data.work is None:
+        (params, stats), metrics = jax.lax.scan(alternation, (params, stats), jnp.arange(la_epochs))
+        return params, stats, jax.tree_util.tree_map(lambda a: a[-1], metrics)
+    # a straggler runs the first client_epochs(data, la_epochs) alternations; its metrics are its last one's
+    runs = client_epochs(data, la_epochs)
+    skipped = lambda carry, e: (carry, jax.tree_util.tree_map(
+        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(alternation, carry, e)[1]))
+    (params, stats), metrics = jax.lax.scan(lambda c, e: jax.lax.cond(e < runs, alternation, skipped, c, e),
+                                            (params, stats), jnp.arange(la_epochs))
+    return params, stats, jax.tree_util.tree_map(lambda a: a[runs - 1], metrics)
 
 
 @dataclasses.dataclass(frozen=True)
 class FedSelectOptions(Options):
     name = "fedselect"
+    local_work = "la_epochs"
     sharing = ("each entry while it is global for the client (unweighted per-entry mean)",
                "entries grown into the personal mask by update size; BN statistics")
     # the official code (utils/options.py: --lr 0.05, --local_bs 32; MaskLocalAltSGD has no momentum), which

@@ -42,7 +42,7 @@ import optax
 from ..core.aggregation import tree_weighted_mean
 from ..core.metrics import correct_count
 from ..core.options import Options, option
-from ..core.trainer import LocalTrainer, batch_of, epoch_permutation, num_positions
+from ..core.trainer import LocalTrainer, batch_of, client_epochs, epoch_permutation, num_positions
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ._common import ce_loss, global_model_predictors, init_variables, model_variables, optimizer_lr
@@ -136,7 +136,7 @@ def perfedavg(model, trainer: LocalTrainer, o: PerFedAvgOptions, ctx: RunContext
             return jax.lax.fori_loop(0, steps, step, carry)
 
         init_carry = (server["params"], server["batch_stats"], jnp.zeros(4, jnp.float32))
-        params, stats, sums = jax.lax.fori_loop(0, trainer.epochs, epoch, init_carry)
+        params, stats, sums = jax.lax.fori_loop(0, client_epochs(data, trainer.epochs), epoch, init_carry)
         seen = jnp.maximum(sums[2], 1.0)
         return {"params": params, "batch_stats": stats}, {"loss": sums[0] / seen, "accuracy": sums[1] / seen,
                                                           "seen": sums[2], "steps": sums[3]}

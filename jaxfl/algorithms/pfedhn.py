@@ -40,7 +40,7 @@ import optax
 
 from ..core.metrics import correct_count
 from ..core.options import Options, option
-from ..core.trainer import LocalTrainer, epoch_permutation
+from ..core.trainer import LocalTrainer, client_epochs, epoch_permutation
 from ..core.trees import leaf_paths
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
@@ -55,6 +55,7 @@ HYPER_OPTIMIZERS = ("sgd", "adam")
 @dataclasses.dataclass(frozen=True)
 class PFedHNOptions(Options):
     name = "pfedhn"
+    local_work = "inner_steps"
     # the hypernetwork holds (hyper_hidden + 1) weights per target parameter (x3 with its optimizer state): the
     # models of at most ~2.6M parameters (digits_cnn's 14M would need a 1.4B-weight hypernetwork)
     models = ("small_cnn", "resnet10_slim", "vit_tiny", "pfl_cnn", "fedavg_cnn", "vit_small")
@@ -155,7 +156,7 @@ def random_batch_steps(loss_fn, tx, steps: int, batch_size: int, preprocess, par
         sums = sums + jnp.stack([loss * n, correct_count(logits, data.y[idx], w), n, 1.0])
         return optax.apply_updates(params, updates), state, opt_state, sums
 
-    n_steps = jnp.where(data.count > 0, steps, 0)
+    n_steps = jnp.where(data.count > 0, client_epochs(data, steps), 0)  # a straggler: fewer of its steps
     params, state, _, sums = jax.lax.fori_loop(0, n_steps, step, (params, state, tx.init(params),
                                                                   jnp.zeros(4, jnp.float32)))
     seen = jnp.maximum(sums[2], 1.0)

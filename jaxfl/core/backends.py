@@ -112,7 +112,7 @@ class _Backend:
 
     def __init__(self, alg: Algorithm, train: RaggedClients, *, batch_size: int, strategy: str | None = None,
                  chunk_size: int = 8, cohort_size: int | None = None, weighting: str = "samples", mesh=None,
-                 num_rounds: int | None = None):
+                 num_rounds: int | None = None, stragglers: float = 0.0):
         self.alg, self.train, self.batch_size = alg, train, batch_size
         self.strategy = strategy or default_strategy()
         self.chunk_size, self.weighting, self.mesh, self.num_rounds = chunk_size, weighting, mesh, num_rounds
@@ -120,7 +120,7 @@ class _Backend:
         self.cohort_size = min(cohort_size or self.num_clients, self.num_clients)
         self.devices = 1 if mesh is None else mesh.devices.size
         self.step = make_step(alg, strategy=self.strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds,
-                              weighting=weighting)
+                              weighting=weighting, stragglers=stragglers)
         self.device_s = 0.0  # seconds spent in jitted computations (``timed``), for ``host_share``
 
     def timed(self, fn, *args):

@@ -69,6 +69,20 @@ def client_keys(root, round_idx, client_ids):
     return jax.vmap(lambda i: jax.random.fold_in(rkey, i))(client_ids)
 
 
+def straggler_work(root, round_idx, client_ids, fraction: float):
+    """Systems heterogeneity (FedProx, Li et al. 2020, section 5.2): each client of the round is a straggler with
+    probability ``fraction``, and a straggler's share of its local epochs is work ~ U[0, 1) (so a phase of E
+    epochs runs 1..E-1 of them with equal chance, ``trainer.local_epochs``); the others have work 1 (all E).
+
+    Client i's draw in round t comes from its own stream fold_in(fold_in(fold_in(root, 3), t), i), so it does
+    not depend on the cohort, the strategy or the device layout. client_ids: int [k] -> work float32 [k].
+    """
+    def one(key):
+        slow, share = jax.random.split(key)
+        return jnp.where(jax.random.uniform(slow) < fraction, jax.random.uniform(share), 1.0)
+    return jax.vmap(one)(client_keys(jax.random.fold_in(root, 3), round_idx, client_ids)).astype(jnp.float32)
+
+
 def sample_cohort(root, round_idx, num_clients: int, cohort_size: int):
     """Sorted ids of ``cohort_size`` = k clients drawn uniformly without replacement from N (everyone if k >= N).
 

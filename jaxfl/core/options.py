@@ -44,6 +44,9 @@ class Options:
     # the aggregate is a (masked) weighted mean of the shared parameters: a server optimizer (``--server-opt``,
     # ``jaxfl.core.server_opt``) may take its step from it
     server_optimizer: ClassVar[bool] = False
+    # what a straggler (``--stragglers``) runs only part of: the run's local epochs, or the name of an option that
+    # counts the method's own local work (FedSelect: la_epochs; pFedHN: inner_steps; 0 there: the local epochs)
+    local_work: ClassVar[str] = "local_epochs"
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ..data.clients import ClientData
 from .aggregation import broadcast_clients
-from .cohort import client_keys, over_clients
+from .cohort import client_keys, over_clients, straggler_work
 from .trainer import ClientRows
 from .trees import tree_all_finite
 from .types import Algorithm, RoundInfo
@@ -40,34 +40,39 @@ def aggregation_weights(counts, weighting: str):
 
 
 def cohort_train(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 8, mesh=None,
-                 num_rounds: int | None = None) -> Callable:
+                 num_rounds: int | None = None, stragglers: float = 0.0) -> Callable:
     """train(server, clients, data, ids, round_idx, root) -> (trained, metrics), one row per client.
 
     clients: the persistent states of k clients stacked [k]; data: their ClientData [k, M], or ``ClientRows``
     with rows [k, M] into a flat store (each client then gets its ``ClientRows``); ids [k]: their
     client ids (their PRNG streams, ``client_keys``, and ``RoundInfo.client_id``). metrics per client:
     ``loss``, ``accuracy``, ``seen``, ``steps`` (and what the algorithm adds) and ``finite`` (loss and new
-    state all finite). num_rounds: T, for ``RoundInfo`` (algorithms with schedules need it).
+    state all finite). num_rounds: T, for ``RoundInfo`` (algorithms with schedules need it). stragglers: the
+    probability that a client is a straggler this round (``cohort.straggler_work``: its data then carries the
+    share of its local epochs it runs, ``ClientData.work``); 0: every client runs all its epochs.
     """
-    def one(shared, client, x, y, count, key, cid, rows=None):
+    def one(shared, client, x, y, count, key, cid, work, rows=None):
         server, round_idx = shared
         info = RoundInfo(round_idx, cid, num_rounds)
-        new, metrics = alg.local_update(server, client, ClientData(x, y, count) if rows is None else rows, key, info)
+        data = ClientData(x, y, count, work) if rows is None else rows
+        new, metrics = alg.local_update(server, client, data, key, info)
         return new, dict(metrics, finite=tree_all_finite(new) & jnp.isfinite(metrics["loss"]))
 
-    def one_rows(shared, client, rows, count, key, cid):
+    def one_rows(shared, client, rows, count, key, cid, work):
         (server, round_idx, store_x, store_y) = shared
-        return one((server, round_idx), client, None, None, count, key, cid, ClientRows(store_x, store_y, rows, count))
+        return one((server, round_idx), client, None, None, count, key, cid, None,
+                   ClientRows(store_x, store_y, rows, count, work))
 
     def train(server, clients, data, ids, round_idx, root):
         ids = jnp.asarray(ids, jnp.int32)
         keys = client_keys(root, round_idx, ids)
+        work = straggler_work(root, round_idx, ids, stragglers) if stragglers else None
         round_idx = jnp.asarray(round_idx, jnp.int32)
         if isinstance(data, ClientRows):  # rows [k, M] into one flat store, shared by the clients
             return over_clients(one_rows, strategy, chunk_size, mesh)(
-                (server, round_idx, data.store_x, data.store_y), clients, data.rows, data.count, keys, ids)
+                (server, round_idx, data.store_x, data.store_y), clients, data.rows, data.count, keys, ids, work)
         return over_clients(one, strategy, chunk_size, mesh)((server, round_idx), clients,
-                                                             data.x, data.y, data.count, keys, ids)
+                                                             data.x, data.y, data.count, keys, ids, work)
 
     return train
 
@@ -89,14 +94,14 @@ class Step(NamedTuple):
 
 
 def make_step(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 8, mesh=None,
-              num_rounds: int | None = None, weighting: str = "samples") -> Step:
+              num_rounds: int | None = None, weighting: str = "samples", stragglers: float = 0.0) -> Step:
     """The cohort step of ``alg``: clients run by ``strategy`` (``vmap`` | ``map`` | ``chunked``; None: the
     platform's default), split over ``mesh``'s devices if given (the aggregation's reductions over clients then
     become all-reduces); aggregation weights by ``weighting``; num_rounds: T, given to the algorithm in its
-    ``RoundInfo``."""
+    ``RoundInfo``; stragglers: the chance a client runs only part of its local epochs (``cohort_train``)."""
     def aggregate(server, trained, counts, ids, round_idx):
         info = RoundInfo(jnp.asarray(round_idx, jnp.int32), jnp.asarray(ids, jnp.int32), num_rounds)
         return alg.aggregate(server, trained, aggregation_weights(counts, weighting), info)
 
-    return Step(cohort_train(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds),
-                aggregate)
+    return Step(cohort_train(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds,
+                             stragglers=stragglers), aggregate)

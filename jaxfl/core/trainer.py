@@ -56,12 +56,13 @@ class ClientRows:
     (``batch``), so a round never copies the cohort's samples padded to the population's longest client.
 
     ``x`` and ``y`` give the padded arrays (gathered when read), so an algorithm that reads them directly sees
-    a ``ClientData``'s fields.
+    a ``ClientData``'s fields; ``work`` is ``ClientData.work``.
     """
     store_x: jax.Array
     store_y: jax.Array
     rows: jax.Array
     count: jax.Array
+    work: jax.Array | None = None
 
     @property
     def x(self):
@@ -96,6 +97,19 @@ def batch_of(data, idx):
     return data.x[idx], data.y[idx]
 
 
+def local_epochs(work, epochs: int):
+    """The epochs a client runs of a local training phase of E = ``epochs``, given its share ``work`` in [0, 1]
+    (``ClientData.work``): 1 + floor(work (E - 1)), so work 1 runs all E and work ~ U[0, 1) runs 1..E-1 epochs
+    with equal chance (FedProx's stragglers). work: float [...] -> int32 [...]."""
+    return 1 + jnp.floor(jnp.asarray(work, jnp.float32) * (epochs - 1)).astype(jnp.int32)
+
+
+def client_epochs(data, epochs: int):
+    """The epochs (or, for a method that counts local steps, the steps) one client runs of a local training
+    phase of ``epochs``: all of them (the static int) unless ``data.work`` is given (``local_epochs``)."""
+    return epochs if data.work is None else local_epochs(data.work, epochs)
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalTrainer:
     """Minibatch optimisation of one client, as PyTorch's DataLoader(shuffle=True, drop_last=False) would.
@@ -104,7 +118,8 @@ class LocalTrainer:
     step loop's trip count is the client's own (a ``while`` loop), so no step whose batch is all padding is
     computed. Under ``lax.map`` every client runs exactly its own steps; under ``vmap`` a group of clients
     runs until its longest client is done (the engine groups clients of similar size for that reason).
-    The padded length M of ``data`` only bounds the step count (M / batch_size, rounded up).
+    The padded length M of ``data`` only bounds the step count (M / batch_size, rounded up). A straggler
+    (``data.work`` given) runs ``local_epochs(work, epochs)`` of the epochs.
     """
     tx: optax.GradientTransformation
     batch_size: int
@@ -120,6 +135,7 @@ class LocalTrainer:
         """
         b = self.batch_size
         m = num_positions(data)
+        epochs = client_epochs(data, self.epochs)
         slots = -(-m // b) * b  # the permutation padded to whole batches (indices past m are never real)
         n_steps = (data.count + b - 1) // b
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -146,7 +162,7 @@ class LocalTrainer:
             return jax.lax.fori_loop(0, n_steps, step, carry)
 
         init = (params, state, opt_state, jnp.zeros(4, jnp.float32))
-        params, state, opt_state, sums = jax.lax.fori_loop(0, self.epochs, epoch, init)
+        params, state, opt_state, sums = jax.lax.fori_loop(0, epochs, epoch, init)
         seen = jnp.maximum(sums[2], 1.0)
         return params, state, opt_state, {"loss": sums[0] / seen, "accuracy": sums[1] / seen,
                                           "seen": sums[2], "steps": sums[3]}

@@ -8,10 +8,16 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class ClientData:
-    """Padded client datasets. Stacked: x [N, M, ...], y [N, M], count [N]; one client: x [M, ...], y [M], count []."""
+    """Padded client datasets. Stacked: x [N, M, ...], y [N, M], count [N]; one client: x [M, ...], y [M], count [].
+
+    work: None (the default: every client runs all its local epochs), or float [N] / [] in [0, 1]: the share of
+    its local epochs a client runs this round (systems heterogeneity, ``cohort.straggler_work``): a local
+    training phase of E epochs runs 1 + floor(work (E - 1)) of them (``LocalTrainer.run``).
+    """
     x: jax.Array
     y: jax.Array
     count: jax.Array
+    work: jax.Array | None = None
 
     @property
     def num_clients(self) -> int:

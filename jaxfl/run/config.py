@@ -68,6 +68,7 @@ class RunConfig:
     # engine
     clients_per_round: int | None = None
     participation: float | None = None
+    stragglers: float = 0.0  # systems heterogeneity: the chance a client runs only part of its local work
     weighting: str = "samples"
     strategy: str | None = None
     backend: str | None = None  # stacked (population on the device, one jit per round) | ragged (buckets)
@@ -222,6 +223,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_range("server_tau", cfg.server_tau, 0.0, float("inf"), lo_open=True)
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
+    check_range("stragglers", cfg.stragglers, 0.0, 1.0)
+    if cfg.stragglers:
+        work, count = straggler_work_count(cfg)
+        if count < 2:
+            flag = work.replace("_", "-") if work == "local_epochs" else f"{cfg.algorithm}.{work.replace('_', '-')}"
+            raise ConfigError(f"stragglers={cfg.stragglers}: a straggler runs 1 to E-1 of its E {work}, so "
+                              f"--{flag} must be at least 2 (it is {count})")
     if cfg.devices < 0:
         raise ConfigError(f"devices={cfg.devices} must be >= 0 (0: all devices, 1: no sharding)")
     if cfg.checkpoint_every < 0:
@@ -234,6 +242,16 @@ def validate(cfg: RunConfig) -> RunConfig:
         check_choice("algorithm table", name, REGISTRY)
         algorithm_options(name, table, cfg.dataset)
     return cfg
+
+
+def straggler_work_count(cfg: RunConfig) -> tuple[str, int]:
+    """(name, E): what a straggler runs only part of in ``cfg``'s algorithm (``Options.local_work``: the run's
+    local epochs, or an option of the method such as FedSelect's ``la_epochs``; an option at 0 falls back to
+    the local epochs) and its value."""
+    from ..algorithms import options_class
+    work = options_class(cfg.algorithm).local_work
+    count = getattr(cfg.algorithm_options(), work) if work != "local_epochs" else 0
+    return (work, count) if count else ("local_epochs", cfg.local_epochs)
 
 
 OUTPUTS = ("metrics.jsonl", "summary.json", "accuracy.png", "config.json", "checkpoints")

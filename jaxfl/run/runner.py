@@ -149,7 +149,8 @@ class Experiment:
             "client_store": cfg.client_store}
         self.backend = {"stacked": Stacked, "ragged": Ragged}[self.backend_name](
             self.algorithm, self.train_data, batch_size=cfg.batch_size, strategy=strategy, chunk_size=cfg.chunk_size,
-            cohort_size=self.cohort, weighting=cfg.weighting, mesh=self.mesh, num_rounds=cfg.rounds, **kw)
+            cohort_size=self.cohort, weighting=cfg.weighting, mesh=self.mesh, num_rounds=cfg.rounds,
+            stragglers=cfg.stragglers, **kw)
         self.evaluator = Evaluator(self.algorithm, self.test_data, eval_batch_size=eval_bs, preprocess=preprocess,
                                    strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh, train=self.train_data)
         self.root = jax.random.key(cfg.seed)
