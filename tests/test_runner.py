@@ -392,3 +392,18 @@ def test_devices_note_suggests_the_idle_cores_only_where_the_cohort_splits_over_
     assert devices_note(SimpleNamespace(mesh=client_mesh(1), cohort=8)).startswith("1 device (")
     monkeypatch.setattr(distributed, "cpu_cores", lambda: 1)
     assert devices_note(SimpleNamespace(mesh=None, cohort=8)) == "1 device"
+
+
+def test_a_large_population_is_summarised_in_the_start_up_line_and_the_table():
+    from jaxfl.run.cli import format_table, population_note
+    names = [f"c{i}" for i in range(25)]
+    assert population_note(names[:3], [7, 9, 8]) == "3 clients ['c0', 'c1', 'c2'], train sizes [7, 9, 8]"
+    assert population_note(names, np.arange(25) + 50) == "25 clients (c0 ... c24), train sizes 50-74 (median 62)"
+    acc = (np.arange(25) / 24).tolist()
+    row = lambda r, a: {"round": r, "accuracy": a, "mean_accuracy": 0.5, "weighted_accuracy": 0.4}
+    table = format_table({"clients": names, "last": row(3, acc), "best_mean_round": row(2, acc[::-1]),
+                          "best_per_client": {"accuracy": [1.0] * 25, "mean_accuracy": 1.0}}).splitlines()
+    assert len(table) == 2 + 3 + 3 and not any(line.startswith("c1") for line in table)
+    assert table[2].split() == ["min", "of", "25", "0.0000", "0.0000", "1.0000"]
+    assert table[3].split() == ["median", "of", "25", "0.5000", "0.5000", "1.0000"]
+    assert table[4].split() == ["max", "of", "25", "1.0000", "1.0000", "1.0000"]

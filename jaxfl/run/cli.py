@@ -170,15 +170,25 @@ def merge_config(file_values: dict, flag_values: dict) -> dict:
     return merged
 
 
+MAX_LISTED_CLIENTS = 20  # past this, the start-up line and the final table summarise the clients
+
+
 def format_table(summary: dict) -> str:
-    """Plain-text per-client table: last round, best-mean round, each client's best."""
+    """Plain-text per-client table: last round, best-mean round, each client's best; past
+    ``MAX_LISTED_CLIENTS`` clients, their min / median / max instead of a row each (summary.json has them all)."""
+    import numpy as np
     names = summary["clients"]
     last, best, own = summary["last"], summary["best_mean_round"], summary["best_per_client"]
-    w = max(12, max(len(n) for n in names) + 2)
+    many = len(names) > MAX_LISTED_CLIENTS
+    w = max(12, max(len(n) for n in names) + 2) if not many else 16
     head = f"{'client':<{w}}{'last (r' + str(last['round']) + ')':>14}{'best-mean (r' + str(best['round']) + ')':>20}{'own best':>12}"
     rows = [head, "-" * len(head)]
-    for j, n in enumerate(names):
-        rows.append(f"{n:<{w}}{last['accuracy'][j]:>14.4f}{best['accuracy'][j]:>20.4f}{own['accuracy'][j]:>12.4f}")
+    cols = [np.asarray(c["accuracy"], float) for c in (last, best, own)]
+    listed = ([(f"{stat} of {len(names)}", [fn(c) for c in cols]) for stat, fn in
+               (("min", np.min), ("median", np.median), ("max", np.max))] if many else
+              [(n, [c[j] for c in cols]) for j, n in enumerate(names)])
+    for n, (a, b, c) in listed:
+        rows.append(f"{n:<{w}}{a:>14.4f}{b:>20.4f}{c:>12.4f}")
     rows.append("-" * len(head))
     rows.append(f"{'mean':<{w}}{last['mean_accuracy']:>14.4f}{best['mean_accuracy']:>20.4f}{own['mean_accuracy']:>12.4f}")
     rows.append(f"{'weighted':<{w}}{last['weighted_accuracy']:>14.4f}{best['weighted_accuracy']:>20.4f}{'':>12}")
@@ -337,15 +347,26 @@ def run_one(cfg: RunConfig, quiet: bool, cache: str | None):
     from .runner import Experiment
     exp = Experiment(cfg)
     if not quiet:
-        print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {len(exp.dataset.client_names)} clients "
-              f"{exp.dataset.client_names}, train sizes {exp.dataset.train_counts().tolist()}, strategy "
-              f"{exp.strategy}, backend {exp.backend_name}, {devices_note(exp)}, compile cache {cache or 'off'}; "
-              f"writing to {cfg.out}", file=sys.stderr)
+        population = population_note(exp.dataset.client_names, exp.dataset.train_counts())
+        print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {population}, strategy {exp.strategy}, backend "
+              f"{exp.backend_name}, {devices_note(exp)}, compile cache {cache or 'off'}; writing to {cfg.out}",
+              file=sys.stderr)
     bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
     result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds), notify=say)
     if not quiet:
         print(f"wrote {cfg.out}/metrics.jsonl, summary.json, accuracy.png", file=sys.stderr)
     return result
+
+
+def population_note(names: list[str], counts) -> str:
+    """"3 clients ['a', 'b', 'c'], train sizes [7, 8, 9]"; past ``MAX_LISTED_CLIENTS`` clients, the first and
+    last names and the sizes' range and median."""
+    import numpy as np
+    counts = np.asarray(counts)
+    if len(names) <= MAX_LISTED_CLIENTS:
+        return f"{len(names)} clients {names}, train sizes {counts.tolist()}"
+    return (f"{len(names)} clients ({names[0]} ... {names[-1]}), train sizes {counts.min()}-{counts.max()} "
+            f"(median {np.median(counts):g})")
 
 
 def say(line: str) -> None:
