@@ -3,9 +3,11 @@
     L_i(w) = CE_i(w) + mu/2 ||w - w^t||^2,   w^t = the global model the client received.
 
 Aggregation is FedAvg's (every leaf, sample weights). mu = 0 is exactly FedAvg. The default mu = 0.01 is
-FedPick's comparison's.
+FedPick's comparison's. The paper's stragglers (systems heterogeneity: a client runs 1..E-1 of its E epochs
+and still reports) are the engine's ``--stragglers`` (``core.cohort.straggler_work``), for every algorithm.
 
-Deviations: none known.
+Deviations: with ``--stragglers s`` each client straggles with chance s on its own stream; the paper's code
+makes exactly round(s K) of the K clients of a round stragglers.
 """
 from __future__ import annotations
 
