@@ -69,6 +69,7 @@ def test_a_straggler_runs_the_first_epochs_of_the_full_run():
     ("fedavg", {}, 9, 3),                        # E = 3 epochs of 3 batches; work 0: 1 epoch
     ("perfedavg", {"beta": 0.3}, 3, 1),           # its own epoch loop: 1 meta-step (3 batches) an epoch
     ("pfedhn", {"inner_steps": 6}, 6, 1),          # its inner steps (work 0: one step)
+    ("pfedgp", {"inner_steps": 3, "train_draws": 4, "test_draws": 4, "gibbs_steps": 2}, 3, 1),  # full-batch steps
 ])
 def test_every_kind_of_local_training_runs_less_for_a_straggler(name, opts, full, slow):
     alg, data, server, clients = setup_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)),

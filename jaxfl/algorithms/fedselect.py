@@ -33,7 +33,7 @@ import optax
 
 from ..core.aggregation import masked_mean, weighted_mean
 from ..core.options import Options, option
-from ..core.trainer import LocalTrainer, client_epochs
+from ..core.trainer import LocalTrainer, client_epochs, scan_first
 from ..core.trees import path_mask
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
@@ -86,10 +86,7 @@ def local_alt(trainer: LocalTrainer, loss_fn, params, stats, mask, data: ClientD
         return params, stats, jax.tree_util.tree_map(lambda a: a[-1], metrics)
     # a straggler runs the first client_epochs(data, la_epochs) alternations; its metrics are its last one's
     runs = client_epochs(data, la_epochs)
-    skipped = lambda carry, e: (carry, jax.tree_util.tree_map(
-        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(alternation, carry, e)[1]))
-    (params, stats), metrics = jax.lax.scan(lambda c, e: jax.lax.cond(e < runs, alternation, skipped, c, e),
-                                            (params, stats), jnp.arange(la_epochs))
+    (params, stats), metrics = scan_first(alternation, (params, stats), jnp.arange(la_epochs), runs)
     return params, stats, jax.tree_util.tree_map(lambda a: a[runs - 1], metrics)
 
 

@@ -40,7 +40,7 @@ import optax
 
 from ..core.aggregation import tree_weighted_mean
 from ..core.options import Options, option
-from ..core.trainer import LocalTrainer
+from ..core.trainer import LocalTrainer, client_epochs, scan_first
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ..ops import gp
@@ -54,6 +54,7 @@ EXACT_SPLIT_CLASSES = 12  # up to this many classes the tree's 2-means is solved
 @dataclasses.dataclass(frozen=True)
 class PFedGPOptions(Options):
     name = "pfedgp"
+    local_work = "inner_steps"
     sharing = ("the network (FedAvg); the GP classifiers are rebuilt on each client from its own data",
                "nothing: its tree of binary GPs is rebuilt from its training set")
     train_preset = {"weight_decay": 1e-3}  # the official client optimizer: SGD, momentum 0.9, weight decay 1e-3
@@ -221,11 +222,17 @@ def pfedgp(model, trainer: LocalTrainer, o: PFedGPOptions, ctx: RunContext) -> A
             updates, opt_state = tx.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), stats, opt_state), (loss, accuracy)
 
-        params = server["params"]
-        (params, stats, _), (losses, accs) = jax.lax.scan(
-            step, (params, server["batch_stats"], tx.init(params)), jax.random.split(key, o.inner_steps))
-        metrics = {"loss": jnp.mean(losses), "accuracy": jnp.mean(accs), "seen": jnp.sum(w) * o.inner_steps,
-                   "steps": jnp.asarray(float(o.inner_steps))}
+        params, keys = server["params"], jax.random.split(key, o.inner_steps)
+        start = (params, server["batch_stats"], tx.init(params))
+        if data.work is None:
+            (params, stats, _), (losses, accs) = jax.lax.scan(step, start, keys)
+            metrics = {"loss": jnp.mean(losses), "accuracy": jnp.mean(accs), "seen": jnp.sum(w) * o.inner_steps,
+                       "steps": jnp.asarray(float(o.inner_steps))}
+        else:  # a straggler: its first client_epochs(data, inner_steps) steps
+            runs = client_epochs(data, o.inner_steps)
+            (params, stats, _), (losses, accs) = scan_first(step, start, keys, runs)
+            metrics = {"loss": jnp.sum(losses) / runs, "accuracy": jnp.sum(accs) / runs, "seen": jnp.sum(w) * runs,
+                       "steps": runs.astype(jnp.float32)}
         return {"params": params, "batch_stats": stats}, metrics
 
     def aggregate(server, trained, weights, info=None):

@@ -45,7 +45,7 @@ class Options:
     # ``jaxfl.core.server_opt``) may take its step from it
     server_optimizer: ClassVar[bool] = False
     # what a straggler (``--stragglers``) runs only part of: the run's local epochs, or the name of an option that
-    # counts the method's own local work (FedSelect: la_epochs; pFedHN: inner_steps; 0 there: the local epochs)
+    # counts the method's own local work (FedSelect: la_epochs; pFedHN, pFedGP: inner_steps; 0 there: the local epochs)
     local_work: ClassVar[str] = "local_epochs"
 
     # -- construction ------------------------------------------------------------------------------------

@@ -110,6 +110,22 @@ def client_epochs(data, epochs: int):
     return epochs if data.work is None else local_epochs(data.work, epochs)
 
 
+def scan_first(body, carry, xs, runs):
+    """``jax.lax.scan(body, carry, xs)`` in which only the first ``runs`` (traced int) iterations act: a later
+    one leaves the carry as it is and outputs zeros (a straggler's shortened loop of a method that scans its
+    own local work). Returns (carry, stacked outputs)."""
+    def skipped(c, x):
+        out = jax.eval_shape(body, c, x)[1]
+        return c, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out)
+
+    def step(c, ix):
+        i, x = ix
+        return jax.lax.cond(i < runs, body, skipped, c, x)
+
+    n = jax.tree_util.tree_leaves(xs)[0].shape[0]
+    return jax.lax.scan(step, carry, (jnp.arange(n), xs))
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalTrainer:
     """Minibatch optimisation of one client, as PyTorch's DataLoader(shuffle=True, drop_last=False) would.

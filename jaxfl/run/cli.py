@@ -30,7 +30,7 @@ HELP = {
     "participation": "fraction of clients sampled per round",
     "stragglers": "systems heterogeneity (FedProx): the chance that a client of the round is a straggler, which "
                   "runs a uniformly random 1..E-1 of its E local epochs (of each local training phase; FedSelect: "
-                  "its LocalAlt alternations, pFedHN: its inner steps); 0: none",
+                  "its LocalAlt alternations, pFedHN and pFedGP: their inner steps); 0: none",
     "optimizer": "client optimizer: sgd | adam (PyTorch semantics)",
     "eval_point": "aggregated (each client's model after the round) | local (right after its local training, "
                   "before aggregation, as FedSelect's code evaluates; needs every client in every round) "
