@@ -20,10 +20,11 @@ COUNTS = [24, 17, 9, 20]
 assert jax.device_count() == 4, jax.devices()
 
 
-def run(name, strategy, mesh=None, rounds=2, cohort=None, backend="stacked"):
+def run(name, strategy, mesh=None, rounds=2, cohort=None, backend="stacked", epochs=1, stragglers=0.0):
     data = make_data(COUNTS)
-    alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer())
-    engine = make_backend(alg, data, backend, strategy=strategy, mesh=mesh, cohort_size=cohort, num_rounds=rounds)
+    alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(epochs=epochs))
+    engine = make_backend(alg, data, backend, strategy=strategy, mesh=mesh, cohort_size=cohort, num_rounds=rounds,
+                          stragglers=stragglers)
     server, store = engine.init(jax.random.key(0), data.x[0])
     for r in range(rounds):
         server, metrics = engine.round(server, store, r, jax.random.key(1))
@@ -60,6 +61,11 @@ ref, out = run("fedavg", "map", cohort=2), run("fedavg", "map", client_mesh(2), 
 ok = all(np.allclose(a, b, atol=1e-5) for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
 failed |= not ok
 print(f"fedavg cohort=2 devices=2: {'equal' if ok else 'DIFFERENT'}")
+# stragglers (each client's own draw) split over 2 devices
+ref, out = (run("fedavg", "map", mesh, epochs=3, stragglers=0.5) for mesh in (None, client_mesh(2)))
+ok = all(np.allclose(a, b, atol=1e-5) for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
+failed |= not ok
+print(f"fedavg stragglers=0.5 devices=2: {'equal' if ok else 'DIFFERENT'}")
 # the runner with --devices 2 (mesh over 2 devices) equals the unsharded runner
 from jaxfl.run.config import RunConfig  # noqa: E402
 from jaxfl.run.runner import Experiment  # noqa: E402
