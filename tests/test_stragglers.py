@@ -80,9 +80,8 @@ def test_every_kind_of_local_training_runs_less_for_a_straggler(name, opts, full
         d = ClientData(data.x[0], data.y[0], data.count[0], work)
         return jax.jit(lambda d: alg.local_update(server, client, d, jax.random.key(1), info(0, 0)))(d)
 
-    whole, part = update(None), update(jnp.float32(0.0))
+    whole, part = update(None), update(jnp.float32(0.0))  # (work 1 = everything: the trainer's test above)
     assert float(whole[1]["steps"]) == full and float(part[1]["steps"]) == slow
-    assert_trees_close(update(jnp.float32(1.0))[0], whole[0], atol=1e-6, rtol=1e-6)  # work 1: everything
     moved = sum(float(jnp.sum(jnp.abs(jnp.float32(a) - jnp.float32(b)))) for a, b in zip(jax.tree_util.tree_leaves(whole[0]),
                                                                 jax.tree_util.tree_leaves(part[0])))
     assert moved > 0
