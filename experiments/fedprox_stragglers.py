@@ -13,7 +13,7 @@ counts. At each straggler level s (``--stragglers``, default 0, 0.5, 0.9) three 
   fedprox mu=<mu>             the same with the proximal term (the paper's best mu for MNIST: 1)
   fednova                     the same partial work, each client's update normalised by the steps it took
                               (Wang et al., NeurIPS 2020: the remedy for the objective inconsistency that unequal
-                              local work causes in FedAvg); not in FedProx's paper
+                              local work causes in FedAvg); not in FedProx's paper; also at lr 0.01
 Deviation: the paper makes exactly round(10 s) of the 10 clients stragglers; jaxfl draws each client's
 straggling on its own stream (``core.cohort.straggler_work``), so their number varies around 10 s.
 
@@ -47,7 +47,8 @@ def variants(s: float, mu: float) -> dict[str, str]:
     return {"fedavg (drops stragglers)": f"fedavg:clients_per_round={round(COHORT * (1 - s))}",
             "fedprox mu=0": f"fedprox:mu=0{partial}",
             f"fedprox mu={mu:g}": f"fedprox:mu={mu}{partial}",
-            "fednova": f"fednova{partial}"}
+            "fednova": f"fednova{partial}",
+            "fednova lr=0.01": f"fednova{partial}:lr=0.01"}
 
 
 def plot(results: dict[float, dict[str, list[list[dict]]]], path: Path, key: str) -> None:
