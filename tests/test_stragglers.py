@@ -133,3 +133,28 @@ def test_cli_stragglers_shorten_some_clients_rounds(tmp_path):
     steps = np.array([r["train_steps"] for r in logs])  # 3 clients x 3 rounds; 40 samples: 3 batches an epoch
     assert set(steps.ravel().tolist()) <= {3.0, 6.0, 9.0} and 9.0 in steps and steps.min() < 9
     assert json.loads((tmp_path / "r" / "config.json").read_text())["stragglers"] == 0.5
+
+
+def test_scan_first_acts_on_the_first_runs_iterations_under_jit_vmap_and_grad():
+    from jaxfl.core.trainer import scan_first
+    body = lambda c, x: (c * x + 1.0, c * x)  # carry c -> c x + 1, output c x
+    xs = jnp.array([2.0, 3.0, 5.0, 7.0])
+
+    def by_hand(c, k):
+        outs = []
+        for x in xs[:k]:
+            outs.append(c * x)
+            c = c * x + 1.0
+        return c, jnp.array(outs + [0.0] * (4 - k))
+
+    f = jax.jit(lambda c, k: scan_first(body, c, xs, k))
+    for k in range(5):
+        c, out = f(jnp.float32(1.5), k)
+        want_c, want_out = by_hand(1.5, k)
+        np.testing.assert_allclose(c, want_c, rtol=1e-6)
+        np.testing.assert_allclose(out, want_out, rtol=1e-6)
+    # lanes with different run counts, and the gradient through the carry: d c_k / d c_0 = prod of the first k xs
+    cs, _ = jax.vmap(f)(jnp.ones(3, jnp.float32), jnp.array([0, 2, 4]))
+    np.testing.assert_allclose(cs, [by_hand(1.0, k)[0] for k in (0, 2, 4)], rtol=1e-6)
+    grads = jax.vmap(jax.grad(lambda c, k: f(c, k)[0]))(jnp.ones(3, jnp.float32), jnp.array([0, 2, 4]))
+    np.testing.assert_allclose(grads, [1.0, 6.0, 210.0], rtol=1e-6)
