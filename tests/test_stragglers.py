@@ -158,3 +158,29 @@ def test_scan_first_acts_on_the_first_runs_iterations_under_jit_vmap_and_grad():
     np.testing.assert_allclose(cs, [by_hand(1.0, k)[0] for k in (0, 2, 4)], rtol=1e-6)
     grads = jax.vmap(jax.grad(lambda c, k: f(c, k)[0]))(jnp.ones(3, jnp.float32), jnp.array([0, 2, 4]))
     np.testing.assert_allclose(grads, [1.0, 6.0, 210.0], rtol=1e-6)
+
+
+def _update(alg, data, server, clients, work):
+    client = jax.tree_util.tree_map(lambda a: a[0], clients)
+    d = ClientData(data.x[0], data.y[0], data.count[0], None if work is None else jnp.float32(work))
+    return jax.jit(lambda d: alg.local_update(server, client, d, jax.random.key(1), info(0, 0)))(d)
+
+
+def test_a_dapperfl_straggler_runs_its_epochs_in_all_dense_first():
+    """DapperFL's E epochs are 1 dense + E - 1 masked: a straggler's e of them are 1 dense + e - 1 masked, so
+    e = 1 is the run of E = 1 (no masked epoch)."""
+    model = small_cnn(num_classes=4, width=4, hidden=(8,))
+    alg3, data, server, clients = setup_algorithm("dapperfl", model, (24, 24), epochs=3)
+    alg1, *_ = setup_algorithm("dapperfl", model, (24, 24), epochs=1)
+    one_epoch = _update(alg3, data, server, clients, 0.0)  # 1 + floor(0 * 2) = 1
+    assert_trees_close(one_epoch, _update(alg1, data, server, clients, None), atol=1e-6, rtol=1e-6)
+    assert float(_update(alg3, data, server, clients, 0.5)[1]["steps"]) == 3  # 2 epochs: 1 masked of 3 batches
+    assert float(_update(alg3, data, server, clients, None)[1]["steps"]) == 6  # 2 masked epochs
+
+
+def test_the_evaluation_fine_tune_runs_all_its_epochs_for_a_straggler():
+    alg, data, server, clients = setup_algorithm("fedavg_ft", small_cnn(num_classes=4, width=4, hidden=(8,)),
+                                                 (24, 24), epochs=3)
+    whole, straggler = _update(alg, data, server, clients, None), _update(alg, data, server, clients, 0.0)
+    assert float(straggler[1]["steps"]) == 3 and float(whole[1]["steps"]) == 9  # the training is shortened
+    assert_trees_close(straggler[0]["tuned"], whole[0]["tuned"], atol=1e-6, rtol=1e-6)  # the fine-tune is not

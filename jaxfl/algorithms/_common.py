@@ -170,7 +170,8 @@ def with_fine_tuning(base: Algorithm, model, trainer: LocalTrainer, ft_epochs: i
         starting model). parts: the parameter groups fine-tuned ("encoder", "head"; None: all).
     reuse_trained: the base's trained row *is* the fine-tune (same start, loss, epochs, key): keep it.
     Client state: {"base": the base's client state, "tuned": the fine-tuned model}; the base's server unchanged.
-    The fine-tuning run uses the client's round key (so for FedAvg with ft_epochs = E it equals the training).
+    The fine-tuning run uses the client's round key (so for FedAvg with ft_epochs = E it equals the training),
+    and all ``ft_epochs`` also for a straggler (evaluation does not depend on who straggled this round).
     """
     name = name or base.name
     if ft_epochs == 0:
@@ -185,11 +186,12 @@ def with_fine_tuning(base: Algorithm, model, trainer: LocalTrainer, ft_epochs: i
 
     def local_update(server, client, data: ClientData, key, info):
         trained, metrics = base.local_update(server, client["base"], data, key, info)
-        if reuse_trained:
+        if reuse_trained and data.work is None:
             tuned = model_variables(trained)
-        else:
+        else:  # the evaluation's fine-tune runs all its epochs, straggler or not
             v = start(server, client["base"])
-            p, s, _, ft_metrics = ft.run(loss, v["params"], v["batch_stats"], tx.init(v["params"]), data, key)
+            p, s, _, ft_metrics = ft.run(loss, v["params"], v["batch_stats"], tx.init(v["params"]),
+                                         data.replace(work=None), key)
             tuned = {"params": p, "batch_stats": s}
             metrics = dict(metrics, ft_loss=ft_metrics["loss"])
         return {"base": trained, "tuned": tuned}, metrics

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from ..core.aggregation import recovered_mean, tree_weighted_mean
 from ..core.metrics import cross_entropy, weighted_mean_loss
 from ..core.options import Options, option
-from ..core.trainer import LocalTrainer
+from ..core.trainer import LocalTrainer, client_epochs
 from ..core.trees import leaf_paths, map_with_paths
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
@@ -138,9 +138,14 @@ def dapperfl(model, trainer: LocalTrainer, o: DapperFLOptions, ctx: RunContext) 
         mask = pruning_masks(params, rho)
         params = jax.tree_util.tree_map(jnp.multiply, params, mask)
         metrics = m_dense
-        if trainer.epochs > 1:
+        if trainer.epochs > 1 and data.work is None:
             params, stats, opt, metrics = masked.run(loss_with(mask), params, stats, opt, data,
                                                      jax.random.fold_in(key, 1))
+        elif trainer.epochs > 1:  # a straggler's e = client_epochs(data, E) epochs: 1 dense, e - 1 masked
+            rest = client_epochs(data, trainer.epochs) - 1
+            params, stats, opt, m_masked = masked.run(loss_with(mask), params, stats, opt, data,
+                                                      jax.random.fold_in(key, 1), epochs=rest)
+            metrics = jax.tree_util.tree_map(lambda a, b: jnp.where(rest > 0, a, b), m_masked, m_dense)
         metrics = dict(metrics, ratio=rho, kept_params=tree_count(mask), kept_fraction=tree_density(mask))
         return {"params": params, "batch_stats": stats, "mask": mask}, metrics
 

@@ -74,8 +74,8 @@ def straggler_work(root, round_idx, client_ids, fraction: float):
     probability ``fraction``, and a straggler's share of its local epochs is work ~ U[0, 1) (so a phase of E
     epochs runs 1..E-1 of them with equal chance, ``trainer.local_epochs``); the others have work 1 (all E).
 
-    Client i's draw in round t comes from its own stream fold_in(fold_in(fold_in(root, 3), t), i), so it does
-    not depend on the cohort, the strategy or the device layout. client_ids: int [k] -> work float32 [k].
+    Client i's draw in round t comes from its own stream, ``client_keys`` of the root fold_in(root, 3), so it
+    does not depend on the cohort, the strategy or the device layout. client_ids: int [k] -> work float32 [k].
     """
     def one(key):
         slow, share = jax.random.split(key)

@@ -142,16 +142,18 @@ class LocalTrainer:
     epochs: int
     preprocess: Callable = normalizer()
 
-    def run(self, loss_fn, params, state, opt_state, data: ClientData, key):
+    def run(self, loss_fn, params, state, opt_state, data: ClientData, key, epochs=None):
         """Train one client.
 
         loss_fn(params, state, x, y, w, key) -> (loss, (new_state, logits)); w [B] is 1 for real samples.
+        epochs: how many epochs to run (an int, possibly traced; 0 runs none); None: ``client_epochs(data,
+        self.epochs)``, all of them unless the client straggles.
         Returns (params, state, opt_state, metrics) with metrics {"loss", "accuracy", "seen", "steps"}: loss
         and accuracy are means over the real training samples seen this round, ``steps`` the optimizer steps.
         """
         b = self.batch_size
         m = num_positions(data)
-        epochs = client_epochs(data, self.epochs)
+        epochs = client_epochs(data, self.epochs) if epochs is None else epochs
         slots = -(-m // b) * b  # the permutation padded to whole batches (indices past m are never real)
         n_steps = (data.count + b - 1) // b
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
