@@ -16,7 +16,8 @@ The server recovers and averages in one masked reduction (``core.aggregation.rec
 or averages the pruned entries as zeros: W <- sum_i p_i M_i w_i (``recover_mode="zero"``). BN running
 statistics (``bn_stats="follow"``, default) follow the same rule channel by channel, with the mask of the conv
 output channel that feeds the BN (``bn_channel_masks``); ``bn_stats="unmasked"`` averages them with p_i over all
-clients. Everything is evaluated with the global model.
+clients. Everything is evaluated with the global model. A straggler (``--stragglers``) runs e of the E local
+epochs: the dense one, then e - 1 masked.
 
 Deviations:
 - R(z) defaults to the released code's ||z||_2 (``dar_norm="l2"``); the paper's ||z||_2^2 is ``"sq_l2"``.
