@@ -77,6 +77,8 @@ CASES = {
     "--resume and --overwrite": (lambda d: ["--resume", "--overwrite", "--out", str(d / "o")],
                                  "--resume continues the run in --out, --overwrite replaces it"),
     "--stragglers 1.5": (lambda d: ["--stragglers", "1.5"], "stragglers=1.5 is outside [0.0, 1.0]"),
+    "a JSON null where a value is needed": (lambda d: ["--config", str(write(d / "c.json", '{"stragglers": null}'))],
+                                            "stragglers=null needs a value (default: 0.0)"),
     "--stragglers with one local epoch": (lambda d: ["--stragglers", "0.5"],
                                           "stragglers=0.5: a straggler runs 1 to E-1 of its E local_epochs, so "
                                           "--local-epochs must be at least 2 (it is 1)"),

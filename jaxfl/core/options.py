@@ -123,6 +123,11 @@ def field_type(cls: type, f: dataclasses.Field) -> type:
     return typing.get_origin(tp) or tp
 
 
+def accepts_none(cls: type, f: dataclasses.Field) -> bool:
+    """Whether the field's type admits None (``float | None``: None means a default chosen later)."""
+    return type(None) in typing.get_args(typing.get_type_hints(cls)[f.name])
+
+
 def coerce(label: str, tp: type, v):
     """A config value as type ``tp`` (ints as floats, lists as tuples); a wrong type is a ConfigError naming
     ``label``."""

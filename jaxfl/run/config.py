@@ -11,7 +11,7 @@ from pathlib import Path
 from ..core.backends import BACKENDS, PLACEMENTS
 from ..core.cohort import STRATEGIES, default_strategy
 from ..core.distributed import is_primary
-from ..core.options import coerce, field_type, plain
+from ..core.options import accepts_none, coerce, field_type, plain
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
@@ -112,6 +112,9 @@ class RunConfig:
         for name, table in tables.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{name} must be a table of {name}'s options, got {table!r}")
+        for f in dataclasses.fields(cls):  # a JSON null where a value is needed
+            if f.name in values and values[f.name] is None and not accepts_none(cls, f):
+                raise ConfigError(f"{f.name}=null needs a value (default: {f.default!r})")
         typed = {f.name: coerce(f.name, field_type(cls, f), values[f.name]) for f in dataclasses.fields(cls)
                  if f.name in values}
         return cls(**typed, options=tables)
