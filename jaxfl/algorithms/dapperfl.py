@@ -107,8 +107,6 @@ def dapperfl(model, trainer: LocalTrainer, o: DapperFLOptions, ctx: RunContext) 
                                                                 o.recover_mode, o.dar_norm)
     alpha0, alpha_min, fusion_eps, bn_stats = o.alpha0, o.alpha_min, o.fusion_eps, o.bn_stats
     ratios = jnp.asarray(device_ratios, jnp.float32)
-    dense = dataclasses.replace(trainer, epochs=1)
-    masked = dataclasses.replace(trainer, epochs=max(trainer.epochs - 1, 1))
 
     def forward(module, x, train, mask):
         z = module.encoder(x, train, mask)
@@ -131,21 +129,18 @@ def dapperfl(model, trainer: LocalTrainer, o: DapperFLOptions, ctx: RunContext) 
         rho = client_ratio(ratios, info)
         ones = jax.tree_util.tree_map(jnp.ones_like, server["params"])
         opt = trainer.tx.init(server["params"])
-        params, stats, opt, m_dense = dense.run(loss_with(ones), server["params"], server["batch_stats"], opt,
-                                                data, key)  # as FedAvg's first epoch
+        params, stats, opt, m_dense = trainer.run(loss_with(ones), server["params"], server["batch_stats"], opt,
+                                                  data, key, epochs=1)  # as FedAvg's first epoch
         if use_fusion:
             a = jnp.where(info.round > 0, fusion_coefficient(info.round, alpha0, alpha_min, fusion_eps), 0.0)
             params = jax.tree_util.tree_map(lambda g, w: a * g + (1.0 - a) * w, server["params"], params)
         mask = pruning_masks(params, rho)
         params = jax.tree_util.tree_map(jnp.multiply, params, mask)
         metrics = m_dense
-        if trainer.epochs > 1 and data.work is None:
-            params, stats, opt, metrics = masked.run(loss_with(mask), params, stats, opt, data,
-                                                     jax.random.fold_in(key, 1))
-        elif trainer.epochs > 1:  # a straggler's e = client_epochs(data, E) epochs: 1 dense, e - 1 masked
+        if trainer.epochs > 1:  # the other E - 1 epochs masked (a straggler: e - 1 of its e)
             rest = client_epochs(data, trainer.epochs) - 1
-            params, stats, opt, m_masked = masked.run(loss_with(mask), params, stats, opt, data,
-                                                      jax.random.fold_in(key, 1), epochs=rest)
+            params, stats, opt, m_masked = trainer.run(loss_with(mask), params, stats, opt, data,
+                                                       jax.random.fold_in(key, 1), epochs=rest)
             metrics = jax.tree_util.tree_map(lambda a, b: jnp.where(rest > 0, a, b), m_masked, m_dense)
         metrics = dict(metrics, ratio=rho, kept_params=tree_count(mask), kept_fraction=tree_density(mask))
         return {"params": params, "batch_stats": stats, "mask": mask}, metrics

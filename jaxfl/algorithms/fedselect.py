@@ -81,11 +81,7 @@ def local_alt(trainer: LocalTrainer, loss_fn, params, stats, mask, data: ClientD
         metrics = jax.tree_util.tree_map(lambda a, b: (a + b) / 2, m_p, m_g)
         return (params, stats), metrics
 
-    if data.work is None:
-        (params, stats), metrics = jax.lax.scan(alternation, (params, stats), jnp.arange(la_epochs))
-        return params, stats, jax.tree_util.tree_map(lambda a: a[-1], metrics)
-    # a straggler runs the first client_epochs(data, la_epochs) alternations; its metrics are its last one's
-    runs = client_epochs(data, la_epochs)
+    runs = client_epochs(data, la_epochs)  # all la_epochs, or a straggler's first ones
     (params, stats), metrics = scan_first(alternation, (params, stats), jnp.arange(la_epochs), runs)
     return params, stats, jax.tree_util.tree_map(lambda a: a[runs - 1], metrics)
 

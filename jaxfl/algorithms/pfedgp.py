@@ -222,17 +222,11 @@ def pfedgp(model, trainer: LocalTrainer, o: PFedGPOptions, ctx: RunContext) -> A
             updates, opt_state = tx.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), stats, opt_state), (loss, accuracy)
 
-        params, keys = server["params"], jax.random.split(key, o.inner_steps)
-        start = (params, server["batch_stats"], tx.init(params))
-        if data.work is None:
-            (params, stats, _), (losses, accs) = jax.lax.scan(step, start, keys)
-            metrics = {"loss": jnp.mean(losses), "accuracy": jnp.mean(accs), "seen": jnp.sum(w) * o.inner_steps,
-                       "steps": jnp.asarray(float(o.inner_steps))}
-        else:  # a straggler: its first client_epochs(data, inner_steps) steps
-            runs = client_epochs(data, o.inner_steps)
-            (params, stats, _), (losses, accs) = scan_first(step, start, keys, runs)
-            metrics = {"loss": jnp.sum(losses) / runs, "accuracy": jnp.sum(accs) / runs, "seen": jnp.sum(w) * runs,
-                       "steps": runs.astype(jnp.float32)}
+        params, runs = server["params"], client_epochs(data, o.inner_steps)  # a straggler: its first steps
+        (params, stats, _), (losses, accs) = scan_first(step, (params, server["batch_stats"], tx.init(params)),
+                                                        jax.random.split(key, o.inner_steps), runs)
+        metrics = {"loss": jnp.sum(losses) / runs, "accuracy": jnp.sum(accs) / runs, "seen": jnp.sum(w) * runs,
+                   "steps": jnp.asarray(runs, jnp.float32)}
         return {"params": params, "batch_stats": stats}, metrics
 
     def aggregate(server, trained, weights, info=None):

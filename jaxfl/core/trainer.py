@@ -111,9 +111,15 @@ def client_epochs(data, epochs: int):
 
 
 def scan_first(body, carry, xs, runs):
-    """``jax.lax.scan(body, carry, xs)`` in which only the first ``runs`` (traced int) iterations act: a later
-    one leaves the carry as it is and outputs zeros (a straggler's shortened loop of a method that scans its
-    own local work). Returns (carry, stacked outputs)."""
+    """``jax.lax.scan(body, carry, xs)`` in which only the first ``runs`` iterations act: a later one leaves the
+    carry as it is and outputs zeros (a straggler's shortened loop of a method that scans its own local work).
+    ``runs`` a Python int (``client_epochs`` of a client that does not straggle): the plain scan, all of it.
+    Returns (carry, stacked outputs)."""
+    n = jax.tree_util.tree_leaves(xs)[0].shape[0]
+    if isinstance(runs, int):
+        assert runs == n, (runs, n)
+        return jax.lax.scan(body, carry, xs)
+
     def skipped(c, x):
         out = jax.eval_shape(body, c, x)[1]
         return c, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out)
@@ -122,7 +128,6 @@ def scan_first(body, carry, xs, runs):
         i, x = ix
         return jax.lax.cond(i < runs, body, skipped, c, x)
 
-    n = jax.tree_util.tree_leaves(xs)[0].shape[0]
     return jax.lax.scan(step, carry, (jnp.arange(n), xs))
 
 
