@@ -94,7 +94,8 @@ def masked_averaging(name: str, model, trainer: LocalTrainer, *,
     def predict_trained(server, trained, x, client_id=None):  # the full model the client just trained
         return apply_eval(trained, x)
 
-    return Algorithm(name, init, local_update, aggregate, predict_fn, predict_trained)
+    return Algorithm(name, init, local_update, aggregate, predict_fn, predict_trained,
+                     share_mask=lambda server, info: masks(server, info)["params"])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,7 @@ from ._registry import register
 class APFLOptions(Options):
     name = "apfl"
     server_optimizer = True
+    user_dp = True
     sharing = ("the global model w (all parameters and BN statistics, FedAvg)",
                "its personal model v and mixing weight alpha; predicts with alpha v + (1 - alpha) w")
     alpha_init: float = option(0.5, "initial mixing weight alpha of the personal model", lo=0.0, hi=1.0)

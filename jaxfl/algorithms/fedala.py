@@ -51,6 +51,7 @@ from ._registry import register
 class FedALAOptions(Options):
     name = "fedala"
     server_optimizer = True
+    user_dp = True
     sharing = ("all parameters (FedAvg)",
                "its higher layers, their element-wise aggregation weights W and its BN statistics")
     layers: str = option("head_last", "the higher layers ALA blends: the head's last Dense (official p = 2), "

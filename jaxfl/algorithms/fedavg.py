@@ -22,6 +22,7 @@ class FedAvgOptions(Options):
     """FedAvg has no options of its own."""
     name = "fedavg"
     server_optimizer = True
+    user_dp = True
     sharing = ("all parameters and BN statistics", "nothing")
 
 

@@ -21,6 +21,7 @@ class FedBNOptions(Options):
     """FedBN has no options of its own."""
     name = "fedbn"
     server_optimizer = True
+    user_dp = True
     sharing = ("all but BatchNorm", "BatchNorm scale/bias and statistics")
 
 

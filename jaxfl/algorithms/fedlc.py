@@ -40,6 +40,7 @@ from ._registry import register
 class FedLCOptions(Options):
     name = "fedlc"
     server_optimizer = True
+    user_dp = True
     sharing = ("all parameters and BN statistics (FedAvg)", "nothing")
     tau: float = option(1.0, "calibration strength: logits are lowered by tau * n_c^(-1/4) in training", lo=0.0)
 

@@ -21,6 +21,7 @@ from ._registry import register
 class FedPerOptions(LocalBNOption):
     name = "fedper"
     server_optimizer = True
+    user_dp = True
     sharing = ("encoder (body)", "head")
 
 

@@ -49,6 +49,7 @@ from ._registry import register
 class FedPHPOptions(Options):
     name = "fedphp"
     server_optimizer = True
+    user_dp = True
     sharing = ("all parameters and BN statistics (FedAvg)",
                "its inherited private model (HPM: a moving average of its trained models; what it predicts with) "
                "and its participation count")

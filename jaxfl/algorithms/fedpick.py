@@ -46,6 +46,7 @@ class FedPickOptions(Options):
     for digit benchmarks, Office/DomainNet values otherwise)."""
     name = "fedpick"
     server_optimizer = True
+    user_dp = True
     sharing = ("encoder and global head, without BatchNorm", "BatchNorm, the PFSM (mask net, personal and irrelevant heads)")
     presets = {"default": DIGITS, "digits": DIGITS, "mnist": DIGITS, "office": OFFICE}
     preset_default = "office"

@@ -24,6 +24,7 @@ from ._registry import register
 class FedProxOptions(LocalBNOption):
     name = "fedprox"
     server_optimizer = True
+    user_dp = True
     sharing = ("as FedAvg; local loss + mu/2 ||w - w_global||^2", "nothing")
     mu: float = option(0.01, "weight of the proximal term mu/2 ||w - w_global||^2", lo=0.0)
 

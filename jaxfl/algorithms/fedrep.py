@@ -41,6 +41,7 @@ def head_then_body(head_epochs: int):
 class FedRepOptions(LocalBNOption):
     name = "fedrep"
     server_optimizer = True
+    user_dp = True
     sharing = ("encoder (body), trained after head_epochs of head-only training", "head")
     head_epochs: int = option(4, "head-only epochs before the body epochs (--local-epochs)", minimum=0)
 

@@ -53,6 +53,7 @@ from ._registry import register
 class PerFedAvgOptions(Options):
     name = "perfedavg"
     server_optimizer = True
+    user_dp = True
     sharing = ("the meta-model (all parameters and BN statistics, averaged)",
                "nothing: it predicts with the global model adapted by eval_steps SGD steps on its own data")
     variant: str = option("fo", "first-order (fo) or hessian-free (hf) meta-gradient", choices=("fo", "hf"))

@@ -77,6 +77,7 @@ def fused_alpha(out, fusion: str = "ds"):
 class RFedDisOptions(Options):
     name = "rfeddis"
     server_optimizer = True
+    user_dp = True
     sharing = ("encoder and global evidential head, without BatchNorm", "BatchNorm, the local evidential head")
     # the official digits script (RFedDis_digits.py: optim.SGD(lr=args.lr), --lr 1e-2, --batch 32)
     train_preset = {"lr": 0.01, "momentum": 0.0, "batch_size": 32}

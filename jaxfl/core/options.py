@@ -44,6 +44,10 @@ class Options:
     # the aggregate is a (masked) weighted mean of the shared parameters: a server optimizer (``--server-opt``,
     # ``jaxfl.core.server_opt``) may take its step from it
     server_optimizer: ClassVar[bool] = False
+    # the aggregate is an equal-weight mean over the cohort of a fixed set of parameter leaves (``share_mask``) of
+    # the trained rows' "params", from nothing else the clients computed from their data, and clients keep only
+    # what they trained themselves: DP-FedAvg's clipping and noise (``--dp-clip``, ``jaxfl.core.privacy``) apply
+    user_dp: ClassVar[bool] = False
     # what a straggler (``--stragglers``) runs only part of: the run's local epochs, or the name of an option that
     # counts the method's own local work (FedSelect: la_epochs; pFedHN, pFedGP: inner_steps; 0 there: the local epochs)
     local_work: ClassVar[str] = "local_epochs"

@@ -104,4 +104,4 @@ def with_server_optimizer(alg: Algorithm, tx: optax.GradientTransformation) -> A
 
     return alg._replace(init=init, local_update=wrap(alg.local_update), aggregate=aggregate,
                         predict=wrap(alg.predict), predict_trained=wrap(alg.predict_trained),
-                        prepare_predict=wrap(alg.prepare_predict))
+                        prepare_predict=wrap(alg.prepare_predict), share_mask=wrap(alg.share_mask))

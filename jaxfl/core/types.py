@@ -57,6 +57,11 @@ class Algorithm(NamedTuple):
                                                            computed once per evaluation from the client's
                                                            training set ``train`` (a ClientData row): a method
                                                            that predicts from its data (pFedGP's GPs)
+    share_mask(server, info) -> mask                        optional: which leaves of server["params"] the
+                                                           aggregate averages this round (a tree of Python
+                                                           bools or bool scalars; None: all of them), for
+                                                           clipping and noising the shared update
+                                                           (``jaxfl.core.privacy``)
     """
     name: str
     init: Callable
@@ -65,6 +70,7 @@ class Algorithm(NamedTuple):
     predict: Callable
     predict_trained: Callable | None = None
     prepare_predict: Callable | None = None
+    share_mask: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,11 @@ HELP = {
     "server_beta1": "adagrad/adam/yogi: first-moment decay",
     "server_beta2": "adam/yogi: second-moment decay",
     "server_tau": "adagrad/adam/yogi: adaptivity tau (added to sqrt(v))",
+    "dp_clip": "user-level differential privacy (DP-FedAvg) of the averaging algorithms: clip each client's "
+               "update of the shared parameters to this l2 norm C (needs --weighting uniform; default: off)",
+    "dp_noise": "DP-FedAvg noise multiplier z: Gaussian noise of std z*C/k on the mean of the cohort's k "
+                "clipped updates; the run reports (epsilon, delta) by an RDP accountant (0: clipping only)",
+    "dp_delta": "DP-FedAvg: the delta of the reported epsilon (default: N^-1.1 for N clients)",
     "out": "output folder: metrics.jsonl, summary.json, accuracy.png, config.json, checkpoints/ (default: a new "
            "runs/<algorithm>-<dataset>-<time>); a non-empty folder needs --resume or --overwrite",
     "overwrite": "replace the outputs of the run already in --out",
@@ -351,6 +356,8 @@ def run_one(cfg: RunConfig, quiet: bool, cache: str | None):
         print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {population}, strategy {exp.strategy}, backend "
               f"{exp.backend_name}, {devices_note(exp)}, compile cache {cache or 'off'}; writing to {cfg.out}",
               file=sys.stderr)
+        if exp.privacy is not None:
+            say(f"DP-FedAvg: updates clipped to norm {cfg.dp_clip:g}, {exp.privacy.describe(cfg.rounds)}")
     bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
     result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds), notify=say)
     if not quiet:

@@ -48,6 +48,10 @@ class RunConfig:
     server_beta1: float = 0.9
     server_beta2: float = 0.99
     server_tau: float = 1e-3
+    # user-level differential privacy of the averaging algorithms (DP-FedAvg, ``jaxfl.core.privacy``); None: off
+    dp_clip: float | None = None  # C: each client's update of the shared parameters is clipped to l2 norm C
+    dp_noise: float = 0.0  # z: Gaussian noise of std z C / k on the mean of the cohort's k clipped updates
+    dp_delta: float | None = None  # δ of the reported ε (None: N^-1.1 for N clients)
     # algorithm options by algorithm, e.g. {"fedselect": {"alpha": 0.5}}: each algorithm's Options dataclass
     # (``jaxfl.algorithms``) owns its defaults, presets and checks; the CLI's --fedselect.alpha, a [fedselect]
     # table in TOML. The run uses only the table of ``algorithm``.
@@ -224,6 +228,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_range("server_beta1", cfg.server_beta1, 0.0, 1.0)
     check_range("server_beta2", cfg.server_beta2, 0.0, 1.0)
     check_range("server_tau", cfg.server_tau, 0.0, float("inf"), lo_open=True)
+    check_privacy(cfg)
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
     check_range("stragglers", cfg.stragglers, 0.0, 1.0)
@@ -245,6 +250,26 @@ def validate(cfg: RunConfig) -> RunConfig:
         check_choice("algorithm table", name, REGISTRY)
         algorithm_options(name, table, cfg.dataset)
     return cfg
+
+
+def check_privacy(cfg: RunConfig) -> None:
+    """The DP-FedAvg options (``dp_clip``, ``dp_noise``, ``dp_delta``): ConfigError naming the first bad one."""
+    from ..algorithms import REGISTRY, options_class
+    if cfg.dp_clip is None:
+        if cfg.dp_noise or cfg.dp_delta is not None:
+            raise ConfigError("--dp-noise and --dp-delta need --dp-clip C (the clipping norm the noise is scaled to)")
+        return
+    check_range("dp_clip", cfg.dp_clip, 0.0, float("inf"), lo_open=True)
+    check_range("dp_noise", cfg.dp_noise, 0.0, float("inf"))
+    if cfg.dp_delta is not None and not 0 < cfg.dp_delta < 1:
+        raise ConfigError(f"dp_delta={cfg.dp_delta!r} is outside (0, 1)")
+    if not options_class(cfg.algorithm).user_dp:
+        able = ", ".join(n for n, r in REGISTRY.items() if r.options.user_dp)
+        raise ConfigError(f"--dp-clip: {cfg.algorithm}'s aggregate is not an equal-weight mean of shared parameters "
+                          f"alone; DP-FedAvg composes with: {able}")
+    if cfg.weighting != "uniform":
+        raise ConfigError(f"--dp-clip: DP-FedAvg averages the cohort with equal weights (--weighting {cfg.weighting} "
+                          f"would let one client move the mean by more than C/k); add --weighting uniform")
 
 
 def straggler_work_count(cfg: RunConfig) -> tuple[str, int]:

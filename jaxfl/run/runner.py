@@ -19,6 +19,7 @@ from ..core.backends import Ragged, Stacked, device_memory_bytes
 from ..core.cost import backend_seconds, train_flops_per_sample
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
 from ..core.evaluate import Evaluator
+from ..core.privacy import Accountant, bn_stats_shared, default_delta, with_privacy
 from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer, client_optimizer, normalizer
 from ..core.trees import count_params
@@ -133,6 +134,17 @@ class Experiment:
         self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, lr=cfg.lr,
                                   momentum=cfg.momentum if cfg.optimizer == "sgd" else None, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
+        self.privacy = None
+        if cfg.dp_clip is not None:  # DP-FedAvg: clipped updates, noise on the mean (before a server optimizer)
+            if bn_stats_shared(self.algorithm, jax.random.key(0), ds.train[0][0][:1]):
+                local = (f"--{cfg.algorithm}.local-bn" if hasattr(self.options, "local_bn") else "fedbn")
+                raise ConfigError(f"--dp-clip: {cfg.algorithm} averages the BatchNorm statistics of "
+                                  f"{model_name(cfg)} without noise; use a model without BatchNorm (logreg, mlp_2nn, "
+                                  f"femnist_cnn, fedavg_cnn, pfl_cnn, vit_tiny, ...) or keep them per client "
+                                  f"({local})")
+            self.algorithm = with_privacy(self.algorithm, cfg.dp_clip, cfg.dp_noise,
+                                          jax.random.fold_in(jax.random.key(cfg.seed), 4))
+            self.privacy = Accountant(self.cohort / n, cfg.dp_noise, cfg.dp_delta or default_delta(n))
         server_tx = cfg.server_optimizer()
         if server_tx is not None:  # FedOpt: the aggregate becomes a pseudo-gradient step
             self.algorithm = with_server_optimizer(self.algorithm, server_tx)
@@ -297,6 +309,8 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
         for j, m in enumerate(ms):
             check_finite(m, names, r + j, ckpt)
             rec = round_record(m, names, r + j)
+            if exp.privacy is not None and cfg.dp_noise > 0:
+                rec["dp_epsilon"] = exp.privacy.epsilon(r + j + 1)
             t_eval, c_eval = time.perf_counter(), compile_seconds()
             if j == n - 1 and evaluates(cfg, r + j):
                 rec.update(local or exp.evaluate(server, store))

@@ -1,0 +1,199 @@
+"""DP-FedAvg (``jaxfl.core.privacy``): the clip and the noise against their formulas (jit, vmap, grad), the
+accountant against an independent one, the wrapper's bound on the server's step for the averaging algorithms,
+and the run options through the CLI's path (epsilon logged, exact resume, bad input in one line)."""
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_trees_close, make_data, make_trainer, run_step
+
+from jaxfl.algorithms import REGISTRY, build_algorithm
+from jaxfl.core import privacy
+from jaxfl.core.step import init_state, make_step
+from jaxfl.core.types import RunContext
+from jaxfl.models import small_cnn
+from jaxfl.run.cli import main
+
+TINY = ["--dataset", "default", "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40",
+        "--test-per-client", "30", "--batch-size", "16", "--eval-batch-size", "32", "--lr", "0.05"]
+
+# Google's dp_accounting 0.4 (pip install dp-accounting), RdpAccountant(orders=list(range(2, 257))), composing
+# PoissonSampledDpEvent(q, GaussianDpEvent(z)) T times, get_epsilon_and_optimal_order(delta): (epsilon, order)
+REFERENCE = [((1.0, 1.0, 1, 1e-5), (4.752728336819822, 5)), ((0.1, 1.0, 100, 1e-5), (7.972921510380539, 3)),
+             ((0.01, 1.1, 10000, 1e-5), (5.6543080001495145, 5)), ((0.1, 0.5, 50, 1e-3), (26.979940447757244, 2)),
+             ((0.2, 2.0, 500, 1e-6), (14.843616597479354, 3))]
+
+
+@pytest.mark.parametrize("args,want", REFERENCE)
+def test_the_accountant_matches_an_independent_one(args, want):
+    q, z, rounds, delta = args
+    eps, order = privacy.epsilon_from_rdp(rounds * privacy.rdp_sampled_gaussian(q, z), delta)
+    assert order == want[1]
+    np.testing.assert_allclose(eps, want[0], rtol=1e-9)
+    assert privacy.Accountant(q, z, delta).epsilon(rounds) == pytest.approx(want[0], rel=1e-9)
+
+
+def test_rdp_reduces_to_the_gaussian_mechanism_and_grows_with_q():
+    orders = (2, 3, 10, 64)
+    np.testing.assert_allclose(privacy.rdp_sampled_gaussian(1.0, 1.7, orders), [a / (2 * 1.7 ** 2) for a in orders])
+    assert np.all(privacy.rdp_sampled_gaussian(0.0, 1.0, orders) == 0)
+    small, large = privacy.rdp_sampled_gaussian(0.01, 1.0, orders), privacy.rdp_sampled_gaussian(0.1, 1.0, orders)
+    assert np.all(small < large)
+    # order 2 in closed form: log(1 + q^2 (e^{1/z^2} - 1))
+    np.testing.assert_allclose(privacy.rdp_sampled_gaussian(0.3, 0.8, (2,))[0], math.log1p(0.09 * math.expm1(1 / 0.64)))
+    assert math.isinf(privacy.epsilon(0.1, 0.0, 10, 1e-5))
+    acc = privacy.Accountant(0.1, 1.0, 1e-5)
+    assert acc.epsilon(10) < acc.epsilon(100) < acc.epsilon(1000)
+    assert privacy.default_delta(1000) == pytest.approx(1000 ** -1.1)
+
+
+def _trees(seed, k=5):
+    rng = np.random.default_rng(seed)
+    x = {"a": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), "b": jnp.asarray(rng.normal(size=(6,)), jnp.float32)}
+    scales = jnp.asarray([0.01, 0.1, 1.0, 3.0, 0.0][:k], jnp.float32)
+    xi = jax.tree_util.tree_map(lambda p: p[None] + scales.reshape((-1,) + (1,) * p.ndim)
+                                * jnp.asarray(rng.normal(size=(k,) + p.shape), jnp.float32), x)
+    return x, xi
+
+
+def test_update_norm_and_clip_follow_their_formulas_under_jit_vmap_and_grad():
+    x, xi = _trees(0)
+    flat = lambda t: np.concatenate([np.ravel(t["a"]), np.ravel(t["b"])])
+    norms = jax.jit(jax.vmap(privacy.update_norm, in_axes=(None, 0)))(x, xi)
+    want = [np.linalg.norm(flat(jax.tree_util.tree_map(lambda p, q: q[i] - p, x, xi))) for i in range(5)]
+    np.testing.assert_allclose(norms, want, rtol=1e-6)
+    # a leaf marked False does not count; a traced mask counts where True
+    only_a = privacy.update_norm(x, jax.tree_util.tree_map(lambda q: q[3], xi), {"a": True, "b": False})
+    np.testing.assert_allclose(only_a, np.linalg.norm(np.ravel(xi["a"][3] - x["a"])), rtol=1e-6)
+    traced = jax.jit(lambda s: privacy.update_norm(x, jax.tree_util.tree_map(lambda q: q[3], xi),
+                                                   {"a": True, "b": s}))
+    np.testing.assert_allclose(traced(jnp.array(False)), only_a, rtol=1e-6)
+    # d||x_i - x|| / dx_i = (x_i - x) / ||x_i - x||
+    one = jax.tree_util.tree_map(lambda q: q[2], xi)
+    g = jax.grad(lambda t: privacy.update_norm(x, t))(one)
+    np.testing.assert_allclose(flat(g), (flat(one) - flat(x)) / want[2], rtol=1e-5)
+    clip = 0.5
+    scale = privacy.clip_factor(norms, clip)
+    np.testing.assert_allclose(scale, np.minimum(1.0, clip / np.maximum(np.asarray(want), 1e-30)), rtol=1e-6)
+    assert float(scale[4]) == 1.0  # an update of norm 0 is not divided by 0
+    clipped = jax.jit(privacy.clip_updates)(x, xi, scale)
+    after = jax.vmap(privacy.update_norm, in_axes=(None, 0))(x, clipped)
+    np.testing.assert_allclose(after, np.minimum(want, clip), rtol=1e-5, atol=1e-7)
+    for i in np.flatnonzero(np.asarray(scale) == 1):  # an unclipped client's model is its own, bit for bit
+        assert all(np.array_equal(c[i], t[i]) for c, t in zip(jax.tree_util.tree_leaves(clipped),
+                                                              jax.tree_util.tree_leaves(xi)))
+
+
+def test_noise_has_the_asked_std_only_on_shared_leaves():
+    params = {"w": jnp.zeros((400, 250)), "head": jnp.zeros((10,))}
+    noisy = jax.jit(lambda k: privacy.add_noise(k, params, {"w": True, "head": False}, 0.3))(jax.random.key(1))
+    assert float(jnp.std(noisy["w"])) == pytest.approx(0.3, rel=0.02)
+    assert abs(float(jnp.mean(noisy["w"]))) < 0.003
+    assert np.array_equal(noisy["head"], params["head"])
+    off = privacy.add_noise(jax.random.key(1), params, {"w": jnp.array(False), "head": True}, 0.3)
+    assert np.array_equal(off["w"], params["w"]) and float(jnp.std(off["head"])) > 0
+
+
+ALGORITHM_CTX = RunContext(num_clients=4, num_rounds=4, cohort_size=4, lr=0.05, momentum=0.5)
+
+
+def _alg(name):
+    return build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), ALGORITHM_CTX)
+
+
+def test_every_algorithm_marked_for_dp_takes_the_wrapper():
+    # shapes only (no compilation): the wrapper finds "params" in each one's trained rows and server state
+    data = make_data([12, 20, 7, 16])
+    names = [n for n, r in REGISTRY.items() if r.options.user_dp]
+    assert {"fedavg", "fedprox", "fedbn", "fedper", "fedrep", "apfl", "fedala"} <= set(names)
+    assert "fednova" not in names and "feddbe" not in names  # their aggregates are not plain means of updates
+    for name in names:
+        alg = privacy.with_privacy(_alg(name), 0.1, 1.0, jax.random.key(4))
+        server, clients = init_state(alg, jax.random.key(0), data.x[0], 4)
+        step = make_step(alg, strategy="vmap", num_rounds=4, weighting="uniform")
+        new, kept, metrics = jax.eval_shape(lambda *a: step(*a), server, clients, data, jnp.arange(4), 0,
+                                            jax.random.key(3))
+        assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(server), name
+        assert metrics["update_norm"].shape == (4,), name
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedper", "apfl", "fedala"])
+def test_the_server_moves_at_most_the_clip_and_clients_keep_their_own_training(name):
+    data = make_data([12, 20, 7, 16])
+    alg = _alg(name)
+    start = init_state(alg, jax.random.key(0), data.x[0], 4)
+    plain = run_step(alg, data, *start, jax.random.key(3), num_rounds=4)
+    clip = 0.05
+    dp = privacy.with_privacy(alg, clip, 0.0, jax.random.key(4))
+    clipped = run_step(dp, data, *start, jax.random.key(3), num_rounds=4)
+    mask = alg.share_mask(start[0], None) if alg.share_mask is not None else privacy.all_shared(start[0]["params"])
+    moved = privacy.update_norm(start[0]["params"], clipped[0]["params"], mask)
+    unclipped = privacy.update_norm(start[0]["params"], plain[0]["params"], mask)
+    assert float(unclipped) > 2 * clip  # the bound below binds
+    assert float(moved) <= clip * (1 + 1e-5)  # a mean of updates of norm <= C
+    assert np.all(np.asarray(clipped[2]["update_norm"]) > clip)
+    # personal state: the clients' own training (equal up to float rounding: they are different programs)
+    assert_trees_close(clipped[1], plain[1], atol=1e-6, rtol=1e-6)
+    # a clip no update reaches changes nothing (the wrapper's where keeps each model as trained)
+    loose = run_step(privacy.with_privacy(alg, 1e6, 0.0, jax.random.key(4)), data, *start, jax.random.key(3),
+                     num_rounds=4)
+    assert_trees_close(loose[0], plain[0], atol=1e-6, rtol=1e-6)
+
+
+def test_noise_on_the_mean_has_std_z_clip_over_k():
+    data = make_data([12, 20, 7, 16])
+    alg = _alg("fedavg")
+    start = init_state(alg, jax.random.key(0), data.x[0], 4)
+    quiet = run_step(privacy.with_privacy(alg, 0.05, 0.0, jax.random.key(4)), data, *start, jax.random.key(3))
+    noisy = run_step(privacy.with_privacy(alg, 0.05, 2.0, jax.random.key(4)), data, *start, jax.random.key(3))
+    diff = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree_util.tree_leaves(noisy[0]["params"]),
+                                                            jax.tree_util.tree_leaves(quiet[0]["params"]))])
+    assert diff.size > 500  # the std estimate is then within ~3 % (one sigma)
+    assert float(np.std(diff)) == pytest.approx(2.0 * 0.05 / 4, rel=0.1)
+    # BatchNorm statistics are not parameters: no noise there (a run refuses DP where they are averaged)
+    assert_trees_close(noisy[0]["batch_stats"], quiet[0]["batch_stats"], atol=1e-6, rtol=1e-6)
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_dp_run_through_the_cli_logs_epsilon_and_resumes_exactly(tmp_path, capsys):
+    args = ["run", "--algorithm", "fedbn", *TINY, "--dp-clip", "0.5", "--dp-noise", "0.8", "--weighting", "uniform",
+            "--clients-per-round", "2"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main([*args, "--rounds", "3", "--out", str(full)]) == 0
+    err = capsys.readouterr().err
+    acc = privacy.Accountant(2 / 3, 0.8, 3 ** -1.1)
+    assert f"DP-FedAvg: updates clipped to norm 0.5, noise 0.8, sampling rate 0.667: ({acc.epsilon(3):.3g}, " in err
+    recs = _records(full)
+    assert [r["dp_epsilon"] for r in recs] == pytest.approx([acc.epsilon(t) for t in (1, 2, 3)], rel=1e-12)
+    assert all(len(r["train_update_norm"]) == 2 for r in recs)
+    assert json.loads((full / "config.json").read_text())["dp_clip"] == 0.5
+    assert main([*args, "--rounds", "2", "--out", str(part), "--checkpoint-every", "1", "--quiet"]) == 0
+    assert main([*args, "--rounds", "3", "--out", str(part), "--resume", "--quiet"]) == 0
+    assert [r["test_accuracy"] for r in _records(part)] == [r["test_accuracy"] for r in recs]
+    assert [r["dp_epsilon"] for r in _records(part)] == [r["dp_epsilon"] for r in recs]
+
+
+def test_bad_dp_options_get_one_line(tmp_path, capsys):
+    cases = {("--dp-noise", "1"): "--dp-noise and --dp-delta need --dp-clip C",
+             ("--dp-clip", "0", "--weighting", "uniform"): "dp_clip=0.0 is outside (0.0, inf]",
+             ("--dp-clip", "1", "--dp-noise", "-1", "--weighting", "uniform"): "dp_noise=-1.0 is outside [0.0, inf]",
+             ("--dp-clip", "1", "--dp-delta", "1", "--weighting", "uniform"): "dp_delta=1.0 is outside (0, 1)",
+             ("--dp-clip", "1", "--dp-noise", "inf", "--weighting", "uniform"): "dp_noise=inf must be a finite number",
+             ("--algorithm", "fednova", "--dp-clip", "1", "--weighting", "uniform"):
+             "--dp-clip: fednova's aggregate is not an equal-weight mean of shared parameters alone; DP-FedAvg "
+             "composes with: ",
+             ("--algorithm", "fedavg", "--dp-clip", "1"): "--dp-clip: DP-FedAvg averages the cohort with equal weights",
+             ("--algorithm", "fedavg", "--dp-clip", "1", "--weighting", "uniform", *TINY):
+             "--dp-clip: fedavg averages the BatchNorm statistics of small_cnn without noise"}
+    for args, message in cases.items():
+        out = tmp_path / "run"
+        assert main(["run", "--quiet", "--rounds", "1", "--out", str(out), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("jaxfl: error: " + message), err
+        assert not out.exists()
