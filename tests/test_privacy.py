@@ -173,6 +173,9 @@ def test_a_dp_run_through_the_cli_logs_epsilon_and_resumes_exactly(tmp_path, cap
     assert [r["dp_epsilon"] for r in recs] == pytest.approx([acc.epsilon(t) for t in (1, 2, 3)], rel=1e-12)
     assert all(len(r["train_update_norm"]) == 2 for r in recs)
     assert json.loads((full / "config.json").read_text())["dp_clip"] == 0.5
+    spent = json.loads((full / "summary.json").read_text())["privacy"]
+    assert spent["epsilon"] == pytest.approx(acc.epsilon(3), rel=1e-12) and spent["clip"] == 0.5
+    assert (spent["delta"], spent["noise_multiplier"], spent["rounds"]) == (3 ** -1.1, 0.8, 3)
     assert main([*args, "--rounds", "2", "--out", str(part), "--checkpoint-every", "1", "--quiet"]) == 0
     assert main([*args, "--rounds", "3", "--out", str(part), "--resume", "--quiet"]) == 0
     assert [r["test_accuracy"] for r in _records(part)] == [r["test_accuracy"] for r in recs]

@@ -179,6 +179,13 @@ class Accountant:
             return math.inf
         return epsilon_from_rdp(rounds * self._rdp, self.delta)[0]
 
+    def report(self, rounds: int) -> dict:
+        """summary.json's privacy record after ``rounds`` rounds (epsilon None without noise: no guarantee)."""
+        eps = self.epsilon(rounds)
+        return {"epsilon": None if math.isinf(eps) else eps, "delta": self.delta,
+                "noise_multiplier": self.noise_multiplier, "sampling_rate": self.q, "rounds": rounds,
+                "accountant": "RDP, Poisson sampling, integer orders 2-256"}
+
     def describe(self, rounds: int) -> str:
         """One line for the start-up message."""
         eps = self.epsilon(rounds)

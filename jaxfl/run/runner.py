@@ -348,7 +348,10 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
     result = RunResult(cfg, names, history, server, store.state, model_size(server, exp.model, sample_x))
     if write:
         with written(out / "summary.json", f"after round {r}", ckpt):
-            (out / "summary.json").write_text(json.dumps(result.summary(), indent=2))
+            summary = result.summary()
+            if exp.privacy is not None:  # what the run spent: (epsilon, delta) after its last round
+                summary["privacy"] = dict(exp.privacy.report(r), clip=cfg.dp_clip)
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
         if history:
             with written(out / "accuracy.png", f"after round {r}", ckpt):
                 plot_accuracy(history, names, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}, "
