@@ -151,6 +151,28 @@ def test_every_algorithm_marked_for_dp_takes_the_wrapper():
         assert metrics["update_norm"].shape == (4,), name
 
 
+def test_adaptive_clipping_splits_the_noise_and_moves_the_clip_geometrically():
+    z, count_std = 1.0, 2.5
+    value = privacy.value_noise_multiplier(z, count_std)
+    assert value == pytest.approx((1 - 1 / 25) ** -0.5) and value > z
+    assert (value ** -2 + (2 * count_std) ** -2) ** -0.5 == pytest.approx(z)  # together: fixed clipping's z
+    assert privacy.value_noise_multiplier(0.0, 0.0) == 0.0
+    assert float(privacy.update_clip(2.0, 0.8, 0.5, 0.2)) == pytest.approx(2.0 * math.exp(-0.06))
+    # on a cohort: the clip of round t + 1 from the fraction of round t's updates that fit under its clip
+    data = make_data([12, 20, 7, 16])
+    alg = privacy.with_privacy(_alg("fedper"), 0.2, 0.0, jax.random.key(4), quantile=0.25, clip_lr=0.5)
+    server, clients = init_state(alg, jax.random.key(0), data.x[0], 4)
+    step = jax.jit(lambda *a: make_step(alg, strategy="vmap", num_rounds=4, weighting="uniform")(*a))
+    clip = 0.2
+    for r in range(3):
+        server, clients, metrics = step(server, clients, data, jnp.arange(4), r, jax.random.key(3))
+        assert np.allclose(metrics["dp_clip"], clip)
+        fits = float(np.mean(np.asarray(metrics["update_norm"]) <= clip))
+        clip = clip * math.exp(-0.5 * (fits - 0.25))
+        assert float(server[privacy.CLIP_KEY]) == pytest.approx(clip, rel=1e-6)
+    assert clip != pytest.approx(0.2)
+
+
 def test_batchnorm_statistics_are_refused_exactly_where_the_server_averages_them():
     data = make_data([12, 20, 7, 16])
     shared = {n for n, r in REGISTRY.items() if r.options.user_dp
@@ -213,15 +235,19 @@ def test_a_dp_run_through_the_cli_logs_epsilon_and_resumes_exactly(tmp_path, cap
             "--clients-per-round", "2"]
     full, part = tmp_path / "full", tmp_path / "part"
     # with a server optimizer taking its step from the noised mean, three rounds in one call ...
-    args += ["--server-opt", "adam", "--backend", "stacked"]
+    # and adaptive clipping, whose norm is server state (starting at 0.5, below every update's norm here) ...
+    args += ["--server-opt", "adam", "--backend", "stacked", "--dp-quantile", "0.5", "--dp-count-noise", "1"]
     assert main([*args, "--rounds", "3", "--out", str(full), "--rounds-per-call", "3"]) == 0
     err = capsys.readouterr().err
     acc = privacy.Accountant(2 / 3, 0.8, 3 ** -1.1)
-    assert (f"DP-FedAvg: updates clipped to norm 0.5, noise 0.8, 0.667 of the clients a round: ({acc.epsilon(3):.3g}, "
-            in err)
+    assert (f"DP-FedAvg: updates clipped to norm 0.5 (at first; then the 0.5 quantile of the update norms, lr 0.2), "
+            f"noise 0.8, 0.667 of the clients a round: ({acc.epsilon(3):.3g}, " in err)
     recs = _records(full)
     assert [r["dp_epsilon"] for r in recs] == pytest.approx([acc.epsilon(t) for t in (1, 2, 3)], rel=1e-12)
     assert all(len(r["train_update_norm"]) == 2 for r in recs)
+    # the clip follows C' = C exp(-0.2 (unclipped fraction + count noise / 2 - 0.5)): it moves every round
+    clips = [r["dp_clip"] for r in recs]
+    assert clips[0] == pytest.approx(0.5) and len(set(clips)) == 3
     assert json.loads((full / "config.json").read_text())["dp_clip"] == 0.5
     spent = json.loads((full / "summary.json").read_text())["privacy"]
     assert spent["epsilon"] == pytest.approx(acc.epsilon(3), rel=1e-12) and spent["clip"] == 0.5
@@ -233,7 +259,7 @@ def test_a_dp_run_through_the_cli_logs_epsilon_and_resumes_exactly(tmp_path, cap
 
 
 def test_bad_dp_options_get_one_line(tmp_path, capsys):
-    cases = {("--dp-noise", "1"): "--dp-noise and --dp-delta need --dp-clip C",
+    cases = {("--dp-noise", "1"): "--dp-noise, --dp-delta and the adaptive clipping options need --dp-clip C",
              ("--dp-clip", "0", "--weighting", "uniform"): "dp_clip=0.0 is outside (0.0, inf]",
              ("--dp-clip", "1", "--dp-noise", "-1", "--weighting", "uniform"): "dp_noise=-1.0 is outside [0.0, inf]",
              ("--dp-clip", "1", "--dp-delta", "1", "--weighting", "uniform"): "dp_delta=1.0 is outside (0, 1)",
@@ -242,6 +268,13 @@ def test_bad_dp_options_get_one_line(tmp_path, capsys):
              "--dp-clip: fednova's aggregate is not an equal-weight mean of shared parameters alone; DP-FedAvg "
              "composes with: ",
              ("--algorithm", "fedavg", "--dp-clip", "1"): "--dp-clip: DP-FedAvg averages the cohort with equal weights",
+             ("--dp-quantile", "0.5"): "--dp-noise, --dp-delta and the adaptive clipping options need --dp-clip C",
+             ("--dp-clip", "1", "--dp-clip-lr", "0.1", "--weighting", "uniform"):
+             "--dp-clip-lr and --dp-count-noise adapt the clipping norm: they need --dp-quantile Q",
+             ("--dp-clip", "1", "--dp-quantile", "1", "--weighting", "uniform"): "dp_quantile=1.0 is outside (0, 1)",
+             ("--algorithm", "fedbn", "--dp-clip", "1", "--dp-noise", "1", "--dp-quantile", "0.5", "--weighting",
+              "uniform", *TINY): "--dp-noise 1 with adaptive clipping needs --dp-count-noise above 0.5 (it is 0.15; "
+                                 "default 0.05 x the 3 clients a round)",
              ("--algorithm", "fedavg", "--dp-clip", "1", "--weighting", "uniform", *TINY):
              "--dp-clip: fedavg averages the BatchNorm statistics of small_cnn without noise"}
     for args, message in cases.items():

@@ -25,6 +25,13 @@ and Rényi Differential Privacy", AISTATS 2020, Thm. 21)
 
     ε = min_α  T · RDP(α) + log((α - 1) / α) - (log δ + log α) / (α - 1).
 
+Adaptive clipping (Andrew et al., "Differentially Private Learning with Adaptive Clipping", NeurIPS 2021;
+``with_privacy(quantile=γ)``): C becomes server state and after each round C' = C · exp(-η (b̄ - γ)), b̄ the
+fraction of the cohort's updates no longer than C, counted with Gaussian noise of std σ_b; the update's noise
+multiplier is raised to σ_Δ = (z^-2 - (2σ_b)^-2)^-1/2, so that update and count together are the Gaussian
+mechanism of multiplier z (the count moves by at most 1 when one client's data changes, the update by 2C, and
+(2/σ_Δ)² + (1/σ_b)² = (2/z)²): the accountant above applies unchanged.
+
 For comparison only, ``rdp_poisson_gaussian`` is the convention of TFF and FedJAX (Poisson sampling, add/remove
 one client, sensitivity C / k; Mironov, Talwar and Zhang 2019, Sec. 3.3): its ε is 3-6 times smaller at the
 same z, but it does not bound the fixed-size cohort jaxfl runs (``Accountant.report`` gives both, labelled).
@@ -98,36 +105,93 @@ def all_shared(params):
     return jax.tree_util.tree_map(lambda _: True, params)
 
 
-def with_privacy(alg: Algorithm, clip: float, noise_multiplier: float, key) -> Algorithm:
-    """``alg`` as DP-FedAvg: each client's update of the shared parameters clipped to norm ``clip``, Gaussian
-    noise of std noise_multiplier · clip / k on the aggregate's shared parameters (k: the cohort's clients of
-    positive weight; the engine must weigh them equally).
+CLIP_KEY = "dp_clip"  # adaptive clipping: the current clipping norm, beside the algorithm's server state
+COUNT_STREAM = 2 ** 32 - 1  # fold_in(key, COUNT_STREAM): the clipped count's noise (a round index never reaches it)
+
+
+def value_noise_multiplier(noise_multiplier: float, count_std: float) -> float:
+    """The update's noise multiplier σ_Δ under adaptive clipping, such that the update and the noised count of
+    unclipped clients (std σ_b) together are the Gaussian mechanism of multiplier z that fixed clipping would be
+    (Andrew et al. 2021, Thm. 1; TFF's ``adaptive_clip_noise_params``): σ_Δ = (z^-2 - (2 σ_b)^-2)^-1/2.
+    Needs z < 2 σ_b; z = 0 gives 0."""
+    if noise_multiplier == 0:
+        return 0.0
+    return (noise_multiplier ** -2 - (2 * count_std) ** -2) ** -0.5
+
+
+def update_clip(clip, unclipped_fraction, target: float, lr: float):
+    """The geometric clip update of adaptive clipping (Andrew et al. 2021, Alg. 1):
+    C' = C · exp(-η (b̄ - γ)), b̄ the (noised) fraction of the cohort's updates no longer than C, γ the target
+    quantile; C shrinks while more than γ of the updates fit. Scalars -> scalar."""
+    return clip * jnp.exp(-lr * (unclipped_fraction - target))
+
+
+def with_privacy(alg: Algorithm, clip: float, noise_multiplier: float, key, *, quantile: float | None = None,
+                 clip_lr: float = 0.2, count_std: float = 0.0) -> Algorithm:
+    """``alg`` as DP-FedAvg: each client's update of the shared parameters clipped to norm C (``clip``), Gaussian
+    noise of std z · C / k on the aggregate's shared parameters (z = ``noise_multiplier``; k: the cohort's
+    clients of positive weight; the engine must weigh them equally).
+
+    ``quantile`` γ: adaptive clipping (Andrew et al., "Differentially Private Learning with Adaptive Clipping",
+    NeurIPS 2021): C starts at ``clip`` and follows ``update_clip`` with ``clip_lr`` η and the fraction of
+    unclipped updates counted with Gaussian noise of std ``count_std`` σ_b; the update's noise multiplier
+    becomes ``value_noise_multiplier(z, σ_b)``, so the round's privacy is fixed clipping's at z. C is kept in the
+    server state (``CLIP_KEY``; checkpointed), and a client's metrics gain ``dp_clip``, the C it was clipped to.
 
     ``alg``'s server state must hold the global model's ``"params"``, its ``aggregate`` average the trained rows'
     ``"params"`` (those ``alg.share_mask`` marks, all if it has none) and keep per client only what the clients
-    trained. Round t's noise comes from fold_in(key, t). A client's metrics gain ``update_norm`` (before
-    clipping); its trained row is ``alg``'s own (so ``predict_trained`` sees what it expects)."""
+    trained. Round t's noise comes from fold_in(key, t) (the count's from fold_in(fold_in(key, COUNT_STREAM), t)).
+    A client's metrics gain ``update_norm`` (before clipping); its trained row is ``alg``'s own (so
+    ``predict_trained`` sees what it expects)."""
+    adaptive = quantile is not None
+    noise = value_noise_multiplier(noise_multiplier, count_std) if adaptive else noise_multiplier
+
+    def inner(server):  # what ``alg``'s own functions see: their server state without the clip
+        return {k: v for k, v in server.items() if k != CLIP_KEY} if adaptive else server
+
+    def current_clip(server):
+        return server[CLIP_KEY] if adaptive else clip
+
     def mask(server, info):
         return alg.share_mask(server, info) if alg.share_mask is not None else all_shared(server["params"])
 
+    def init(rng, sample_x):
+        server, client = alg.init(rng, sample_x)
+        return ({**server, CLIP_KEY: jnp.asarray(clip, jnp.float32)} if adaptive else server), client
+
     def local_update(server, client, data, rng, info):
-        trained, metrics = alg.local_update(server, client, data, rng, info)
-        return trained, dict(metrics, update_norm=update_norm(server["params"], trained["params"], mask(server, info)))
+        s = inner(server)
+        trained, metrics = alg.local_update(s, client, data, rng, info)
+        metrics = dict(metrics, update_norm=update_norm(s["params"], trained["params"], mask(s, info)))
+        return trained, dict(metrics, dp_clip=server[CLIP_KEY]) if adaptive else metrics
 
     def aggregate(server, trained, weights, info):
-        shared = mask(server, info)
-        norms = jax.vmap(lambda row: update_norm(server["params"], row, shared))(trained["params"])
-        clipped = {**trained, "params": clip_updates(server["params"], trained["params"], clip_factor(norms, clip))}
-        new, _ = alg.aggregate(server, clipped, weights, info)  # the server's model from the clipped updates
-        _, kept = alg.aggregate(server, trained, weights, info)  # what clients keep: their own training (XLA
+        s, c = inner(server), current_clip(server)
+        shared = mask(s, info)
+        norms = jax.vmap(lambda row: update_norm(s["params"], row, shared))(trained["params"])
+        clipped = {**trained, "params": clip_updates(s["params"], trained["params"], clip_factor(norms, c))}
+        new, _ = alg.aggregate(s, clipped, weights, info)  # the server's model from the clipped updates
+        _, kept = alg.aggregate(s, trained, weights, info)  # what clients keep: their own training (XLA
         # drops the unused halves of the two calls)
-        k = jnp.maximum(jnp.sum(weights > 0), 1).astype(jnp.float32)
-        if noise_multiplier > 0:
-            noisy = add_noise(jax.random.fold_in(key, info.round), new["params"], shared, noise_multiplier * clip / k)
+        real = weights > 0
+        k = jnp.maximum(jnp.sum(real), 1).astype(jnp.float32)
+        if noise > 0:
+            noisy = add_noise(jax.random.fold_in(key, info.round), new["params"], shared, noise * c / k)
             new = {**new, "params": noisy}
+        if adaptive:
+            fits = jnp.sum(real & (norms <= c)).astype(jnp.float32)
+            if count_std > 0:
+                count_key = jax.random.fold_in(jax.random.fold_in(key, COUNT_STREAM), info.round)
+                fits = fits + count_std * jax.random.normal(count_key, ())
+            new = {**new, CLIP_KEY: update_clip(c, fits / k, quantile, clip_lr).astype(jnp.float32)}
         return new, kept
 
-    return alg._replace(local_update=local_update, aggregate=aggregate)
+    def wrap(fn):  # fn(server, ...) of ``alg``, given the server state without the clip
+        return None if fn is None else (lambda server, *a, **kw: fn(inner(server), *a, **kw))
+
+    return alg._replace(init=init, local_update=local_update, aggregate=aggregate, predict=wrap(alg.predict),
+                        predict_trained=wrap(alg.predict_trained), prepare_predict=wrap(alg.prepare_predict),
+                        share_mask=wrap(alg.share_mask))
 
 
 # -- the accountant (host-side numpy) ------------------------------------------------------------------------

@@ -53,6 +53,12 @@ HELP = {
     "dp_noise": "DP-FedAvg noise multiplier z: Gaussian noise of std z*C/k on the mean of the cohort's k "
                 "clipped updates; the run reports (epsilon, delta) by an RDP accountant (0: clipping only)",
     "dp_delta": "DP-FedAvg: the delta of the reported epsilon (default: N^-1.1 for N clients)",
+    "dp_quantile": "DP-FedAvg with adaptive clipping (Andrew et al. 2021): the clipping norm starts at --dp-clip and "
+                   "tracks this quantile of the clients' update norms, counted privately (default: fixed clipping)",
+    "dp_clip_lr": "adaptive clipping: learning rate of the geometric update C <- C exp(-lr (unclipped - quantile))",
+    "dp_count_noise": "adaptive clipping: std of the noise on the count of unclipped updates (default: 0.05 x the "
+                      "clients per round when --dp-noise > 0; the update's noise grows so that the round's privacy is "
+                      "fixed clipping's at --dp-noise)",
     "out": "output folder: metrics.jsonl, summary.json, accuracy.png, config.json, checkpoints/ (default: a new "
            "runs/<algorithm>-<dataset>-<time>); a non-empty folder needs --resume or --overwrite",
     "overwrite": "replace the outputs of the run already in --out",
@@ -357,7 +363,9 @@ def run_one(cfg: RunConfig, quiet: bool, cache: str | None):
               f"{exp.backend_name}, {devices_note(exp)}, compile cache {cache or 'off'}; writing to {cfg.out}",
               file=sys.stderr)
         if exp.privacy is not None:
-            say(f"DP-FedAvg: updates clipped to norm {cfg.dp_clip:g}, {exp.privacy.describe(cfg.rounds)}")
+            adapt = "" if cfg.dp_quantile is None else (f" (at first; then the {cfg.dp_quantile:g} quantile of the "
+                                                        f"update norms, lr {cfg.dp_clip_lr:g})")
+            say(f"DP-FedAvg: updates clipped to norm {cfg.dp_clip:g}{adapt}, {exp.privacy.describe(cfg.rounds)}")
     bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
     result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds), notify=say)
     if not quiet:

@@ -52,6 +52,9 @@ class RunConfig:
     dp_clip: float | None = None  # C: each client's update of the shared parameters is clipped to l2 norm C
     dp_noise: float = 0.0  # z: Gaussian noise of std z C / k on the mean of the cohort's k clipped updates
     dp_delta: float | None = None  # δ of the reported ε (None: N^-1.1 for N clients)
+    dp_quantile: float | None = None  # adaptive clipping: C (from dp_clip) tracks this quantile of the update norms
+    dp_clip_lr: float = 0.2  # adaptive clipping: the geometric update's learning rate
+    dp_count_noise: float | None = None  # adaptive clipping: the clipped count's noise std (None: 0.05 k with noise)
     # algorithm options by algorithm, e.g. {"fedselect": {"alpha": 0.5}}: each algorithm's Options dataclass
     # (``jaxfl.algorithms``) owns its defaults, presets and checks; the CLI's --fedselect.alpha, a [fedselect]
     # table in TOML. The run uses only the table of ``algorithm``.
@@ -255,10 +258,20 @@ def validate(cfg: RunConfig) -> RunConfig:
 def check_privacy(cfg: RunConfig) -> None:
     """The DP-FedAvg options (``dp_clip``, ``dp_noise``, ``dp_delta``): ConfigError naming the first bad one."""
     from ..algorithms import REGISTRY, options_class
+    adaptive_set = cfg.dp_quantile is not None or cfg.dp_clip_lr != 0.2 or cfg.dp_count_noise is not None
     if cfg.dp_clip is None:
-        if cfg.dp_noise or cfg.dp_delta is not None:
-            raise ConfigError("--dp-noise and --dp-delta need --dp-clip C (the clipping norm the noise is scaled to)")
+        if cfg.dp_noise or cfg.dp_delta is not None or adaptive_set:
+            raise ConfigError("--dp-noise, --dp-delta and the adaptive clipping options need --dp-clip C (the "
+                              "clipping norm the noise is scaled to; with --dp-quantile, its starting value)")
         return
+    if cfg.dp_quantile is None and (cfg.dp_clip_lr != 0.2 or cfg.dp_count_noise is not None):
+        raise ConfigError("--dp-clip-lr and --dp-count-noise adapt the clipping norm: they need --dp-quantile Q")
+    if cfg.dp_quantile is not None:
+        if not 0 < cfg.dp_quantile < 1:
+            raise ConfigError(f"dp_quantile={cfg.dp_quantile!r} is outside (0, 1)")
+        check_range("dp_clip_lr", cfg.dp_clip_lr, 0.0, float("inf"))
+        if cfg.dp_count_noise is not None:
+            check_range("dp_count_noise", cfg.dp_count_noise, 0.0, float("inf"))
     check_range("dp_clip", cfg.dp_clip, 0.0, float("inf"), lo_open=True)
     check_range("dp_noise", cfg.dp_noise, 0.0, float("inf"))
     if cfg.dp_delta is not None and not 0 < cfg.dp_delta < 1:
@@ -270,6 +283,17 @@ def check_privacy(cfg: RunConfig) -> None:
     if cfg.weighting != "uniform":
         raise ConfigError(f"--dp-clip: DP-FedAvg averages the cohort with equal weights (--weighting {cfg.weighting} "
                           f"would let one client move the mean by more than C/k); add --weighting uniform")
+
+
+def dp_count_noise(cfg: RunConfig, cohort: int) -> float:
+    """Adaptive clipping's count noise std sigma_b: ``dp_count_noise``, else 0.05 k with noise (TFF's default),
+    0 without. ConfigError if it is too small for the noise multiplier (z < 2 sigma_b is needed)."""
+    std = cfg.dp_count_noise if cfg.dp_count_noise is not None else (0.05 * cohort if cfg.dp_noise else 0.0)
+    if cfg.dp_noise and not cfg.dp_noise < 2 * std:
+        raise ConfigError(f"--dp-noise {cfg.dp_noise:g} with adaptive clipping needs --dp-count-noise above "
+                          f"{cfg.dp_noise / 2:g} (it is {std:g}; default 0.05 x the {cohort} clients a round): the "
+                          f"count of clipped updates shares the privacy budget")
+    return std
 
 
 def straggler_work_count(cfg: RunConfig) -> tuple[str, int]:

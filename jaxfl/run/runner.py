@@ -29,7 +29,7 @@ from ..data.federated import TEXT_DATASETS
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped, first_line
 from ..models import build_model
-from .config import RunConfig, check_output, clear_outputs, replace_text, validate
+from .config import RunConfig, check_output, clear_outputs, dp_count_noise, replace_text, validate
 from .lock import RunLock
 from .plots import plot_accuracy
 
@@ -142,8 +142,10 @@ class Experiment:
                                   f"{model_name(cfg)} without noise; use a model without BatchNorm (logreg, mlp_2nn, "
                                   f"femnist_cnn, fedavg_cnn, pfl_cnn, vit_tiny, ...) or keep them per client "
                                   f"({local})")
+            adaptive = {} if cfg.dp_quantile is None else dict(
+                quantile=cfg.dp_quantile, clip_lr=cfg.dp_clip_lr, count_std=dp_count_noise(cfg, self.cohort))
             self.algorithm = with_privacy(self.algorithm, cfg.dp_clip, cfg.dp_noise,
-                                          jax.random.fold_in(jax.random.key(cfg.seed), 4))
+                                          jax.random.fold_in(jax.random.key(cfg.seed), 4), **adaptive)
             self.privacy = Accountant(self.cohort / n, cfg.dp_noise, cfg.dp_delta or default_delta(n))
         server_tx = cfg.server_optimizer()
         if server_tx is not None:  # FedOpt: the aggregate becomes a pseudo-gradient step
@@ -311,6 +313,8 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
             rec = round_record(m, names, r + j)
             if exp.privacy is not None and cfg.dp_noise > 0:
                 rec["dp_epsilon"] = exp.privacy.epsilon(r + j + 1)
+            if "train_dp_clip" in rec:  # adaptive clipping: the round's clipping norm, the same for every client
+                rec["dp_clip"] = rec.pop("train_dp_clip")[0]
             t_eval, c_eval = time.perf_counter(), compile_seconds()
             if j == n - 1 and evaluates(cfg, r + j):
                 rec.update(local or exp.evaluate(server, store))
