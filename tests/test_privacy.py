@@ -12,8 +12,8 @@ from conftest import assert_trees_close, make_data, make_trainer, run_step, trai
 
 from jaxfl.algorithms import REGISTRY, build_algorithm
 from jaxfl.core import privacy
-from jaxfl.core.step import init_state, make_step
-from jaxfl.core.types import RunContext
+from jaxfl.core.step import cohort_train, init_state, make_step
+from jaxfl.core.types import RoundInfo, RunContext
 from jaxfl.models import small_cnn
 from jaxfl.run.cli import main
 
@@ -50,6 +50,14 @@ def test_theorem_9_bounds_the_refined_accountant_from_above_by_at_most_two_perce
     mine = privacy.rdp_wor_gaussian(k / n, sigma, (2, 5, 22))
     assert mine[0] == pytest.approx(want[0], rel=1e-9)
     assert np.all(mine >= np.asarray(want) * (1 - 1e-9)) and np.all(mine <= np.asarray(want) * 1.02)
+
+
+def test_the_whole_population_each_round_is_the_plain_gaussian():
+    # q = 1: Thm. 9 alone is 1.2-2.5 times looser; the cap makes it the Gaussian's alpha / (2 sigma^2), which
+    # dp_accounting also gives (N = k = 100, sigma 1, 100 rounds, delta 1e-4: 107.82404601085629)
+    np.testing.assert_allclose(privacy.rdp_wor_gaussian(1.0, 1.0, (2, 7, 40)), [1.0, 3.5, 20.0])
+    eps = privacy.epsilon_from_rdp(100 * privacy.rdp_wor_gaussian(1.0, 1.0), 1e-4)[0]
+    assert eps == pytest.approx(107.82404601085629, rel=1e-9)
 
 
 @pytest.mark.parametrize("args,want", POISSON_REFERENCE)
@@ -157,6 +165,8 @@ def test_adaptive_clipping_splits_the_noise_and_moves_the_clip_geometrically():
     assert value == pytest.approx((1 - 1 / 25) ** -0.5) and value > z
     assert (value ** -2 + (2 * count_std) ** -2) ** -0.5 == pytest.approx(z)  # together: fixed clipping's z
     assert privacy.value_noise_multiplier(0.0, 0.0) == 0.0
+    with pytest.raises(ValueError, match="count noise std above 0.5"):
+        privacy.value_noise_multiplier(1.0, 0.4)
     assert float(privacy.update_clip(2.0, 0.8, 0.5, 0.2)) == pytest.approx(2.0 * math.exp(-0.06))
     # on a cohort: the clip of round t + 1 from the fraction of round t's updates that fit under its clip
     data = make_data([12, 20, 7, 16])
@@ -171,6 +181,32 @@ def test_adaptive_clipping_splits_the_noise_and_moves_the_clip_geometrically():
         clip = clip * math.exp(-0.5 * (fits - 0.25))
         assert float(server[privacy.CLIP_KEY]) == pytest.approx(clip, rel=1e-6)
     assert clip != pytest.approx(0.2)
+
+
+def test_adaptive_noise_uses_the_current_clip_the_raised_multiplier_and_a_noised_count():
+    data = make_data([12, 20, 7, 16])
+    base = _alg("fedavg")
+    z, count_std, key = 1.0, 0.6, jax.random.key(4)
+    noisy = privacy.with_privacy(base, 0.05, z, key, quantile=0.5, clip_lr=0.3, count_std=count_std)
+    quiet = privacy.with_privacy(base, 0.05, 0.0, key, quantile=0.5, clip_lr=0.3)
+    server, clients = init_state(noisy, jax.random.key(0), data.x[0], 4)
+    server = {**server, privacy.CLIP_KEY: jnp.float32(0.07)}  # a later round's clip, not the initial 0.05
+    rows, metrics = cohort_train(noisy, strategy="vmap", num_rounds=4)(server, clients, data, jnp.arange(4), 2,
+                                                                       jax.random.key(3))
+    weights, info = jnp.ones(4), RoundInfo(jnp.int32(2), jnp.arange(4, dtype=jnp.int32), 4)
+    new = jax.jit(lambda s, t: noisy.aggregate(s, t, weights, info)[0])(server, rows)
+    calm = jax.jit(lambda s, t: quiet.aggregate(s, t, weights, info)[0])(server, rows)
+    diff = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree_util.tree_leaves(new["params"]),
+                                                            jax.tree_util.tree_leaves(calm["params"]))])
+    sigma = privacy.value_noise_multiplier(z, count_std)  # 1.81, not z
+    assert float(np.std(diff)) == pytest.approx(sigma * 0.07 / 4, rel=0.1)
+    # the count of updates within the clip, plus its own noise, moves the clip
+    fits = float(np.sum(np.asarray(metrics["update_norm"]) <= 0.07))
+    count_noise = count_std * float(jax.random.normal(
+        jax.random.fold_in(jax.random.fold_in(key, privacy.COUNT_STREAM), 2), ()))
+    want = 0.07 * math.exp(-0.3 * ((fits + count_noise) / 4 - 0.5))
+    assert float(new[privacy.CLIP_KEY]) == pytest.approx(want, rel=1e-6)
+    assert float(calm[privacy.CLIP_KEY]) == pytest.approx(0.07 * math.exp(-0.3 * (fits / 4 - 0.5)), rel=1e-6)
 
 
 def test_batchnorm_statistics_are_refused_exactly_where_the_server_averages_them():
@@ -250,8 +286,11 @@ def test_a_dp_run_through_the_cli_logs_epsilon_and_resumes_exactly(tmp_path, cap
     assert clips[0] == pytest.approx(0.5) and len(set(clips)) == 3
     assert json.loads((full / "config.json").read_text())["dp_clip"] == 0.5
     spent = json.loads((full / "summary.json").read_text())["privacy"]
-    assert spent["epsilon"] == pytest.approx(acc.epsilon(3), rel=1e-12) and spent["clip"] == 0.5
+    assert spent["epsilon"] == pytest.approx(acc.epsilon(3), rel=1e-12)
     assert (spent["delta"], spent["noise_multiplier"], spent["rounds"]) == (3 ** -1.1, 0.8, 3)
+    assert (spent["clip_initial"], spent["count_noise_std"], spent["quantile"]) == (0.5, 1.0, 0.5)
+    assert spent["update_noise_multiplier"] == pytest.approx(privacy.value_noise_multiplier(0.8, 1.0))
+    assert spent["clip_final"] not in clips and spent["clip_final"] > 0
     # ... equal one call per round, stopped after round 2 and resumed
     assert main([*args, "--rounds", "2", "--out", str(part), "--checkpoint-every", "1", "--quiet"]) == 0
     assert main([*args, "--rounds", "3", "--out", str(part), "--resume", "--quiet"]) == 0

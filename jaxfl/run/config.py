@@ -12,6 +12,7 @@ from ..core.backends import BACKENDS, PLACEMENTS
 from ..core.cohort import STRATEGIES, default_strategy
 from ..core.distributed import is_primary
 from ..core.options import accepts_none, coerce, field_type, plain
+from ..core.privacy import DEFAULT_CLIP_LR
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
@@ -53,7 +54,7 @@ class RunConfig:
     dp_noise: float = 0.0  # z: Gaussian noise of std z C / k on the mean of the cohort's k clipped updates
     dp_delta: float | None = None  # δ of the reported ε (None: N^-1.1 for N clients)
     dp_quantile: float | None = None  # adaptive clipping: C (from dp_clip) tracks this quantile of the update norms
-    dp_clip_lr: float = 0.2  # adaptive clipping: the geometric update's learning rate
+    dp_clip_lr: float = DEFAULT_CLIP_LR  # adaptive clipping: the geometric update's learning rate
     dp_count_noise: float | None = None  # adaptive clipping: the clipped count's noise std (None: 0.05 k with noise)
     # algorithm options by algorithm, e.g. {"fedselect": {"alpha": 0.5}}: each algorithm's Options dataclass
     # (``jaxfl.algorithms``) owns its defaults, presets and checks; the CLI's --fedselect.alpha, a [fedselect]
@@ -256,15 +257,17 @@ def validate(cfg: RunConfig) -> RunConfig:
 
 
 def check_privacy(cfg: RunConfig) -> None:
-    """The DP-FedAvg options (``dp_clip``, ``dp_noise``, ``dp_delta``): ConfigError naming the first bad one."""
+    """The DP-FedAvg options (``dp_clip``, ``dp_noise``, ``dp_delta``; adaptive clipping's ``dp_quantile``,
+    ``dp_clip_lr``, ``dp_count_noise``): ConfigError naming the first bad one."""
     from ..algorithms import REGISTRY, options_class
-    adaptive_set = cfg.dp_quantile is not None or cfg.dp_clip_lr != 0.2 or cfg.dp_count_noise is not None
+    adaptive_set = (cfg.dp_quantile is not None or cfg.dp_clip_lr != DEFAULT_CLIP_LR
+                    or cfg.dp_count_noise is not None)
     if cfg.dp_clip is None:
         if cfg.dp_noise or cfg.dp_delta is not None or adaptive_set:
             raise ConfigError("--dp-noise, --dp-delta and the adaptive clipping options need --dp-clip C (the "
                               "clipping norm the noise is scaled to; with --dp-quantile, its starting value)")
         return
-    if cfg.dp_quantile is None and (cfg.dp_clip_lr != 0.2 or cfg.dp_count_noise is not None):
+    if cfg.dp_quantile is None and (cfg.dp_clip_lr != DEFAULT_CLIP_LR or cfg.dp_count_noise is not None):
         raise ConfigError("--dp-clip-lr and --dp-count-noise adapt the clipping norm: they need --dp-quantile Q")
     if cfg.dp_quantile is not None:
         if not 0 < cfg.dp_quantile < 1:
@@ -290,9 +293,10 @@ def dp_count_noise(cfg: RunConfig, cohort: int) -> float:
     0 without. ConfigError if it is too small for the noise multiplier (z < 2 sigma_b is needed)."""
     std = cfg.dp_count_noise if cfg.dp_count_noise is not None else (0.05 * cohort if cfg.dp_noise else 0.0)
     if cfg.dp_noise and not cfg.dp_noise < 2 * std:
+        given = "" if cfg.dp_count_noise is not None else f"; default 0.05 x the {cohort} clients a round"
         raise ConfigError(f"--dp-noise {cfg.dp_noise:g} with adaptive clipping needs --dp-count-noise above "
-                          f"{cfg.dp_noise / 2:g} (it is {std:g}; default 0.05 x the {cohort} clients a round): the "
-                          f"count of clipped updates shares the privacy budget")
+                          f"{cfg.dp_noise / 2:g} (it is {std:g}{given}): the count of clipped updates shares the "
+                          f"privacy budget")
     return std
 
 

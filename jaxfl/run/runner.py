@@ -19,7 +19,8 @@ from ..core.backends import Ragged, Stacked, device_memory_bytes
 from ..core.cost import backend_seconds, train_flops_per_sample
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
 from ..core.evaluate import Evaluator
-from ..core.privacy import Accountant, bn_stats_shared, default_delta, with_privacy
+from ..core.privacy import (CLIP_KEY, Accountant, bn_stats_shared, default_delta,
+                             value_noise_multiplier, with_privacy)
 from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer, client_optimizer, normalizer
 from ..core.trees import count_params
@@ -143,7 +144,8 @@ class Experiment:
                                   f"femnist_cnn, fedavg_cnn, pfl_cnn, vit_tiny, ...) or keep them per client "
                                   f"({local})")
             adaptive = {} if cfg.dp_quantile is None else dict(
-                quantile=cfg.dp_quantile, clip_lr=cfg.dp_clip_lr, count_std=dp_count_noise(cfg, self.cohort))
+                quantile=cfg.dp_quantile, clip_lr=cfg.dp_clip_lr,
+                count_std=dp_count_noise(cfg, self.cohort))
             self.algorithm = with_privacy(self.algorithm, cfg.dp_clip, cfg.dp_noise,
                                           jax.random.fold_in(jax.random.key(cfg.seed), 4), **adaptive)
             self.privacy = Accountant(self.cohort / n, cfg.dp_noise, cfg.dp_delta or default_delta(n))
@@ -354,13 +356,23 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
         with written(out / "summary.json", f"after round {r}", ckpt):
             summary = result.summary()
             if exp.privacy is not None:  # what the run spent: (epsilon, delta) after its last round
-                summary["privacy"] = dict(exp.privacy.report(r), clip=cfg.dp_clip)
+                summary["privacy"] = dict(exp.privacy.report(r), **privacy_settings(cfg, exp.cohort, server))
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
         if history:
             with written(out / "accuracy.png", f"after round {r}", ckpt):
                 plot_accuracy(history, names, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}, "
                               f"{model_name(cfg)}, lr {cfg.lr}, seed {cfg.seed}")
     return result
+
+
+def privacy_settings(cfg: RunConfig, cohort: int, server) -> dict:
+    """summary.json's record of how a DP run clipped and noised: the clip (adaptive: where it started and ended,
+    the count's noise std) and the update's noise multiplier."""
+    if cfg.dp_quantile is None:
+        return {"clip": cfg.dp_clip, "update_noise_multiplier": cfg.dp_noise}
+    std = dp_count_noise(cfg, cohort)
+    return {"clip_initial": cfg.dp_clip, "clip_final": float(server[CLIP_KEY]), "quantile": cfg.dp_quantile,
+            "count_noise_std": std, "update_noise_multiplier": value_noise_multiplier(cfg.dp_noise, std)}
 
 
 def checkpointer(out: Path):
