@@ -14,7 +14,7 @@ the same ε), and z = 2 with server momentum 0.9 at server lr 0.1 (DP-FedAvgM: t
 without momentum, the noise averaged over ~10 rounds).
 
 Writes, under --out: [seed<k>/]<variant>/ (the runs), table.md (final, best and last-5 accuracy on the pooled
-test set, mean ± std over seeds, with each row's ε) and accuracy.png.
+test set, mean ± std over seeds, and the ε each row spent) and accuracy.png (ε in the legend).
 
     JAXFL_DATA_DIR=../shared/data python experiments/dp_fedavg.py --seeds 0,1,2 --out ../runs/dp_fedavg
 """
@@ -64,10 +64,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     seeds, out, base = parse_seeds(args.seeds), Path(args.out), base_config(args)
     key = "weighted_accuracy"  # the global model on every client's test images, pooled
-    results = {}
-    for label, spec in variants(args.clip, [float(z) for z in args.noise.split(",")]).items():
-        hists = run_seeds(spec, base, out, seeds, args.progress)
-        results[with_epsilon(label, hists)] = hists
+    results = {label: run_seeds(spec, base, out, seeds, args.progress)
+               for label, spec in variants(args.clip, [float(z) for z in args.noise.split(",")]).items()}
     head = (f"MNIST, logreg, 1,000 clients of two digits, 100 a round, E = 1, batch 10, lr 0.1, equal weights, "
             f"clip C = {args.clip:g}, δ = 1000^-1.1, {args.rounds} rounds, seeds {args.seeds}; accuracy on all "
             f"clients' test images, %\n")
@@ -75,8 +73,8 @@ def main(argv=None) -> None:
     print(text, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text + "\n")
-    plot_mean_accuracy(results, out / "accuracy.png", "DP-FedAvg on MNIST (logreg), all clients' test images",
-                       key=key)
+    plot_mean_accuracy({with_epsilon(label, hists): hists for label, hists in results.items()}, out / "accuracy.png",
+                       "DP-FedAvg on MNIST (logreg), all clients' test images", key=key)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,15 @@ def test_seed_stats_are_mean_and_std_over_seeds_of_final_and_tail():
     assert seed_stats([SEED0], key="weighted_accuracy", tail=2)["final"] == pytest.approx((30.0, 0.0))
 
 
+def test_dp_runs_get_a_column_of_the_epsilon_they_spent():
+    dp = [dict(r, dp_epsilon=0.5 * r["round"]) for r in SEED0]  # every round's record carries it
+    text = seed_table({"fedavg": [SEED0], "fedavg dp_noise=1": [dp, dp]})
+    head, _, plain, private = text.splitlines()
+    assert "DP ε spent" in head.split(" | ")[3]
+    assert plain.split(" | ")[3] == "-" and private.split(" | ")[3] == "3"  # round 6's epsilon
+    assert "DP ε" not in seed_table({"fedavg": [SEED0]})
+
+
 def test_seed_table_rows():
     text = seed_table({"fedavg": [SEED0, SEED1], "local:lr=0.1": [SEED0]}, paper={"local": 74.6})
     lines = text.splitlines()

@@ -139,12 +139,16 @@ def seed_stats(hists: list[list[dict]], key: str = "mean_accuracy", tail: int = 
 
 
 def compare_rows(results: dict[str, list[list[dict]]], key: str = "mean_accuracy", tail: int = 5) -> list[dict]:
-    """One flat row per group (CSV columns): label, seeds, rounds, and mean/std of final, best-mean, last-k
-    (%), then ``client<j>_final_mean``/``_std`` when the runs record per-client accuracy."""
+    """One flat row per group (CSV columns): label, seeds, rounds, ``dp_epsilon`` (DP runs: the epsilon their
+    last round had spent), and mean/std of final, best-mean, last-k (%), then ``client<j>_final_mean``/``_std``
+    when the runs record per-client accuracy."""
     rows = []
     for label, hists in results.items():
         st = seed_stats(hists, key, tail)
         row = {"method": label, "seeds": st["seeds"], "rounds": st["rounds"]}
+        spent = [[r["dp_epsilon"] for r in hist if "dp_epsilon" in r] for hist in hists]
+        if all(spent):  # DP runs: the epsilon spent by the last round (the same for every seed)
+            row["dp_epsilon"] = max(s[-1] for s in spent)
         for name, col in (("final", "final"), ("best_mean", "best"), (f"last{tail}", "tail")):
             row[f"{name}_mean"], row[f"{name}_std"] = st[col]
         for j, (m, s) in enumerate(st["clients"]):
@@ -162,14 +166,16 @@ def seed_table(results: dict[str, list[list[dict]]], key: str = "mean_accuracy",
     n_clients = max((sum(1 for k in r if k.endswith("_final_mean") and k.startswith("client")) for r in rows),
                     default=0) if per_client else 0
     names = client_names or [f"client {j}" for j in range(n_clients)]
-    head = (["method", "seeds", "rounds", "final % (mean ± std)", "best-mean % (mean ± std)",
-             f"mean of the last {tail} evaluations % (mean ± std)"] + names[:n_clients]
-            + ([paper_label] if paper is not None else []))
+    dp = any("dp_epsilon" in r for r in rows)  # DP runs among them: a column of the epsilon each spent
+    head = (["method", "seeds", "rounds"] + (["DP ε spent"] if dp else [])
+            + ["final % (mean ± std)", "best-mean % (mean ± std)", f"mean of the last {tail} evaluations % (mean ± std)"]
+            + names[:n_clients] + ([paper_label] if paper is not None else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["method"], str(r["seeds"]), str(r["rounds"]),
-                 f"{r['final_mean']:.2f} ± {r['final_std']:.2f}", f"{r['best_mean_mean']:.2f} ± {r['best_mean_std']:.2f}",
-                 f"{r[f'last{tail}_mean']:.2f} ± {r[f'last{tail}_std']:.2f}"]
+        cells = [r["method"], str(r["seeds"]), str(r["rounds"])]
+        cells += [f"{r['dp_epsilon']:.3g}" if "dp_epsilon" in r else "-"] if dp else []
+        cells += [f"{r['final_mean']:.2f} ± {r['final_std']:.2f}", f"{r['best_mean_mean']:.2f} ± {r['best_mean_std']:.2f}",
+                  f"{r[f'last{tail}_mean']:.2f} ± {r[f'last{tail}_std']:.2f}"]
         cells += [f"{r[f'client{j}_final_mean']:.2f} ± {r[f'client{j}_final_std']:.2f}"
                   if f"client{j}_final_mean" in r else "-" for j in range(n_clients)]
         if paper is not None:
