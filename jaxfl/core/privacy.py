@@ -20,8 +20,7 @@ Rényi Differential Privacy and Analytical Moments Accountant", AISTATS 2019, Th
     RDP(α) = 1 / (α - 1) · log(1 + q² binom(α, 2) min(4 (e^{ε(2)} - 1), 2 e^{ε(2)})
                                  + Σ_{j=3..α} 2 q^j binom(α, j) e^{(j - 1) ε(j)}),
 
-capped by the Gaussian's own ε(α) (subsampling never weakens a mechanism; the cap binds near q = 1),
-
+capped by the Gaussian's own ε(α) (subsampling never weakens a mechanism; the cap binds near q = 1).
 T rounds compose to T · RDP(α), and (ε, δ)-DP follows with (Balle et al., "Hypothesis Testing Interpretations
 and Rényi Differential Privacy", AISTATS 2020, Thm. 21)
 
@@ -30,9 +29,10 @@ and Rényi Differential Privacy", AISTATS 2020, Thm. 21)
 Adaptive clipping (Andrew et al., "Differentially Private Learning with Adaptive Clipping", NeurIPS 2021;
 ``with_privacy(quantile=γ)``): C becomes server state and after each round C' = C · exp(-η (b̄ - γ)), b̄ the
 fraction of the cohort's updates no longer than C, counted with Gaussian noise of std σ_b; the update's noise
-multiplier is raised to σ_Δ = (z^-2 - (2σ_b)^-2)^-1/2, so that update and count together are the Gaussian
-mechanism of multiplier z (the count moves by at most 1 when one client's data changes, the update by 2C, and
-(2/σ_Δ)² + (1/σ_b)² = (2/z)²): the accountant above applies unchanged.
+multiplier is raised to σ_Δ = (z^-2 - (2σ_b)^-2)^-1/2, so that update and count together are as private as
+fixed clipping's update alone at z: when one client's data changes the count moves by at most 1 and the update
+by 2C, and (2C / (σ_Δ C))² + (1 / σ_b)² = (2C / (z C))², the same Gaussian mechanism of multiplier z / 2. The
+accountant above applies unchanged.
 
 For comparison only, ``rdp_poisson_gaussian`` is the convention of TFF and FedJAX (Poisson sampling, add/remove
 one client, sensitivity C / k; Mironov, Talwar and Zhang 2019, Sec. 3.3): its ε is smaller at the same z (6
