@@ -20,7 +20,7 @@ Rényi Differential Privacy and Analytical Moments Accountant", AISTATS 2019, Th
     RDP(α) = 1 / (α - 1) · log(1 + q² binom(α, 2) min(4 (e^{ε(2)} - 1), 2 e^{ε(2)})
                                  + Σ_{j=3..α} 2 q^j binom(α, j) e^{(j - 1) ε(j)}),
 
-capped by the Gaussian's own ε(α) (subsampling never weakens a mechanism; the cap binds near q = 1).
+capped by the Gaussian's own ε(α) (subsampling never costs privacy; the cap binds near q = 1).
 T rounds compose to T · RDP(α), and (ε, δ)-DP follows with (Balle et al., "Hypothesis Testing Interpretations
 and Rényi Differential Privacy", AISTATS 2020, Thm. 21)
 
@@ -230,7 +230,7 @@ def rdp_wor_gaussian(q: float, sigma: float, orders=ORDERS) -> np.ndarray:
         log_sum = _log_add(0.0, 2 * math.log(q) + _log_binom(a, 2) + second)
         for j in range(3, a + 1):
             log_sum = _log_add(log_sum, math.log(2) + j * math.log(q) + _log_binom(a, j) + (j - 1) * eps(j))
-        # sampling never weakens the mechanism: the Gaussian's own RDP bounds it too (the tighter at q near 1)
+        # subsampling never costs privacy: the Gaussian's own RDP bounds it too (the tighter near q = 1)
         out.append(min(log_sum / (a - 1), eps(a)))
     return np.asarray(out, np.float64)
 
