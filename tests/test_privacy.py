@@ -52,6 +52,13 @@ def test_theorem_9_bounds_the_refined_accountant_from_above_by_at_most_two_perce
     assert np.all(mine >= np.asarray(want) * (1 - 1e-9)) and np.all(mine <= np.asarray(want) * 1.02)
 
 
+def test_the_noise_calibrated_to_an_epsilon_is_the_smallest_that_spends_at_most_it():
+    q, rounds, delta = 0.1, 200, 1000 ** -1.1
+    z = privacy.noise_for_epsilon(q, rounds, delta, 10.0)
+    assert privacy.Accountant(q, z, delta).epsilon(rounds) <= 10.0 < privacy.Accountant(q, z * 0.998, delta).epsilon(rounds)
+    assert 3.0 < z < 3.02  # z = 3 spends 10.05 (experiments/RESULTS.md, DP section)
+
+
 def test_the_whole_population_each_round_is_the_plain_gaussian():
     # q = 1: Thm. 9 alone is 1.2-2.5 times looser; the cap makes it the Gaussian's alpha / (2 sigma^2), which
     # dp_accounting also gives (N = k = 100, sigma 1, 100 rounds, delta 1e-4: 107.82404601085629)
@@ -267,7 +274,8 @@ def _records(out):
 
 
 def test_a_dp_run_through_the_cli_logs_epsilon_and_resumes_exactly(tmp_path, capsys):
-    args = ["run", "--algorithm", "fedbn", *TINY, "--dp-clip", "0.5", "--dp-noise", "0.8", "--weighting", "uniform",
+    # the noise calibrated to epsilon 20 over the 3 rounds (z = 0.76; resumed, it is found again)
+    args = ["run", "--algorithm", "fedbn", *TINY, "--dp-clip", "0.5", "--dp-epsilon", "20", "--weighting", "uniform",
             "--clients-per-round", "2"]
     full, part = tmp_path / "full", tmp_path / "part"
     # with a server optimizer taking its step from the noised mean, three rounds in one call ...
@@ -275,9 +283,12 @@ def test_a_dp_run_through_the_cli_logs_epsilon_and_resumes_exactly(tmp_path, cap
     args += ["--server-opt", "adam", "--backend", "stacked", "--dp-quantile", "0.5", "--dp-count-noise", "1"]
     assert main([*args, "--rounds", "3", "--out", str(full), "--rounds-per-call", "3"]) == 0
     err = capsys.readouterr().err
-    acc = privacy.Accountant(2 / 3, 0.8, 3 ** -1.1)
+    z = privacy.noise_for_epsilon(2 / 3, 3, 3 ** -1.1, 20.0)
+    acc = privacy.Accountant(2 / 3, z, 3 ** -1.1)
+    assert 19 < acc.epsilon(3) <= 20 and json.loads((full / "config.json").read_text())["dp_noise"] == z
     assert (f"DP-FedAvg: updates clipped to norm 0.5 (at first; then the 0.5 quantile of the update norms, lr 0.2), "
-            f"noise 0.8, 0.667 of the clients a round: ({acc.epsilon(3):.3g}, " in err)
+            f"noise {z:g}, 0.667 of the clients a round: ({acc.epsilon(3):.3g}, " in err)
+    assert "(the noise calibrated to epsilon 20)" in err
     recs = _records(full)
     assert [r["dp_epsilon"] for r in recs] == pytest.approx([acc.epsilon(t) for t in (1, 2, 3)], rel=1e-12)
     assert all(len(r["train_update_norm"]) == 2 for r in recs)
@@ -287,11 +298,13 @@ def test_a_dp_run_through_the_cli_logs_epsilon_and_resumes_exactly(tmp_path, cap
     assert json.loads((full / "config.json").read_text())["dp_clip"] == 0.5
     spent = json.loads((full / "summary.json").read_text())["privacy"]
     assert spent["epsilon"] == pytest.approx(acc.epsilon(3), rel=1e-12)
-    assert (spent["delta"], spent["noise_multiplier"], spent["rounds"]) == (3 ** -1.1, 0.8, 3)
+    assert (spent["delta"], spent["noise_multiplier"], spent["rounds"]) == (3 ** -1.1, z, 3)
     assert (spent["clip_initial"], spent["count_noise_std"], spent["quantile"]) == (0.5, 1.0, 0.5)
-    assert spent["update_noise_multiplier"] == pytest.approx(privacy.value_noise_multiplier(0.8, 1.0))
+    assert spent["update_noise_multiplier"] == pytest.approx(privacy.value_noise_multiplier(z, 1.0))
     assert spent["clip_final"] not in clips and spent["clip_final"] > 0
-    # ... equal one call per round, stopped after round 2 and resumed
+    # ... equal one call per round with that z given, stopped after round 2 and resumed (with --dp-epsilon the
+    # 2-round run would be calibrated to 2 rounds: a different z, which resume refuses)
+    args[args.index("--dp-epsilon"):args.index("--dp-epsilon") + 2] = ["--dp-noise", repr(z)]
     assert main([*args, "--rounds", "2", "--out", str(part), "--checkpoint-every", "1", "--quiet"]) == 0
     assert main([*args, "--rounds", "3", "--out", str(part), "--resume", "--quiet"]) == 0
     assert [r["test_accuracy"] for r in _records(part)] == [r["test_accuracy"] for r in recs]
@@ -308,6 +321,10 @@ def test_bad_dp_options_get_one_line(tmp_path, capsys):
              "composes with: ",
              ("--algorithm", "fedavg", "--dp-clip", "1"): "--dp-clip: DP-FedAvg averages the cohort with equal weights",
              ("--dp-quantile", "0.5"): "--dp-noise, --dp-delta and the adaptive clipping options need --dp-clip C",
+             ("--dp-epsilon", "5"): "--dp-epsilon needs --dp-clip C",
+             ("--dp-clip", "1", "--dp-epsilon", "5", "--dp-noise", "1", "--weighting", "uniform"):
+             "--dp-epsilon 5 sets the noise multiplier: give it or --dp-noise 1, not both",
+             ("--dp-clip", "1", "--dp-epsilon", "0", "--weighting", "uniform"): "dp_epsilon=0.0 is outside (0.0, inf]",
              ("--dp-clip", "1", "--dp-clip-lr", "0.1", "--weighting", "uniform"):
              "--dp-clip-lr and --dp-count-noise adapt the clipping norm: they need --dp-quantile Q",
              ("--dp-clip", "1", "--dp-quantile", "1", "--weighting", "uniform"): "dp_quantile=1.0 is outside (0, 1)",

@@ -303,6 +303,21 @@ class Accountant:
                 f"(user-level, replace-one)")
 
 
+def noise_for_epsilon(q: float, rounds: int, delta: float, target: float) -> float:
+    """The smallest noise multiplier z (to 0.1 %) whose ``rounds`` rounds at sampling rate q spend at most ε =
+    ``target`` at δ (``Accountant``): bisection, ε falling as z grows. ValueError past z = 1000."""
+    spent = lambda z: Accountant(q, z, delta).epsilon(rounds)
+    lo, hi = 0.0, 1.0
+    while spent(hi) > target:
+        lo, hi = hi, 2 * hi
+        if hi > 1000:
+            raise ValueError(f"epsilon {target} after {rounds} rounds needs a noise multiplier above 1000")
+    while hi - lo > 1e-3 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if spent(mid) > target else (lo, mid)
+    return hi
+
+
 def bn_stats_shared(alg: Algorithm, key, sample_x) -> bool:
     """Whether ``alg`` has BatchNorm statistics its clients do not keep to themselves (so the server averages
     them, without clipping or noise): its server state's top-level ``batch_stats`` has leaves and its client

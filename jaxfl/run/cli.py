@@ -53,6 +53,8 @@ HELP = {
     "dp_noise": "DP-FedAvg noise multiplier z: Gaussian noise of std z*C/k on the mean of the cohort's k "
                 "clipped updates; the run reports (epsilon, delta) by an RDP accountant (0: clipping only)",
     "dp_delta": "DP-FedAvg: the delta of the reported epsilon (default: N^-1.1 for N clients)",
+    "dp_epsilon": "DP-FedAvg: calibrate the noise: the smallest --dp-noise whose run spends at most this epsilon "
+                  "(at --dp-delta, over --rounds; the start-up line and config.json give the multiplier found)",
     "dp_quantile": "DP-FedAvg with adaptive clipping (Andrew et al. 2021): the clipping norm starts at --dp-clip and "
                    "tracks this quantile of the clients' update norms, counted privately (default: fixed clipping)",
     "dp_clip_lr": "adaptive clipping: learning rate of the geometric update C <- C exp(-lr (unclipped - quantile))",
@@ -365,7 +367,9 @@ def run_one(cfg: RunConfig, quiet: bool, cache: str | None):
         if exp.privacy is not None:
             adapt = "" if cfg.dp_quantile is None else (f" (at first; then the {cfg.dp_quantile:g} quantile of the "
                                                         f"update norms, lr {cfg.dp_clip_lr:g})")
-            say(f"DP-FedAvg: updates clipped to norm {cfg.dp_clip:g}{adapt}, {exp.privacy.describe(cfg.rounds)}")
+            calibrated = "" if cfg.dp_epsilon is None else f" (the noise calibrated to epsilon {cfg.dp_epsilon:g})"
+            say(f"DP-FedAvg: updates clipped to norm {cfg.dp_clip:g}{adapt}, {exp.privacy.describe(cfg.rounds)}"
+                f"{calibrated}")
     bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
     result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds), notify=say)
     if not quiet:

@@ -53,6 +53,7 @@ class RunConfig:
     dp_clip: float | None = None  # C: each client's update of the shared parameters is clipped to l2 norm C
     dp_noise: float = 0.0  # z: Gaussian noise of std z C / k on the mean of the cohort's k clipped updates
     dp_delta: float | None = None  # δ of the reported ε (None: N^-1.1 for N clients)
+    dp_epsilon: float | None = None  # calibrate z: the smallest noise multiplier that spends at most this ε
     dp_quantile: float | None = None  # adaptive clipping: C (from dp_clip) tracks this quantile of the update norms
     dp_clip_lr: float = DEFAULT_CLIP_LR  # adaptive clipping: the geometric update's learning rate
     dp_count_noise: float | None = None  # adaptive clipping: the clipped count's noise std (None: 0.05 k with noise)
@@ -260,6 +261,13 @@ def check_privacy(cfg: RunConfig) -> None:
     """The DP-FedAvg options (``dp_clip``, ``dp_noise``, ``dp_delta``; adaptive clipping's ``dp_quantile``,
     ``dp_clip_lr``, ``dp_count_noise``): ConfigError naming the first bad one."""
     from ..algorithms import REGISTRY, options_class
+    if cfg.dp_epsilon is not None:
+        if cfg.dp_clip is None:
+            raise ConfigError("--dp-epsilon needs --dp-clip C (the clipping norm the calibrated noise is scaled to)")
+        if cfg.dp_noise:
+            raise ConfigError(f"--dp-epsilon {cfg.dp_epsilon:g} sets the noise multiplier: give it or --dp-noise "
+                              f"{cfg.dp_noise:g}, not both")
+        check_range("dp_epsilon", cfg.dp_epsilon, 0.0, float("inf"), lo_open=True)
     adaptive_set = (cfg.dp_quantile is not None or cfg.dp_clip_lr != DEFAULT_CLIP_LR
                     or cfg.dp_count_noise is not None)
     if cfg.dp_clip is None:

@@ -19,7 +19,7 @@ from ..core.backends import Ragged, Stacked, device_memory_bytes
 from ..core.cost import backend_seconds, train_flops_per_sample
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
 from ..core.evaluate import Evaluator
-from ..core.privacy import (CLIP_KEY, Accountant, bn_stats_shared, default_delta,
+from ..core.privacy import (CLIP_KEY, Accountant, bn_stats_shared, default_delta, noise_for_epsilon,
                              value_noise_multiplier, with_privacy)
 from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer, client_optimizer, normalizer
@@ -136,6 +136,10 @@ class Experiment:
                                   momentum=cfg.momentum if cfg.optimizer == "sgd" else None, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
         self.privacy = None
+        if cfg.dp_epsilon is not None:  # the noise multiplier that spends the asked epsilon over the run
+            delta = cfg.dp_delta or default_delta(n)
+            noise = noise_for_epsilon(self.cohort / n, cfg.rounds, delta, cfg.dp_epsilon)
+            self.cfg = cfg = cfg.replace(dp_noise=noise)
         if cfg.dp_clip is not None:  # DP-FedAvg: clipped updates, noise on the mean (before a server optimizer)
             if bn_stats_shared(self.algorithm, jax.random.key(0), ds.train[0][0][:1]):
                 local = (f"--{cfg.algorithm}.local-bn" if hasattr(self.options, "local_bn") else "fedbn")
