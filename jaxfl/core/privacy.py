@@ -63,10 +63,15 @@ from .types import Algorithm
 ORDERS = tuple(range(2, 257))
 
 
+def all_shared(params):
+    """The share mask of an aggregate that averages every parameter leaf."""
+    return jax.tree_util.tree_map(lambda _: True, params)
+
+
 def update_norm(server_params, trained_params, shared=None):
     """||x_i - x||_2 over the parameter leaves ``shared`` marks (a tree of Python bools or bool scalars over
     ``server_params``; None: every leaf). One client: leaves [...] -> float32 []."""
-    shared = shared if shared is not None else jax.tree_util.tree_map(lambda _: True, server_params)
+    shared = shared if shared is not None else all_shared(server_params)
     total = jnp.zeros((), jnp.float32)
     for s, x, xi in zip(jax.tree_util.tree_leaves(shared), jax.tree_util.tree_leaves(server_params),
                         jax.tree_util.tree_leaves(trained_params)):
@@ -103,11 +108,6 @@ def add_noise(key, params, shared, std):
         noise = (std * jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32)).astype(x.dtype)
         out.append(x + (noise if s is True else jnp.where(s, noise, 0)))
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def all_shared(params):
-    """The share mask of an aggregate that averages every parameter leaf."""
-    return jax.tree_util.tree_map(lambda _: True, params)
 
 
 DEFAULT_CLIP_LR = 0.2  # adaptive clipping's learning rate (Andrew et al.'s and TFF's)
@@ -242,21 +242,20 @@ def rdp_poisson_gaussian(q: float, noise_multiplier: float, orders=ORDERS) -> np
     is (module docstring): the convention its ``Accountant`` reports beside the valid ε, for comparison.
     q = 0 gives 0, z = 0 inf. orders: ints [m] -> float64 [m]."""
     z = float(noise_multiplier)
+    if q == 0:
+        return np.zeros(len(orders))
+    if z == 0:
+        return np.full(len(orders), math.inf)
+    if q == 1:
+        return np.asarray([a / (2 * z * z) for a in orders], np.float64)
     out = []
     for a in orders:
         a = int(a)
-        if q == 0:
-            out.append(0.0)
-        elif z == 0:
-            out.append(math.inf)
-        elif q == 1:
-            out.append(a / (2 * z * z))
-        else:
-            log_sum = -math.inf
-            for j in range(a + 1):
-                log_sum = _log_add(log_sum, _log_binom(a, j) + j * math.log(q) + (a - j) * math.log1p(-q)
-                                   + (j * j - j) / (2 * z * z))
-            out.append(log_sum / (a - 1))
+        log_sum = -math.inf
+        for j in range(a + 1):
+            log_sum = _log_add(log_sum, _log_binom(a, j) + j * math.log(q) + (a - j) * math.log1p(-q)
+                               + (j * j - j) / (2 * z * z))
+        out.append(log_sum / (a - 1))
     return np.asarray(out, np.float64)
 
 
@@ -274,9 +273,7 @@ class Accountant:
 
     def __init__(self, q: float, noise_multiplier: float, delta: float):
         self.q, self.noise_multiplier, self.delta = q, noise_multiplier, delta
-        # one round's curves, composed over rounds by multiplying
-        self._rdp = rdp_wor_gaussian(q, noise_multiplier / 2)
-        self._poisson = rdp_poisson_gaussian(q, noise_multiplier)
+        self._rdp = rdp_wor_gaussian(q, noise_multiplier / 2)  # one round's curve, composed by multiplying
 
     def epsilon(self, rounds: int) -> float:
         if self.noise_multiplier == 0:
@@ -286,7 +283,9 @@ class Accountant:
     def report(self, rounds: int) -> dict:
         """summary.json's privacy record after ``rounds`` rounds (epsilons None without noise: no guarantee)."""
         finite = lambda e: None if math.isinf(e) else e
-        poisson = math.inf if self.noise_multiplier == 0 else epsilon_from_rdp(rounds * self._poisson, self.delta)[0]
+        # the comparison figure, needed once a run: computed here, not in every Accountant (noise_for_epsilon
+        # builds one per bisection step)
+        poisson = epsilon_from_rdp(rounds * rdp_poisson_gaussian(self.q, self.noise_multiplier), self.delta)[0]
         return {"epsilon": finite(self.epsilon(rounds)), "delta": self.delta,
                 "noise_multiplier": self.noise_multiplier, "sampling_rate": self.q, "rounds": rounds,
                 "accountant": "RDP, fixed-size cohort (sampling without replacement), replace-one, integer orders "

@@ -268,14 +268,13 @@ def check_privacy(cfg: RunConfig) -> None:
             raise ConfigError(f"--dp-epsilon {cfg.dp_epsilon:g} sets the noise multiplier: give it or --dp-noise "
                               f"{cfg.dp_noise:g}, not both")
         check_range("dp_epsilon", cfg.dp_epsilon, 0.0, float("inf"), lo_open=True)
-    adaptive_set = (cfg.dp_quantile is not None or cfg.dp_clip_lr != DEFAULT_CLIP_LR
-                    or cfg.dp_count_noise is not None)
+    tuning = cfg.dp_clip_lr != DEFAULT_CLIP_LR or cfg.dp_count_noise is not None  # adaptive clipping's knobs
     if cfg.dp_clip is None:
-        if cfg.dp_noise or cfg.dp_delta is not None or adaptive_set:
+        if cfg.dp_noise or cfg.dp_delta is not None or cfg.dp_quantile is not None or tuning:
             raise ConfigError("--dp-noise, --dp-delta and the adaptive clipping options need --dp-clip C (the "
                               "clipping norm the noise is scaled to; with --dp-quantile, its starting value)")
         return
-    if cfg.dp_quantile is None and (cfg.dp_clip_lr != DEFAULT_CLIP_LR or cfg.dp_count_noise is not None):
+    if cfg.dp_quantile is None and tuning:
         raise ConfigError("--dp-clip-lr and --dp-count-noise adapt the clipping norm: they need --dp-quantile Q")
     if cfg.dp_quantile is not None:
         if not 0 < cfg.dp_quantile < 1:

@@ -136,10 +136,6 @@ class Experiment:
                                   momentum=cfg.momentum if cfg.optimizer == "sgd" else None, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
         self.privacy = None
-        if cfg.dp_epsilon is not None:  # the noise multiplier that spends the asked epsilon over the run
-            delta = cfg.dp_delta or default_delta(n)
-            noise = noise_for_epsilon(self.cohort / n, cfg.rounds, delta, cfg.dp_epsilon)
-            self.cfg = cfg = cfg.replace(dp_noise=noise)
         if cfg.dp_clip is not None:  # DP-FedAvg: clipped updates, noise on the mean (before a server optimizer)
             if bn_stats_shared(self.algorithm, jax.random.key(0), ds.train[0][0][:1]):
                 local = (f"--{cfg.algorithm}.local-bn" if hasattr(self.options, "local_bn") else "fedbn")
@@ -147,12 +143,16 @@ class Experiment:
                                   f"{model_name(cfg)} without noise; use a model without BatchNorm (logreg, mlp_2nn, "
                                   f"femnist_cnn, fedavg_cnn, pfl_cnn, vit_tiny, ...) or keep them per client "
                                   f"({local})")
+            delta = cfg.dp_delta or default_delta(n)
+            if cfg.dp_epsilon is not None:  # the noise multiplier that spends the asked epsilon over the run
+                noise = noise_for_epsilon(self.cohort / n, cfg.rounds, delta, cfg.dp_epsilon)
+                self.cfg = cfg = cfg.replace(dp_noise=noise)
             adaptive = {} if cfg.dp_quantile is None else dict(
                 quantile=cfg.dp_quantile, clip_lr=cfg.dp_clip_lr,
                 count_std=dp_count_noise(cfg, self.cohort))
             self.algorithm = with_privacy(self.algorithm, cfg.dp_clip, cfg.dp_noise,
                                           jax.random.fold_in(jax.random.key(cfg.seed), 4), **adaptive)
-            self.privacy = Accountant(self.cohort / n, cfg.dp_noise, cfg.dp_delta or default_delta(n))
+            self.privacy = Accountant(self.cohort / n, cfg.dp_noise, delta)
         server_tx = cfg.server_optimizer()
         if server_tx is not None:  # FedOpt: the aggregate becomes a pseudo-gradient step
             self.algorithm = with_server_optimizer(self.algorithm, server_tx)
