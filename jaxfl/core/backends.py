@@ -21,11 +21,17 @@ states are aggregated in cohort order (sorted ids). Interface of both:
     round(server, store, round_idx, root, before_aggregate=None) -> (server, metrics)
     run_rounds(server, store, first, count, root) -> (server, [metrics of each round])
 
+With Poisson sampling (``sampling="poisson"``) a round's cohort varies in size: both pad it with rows of count 0
+(weight 0, ``step.drop_padding``) to a size class, ``Ragged`` per round (a multiple of 8 rows), ``Stacked`` once
+(its mean plus 4 standard deviations; a larger cohort, seen on the host before the call, recompiles), and
+report the members only.
+
 Each round's metrics carry ``host_share``: the fraction of the backend's wall time for it spent outside jitted
 computations (the cohort draw, host gathers and scatters, dispatch, fetching metrics).
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -38,7 +44,7 @@ from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
 from ..errors import DeviceMemoryError, first_line
 from .buckets import grid_ceil, padded_work, plan_buckets
-from .cohort import default_strategy, sample_cohort
+from .cohort import SAMPLINGS, default_strategy, poisson_cohort, poisson_members, poisson_rows, sample_cohort
 from .distributed import client_sharding, fetch, place_rows
 from .step import init_state, make_step
 from .trainer import ClientRows
@@ -108,19 +114,28 @@ class ClientStore:
 
 
 class _Backend:
-    """What both backends share: the step, the cohort size, the initial state and the per-round report."""
+    """What both backends share: the step, the cohort draw, the initial state and the per-round report.
+
+    sampling: ``fixed`` (``cohort_size`` = k clients a round, drawn without replacement: ``sample_cohort``) or
+    ``poisson`` (each client joins a round with probability q = k / N on its own stream: ``poisson_members``;
+    the cohort, of Binomial(N, q) clients, is padded to a size class with rows of count 0, which
+    ``make_step(padded=True)`` gives weight 0, and the metrics report its members only)."""
 
     def __init__(self, alg: Algorithm, train: RaggedClients, *, batch_size: int, strategy: str | None = None,
                  chunk_size: int = 8, cohort_size: int | None = None, weighting: str = "samples", mesh=None,
-                 num_rounds: int | None = None, stragglers: float = 0.0):
+                 num_rounds: int | None = None, stragglers: float = 0.0, sampling: str = "fixed"):
+        if sampling not in SAMPLINGS:
+            raise ValueError(f"sampling={sampling!r}: one of {SAMPLINGS}")
         self.alg, self.train, self.batch_size = alg, train, batch_size
         self.strategy = strategy or default_strategy()
         self.chunk_size, self.weighting, self.mesh, self.num_rounds = chunk_size, weighting, mesh, num_rounds
         self.num_clients = train.num_clients
         self.cohort_size = min(cohort_size or self.num_clients, self.num_clients)
+        self.sampling, self.rate = sampling, self.cohort_size / self.num_clients
         self.devices = 1 if mesh is None else mesh.devices.size
+        self.row_multiple = 8 * self.devices  # a padded Poisson cohort's rows: a multiple of this
         self.step = make_step(alg, strategy=self.strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds,
-                              weighting=weighting, stragglers=stragglers)
+                              weighting=weighting, stragglers=stragglers, padded=sampling == "poisson")
         self.device_s = 0.0  # seconds spent in jitted computations (``timed``), for ``host_share``
 
     def timed(self, fn, *args):
@@ -129,6 +144,12 @@ class _Backend:
         out = jax.block_until_ready(fn(*args))
         self.device_s += time.perf_counter() - t
         return out
+
+    def draw(self, round_idx: int, root) -> np.ndarray:
+        """Round ``round_idx``'s cohort on the host: its clients' ids, sorted (int [k])."""
+        if self.sampling == "poisson":
+            return np.flatnonzero(np.asarray(poisson_members(root, round_idx, self.num_clients, self.rate)))
+        return np.asarray(sample_cohort(root, round_idx, self.num_clients, self.cohort_size))
 
     def run_rounds(self, server, store, first: int, count: int, root):
         """``count`` rounds from round ``first``: (server, [metrics of each round]) (one call per round here;
@@ -177,7 +198,7 @@ class Ragged(_Backend):
         self._train_into = jax.jit(train_into, donate_argnums=(0,))
         self._train_shape = jax.jit(step.train)
         self._aggregate = jax.jit(step.aggregate)
-        self._make_buffer = None
+        self._make_buffer = {}  # rows -> a jitted function making the cohort's zero buffer
         self.shapes: set[tuple[int, int]] = set()  # (lanes, samples) of every bucket compiled so far
         self.lane_cap: int | None = None  # set when a bucket ran out of device memory (``round``)
 
@@ -204,11 +225,13 @@ class Ragged(_Backend):
         order) before aggregation (to evaluate the models right after local training).
         """
         t0, d0 = time.perf_counter(), self.device_s
-        ids = np.asarray(sample_cohort(root, round_idx, self.num_clients, self.cohort_size))
+        ids = self.draw(round_idx, root)
+        k = len(ids)  # a Poisson cohort's buffer has rows for a size class: padding rows after the k members
+        rows = poisson_rows(k, self.row_multiple) if self.sampling == "poisson" else k
         while True:
-            plan = self.plan(ids)
+            plan = self.plan(ids) if k else []
             try:
-                buffer = self._train_buckets(plan, server, store, ids, round_idx, root)
+                buffer = self._train_buckets(plan, server, store, ids, round_idx, root, rows)
                 break
             except jax.errors.JaxRuntimeError as err:
                 lanes = max(b.lanes for b in plan)
@@ -220,41 +243,54 @@ class Ragged(_Backend):
                 warnings.warn(f"out of device memory training {lanes} clients in one call; buckets are capped "
                               f"at {self.lane_cap} clients from now on", stacklevel=2)
         trained, metrics = buffer
+        members = (lambda tree: tree) if rows == k else (lambda tree: jax.tree_util.tree_map(lambda a: a[:k], tree))
         if before_aggregate is not None:
             t = time.perf_counter()
-            before_aggregate(server, trained, ids)
+            before_aggregate(server, members(trained), ids)
             t0 += time.perf_counter() - t  # evaluation is not part of the round
-        server, kept = self.timed(self._aggregate, server, trained, self.train.counts[ids], ids, round_idx)
-        store.scatter(ids, kept)
-        metrics = {k: np.asarray(v) for k, v in fetch(metrics).items()}
+        counts, row_ids = self.train.counts[ids], ids
+        if rows > k:  # padding rows: count 0 (weight 0), id N
+            counts = np.concatenate([counts, np.zeros(rows - k, counts.dtype)])
+            row_ids = np.concatenate([ids, np.full(rows - k, self.num_clients, ids.dtype)])
+        server, kept = self.timed(self._aggregate, server, trained, counts, row_ids, round_idx)
+        store.scatter(ids, members(kept))
+        metrics = {name: np.asarray(v)[:k] for name, v in fetch(metrics).items()}
         host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)
         return server, dict(metrics, client_id=ids, **self.report(plan, ids), compiled_shapes=len(self.shapes),
                             host_share=max(host, 0.0))
 
-    def _train_buckets(self, plan, server, store: ClientStore, ids, round_idx: int, root):
-        """Train cohort ``ids`` bucket by bucket: (trained rows, metrics), stacked in cohort order."""
-        c, buffer = len(ids), None
+    def _train_buckets(self, plan, server, store: ClientStore, ids, round_idx: int, root, rows: int):
+        """Train cohort ``ids`` bucket by bucket: (trained rows, metrics), stacked in cohort order into a
+        buffer of ``rows`` rows (rows past the cohort stay zero)."""
+        buffer = None
         for b in plan:
-            real = b.positions >= 0
-            bid = np.where(real, ids[np.maximum(b.positions, 0)], -1)
-            data = self.train.gather(bid, b.steps * self.batch_size)
-            args = (server, place_rows(store.gather(np.maximum(bid, 0)), self.mesh), place_rows(data, self.mesh),
-                    place_rows(np.maximum(bid, 0).astype(np.int32), self.mesh),
-                    place_rows(np.where(real, b.positions, c), self.mesh), round_idx, root)
+            args = self._bucket_args(server, store, ids, b.positions, b.steps, round_idx, root, rows)
             if buffer is None:  # the cohort's rows, in cohort order, filled bucket by bucket
-                buffer = self._empty_buffer(args, c)
+                buffer = self._empty_buffer(args, rows)
             buffer = self.timed(self._train_into, buffer, *args)
             self.shapes.add((b.lanes, b.steps))
+        if buffer is None:  # an empty (Poisson) cohort: the buffer's shapes from a bucket of empty lanes
+            buffer = self._empty_buffer(self._bucket_args(server, store, ids, np.full(self.devices, -1), 1,
+                                                          round_idx, root, rows), rows)
         return buffer
 
-    def _empty_buffer(self, args, c):
-        if self._make_buffer is None:  # the output rows' shapes do not depend on the bucket: trace once
+    def _bucket_args(self, server, store: ClientStore, ids, positions, steps: int, round_idx: int, root, rows: int):
+        """_train_into's arguments after the buffer for the lanes ``positions`` (cohort positions; -1: empty)."""
+        real = positions >= 0
+        bid = np.where(real, ids[np.maximum(positions, 0)] if len(ids) else 0, -1)
+        data = self.train.gather(bid, steps * self.batch_size)
+        return (server, place_rows(store.gather(np.maximum(bid, 0)), self.mesh), place_rows(data, self.mesh),
+                place_rows(np.maximum(bid, 0).astype(np.int32), self.mesh),
+                place_rows(np.where(real, positions, rows), self.mesh), round_idx, root)
+
+    def _empty_buffer(self, args, rows: int):
+        if rows not in self._make_buffer:  # the output rows' shapes do not depend on the bucket: trace once
             server, clients, data, ids, _, round_idx, root = args
             out = jax.eval_shape(self._train_shape, server, clients, data, ids, round_idx, root)
-            self._make_buffer = jax.jit(
-                lambda: jax.tree_util.tree_map(lambda s: jnp.zeros((c,) + s.shape[1:], s.dtype), out),
+            self._make_buffer[rows] = jax.jit(
+                lambda: jax.tree_util.tree_map(lambda s: jnp.zeros((rows,) + s.shape[1:], s.dtype), out),
                 out_shardings=None if self.mesh is None else client_sharding(self.mesh))
-        return self._make_buffer()
+        return self._make_buffer[rows]()
 
 
 def client_rows(data, ids, length: int) -> ClientRows:
@@ -299,14 +335,30 @@ class Stacked(_Backend):
         self.data = self._place(train)
         steps = -(-int(train.counts.max(initial=1)) // self.batch_size)
         self.length = self.batch_size * grid_ceil(steps)
-        n, c, step = self.num_clients, self.cohort_size, self.step
+        # a Poisson cohort's rows: its mean plus 4 standard deviations, rounded up (a larger cohort, checked on
+        # the host before each call, recompiles with more rows)
+        n, q = self.num_clients, self.rate
+        self.rows = min(poisson_rows(math.ceil(n * q + 4 * math.sqrt(n * q * (1 - q))), self.row_multiple),
+                        poisson_rows(n, self.row_multiple))
+        self._build()
+
+    def _build(self):
+        """The jitted round functions (again when a Poisson cohort outgrows ``rows``)."""
+        n, c, step, rows = self.num_clients, self.cohort_size, self.step, self.rows
+        rounds_per_call = self.rounds_per_call
 
         def cohort(states, data, round_idx, root):
-            ids = sample_cohort(root, round_idx, n, c).astype(jnp.int32)
-            return ids, jax.tree_util.tree_map(lambda a: a[ids], states), client_rows(data, ids, self.length)
+            if self.sampling == "fixed":
+                ids = sample_cohort(root, round_idx, n, c).astype(jnp.int32)
+                return ids, jax.tree_util.tree_map(lambda a: a[ids], states), client_rows(data, ids, self.length)
+            ids = poisson_cohort(root, round_idx, n, self.rate, rows)  # members, then padding rows (id N)
+            at = jnp.minimum(ids, n - 1)
+            cdata = client_rows(data, at, self.length)
+            cdata = cdata.replace(count=jnp.where(ids < n, cdata.count, 0))  # a padding row has no samples
+            return ids, jax.tree_util.tree_map(lambda a: a[at], states), cdata
 
-        def write_back(states, ids, kept):
-            states = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), states, kept)
+        def write_back(states, ids, kept):  # (a padding row's id N is out of bounds: its write is dropped)
+            states = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b, mode="drop"), states, kept)
             if self.replicated is None:
                 return states
             return jax.lax.with_sharding_constraint(states, self.replicated)  # stays where the next round reads it
@@ -322,7 +374,8 @@ class Stacked(_Backend):
             return ids, trained, dict(metrics, client_id=ids)
 
         def finish_fn(server, states, trained, ids, data, round_idx):
-            server, kept = step.aggregate(server, trained, data[3][ids], ids, round_idx)
+            counts = jnp.where(ids < n, data[3][jnp.minimum(ids, n - 1)], 0)
+            server, kept = step.aggregate(server, trained, counts, ids, round_idx)
             return server, write_back(states, ids, kept)
 
         def rounds_fn(server, states, data, first, count, root):
@@ -378,12 +431,15 @@ class Stacked(_Backend):
         """One round in one jitted call (two around ``before_aggregate``, which sees the trained rows);
         returns (server, metrics) as ``Ragged.round``."""
         t0, d0 = time.perf_counter(), self.device_s
+        self._fit_rows(round_idx, 1, root)
         if before_aggregate is None:
             server, store.state, metrics = self.timed(self._round, server, store.state, self.data, round_idx, root)
         else:
             ids, trained, metrics = self.timed(self._train, server, store.state, self.data, round_idx, root)
             t = time.perf_counter()
-            before_aggregate(server, trained, np.asarray(ids))
+            ids = np.asarray(ids)
+            k = int((ids < self.num_clients).sum())  # a Poisson cohort's members come first
+            before_aggregate(server, jax.tree_util.tree_map(lambda a: a[:k], trained), ids[:k])
             t0 += time.perf_counter() - t  # evaluation is not part of the round
             server, store.state = self.timed(self._finish, server, store.state, trained, ids, self.data, round_idx)
         return server, self._report(fetch(metrics), t0, d0)
@@ -395,6 +451,7 @@ class Stacked(_Backend):
         while count > 0:
             n = min(count, self.rounds_per_call)
             t0, d0 = time.perf_counter(), self.device_s
+            self._fit_rows(first, n, root)
             server, store.state, stacked = self.timed(self._rounds, server, store.state, self.data, first, n, root)
             stacked = fetch(stacked)
             for j in range(n):  # the call's time is shared equally by its rounds
@@ -402,8 +459,21 @@ class Stacked(_Backend):
             first, count = first + n, count - n
         return server, out
 
+    def _fit_rows(self, first: int, count: int, root) -> None:
+        """Poisson sampling: make ``rows`` hold the cohorts of rounds first .. first + count - 1 (drawn on the host
+        as the round draws them), recompiling with more rows if one does not fit."""
+        if self.sampling != "poisson":
+            return
+        largest = max(len(self.draw(r, root)) for r in range(first, first + count))
+        if largest > self.rows:
+            self.rows = poisson_rows(largest, self.row_multiple)
+            self._build()
+
     def _report(self, metrics, t0, d0) -> dict:
         metrics = {k: np.asarray(v) for k, v in metrics.items()}
+        members = metrics["client_id"] < self.num_clients  # a Poisson cohort's padding rows are left out
+        if not members.all():
+            metrics = {k: v[members] for k, v in metrics.items()}
         ids = metrics["client_id"]
         plan = plan_buckets(-(-self.train.counts[ids] // self.batch_size), max_lanes=len(ids), single=True)
         host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)

@@ -1,5 +1,6 @@
-"""The client axis: drawing a round's cohort, each client's PRNG stream, and running a one-client function
-over stacked clients (``vmap`` | ``map`` | ``chunked``, optionally split over a device mesh).
+"""The client axis: drawing a round's cohort (k of N without replacement, ``sample_cohort``, or Poisson
+sampling, ``poisson_members``), each client's PRNG stream, and running a one-client function over stacked
+clients (``vmap`` | ``map`` | ``chunked``, optionally split over a device mesh).
 
 Randomness: the key of client i in round t is ``fold_in(fold_in(fold_in(root, 0), t), i)``, so results do
 not depend on the strategy, the chunk size, the cohort or the device layout.
@@ -95,6 +96,33 @@ def sample_cohort(root, round_idx, num_clients: int, cohort_size: int):
         return jnp.arange(num_clients)
     key = jax.random.fold_in(jax.random.fold_in(root, 1), round_idx)
     return _floyd_draw(key, int(num_clients), int(cohort_size))
+
+
+SAMPLINGS = ("fixed", "poisson")
+POISSON_STREAM = 5  # fold_in(root, 5): Poisson sampling's draws (0 client keys, 1 fixed cohorts, 2 init, 3
+# stragglers; 4 of the seed's key: DP noise)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))  # the Ragged backend draws on the host every round
+def poisson_members(root, round_idx, num_clients: int, rate: float):
+    """Poisson sampling (the cohort DP-FedAvg's add/remove accounting assumes): client i joins round t iff
+    u_i < q, u_i ~ U[0, 1) from its own stream (``client_keys`` of the root fold_in(root, 5)), independently of
+    the others; the cohort's size is Binomial(N, q). O(N) draws a round. -> bool [N]."""
+    keys = client_keys(jax.random.fold_in(root, POISSON_STREAM), round_idx, jnp.arange(num_clients))
+    return jax.vmap(jax.random.uniform)(keys) < rate
+
+
+def poisson_cohort(root, round_idx, num_clients: int, rate: float, rows: int):
+    """The Poisson cohort of round t as ``rows`` = R rows: its members' ids sorted, then N (padding) in the
+    rows left over (members past R are cut off: R must be at least the cohort's size). -> int32 [R]."""
+    member = poisson_members(root, round_idx, num_clients, rate)
+    return jnp.nonzero(member, size=rows, fill_value=num_clients)[0].astype(jnp.int32)
+
+
+def poisson_rows(count: int, multiple: int = 8) -> int:
+    """Rows a Poisson cohort of ``count`` clients is padded to: ``count`` rounded up to ``multiple`` (at least
+    one multiple), so that a run compiles one aggregation per size class, not per size."""
+    return max(multiple, -(-count // multiple) * multiple)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))  # jitted: the Ragged backend calls it on the host every round

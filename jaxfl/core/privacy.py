@@ -34,10 +34,17 @@ fixed clipping's update alone at z: when one client's data changes the count mov
 by 2C, and (2C / (σ_Δ C))² + (1 / σ_b)² = (2C / (z C))², the same Gaussian mechanism of multiplier z / 2. The
 accountant above applies unchanged.
 
-For comparison only, ``rdp_poisson_gaussian`` is the convention of TFF and FedJAX (Poisson sampling, add/remove
-one client, sensitivity C / k; Mironov, Talwar and Zhang 2019, Sec. 3.3): its ε is smaller at the same z (6
-times at z = 2-4 and 17 times at z = 1 for q = 0.1, 200 rounds, δ = 5e-4), but it does not bound the fixed-size
-cohort jaxfl runs (``Accountant.report`` gives both, labelled).
+``rdp_poisson_gaussian`` is the convention of TFF and FedJAX (Poisson sampling, add/remove one client; Mironov,
+Talwar and Zhang 2019, Sec. 3.3): its ε is smaller at the same z (6 times at z = 2-4 and 17 times at z = 1 for
+q = 0.1, 200 rounds, δ = 5e-4). It does not bound the fixed-size cohort (``Accountant.report`` gives it there
+for comparison, labelled); it bounds Poisson sampling (``cohort.poisson_members``: each client joins a round
+with probability q on its own stream), for which ``with_privacy(expected_clients=qN)`` runs McMahan et al.'s
+fixed-denominator estimate
+
+    x̄ = x + (1 / qN) Σ_{i in the cohort} Δ̃_i + N(0, (z C / qN)² I)
+
+(adding or removing one client moves the sum by at most C: sensitivity C / qN, noise multiplier z), and
+``Accountant(..., sampling="poisson")`` accounts for it.
 
 Deviations:
 - Theorem 9's bound, not the refinement by forward differences (their Thm. 27, which Google's
@@ -48,7 +55,8 @@ Deviations:
   small (ε of tens or more).
 - BatchNorm statistics are data too: a run refuses DP when the algorithm averages them (``bn_stats_shared``).
 - A simulation's guarantee: the noise comes from the run's seed (saved in config.json), and the logs carry
-  data-dependent values that are not accounted for (each client's update norm, training losses).
+  data-dependent values that are not accounted for (each client's update norm, training losses) and, under
+  Poisson sampling, who was drawn (``clients_trained``): the add/remove bound assumes the cohort is secret.
 """
 from __future__ import annotations
 
@@ -135,8 +143,21 @@ def update_clip(clip, unclipped_fraction, target: float, lr: float):
     return clip * jnp.exp(-lr * (unclipped_fraction - target))
 
 
+def fixed_denominator(server_params, mean_params, shared, members, expected):
+    """x + (x̄ - x) · k / (qN) on the leaves ``shared`` marks (the others: x̄): the cohort's mean x̄ of its k
+    members turned into McMahan et al.'s fixed-denominator estimate x + Σ_i Δ̃_i / (qN), qN = ``expected``, the
+    expected cohort size of Poisson sampling. Leaves [...]; members, expected: [] -> leaves [...]."""
+    scale = members / expected
+
+    def one(s, x, m):
+        moved = x + (m - x) * scale.astype(m.dtype)
+        return m if s is False else (moved if s is True else jnp.where(s, moved, m))
+    return jax.tree_util.tree_map(one, shared, server_params, mean_params)
+
+
 def with_privacy(alg: Algorithm, clip: float, noise_multiplier: float, key, *, quantile: float | None = None,
-                 clip_lr: float = DEFAULT_CLIP_LR, count_std: float = 0.0) -> Algorithm:
+                 clip_lr: float = DEFAULT_CLIP_LR, count_std: float = 0.0,
+                 expected_clients: float | None = None) -> Algorithm:
     """``alg`` as DP-FedAvg: each client's update of the shared parameters clipped to norm C (``clip``), Gaussian
     noise of std z · C / k on the aggregate's shared parameters (z = ``noise_multiplier``; k: the cohort's
     clients of positive weight; the engine must weigh them equally).
@@ -151,7 +172,13 @@ def with_privacy(alg: Algorithm, clip: float, noise_multiplier: float, key, *, q
     ``"params"`` (those ``alg.share_mask`` marks, all if it has none) and keep per client only what the clients
     trained. Round t's noise comes from fold_in(key, t) (the count's from fold_in(fold_in(key, COUNT_STREAM), t)).
     A client's metrics gain ``update_norm`` (before clipping); its trained row is ``alg``'s own (so
-    ``predict_trained`` sees what it expects)."""
+    ``predict_trained`` sees what it expects).
+
+    ``expected_clients`` qN: the cohort is Poisson-sampled (``cohort.poisson_members``, q the sampling rate),
+    and the mean becomes McMahan et al.'s fixed-denominator estimate x + Σ_i Δ̃_i / (qN) with noise of std
+    z C / (qN) (add/remove neighbours, sensitivity C / (qN): ``rdp_poisson_gaussian`` accounts for it); an empty
+    cohort leaves the model as it was, plus the noise. Adaptive clipping then counts the centred indicators
+    Σ_i (b_i - 1/2) + N(0, σ_b²) (sensitivity 1/2) and estimates b̄ = that / (qN) + 1/2 (Andrew et al., Alg. 1)."""
     adaptive = quantile is not None
     noise = value_noise_multiplier(noise_multiplier, count_std) if adaptive else noise_multiplier
 
@@ -183,16 +210,25 @@ def with_privacy(alg: Algorithm, clip: float, noise_multiplier: float, key, *, q
         _, kept = alg.aggregate(s, trained, weights, info)  # what clients keep: their own training (XLA
         # drops the unused halves of the two calls)
         real = weights > 0
-        k = jnp.maximum(jnp.sum(real), 1).astype(jnp.float32)
+        members = jnp.sum(real).astype(jnp.float32)
+        if expected_clients is None:  # a fixed-size cohort: the mean over its k members
+            k = jnp.maximum(members, 1.0)
+        else:  # Poisson sampling: the fixed denominator qN (an empty cohort's mean is the model as it was)
+            k = jnp.float32(expected_clients)
+            new = jax.tree_util.tree_map(lambda a, b: jnp.where(members > 0, a, b), new, s)
+            new = {**new, "params": fixed_denominator(s["params"], new["params"], shared, members, k)}
         if noise > 0:
             noisy = add_noise(jax.random.fold_in(key, info.round), new["params"], shared, noise * c / k)
             new = {**new, "params": noisy}
         if adaptive:
             fits = jnp.sum(real & (norms <= c)).astype(jnp.float32)
+            if expected_clients is not None:
+                fits = fits - members / 2  # centred: Σ (b_i - 1/2), sensitivity 1/2 under add/remove
             if count_std > 0:
                 count_key = jax.random.fold_in(jax.random.fold_in(key, COUNT_STREAM), info.round)
                 fits = fits + count_std * jax.random.normal(count_key, ())
-            new = {**new, CLIP_KEY: update_clip(c, fits / k, quantile, clip_lr).astype(jnp.float32)}
+            fraction = fits / k if expected_clients is None else fits / k + 0.5
+            new = {**new, CLIP_KEY: update_clip(c, fraction, quantile, clip_lr).astype(jnp.float32)}
         return new, kept
 
     def wrap(fn):  # fn(server, ...) of ``alg``, given the server state without the clip
@@ -200,7 +236,8 @@ def with_privacy(alg: Algorithm, clip: float, noise_multiplier: float, key, *, q
 
     return alg._replace(init=init, local_update=local_update, aggregate=aggregate, predict=wrap(alg.predict),
                         predict_trained=wrap(alg.predict_trained), prepare_predict=wrap(alg.prepare_predict),
-                        share_mask=wrap(alg.share_mask))
+                        share_mask=wrap(alg.share_mask),
+                        aggregates_empty=expected_clients is not None)  # an empty round is noised too
 
 
 # -- the accountant (host-side numpy) ------------------------------------------------------------------------
@@ -268,12 +305,16 @@ def epsilon_from_rdp(rdp, delta: float, orders=ORDERS) -> tuple[float, int]:
 
 
 class Accountant:
-    """ε after t rounds of DP-FedAvg on a fixed-size cohort of k of N clients (q = k / N) with noise z, at δ:
-    replace-one neighbours, sensitivity 2C / k (module docstring)."""
+    """ε after t rounds of DP-FedAvg with noise z at δ: on a fixed-size cohort of k of N clients (q = k / N;
+    ``sampling="fixed"``), replace-one neighbours, sensitivity 2C / k (``rdp_wor_gaussian``); on a Poisson
+    cohort of rate q (``sampling="poisson"``, the fixed denominator qN), add/remove neighbours, sensitivity
+    C / (qN) (``rdp_poisson_gaussian``)."""
 
-    def __init__(self, q: float, noise_multiplier: float, delta: float):
-        self.q, self.noise_multiplier, self.delta = q, noise_multiplier, delta
-        self._rdp = rdp_wor_gaussian(q, noise_multiplier / 2)  # one round's curve, composed by multiplying
+    def __init__(self, q: float, noise_multiplier: float, delta: float, sampling: str = "fixed"):
+        self.q, self.noise_multiplier, self.delta, self.sampling = q, noise_multiplier, delta, sampling
+        # one round's curve, composed by multiplying
+        self._rdp = (rdp_poisson_gaussian(q, noise_multiplier) if sampling == "poisson"
+                     else rdp_wor_gaussian(q, noise_multiplier / 2))
 
     def epsilon(self, rounds: int) -> float:
         if self.noise_multiplier == 0:
@@ -283,29 +324,34 @@ class Accountant:
     def report(self, rounds: int) -> dict:
         """summary.json's privacy record after ``rounds`` rounds (epsilons None without noise: no guarantee)."""
         finite = lambda e: None if math.isinf(e) else e
+        base = {"epsilon": finite(self.epsilon(rounds)), "delta": self.delta,
+                "noise_multiplier": self.noise_multiplier, "sampling_rate": self.q, "rounds": rounds}
+        if self.sampling == "poisson":
+            return {**base, "accountant": "RDP, Poisson sampling (fixed denominator), add/remove one client, "
+                                          "integer orders 2-256"}
         # the comparison figure, needed once a run: computed here, not in every Accountant (noise_for_epsilon
         # builds one per bisection step)
         poisson = epsilon_from_rdp(rounds * rdp_poisson_gaussian(self.q, self.noise_multiplier), self.delta)[0]
-        return {"epsilon": finite(self.epsilon(rounds)), "delta": self.delta,
-                "noise_multiplier": self.noise_multiplier, "sampling_rate": self.q, "rounds": rounds,
-                "accountant": "RDP, fixed-size cohort (sampling without replacement), replace-one, integer orders "
-                              "2-256",
+        return {**base, "accountant": "RDP, fixed-size cohort (sampling without replacement), replace-one, "
+                                      "integer orders 2-256",
                 "epsilon_poisson_convention": finite(poisson),
                 "epsilon_poisson_convention_note": "TFF's and FedJAX's convention (Poisson sampling, add/remove one "
-                                                   "client): for comparison with papers; it does not bound this run"}
+                                                   "client): for comparison with papers; it does not bound this run "
+                                                   "(--cohort-sampling poisson runs the mechanism it bounds)"}
 
     def describe(self, rounds: int) -> str:
         """One line for the start-up message."""
         eps = self.epsilon(rounds)
         spent = "no privacy guarantee (no noise)" if math.isinf(eps) else f"({eps:.3g}, {self.delta:.2g})-DP"
+        neighbours = "add/remove, Poisson sampling" if self.sampling == "poisson" else "replace-one"
         return (f"noise {self.noise_multiplier:g}, {self.q:.3g} of the clients a round: {spent} after {rounds} rounds "
-                f"(user-level, replace-one)")
+                f"(user-level, {neighbours})")
 
 
-def noise_for_epsilon(q: float, rounds: int, delta: float, target: float) -> float:
+def noise_for_epsilon(q: float, rounds: int, delta: float, target: float, sampling: str = "fixed") -> float:
     """The smallest noise multiplier z (to 0.1 %) whose ``rounds`` rounds at sampling rate q spend at most ε =
-    ``target`` at δ (``Accountant``): bisection, ε falling as z grows. ValueError past z = 1000."""
-    spent = lambda z: Accountant(q, z, delta).epsilon(rounds)
+    ``target`` at δ (``Accountant`` with ``sampling``): bisection, ε falling as z grows. ValueError past z = 1000."""
+    spent = lambda z: Accountant(q, z, delta, sampling).epsilon(rounds)
     lo, hi = 0.0, 1.0
     while spent(hi) > target:
         lo, hi = hi, 2 * hi

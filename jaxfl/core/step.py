@@ -93,15 +93,37 @@ class Step(NamedTuple):
         return server, kept, metrics
 
 
+def drop_padding(trained, counts):
+    """The cohort's trained rows with every padding row (count 0: a row of a cohort padded to a size class,
+    not a client) set to zeros, so that nothing a padding row computed can reach the aggregate (weight 0 times
+    a non-finite value is not 0). trained: leaves [k, ...]; counts [k] -> leaves [k, ...]."""
+    real = jnp.asarray(counts) > 0
+    return jax.tree_util.tree_map(
+        lambda t: jnp.where(real.reshape((-1,) + (1,) * (t.ndim - 1)), t, jnp.zeros((), t.dtype)), trained)
+
+
 def make_step(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 8, mesh=None,
-              num_rounds: int | None = None, weighting: str = "samples", stragglers: float = 0.0) -> Step:
+              num_rounds: int | None = None, weighting: str = "samples", stragglers: float = 0.0,
+              padded: bool = False) -> Step:
     """The cohort step of ``alg``: clients run by ``strategy`` (``vmap`` | ``map`` | ``chunked``; None: the
     platform's default), split over ``mesh``'s devices if given (the aggregation's reductions over clients then
     become all-reduces); aggregation weights by ``weighting``; num_rounds: T, given to the algorithm in its
-    ``RoundInfo``; stragglers: the chance a client runs only part of its local epochs (``cohort_train``)."""
+    ``RoundInfo``; stragglers: the chance a client runs only part of its local epochs (``cohort_train``).
+    padded: the cohort may carry padding rows (count 0; Poisson sampling pads its cohort to a size class):
+    they get weight 0 and zero trained rows (``drop_padding``), the algorithm's aggregate must treat a row of
+    weight 0 as absent, and a cohort without a member leaves the server state as it was (unless the algorithm
+    defines that round itself: ``Algorithm.aggregates_empty``)."""
     def aggregate(server, trained, counts, ids, round_idx):
         info = RoundInfo(jnp.asarray(round_idx, jnp.int32), jnp.asarray(ids, jnp.int32), num_rounds)
-        return alg.aggregate(server, trained, aggregation_weights(counts, weighting), info)
+        weights = aggregation_weights(counts, weighting)
+        if not padded:
+            return alg.aggregate(server, trained, weights, info)
+        trained, weights = drop_padding(trained, counts), jnp.where(jnp.asarray(counts) > 0, weights, 0.0)
+        new, kept = alg.aggregate(server, trained, weights, info)
+        if not alg.aggregates_empty:  # (a mean over no client is not a model)
+            anyone = jnp.any(weights > 0)
+            new = jax.tree_util.tree_map(lambda a, b: jnp.where(anyone, a, b), new, server)
+        return new, kept
 
     return Step(cohort_train(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds,
                              stragglers=stragglers), aggregate)

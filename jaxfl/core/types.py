@@ -62,6 +62,9 @@ class Algorithm(NamedTuple):
                                                            bools or bool scalars; None: all of them), for
                                                            clipping and noising the shared update
                                                            (``jaxfl.core.privacy``)
+    aggregates_empty: whether ``aggregate`` also defines the round of a cohort without a client of positive
+    weight (Poisson sampling can draw one; DP-FedAvg still adds its noise); False: the engine keeps the server
+    state as it was
     """
     name: str
     init: Callable
@@ -71,6 +74,7 @@ class Algorithm(NamedTuple):
     predict_trained: Callable | None = None
     prepare_predict: Callable | None = None
     share_mask: Callable | None = None
+    aggregates_empty: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,10 @@ HELP = {
     "client_store": "where per-client persistent state lives: auto (device if it fits in a quarter of its "
                     "memory) | device | host",
     "participation": "fraction of clients sampled per round",
+    "cohort_sampling": "fixed (exactly --clients-per-round / --participation of the clients each round, drawn "
+                       "without replacement) | poisson (each client joins a round with probability q = that "
+                       "fraction, independently: a cohort of Binomial(N, q) clients, the sampling DP-FedAvg's "
+                       "add/remove accounting assumes; averaging algorithms only)",
     "stragglers": "systems heterogeneity (FedProx): the chance that a client of the round is a straggler, which "
                   "runs a uniformly random 1..E-1 of its E local epochs (of each local training phase; FedSelect: "
                   "its LocalAlt alternations, pFedHN and pFedGP: their inner steps); 0: none",
@@ -51,7 +55,8 @@ HELP = {
     "dp_clip": "user-level differential privacy (DP-FedAvg) of the averaging algorithms: clip each client's "
                "update of the shared parameters to this l2 norm C (needs --weighting uniform; default: off)",
     "dp_noise": "DP-FedAvg noise multiplier z: Gaussian noise of std z*C/k on the mean of the cohort's k "
-                "clipped updates; the run reports (epsilon, delta) by an RDP accountant (0: clipping only)",
+                "clipped updates (with --cohort-sampling poisson: z*C/(qN) on their sum over qN); the run reports "
+                "(epsilon, delta) by an RDP accountant (0: clipping only)",
     "dp_delta": "DP-FedAvg: the delta of the reported epsilon (default: N^-1.1 for N clients)",
     "dp_epsilon": "DP-FedAvg: calibrate the noise: the smallest --dp-noise whose run spends at most this epsilon "
                   "(at --dp-delta, over --rounds; the start-up line and config.json give the multiplier found)",

@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 from ..core.backends import BACKENDS, PLACEMENTS
-from ..core.cohort import STRATEGIES, default_strategy
+from ..core.cohort import SAMPLINGS, STRATEGIES, default_strategy
 from ..core.distributed import is_primary
 from ..core.options import accepts_none, coerce, field_type, plain
 from ..core.privacy import DEFAULT_CLIP_LR
@@ -77,6 +77,8 @@ class RunConfig:
     # engine
     clients_per_round: int | None = None
     participation: float | None = None
+    # fixed: exactly k clients a round (without replacement) | poisson: each client with probability k / N
+    cohort_sampling: str = "fixed"
     stragglers: float = 0.0  # systems heterogeneity: the chance a client runs only part of its local work
     weighting: str = "samples"
     strategy: str | None = None
@@ -236,6 +238,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_privacy(cfg)
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
+    check_choice("cohort_sampling", cfg.cohort_sampling, SAMPLINGS)
+    if cfg.cohort_sampling == "poisson" and not options_class(cfg.algorithm).user_dp:
+        able = ", ".join(n for n, r in REGISTRY.items() if r.options.user_dp)
+        raise ConfigError(f"--cohort-sampling poisson pads each round's cohort with rows of weight 0, which "
+                          f"{cfg.algorithm}'s aggregate does not treat as absent; it composes with: {able}")
     check_range("stragglers", cfg.stragglers, 0.0, 1.0)
     if cfg.stragglers:
         work, count = straggler_work_count(cfg)

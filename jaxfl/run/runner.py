@@ -145,14 +145,16 @@ class Experiment:
                                   f"({local})")
             delta = cfg.dp_delta or default_delta(n)
             if cfg.dp_epsilon is not None:  # the noise multiplier that spends the asked epsilon over the run
-                noise = noise_for_epsilon(self.cohort / n, cfg.rounds, delta, cfg.dp_epsilon)
+                noise = noise_for_epsilon(self.cohort / n, cfg.rounds, delta, cfg.dp_epsilon, cfg.cohort_sampling)
                 self.cfg = cfg = cfg.replace(dp_noise=noise)
             adaptive = {} if cfg.dp_quantile is None else dict(
                 quantile=cfg.dp_quantile, clip_lr=cfg.dp_clip_lr,
                 count_std=dp_count_noise(cfg, self.cohort))
+            poisson = cfg.cohort_sampling == "poisson"  # then the sum over the expected cohort, qN = self.cohort
             self.algorithm = with_privacy(self.algorithm, cfg.dp_clip, cfg.dp_noise,
-                                          jax.random.fold_in(jax.random.key(cfg.seed), 4), **adaptive)
-            self.privacy = Accountant(self.cohort / n, cfg.dp_noise, delta)
+                                          jax.random.fold_in(jax.random.key(cfg.seed), 4), **adaptive,
+                                          expected_clients=self.cohort if poisson else None)
+            self.privacy = Accountant(self.cohort / n, cfg.dp_noise, delta, cfg.cohort_sampling)
         server_tx = cfg.server_optimizer()
         if server_tx is not None:  # FedOpt: the aggregate becomes a pseudo-gradient step
             self.algorithm = with_server_optimizer(self.algorithm, server_tx)
@@ -170,7 +172,7 @@ class Experiment:
         self.backend = {"stacked": Stacked, "ragged": Ragged}[self.backend_name](
             self.algorithm, self.train_data, batch_size=cfg.batch_size, strategy=strategy, chunk_size=cfg.chunk_size,
             cohort_size=self.cohort, weighting=cfg.weighting, mesh=self.mesh, num_rounds=cfg.rounds,
-            stragglers=cfg.stragglers, **kw)
+            stragglers=cfg.stragglers, sampling=cfg.cohort_sampling, **kw)
         self.evaluator = Evaluator(self.algorithm, self.test_data, eval_batch_size=eval_bs, preprocess=preprocess,
                                    strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh, train=self.train_data)
         self.root = jax.random.key(cfg.seed)
@@ -320,7 +322,9 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
             if exp.privacy is not None and cfg.dp_noise > 0:
                 rec["dp_epsilon"] = exp.privacy.epsilon(r + j + 1)
             if "train_dp_clip" in rec:  # adaptive clipping: the round's clipping norm, the same for every client
-                rec["dp_clip"] = rec.pop("train_dp_clip")[0]
+                clips = rec.pop("train_dp_clip")
+                if clips:  # (an empty Poisson cohort reports none)
+                    rec["dp_clip"] = clips[0]
             t_eval, c_eval = time.perf_counter(), compile_seconds()
             if j == n - 1 and evaluates(cfg, r + j):
                 rec.update(local or exp.evaluate(server, store))
@@ -334,7 +338,7 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
                         f.write(json.dumps(rec) + "\n")
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{np.mean(rec['train_loss']):.3f}",
+                bar.set_postfix(loss=f"{np.mean(rec['train_loss']) if rec['train_loss'] else float('nan'):.3f}",
                                 acc=f"{rec.get('mean_accuracy', float('nan')):.3f}")
             if log:
                 log(rec)

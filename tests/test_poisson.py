@@ -1,0 +1,177 @@
+"""Poisson sampling of the cohort (``--cohort-sampling poisson``): the draw against its formula, a padded
+round against the step on the drawn members alone (both backends, a Stacked cohort that outgrows its rows),
+an empty cohort, DP-FedAvg's fixed-denominator estimate and centred count against a hand computation, the
+add/remove accountant, and the CLI's path (epsilon, exact resume, bad input in one line)."""
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import BACKENDS, assert_trees_close, make_backend, make_data, make_trainer
+
+from jaxfl.algorithms import build_algorithm
+from jaxfl.core import privacy
+from jaxfl.core.backends import ClientStore
+from jaxfl.core.cohort import client_keys, poisson_cohort, poisson_members, poisson_rows
+from jaxfl.core.step import cohort_train, init_state, make_step
+from jaxfl.core.types import RoundInfo, RunContext
+from jaxfl.models import logreg, small_cnn
+from jaxfl.run.cli import main
+from test_privacy import POISSON_REFERENCE, TINY, _records
+
+ROOT = jax.random.key(3)
+
+
+def test_each_client_joins_on_its_own_stream_with_probability_q():
+    for r in (0, 7):
+        want = [float(jax.random.uniform(k)) < 0.3
+                for k in client_keys(jax.random.fold_in(ROOT, 5), r, jnp.arange(40))]
+        assert np.asarray(poisson_members(ROOT, r, 40, 0.3)).tolist() == want
+        # client i's draw does not depend on the population after it
+        assert np.array_equal(poisson_members(ROOT, r, 25, 0.3), poisson_members(ROOT, r, 40, 0.3)[:25])
+    total = sum(int(np.sum(poisson_members(ROOT, r, 500, 0.1))) for r in range(200))
+    assert abs(total - 10_000) < 5 * math.sqrt(100_000 * 0.1 * 0.9)  # Binomial(100,000, 0.1)
+    members = np.flatnonzero(poisson_members(ROOT, 2, 40, 0.3))
+    rows = np.asarray(jax.jit(poisson_cohort, static_argnums=(2, 3, 4))(ROOT, 2, 40, 0.3, 24))
+    assert rows.tolist() == members.tolist() + [40] * (24 - len(members))  # members sorted, then padding
+    assert [poisson_rows(k, 8) for k in (0, 1, 8, 9, 17)] == [8, 8, 8, 16, 24]
+
+
+COUNTS = [12, 20, 7, 16, 9, 14, 5, 11, 18, 8]
+
+
+def _fedbn():
+    ctx = RunContext(num_clients=len(COUNTS), num_rounds=4)
+    return build_algorithm("fedbn", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), ctx)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_poisson_round_is_the_step_on_its_members_alone(backend):
+    alg, data = _fedbn(), make_data(COUNTS)
+    server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
+    engine = make_backend(alg, data, backend, strategy="vmap", cohort_size=6, sampling="poisson", num_rounds=4,
+                          weighting="uniform")  # (padding rows would count as much as members)
+    if backend == "stacked":
+        engine.rows = 8
+        engine._build()  # fewer rows than this round's cohort: the host check recompiles with more
+    round_idx = next(r for r in range(100) if len(engine.draw(r, ROOT)) == 9)  # 9 members, 16 rows: padding
+    ids = engine.draw(round_idx, ROOT)
+    store = ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")
+    new, metrics = engine.round(server, store, round_idx, ROOT)
+    assert metrics["client_id"].tolist() == ids.tolist() and len(metrics["loss"]) == len(ids)
+    # the reference: the unpadded step on the members' data, under their ids (their streams)
+    sub = jax.tree_util.tree_map(lambda a: a[ids], data)
+    step = make_step(alg, strategy="vmap", num_rounds=4, weighting="uniform")
+    want, kept, want_metrics = jax.jit(lambda *a: step(*a))(
+        server, jax.tree_util.tree_map(lambda a: a[ids], clients), sub, jnp.asarray(ids), round_idx, ROOT)
+    assert_trees_close(new, want, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], want_metrics["loss"], rtol=1e-5)
+    others = np.setdiff1d(np.arange(len(COUNTS)), ids)
+    assert_trees_close(jax.tree_util.tree_map(lambda a: a[ids], store.state), kept, atol=1e-6, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(store.state), jax.tree_util.tree_leaves(clients)):
+        assert np.array_equal(np.asarray(a)[others], np.asarray(b)[others])  # the others' states are untouched
+    if backend == "stacked":
+        assert engine.rows == 16
+
+
+def _logreg_fedavg(n):
+    return build_algorithm("fedavg", logreg(4), make_trainer(), RunContext(num_clients=n, num_rounds=4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_empty_poisson_cohort_keeps_the_model_and_under_dp_adds_the_noise(backend):
+    n, z, clip, key = 10, 2.0, 0.5, jax.random.key(4)
+    data = make_data([5, 8, 3, 6, 7, 4, 9, 5, 6, 2])
+    plain = _logreg_fedavg(n)
+    dp = privacy.with_privacy(plain, clip, z, key, expected_clients=2.0)  # qN = 2: not the k = 0 of the round
+    server, clients = init_state(plain, jax.random.key(0), data.x[0], n)
+    kw = dict(strategy="map", cohort_size=2, sampling="poisson", weighting="uniform")
+    engine = make_backend(plain, data, backend, **kw)
+    empty = next(r for r in range(100) if len(engine.draw(r, ROOT)) == 0)
+    new, metrics = engine.round(server, ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device"), empty,
+                                ROOT)
+    assert metrics["client_id"].size == 0 and metrics["loss"].size == 0
+    assert_trees_close(new, server, atol=0, rtol=0)  # no mean over no client: the model as it was
+    new, _ = make_backend(dp, data, backend, **kw).round(server, ClientStore(clients, "device"), empty, ROOT)
+    shared = privacy.all_shared(server["params"])
+    want = privacy.add_noise(jax.random.fold_in(key, empty), server["params"], shared, z * clip / 2.0)
+    assert_trees_close(new["params"], want, atol=1e-7, rtol=1e-6)
+    assert not np.allclose(jax.tree_util.tree_leaves(new["params"])[0], jax.tree_util.tree_leaves(server["params"])[0])
+
+
+def test_dp_over_poisson_divides_the_clipped_sum_by_the_expected_cohort_and_centres_the_count():
+    data = make_data([12, 20, 7, 16])
+    base = _logreg_fedavg(4)
+    clip, z, expected, key, lr, target = 0.05, 1.5, 2.5, jax.random.key(4), 0.3, 0.5
+    server, clients = init_state(base, jax.random.key(0), data.x[0], 4)
+    rows, _ = cohort_train(base, strategy="vmap", num_rounds=4)(server, clients, data, jnp.arange(4), 2, ROOT)
+    weights = jnp.asarray([1.0, 0.0, 1.0, 1.0])  # row 1: padding
+    info = RoundInfo(jnp.int32(2), jnp.arange(4, dtype=jnp.int32), 4)
+    dp = privacy.with_privacy(base, clip, z, key, quantile=target, clip_lr=lr, count_std=1.0,
+                              expected_clients=expected)
+    dp_server = {**server, privacy.CLIP_KEY: jnp.float32(clip)}
+    new = jax.jit(lambda s, t: dp.aggregate(s, t, weights, info)[0])(dp_server, rows)
+    # by hand: x + sum over the members of min(1, C / |d_i|) d_i / (qN), plus noise of std z' C / (qN)
+    x = server["params"]
+    norms = [float(privacy.update_norm(x, jax.tree_util.tree_map(lambda a: a[i], rows["params"])))
+             for i in range(4)]
+    members = [0, 2, 3]
+    total = jax.tree_util.tree_map(lambda p: jnp.zeros_like(p), x)
+    for i in members:
+        c = min(1.0, clip / norms[i])
+        total = jax.tree_util.tree_map(lambda t, p, r: t + c * (r[i] - p), total, x, rows["params"])
+    sigma = privacy.value_noise_multiplier(z, 1.0)  # raised: the count shares the budget
+    mean = jax.tree_util.tree_map(lambda p, t: p + t / expected, x, total)
+    want = privacy.add_noise(jax.random.fold_in(key, 2), mean, privacy.all_shared(x), sigma * clip / expected)
+    assert_trees_close(new["params"], want, atol=1e-6, rtol=1e-5)
+    fits = sum(norms[i] <= clip for i in members)
+    count_noise = float(jax.random.normal(jax.random.fold_in(jax.random.fold_in(key, privacy.COUNT_STREAM), 2), ()))
+    centred = (fits - len(members) / 2 + count_noise) / expected + 0.5
+    assert float(new[privacy.CLIP_KEY]) == pytest.approx(clip * math.exp(-lr * (centred - target)), rel=1e-6)
+    assert centred != pytest.approx(fits / len(members))  # not the fixed cohort's fraction
+
+
+@pytest.mark.parametrize("args,want", POISSON_REFERENCE)
+def test_the_poisson_accountant_is_the_add_remove_one(args, want):
+    q, z, rounds, delta = args
+    assert privacy.Accountant(q, z, delta, "poisson").epsilon(rounds) == pytest.approx(want[0], rel=1e-6)
+
+
+def test_noise_calibrated_for_poisson_sampling_is_smaller_and_minimal():
+    z = privacy.noise_for_epsilon(0.1, 200, 1e-5, 8.0, "poisson")
+    assert privacy.Accountant(0.1, z, 1e-5, "poisson").epsilon(200) <= 8.0
+    assert privacy.Accountant(0.1, z * 0.995, 1e-5, "poisson").epsilon(200) > 8.0
+    assert z < privacy.noise_for_epsilon(0.1, 200, 1e-5, 8.0)  # the replace-one bound on a fixed cohort needs more
+    report = privacy.Accountant(0.1, z, 1e-5, "poisson").report(200)
+    assert report["accountant"].startswith("RDP, Poisson sampling") and "epsilon_poisson_convention" not in report
+
+
+def test_dp_over_poisson_through_the_cli_logs_its_epsilon_and_resumes_exactly(tmp_path, capsys):
+    args = ["run", "--algorithm", "fedavg", *TINY, "--model", "logreg", "--dp-clip", "0.5", "--dp-noise", "1",
+            "--weighting", "uniform", "--clients-per-round", "2", "--cohort-sampling", "poisson", "--backend",
+            "ragged"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main([*args, "--rounds", "3", "--out", str(full)]) == 0
+    acc = privacy.Accountant(2 / 3, 1.0, 3 ** -1.1, "poisson")
+    assert f"({acc.epsilon(3):.3g}, " in capsys.readouterr().err
+    recs = _records(full)
+    assert [r["dp_epsilon"] for r in recs] == pytest.approx([acc.epsilon(t) for t in (1, 2, 3)], rel=1e-12)
+    assert json.loads((full / "summary.json").read_text())["privacy"]["accountant"].startswith("RDP, Poisson")
+    assert main([*args, "--rounds", "2", "--out", str(part), "--checkpoint-every", "1", "--quiet"]) == 0
+    assert main([*args, "--rounds", "3", "--out", str(part), "--resume", "--quiet"]) == 0
+    assert [r["test_accuracy"] for r in _records(part)] == [r["test_accuracy"] for r in recs]
+    assert [r["clients_trained"] for r in _records(part)] == [r["clients_trained"] for r in recs]
+
+
+def test_bad_sampling_options_get_one_line(tmp_path, capsys):
+    cases = {("--cohort-sampling", "uniform"): "unknown cohort_sampling 'uniform'; valid: fixed, poisson",
+             ("--algorithm", "scaffold", "--cohort-sampling", "poisson"):
+             "--cohort-sampling poisson pads each round's cohort with rows of weight 0, which scaffold's aggregate"}
+    for args, message in cases.items():
+        out = tmp_path / "run"
+        assert main(["run", "--quiet", "--rounds", "1", "--out", str(out), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("jaxfl: error: " + message), err
+        assert not out.exists()
