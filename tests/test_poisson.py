@@ -149,11 +149,12 @@ def test_noise_calibrated_for_poisson_sampling_is_smaller_and_minimal():
 
 
 def test_dp_over_poisson_through_the_cli_logs_its_epsilon_and_resumes_exactly(tmp_path, capsys):
+    # three rounds in one call equal one call per round, stopped after round 2 and resumed
     args = ["run", "--algorithm", "fedavg", *TINY, "--model", "logreg", "--dp-clip", "0.5", "--dp-noise", "1",
             "--weighting", "uniform", "--clients-per-round", "2", "--cohort-sampling", "poisson", "--backend",
-            "ragged"]
+            "stacked"]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert main([*args, "--rounds", "3", "--out", str(full)]) == 0
+    assert main([*args, "--rounds", "3", "--out", str(full), "--rounds-per-call", "3"]) == 0  # one call
     acc = privacy.Accountant(2 / 3, 1.0, 3 ** -1.1, "poisson")
     assert f"({acc.epsilon(3):.3g}, " in capsys.readouterr().err
     recs = _records(full)
