@@ -82,10 +82,12 @@ def _logreg_fedavg(n):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_empty_poisson_cohort_keeps_the_model_and_under_dp_adds_the_noise(backend):
+    # (with adaptive clipping: its round metric and clip update on a round without clients)
     n, z, clip, key = 10, 2.0, 0.5, jax.random.key(4)
     data = make_data([5, 8, 3, 6, 7, 4, 9, 5, 6, 2])
     plain = _logreg_fedavg(n)
-    dp = privacy.with_privacy(plain, clip, z, key, expected_clients=2.0)  # qN = 2: not the k = 0 of the round
+    dp = privacy.with_privacy(plain, clip, z, key, quantile=0.5, clip_lr=0.2, count_std=1.5,
+                              expected_clients=2.0)  # qN = 2: not the k = 0 of the round
     server, clients = init_state(plain, jax.random.key(0), data.x[0], n)
     kw = dict(strategy="map", cohort_size=2, sampling="poisson", weighting="uniform")
     engine = make_backend(plain, data, backend, **kw)
@@ -94,10 +96,16 @@ def test_an_empty_poisson_cohort_keeps_the_model_and_under_dp_adds_the_noise(bac
                                 ROOT)
     assert metrics["client_id"].size == 0 and metrics["loss"].size == 0
     assert_trees_close(new, server, atol=0, rtol=0)  # no mean over no client: the model as it was
-    new, _ = make_backend(dp, data, backend, **kw).round(server, ClientStore(clients, "device"), empty, ROOT)
+    dp_server = {**server, privacy.CLIP_KEY: jnp.float32(clip)}
+    new, metrics = make_backend(dp, data, backend, **kw).round(dp_server, ClientStore(clients, "device"), empty, ROOT)
     shared = privacy.all_shared(server["params"])
-    want = privacy.add_noise(jax.random.fold_in(key, empty), server["params"], shared, z * clip / 2.0)
+    sigma = privacy.value_noise_multiplier(z, 1.5)
+    want = privacy.add_noise(jax.random.fold_in(key, empty), server["params"], shared, sigma * clip / 2.0)
     assert_trees_close(new["params"], want, atol=1e-7, rtol=1e-6)
+    # adaptive clipping: the round's clip is logged without a client, and moves by the noised centred count alone
+    assert float(metrics["dp_clip"]) == clip
+    count = 1.5 * float(jax.random.normal(jax.random.fold_in(jax.random.fold_in(key, privacy.COUNT_STREAM), empty), ()))
+    assert float(new[privacy.CLIP_KEY]) == pytest.approx(clip * math.exp(-0.2 * (count / 2.0 + 0.5 - 0.5)), rel=1e-6)
     assert not np.allclose(jax.tree_util.tree_leaves(new["params"])[0], jax.tree_util.tree_leaves(server["params"])[0])
 
 

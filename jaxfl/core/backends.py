@@ -198,6 +198,7 @@ class Ragged(_Backend):
         self._train_into = jax.jit(train_into, donate_argnums=(0,))
         self._train_shape = jax.jit(step.train)
         self._aggregate = jax.jit(step.aggregate)
+        self._round_metrics = jax.jit(step.round_metrics)
         self._make_buffer = {}  # rows -> a jitted function making the cohort's zero buffer
         self.shapes: set[tuple[int, int]] = set()  # (lanes, samples) of every bucket compiled so far
         self.lane_cap: int | None = None  # set when a bucket ran out of device memory (``round``)
@@ -252,9 +253,12 @@ class Ragged(_Backend):
         if rows > k:  # padding rows: count 0 (weight 0), id N
             counts = np.concatenate([counts, np.zeros(rows - k, counts.dtype)])
             row_ids = np.concatenate([ids, np.full(rows - k, self.num_clients, ids.dtype)])
-        server, kept = self.timed(self._aggregate, server, trained, counts, row_ids, round_idx)
+        new, kept = self.timed(self._aggregate, server, trained, counts, row_ids, round_idx)
+        own = self.timed(self._round_metrics, server, new) if self.alg.round_metrics is not None else {}
+        server = new
         store.scatter(ids, members(kept))
         metrics = {name: np.asarray(v)[:k] for name, v in fetch(metrics).items()}
+        metrics.update({name: np.asarray(v) for name, v in fetch(own).items()})
         host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)
         return server, dict(metrics, client_id=ids, **self.report(plan, ids), compiled_shapes=len(self.shapes),
                             host_share=max(host, 0.0))
@@ -365,8 +369,9 @@ class Stacked(_Backend):
 
         def round_fn(server, states, data, round_idx, root):
             ids, clients, cdata = cohort(states, data, round_idx, root)
-            server, kept, metrics = step(server, clients, cdata, ids, round_idx, root)
-            return server, write_back(states, ids, kept), dict(metrics, client_id=ids)
+            new, kept, metrics = step(server, clients, cdata, ids, round_idx, root)
+            metrics = dict(metrics, client_id=ids, **step.round_metrics(server, new))
+            return new, write_back(states, ids, kept), metrics
 
         def train_fn(server, states, data, round_idx, root):
             ids, clients, cdata = cohort(states, data, round_idx, root)
@@ -375,8 +380,8 @@ class Stacked(_Backend):
 
         def finish_fn(server, states, trained, ids, data, round_idx):
             counts = jnp.where(ids < n, data[3][jnp.minimum(ids, n - 1)], 0)
-            server, kept = step.aggregate(server, trained, counts, ids, round_idx)
-            return server, write_back(states, ids, kept)
+            new, kept = step.aggregate(server, trained, counts, ids, round_idx)
+            return new, write_back(states, ids, kept), step.round_metrics(server, new)
 
         def rounds_fn(server, states, data, first, count, root):
             # rounds first .. first + count - 1 (count <= K, traced): one program for any count
@@ -441,7 +446,9 @@ class Stacked(_Backend):
             k = int((ids < self.num_clients).sum())  # a Poisson cohort's members come first
             before_aggregate(server, jax.tree_util.tree_map(lambda a: a[:k], trained), ids[:k])
             t0 += time.perf_counter() - t  # evaluation is not part of the round
-            server, store.state = self.timed(self._finish, server, store.state, trained, ids, self.data, round_idx)
+            server, store.state, own = self.timed(self._finish, server, store.state, trained, ids, self.data,
+                                                  round_idx)
+            metrics = dict(metrics, **own)
         return server, self._report(fetch(metrics), t0, d0)
 
     def run_rounds(self, server, store: ClientStore, first: int, count: int, root):
@@ -472,8 +479,8 @@ class Stacked(_Backend):
     def _report(self, metrics, t0, d0) -> dict:
         metrics = {k: np.asarray(v) for k, v in metrics.items()}
         members = metrics["client_id"] < self.num_clients  # a Poisson cohort's padding rows are left out
-        if not members.all():
-            metrics = {k: v[members] for k, v in metrics.items()}
+        if not members.all():  # (per-client rows only: the algorithm's round metrics are scalars)
+            metrics = {k: v[members] if v.ndim else v for k, v in metrics.items()}
         ids = metrics["client_id"]
         plan = plan_buckets(-(-self.train.counts[ids] // self.batch_size), max_lanes=len(ids), single=True)
         host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)

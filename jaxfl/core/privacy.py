@@ -166,7 +166,8 @@ def with_privacy(alg: Algorithm, clip: float, noise_multiplier: float, key, *, q
     NeurIPS 2021): C starts at ``clip`` and follows ``update_clip`` with ``clip_lr`` η and the fraction of
     unclipped updates counted with Gaussian noise of std ``count_std`` σ_b; the update's noise multiplier
     becomes ``value_noise_multiplier(z, σ_b)``, so the round's privacy is fixed clipping's at z. C is kept in the
-    server state (``CLIP_KEY``; checkpointed), and a client's metrics gain ``dp_clip``, the C it was clipped to.
+    server state (``CLIP_KEY``; checkpointed), and each round's metrics (``round_metrics``) give ``dp_clip``, the
+    C the round clipped to.
 
     ``alg``'s server state must hold the global model's ``"params"``, its ``aggregate`` average the trained rows'
     ``"params"`` (those ``alg.share_mask`` marks, all if it has none) and keep per client only what the clients
@@ -198,8 +199,7 @@ def with_privacy(alg: Algorithm, clip: float, noise_multiplier: float, key, *, q
     def local_update(server, client, data, rng, info):
         s = inner(server)
         trained, metrics = alg.local_update(s, client, data, rng, info)
-        metrics = dict(metrics, update_norm=update_norm(s["params"], trained["params"], mask(s, info)))
-        return trained, dict(metrics, dp_clip=server[CLIP_KEY]) if adaptive else metrics
+        return trained, dict(metrics, update_norm=update_norm(s["params"], trained["params"], mask(s, info)))
 
     def aggregate(server, trained, weights, info):
         s, c = inner(server), current_clip(server)
@@ -231,12 +231,16 @@ def with_privacy(alg: Algorithm, clip: float, noise_multiplier: float, key, *, q
             new = {**new, CLIP_KEY: update_clip(c, fraction, quantile, clip_lr).astype(jnp.float32)}
         return new, kept
 
+    def round_metrics(before, after):  # the clip this round used (adaptive), and what ``alg`` reports
+        own = {} if alg.round_metrics is None else alg.round_metrics(inner(before), inner(after))
+        return dict(own, dp_clip=before[CLIP_KEY]) if adaptive else own
+
     def wrap(fn):  # fn(server, ...) of ``alg``, given the server state without the clip
         return None if fn is None else (lambda server, *a, **kw: fn(inner(server), *a, **kw))
 
     return alg._replace(init=init, local_update=local_update, aggregate=aggregate, predict=wrap(alg.predict),
                         predict_trained=wrap(alg.predict_trained), prepare_predict=wrap(alg.prepare_predict),
-                        share_mask=wrap(alg.share_mask),
+                        share_mask=wrap(alg.share_mask), round_metrics=round_metrics,
                         aggregates_empty=expected_clients is not None)  # an empty round is noised too
 
 

@@ -83,9 +83,12 @@ class Step(NamedTuple):
     train(server, clients, data, ids, round_idx, root) -> (trained, metrics)      (``cohort_train``)
     aggregate(server, trained, counts, ids, round_idx) -> (server, kept)          weights from the cohort's
         sample counts [k] (``aggregation_weights``), then ``Algorithm.aggregate`` with the cohort's RoundInfo
+    round_metrics(before, after) -> {name: scalar}                                the algorithm's per-round
+        metrics from the server state before and after the round ({} if it has none)
     """
     train: Callable
     aggregate: Callable
+    round_metrics: Callable = lambda before, after: {}
 
     def __call__(self, server, clients, data: ClientData, ids, round_idx, root):
         trained, metrics = self.train(server, clients, data, ids, round_idx, root)
@@ -125,5 +128,6 @@ def make_step(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 
             new = jax.tree_util.tree_map(lambda a, b: jnp.where(anyone, a, b), new, server)
         return new, kept
 
+    round_metrics = (lambda before, after: {}) if alg.round_metrics is None else alg.round_metrics
     return Step(cohort_train(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds,
-                             stragglers=stragglers), aggregate)
+                             stragglers=stragglers), aggregate, round_metrics)

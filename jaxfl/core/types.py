@@ -62,6 +62,10 @@ class Algorithm(NamedTuple):
                                                            bools or bool scalars; None: all of them), for
                                                            clipping and noising the shared update
                                                            (``jaxfl.core.privacy``)
+    round_metrics(before, after) -> {name: scalar}          optional: per-round metrics read off the server
+                                                           state entering (``before``) and leaving (``after``)
+                                                           the round, logged once a round (adaptive clipping's
+                                                           norm)
     aggregates_empty: whether ``aggregate`` also defines the round of a cohort without a client of positive
     weight (Poisson sampling can draw one; DP-FedAvg still adds its noise); False: the engine keeps the server
     state as it was
@@ -74,6 +78,7 @@ class Algorithm(NamedTuple):
     predict_trained: Callable | None = None
     prepare_predict: Callable | None = None
     share_mask: Callable | None = None
+    round_metrics: Callable | None = None
     aggregates_empty: bool = False
 
 

@@ -268,15 +268,18 @@ def check_finite(metrics, names, round_idx: int, ckpt) -> None:
 
 
 def round_record(metrics, names, round_idx: int) -> dict:
-    """The metrics.jsonl record of a round's training: per trained client, and the per-round metrics."""
+    """The metrics.jsonl record of a round's training: per trained client (arrays [k]), and the per-round
+    metrics (scalars: the backend's ``ROUND_METRICS`` and what the algorithm reports, e.g. ``dp_clip``)."""
     ids = np.asarray(metrics["client_id"])
+    per_round = {k for k, v in metrics.items() if np.ndim(v) == 0}
     return {"round": round_idx + 1, "clients_trained": [names[i] for i in ids],
             "train_loss": np.asarray(metrics["loss"], float).tolist(),
             "train_accuracy": np.asarray(metrics["accuracy"], float).tolist(),
             # algorithm-specific per-client metrics (e.g. FedSelect's personal_fraction)
             **{f"train_{k}": np.asarray(v, float).tolist() for k, v in metrics.items()
-               if k not in ("loss", "accuracy", "seen", "finite", "client_id") + ROUND_METRICS},
-            **{k: metrics[k] for k in ROUND_METRICS}}
+               if k not in ("loss", "accuracy", "seen", "finite", "client_id") and k not in per_round},
+            **{k: metrics[k] for k in ROUND_METRICS},
+            **{k: float(metrics[k]) for k in sorted(per_round - set(ROUND_METRICS))}}
 
 
 def train(exp: Experiment, progress: bool = False, log=None, notify=None) -> RunResult:
@@ -321,10 +324,6 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
             rec = round_record(m, names, r + j)
             if exp.privacy is not None and cfg.dp_noise > 0:
                 rec["dp_epsilon"] = exp.privacy.epsilon(r + j + 1)
-            if "train_dp_clip" in rec:  # adaptive clipping: the round's clipping norm, the same for every client
-                clips = rec.pop("train_dp_clip")
-                if clips:  # (an empty Poisson cohort reports none)
-                    rec["dp_clip"] = clips[0]
             t_eval, c_eval = time.perf_counter(), compile_seconds()
             if j == n - 1 and evaluates(cfg, r + j):
                 rec.update(local or exp.evaluate(server, store))
