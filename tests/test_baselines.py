@@ -12,6 +12,7 @@ from jaxfl.algorithms.fedrep import head_then_body
 from jaxfl.core.backends import ClientStore
 from jaxfl.core.cohort import client_keys
 from jaxfl.core.evaluate import Evaluator
+from jaxfl.core.step import make_step
 from jaxfl.models import small_cnn
 
 
@@ -214,10 +215,12 @@ def test_every_algorithm_is_the_same_on_both_backends_and_learns_a_separable_tas
     by_map = make_backend(alg, data, "ragged", strategy="map", num_rounds=T)
     s, store = server, ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")
     s_r, store_r = server, ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")
+    seen = {}
     for r in range(6):
         s, m = stacked.round(s, store, r, ROOT)
         if r < 2:
-            s_r, _ = by_map.round(s_r, store_r, r, ROOT)
+            hook = lambda server, trained, ids: seen.update(server=server, trained=trained)
+            s_r, _ = by_map.round(s_r, store_r, r, ROOT, before_aggregate=hook if r == 1 else None)
         if r == 1:
             tolerance = BACKEND_TOLERANCE.get(name, DEFAULT_BACKEND_TOLERANCE)
             assert_trees_close((s, store.state), (s_r, store_r.state), **tolerance)
@@ -227,3 +230,19 @@ def test_every_algorithm_is_the_same_on_both_backends_and_learns_a_separable_tas
     # chance is 0.25; every method reaches >= 0.92 after 6 rounds here but the tiny hypernetwork ViT of
     # FedTP, which learns more slowly (0.77)
     assert float(np.mean(ev["accuracy"])) >= (0.5 if name == "fedtp" else 0.75), ev["accuracy"]
+    if REGISTRY[name].options.poisson_sampling:  # --cohort-sampling poisson may pad its cohort
+        assert_padding_rows_are_absent(alg, seen["server"], seen["trained"], (s_r, store_r.state))
+
+
+def assert_padding_rows_are_absent(alg, server, trained, want, pad=5):
+    """The padded step's aggregate of round 1 (the three clients' trained rows, then rows of count 0 and id N
+    holding garbage that ``drop_padding`` must remove) gives what the round gave without them (``want``: the
+    server state and the clients' kept states). Eager: no compilation."""
+    n = len(COUNTS)
+    garbage = jax.tree_util.tree_map(
+        lambda a: jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], jnp.nan if a.dtype.kind == "f" else 7,
+                                               a.dtype)]), trained)
+    counts = jnp.concatenate([jnp.asarray(COUNTS, jnp.int32), jnp.zeros(pad, jnp.int32)])
+    ids = jnp.concatenate([jnp.arange(n, dtype=jnp.int32), jnp.full(pad, n, jnp.int32)])
+    new, kept = make_step(alg, num_rounds=T, padded=True).aggregate(server, garbage, counts, ids, 1)
+    assert_trees_close((new, jax.tree_util.tree_map(lambda a: a[:n], kept)), want, atol=1e-6, rtol=1e-5)

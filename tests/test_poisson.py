@@ -176,8 +176,9 @@ def test_dp_over_poisson_through_the_cli_logs_its_epsilon_and_resumes_exactly(tm
 
 def test_bad_sampling_options_get_one_line(tmp_path, capsys):
     cases = {("--cohort-sampling", "uniform"): "unknown cohort_sampling 'uniform'; valid: fixed, poisson",
-             ("--algorithm", "scaffold", "--cohort-sampling", "poisson"):
-             "--cohort-sampling poisson pads each round's cohort with rows of weight 0, which scaffold's aggregate"}
+             ("--algorithm", "fedpac", "--cohort-sampling", "poisson"):
+             "--cohort-sampling poisson pads each round's cohort with rows of weight 0, which fedpac's aggregate "
+             "does not treat as absent (algorithms without Poisson sampling: fedpac); use --cohort-sampling fixed"}
     for args, message in cases.items():
         out = tmp_path / "run"
         assert main(["run", "--quiet", "--rounds", "1", "--out", str(out), *args]) == 2

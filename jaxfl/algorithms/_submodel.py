@@ -268,7 +268,7 @@ def submodel_algorithm(name: str, model, trainer: LocalTrainer, *, masks: Callab
         return {"params": params, "batch_stats": stats, "mask": m}, metrics
 
     def aggregate(server, clients, weights, info: RoundInfo):
-        w = jnp.ones_like(weights) if uniform else weights
+        w = jnp.where(weights > 0, 1.0, 0.0) if uniform else weights  # (a padding row of weight 0 stays out)
         params = tree_masked_mean_of(clients["params"], clients["mask"]["params"], w, server["params"])
         if aggregate_stats == "masked":
             stats = tree_masked_mean_of(clients["batch_stats"], clients["mask"]["batch_stats"], w,

@@ -86,6 +86,7 @@ class FedPACOptions(Options):
     name = "fedpac"
     sharing = ("body (encoder), class prototypes and feature statistics; heads for the combination",
                "head (a convex combination of the cohort's heads)")
+    poisson_sampling = False  # the heads' simplex QP would spread weight over a padded cohort's empty rows
     lam: float = option(1.0, "lambda, weight of the feature-alignment MSE to the global prototypes", lo=0.0)
     head_epochs: int = option(1, "head-only CE epochs before the body epochs", minimum=0)
     combine_heads: bool = option(True, "replace each head by its QP-weighted combination of the cohort's heads")

@@ -144,7 +144,7 @@ def fedselect(model, trainer: LocalTrainer, o: FedSelectOptions, ctx: RunContext
         return dict(client, params=params, batch_stats=stats, pending=pending, ref=new_ref), metrics
 
     def aggregate(server, clients, weights, info: RoundInfo):
-        w = weights if weight_by_n else jnp.ones_like(weights)
+        w = weights if weight_by_n else jnp.where(weights > 0, 1.0, 0.0)  # (a padding row of weight 0 stays out)
         final = info.is_last
         avg = jax.tree_util.tree_map(lambda x, m, prev: masked_mean(x, w, ~m, prev),
                                      clients["params"], clients["mask"], server["params"])

@@ -48,6 +48,10 @@ class Options:
     # the trained rows' "params", from nothing else the clients computed from their data, and clients keep only
     # what they trained themselves: DP-FedAvg's clipping and noise (``--dp-clip``, ``jaxfl.core.privacy``) apply
     user_dp: ClassVar[bool] = False
+    # the aggregate treats a cohort row of weight 0 as absent (its server state and the other rows' kept states
+    # as without it), so Poisson sampling (``--cohort-sampling poisson``) may pad the cohort with such rows;
+    # checked for every algorithm that claims it (tests/test_baselines.py)
+    poisson_sampling: ClassVar[bool] = True
     # what a straggler (``--stragglers``) runs only part of: the run's local epochs, or the name of an option that
     # counts the method's own local work (FedSelect: la_epochs; pFedHN, pFedGP: inner_steps; 0 there: the local epochs)
     local_work: ClassVar[str] = "local_epochs"

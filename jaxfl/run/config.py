@@ -239,10 +239,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
     check_choice("cohort_sampling", cfg.cohort_sampling, SAMPLINGS)
-    if cfg.cohort_sampling == "poisson" and not options_class(cfg.algorithm).user_dp:
-        able = ", ".join(n for n, r in REGISTRY.items() if r.options.user_dp)
+    if cfg.cohort_sampling == "poisson" and not options_class(cfg.algorithm).poisson_sampling:
+        unable = ", ".join(n for n, r in REGISTRY.items() if not r.options.poisson_sampling)
         raise ConfigError(f"--cohort-sampling poisson pads each round's cohort with rows of weight 0, which "
-                          f"{cfg.algorithm}'s aggregate does not treat as absent; it composes with: {able}")
+                          f"{cfg.algorithm}'s aggregate does not treat as absent (algorithms without Poisson "
+                          f"sampling: {unable}); use --cohort-sampling fixed")
     check_range("stragglers", cfg.stragglers, 0.0, 1.0)
     if cfg.stragglers:
         work, count = straggler_work_count(cfg)
