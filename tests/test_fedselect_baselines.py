@@ -217,6 +217,23 @@ def test_head_weights_match_the_official_qp():
         np.testing.assert_allclose(A[case].sum(1), 1.0, atol=1e-5)
 
 
+def test_head_weights_of_the_members_ignore_the_other_rows():
+    # a cohort padded with rows that are no clients (Poisson sampling): the members' weights are those of the
+    # members alone, nothing goes to the other rows, whatever they hold (jitted, vmapped over cases)
+    rng = np.random.default_rng(2)
+    H = jnp.asarray(rng.normal(size=(3, 4, 3, 5)) * rng.uniform(0.2, 1.0, (3, 4, 1, 1)), jnp.float32)
+    v = jnp.asarray(rng.uniform(0.05, 1.0, (3, 4)), jnp.float32)
+    junk = jnp.asarray(rng.normal(size=(3, 3, 3, 5)) * 5.0, jnp.float32)
+    padded_H, padded_v = jnp.concatenate([H, junk], 1), jnp.concatenate([v, jnp.full((3, 3), 0.3)], 1)
+    members = jnp.arange(7) < 4
+    alone = jax.jit(jax.vmap(head_weights))(v, H)
+    padded = jax.jit(jax.vmap(lambda v, H: head_weights(v, H, 1000, members)))(padded_v, padded_H)
+    np.testing.assert_allclose(padded[:, :4, :4], alone, atol=1e-6)
+    assert np.all(np.asarray(padded[:, :4, 4:]) == 0)
+    # every row a member: the same numbers, bit for bit
+    assert np.array_equal(jax.jit(jax.vmap(lambda v, H: head_weights(v, H, 1000, jnp.ones(4, bool))))(v, H), alone)
+
+
 # -- FedPAC: statistics, prototypes, alignment -------------------------------------------------------------
 def features(variables, x, train=False, w=None):
     return model().apply(variables, x, train=train, mask=w, method="features",

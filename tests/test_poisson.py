@@ -174,7 +174,9 @@ def test_dp_over_poisson_through_the_cli_logs_its_epsilon_and_resumes_exactly(tm
     assert [r["clients_trained"] for r in _records(part)] == [r["clients_trained"] for r in recs]
 
 
-def test_bad_sampling_options_get_one_line(tmp_path, capsys):
+def test_bad_sampling_options_get_one_line(tmp_path, capsys, monkeypatch):
+    from jaxfl.algorithms import options_class
+    monkeypatch.setattr(options_class("fedpac"), "poisson_sampling", False)  # (every algorithm takes it today)
     cases = {("--cohort-sampling", "uniform"): "unknown cohort_sampling 'uniform'; valid: fixed, poisson",
              ("--algorithm", "fedpac", "--cohort-sampling", "poisson"):
              "--cohort-sampling poisson pads each round's cohort with rows of weight 0, which fedpac's aggregate "

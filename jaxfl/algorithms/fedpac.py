@@ -86,7 +86,6 @@ class FedPACOptions(Options):
     name = "fedpac"
     sharing = ("body (encoder), class prototypes and feature statistics; heads for the combination",
                "head (a convex combination of the cohort's heads)")
-    poisson_sampling = False  # the heads' simplex QP would spread weight over a padded cohort's empty rows
     lam: float = option(1.0, "lambda, weight of the feature-alignment MSE to the global prototypes", lo=0.0)
     head_epochs: int = option(1, "head-only CE epochs before the body epochs", minimum=0)
     combine_heads: bool = option(True, "replace each head by its QP-weighted combination of the cohort's heads")
@@ -148,7 +147,7 @@ def fedpac(model, trainer: LocalTrainer, o: FedPACOptions, ctx: RunContext) -> A
         new_server.update(protos=protos, proto_count=count)
         heads = head_part(trained)
         if o.combine_heads:
-            A = head_weights(trained["v"], trained["h"], o.qp_iters)
+            A = head_weights(trained["v"], trained["h"], o.qp_iters, weights > 0)  # (padding rows: no weight)
             heads = jax.tree_util.tree_map(
                 lambda x: (A.astype(x.dtype) @ x.reshape(x.shape[0], -1)).reshape(x.shape), heads)
         return new_server, heads

@@ -31,7 +31,7 @@ HELP = {
     "cohort_sampling": "fixed (exactly --clients-per-round / --participation of the clients each round, drawn "
                        "without replacement) | poisson (each client joins a round with probability q = that "
                        "fraction, independently: a cohort of Binomial(N, q) clients, the sampling DP-FedAvg's "
-                       "add/remove accounting assumes; every algorithm but fedpac)",
+                       "add/remove accounting assumes)",
     "stragglers": "systems heterogeneity (FedProx): the chance that a client of the round is a straggler, which "
                   "runs a uniformly random 1..E-1 of its E local epochs (of each local training phase; FedSelect: "
                   "its LocalAlt alternations, pFedHN and pFedGP: their inner steps); 0: none",
