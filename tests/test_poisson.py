@@ -19,7 +19,7 @@ from jaxfl.core.step import cohort_train, init_state, make_step
 from jaxfl.core.types import RoundInfo, RunContext
 from jaxfl.models import logreg, small_cnn
 from jaxfl.run.cli import main
-from test_privacy import POISSON_REFERENCE, TINY, _records
+from test_privacy import POISSON_REFERENCE, TINY, _records, assert_refused_in_one_line
 
 ROOT = jax.random.key(3)
 
@@ -181,9 +181,4 @@ def test_bad_sampling_options_get_one_line(tmp_path, capsys, monkeypatch):
              ("--algorithm", "fedpac", "--cohort-sampling", "poisson"):
              "--cohort-sampling poisson pads each round's cohort with rows of weight 0, which fedpac's aggregate "
              "does not treat as absent (algorithms without Poisson sampling: fedpac); use --cohort-sampling fixed"}
-    for args, message in cases.items():
-        out = tmp_path / "run"
-        assert main(["run", "--quiet", "--rounds", "1", "--out", str(out), *args]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("jaxfl: error: " + message), err
-        assert not out.exists()
+    assert_refused_in_one_line(cases, tmp_path, capsys)

@@ -334,6 +334,11 @@ def test_bad_dp_options_get_one_line(tmp_path, capsys):
                                  "default 0.05 x the 3 clients a round)",
              ("--algorithm", "fedavg", "--dp-clip", "1", "--weighting", "uniform", *TINY):
              "--dp-clip: fedavg averages the BatchNorm statistics of small_cnn without noise"}
+    assert_refused_in_one_line(cases, tmp_path, capsys)
+
+
+def assert_refused_in_one_line(cases, tmp_path, capsys):
+    """Each ``jaxfl run`` of cases' arguments exits 2 with one line starting with its message, writing nothing."""
     for args, message in cases.items():
         out = tmp_path / "run"
         assert main(["run", "--quiet", "--rounds", "1", "--out", str(out), *args]) == 2
