@@ -482,6 +482,9 @@ class Stacked(_Backend):
         if not members.all():  # (per-client rows only: the algorithm's round metrics are scalars)
             metrics = {k: v[members] if v.ndim else v for k, v in metrics.items()}
         ids = metrics["client_id"]
-        plan = plan_buckets(-(-self.train.counts[ids] // self.batch_size), max_lanes=len(ids), single=True)
+        # one call of the cohort's rows: a Poisson cohort's padding lanes included (under vmap they run too)
+        rows = self.rows if self.sampling == "poisson" else 1
+        plan = plan_buckets(-(-self.train.counts[ids] // self.batch_size), max_lanes=len(ids), single=True,
+                            lane_multiple=rows)
         host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)
         return dict(metrics, **self.report(plan, ids), compiled_shapes=1, host_share=max(host, 0.0))
