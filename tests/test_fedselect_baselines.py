@@ -230,8 +230,16 @@ def test_head_weights_of_the_members_ignore_the_other_rows():
     padded = jax.jit(jax.vmap(lambda v, H: head_weights(v, H, 1000, members)))(padded_v, padded_H)
     np.testing.assert_allclose(padded[:, :4, :4], alone, atol=1e-6)
     assert np.all(np.asarray(padded[:, :4, 4:]) == 0)
-    # every row a member: the same numbers, bit for bit
-    assert np.array_equal(jax.jit(jax.vmap(lambda v, H: head_weights(v, H, 1000, jnp.ones(4, bool))))(v, H), alone)
+
+
+@default_codegen
+def test_head_weights_with_every_row_a_member_are_the_unrestricted_ones_bit_for_bit():
+    # the mask as FedPAC passes it (weights > 0, a value at run time, not a constant XLA could fold away)
+    rng = np.random.default_rng(2)
+    H = jnp.asarray(rng.normal(size=(3, 4, 3, 5)) * rng.uniform(0.2, 1.0, (3, 4, 1, 1)), jnp.float32)
+    v = jnp.asarray(rng.uniform(0.05, 1.0, (3, 4)), jnp.float32)
+    masked = jax.jit(jax.vmap(lambda v, H, m: head_weights(v, H, 1000, m), in_axes=(0, 0, None)))
+    assert np.array_equal(masked(v, H, jnp.ones(4, bool)), jax.jit(jax.vmap(head_weights))(v, H))
 
 
 # -- FedPAC: statistics, prototypes, alignment -------------------------------------------------------------

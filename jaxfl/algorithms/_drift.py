@@ -10,10 +10,13 @@ from ..core.aggregation import tree_weighted_mean
 
 
 def cohort_sum_over_n(tree, weights, num_clients: int | None):
-    """1/N sum_{i in S} tree_i (= |S|/N times the cohort mean); N: ``num_clients`` or, if None, the cohort size."""
+    """1/N sum_{i in S} tree_i (= |S|/N times the cohort mean); N: ``num_clients`` or, if None, the cohort size
+    (its rows of positive weight: a padded cohort's other rows are no clients)."""
     k = weights.shape[0]
-    mean = tree_weighted_mean(tree, jnp.ones((k,), jnp.float32))
-    scale = 1.0 if num_clients is None else k / num_clients
+    if num_clients is None:
+        return tree_weighted_mean(tree, (weights > 0).astype(jnp.float32))
+    mean = tree_weighted_mean(tree, jnp.ones((k,), jnp.float32))  # (padding rows are zeros: they add nothing)
+    scale = k / num_clients
     return mean if scale == 1.0 else jax.tree_util.tree_map(lambda m: m * scale, mean)
 
 

@@ -482,8 +482,9 @@ class Stacked(_Backend):
         if not members.all():  # (per-client rows only: the algorithm's round metrics are scalars)
             metrics = {k: v[members] if v.ndim else v for k, v in metrics.items()}
         ids = metrics["client_id"]
-        # one call of the cohort's rows: a Poisson cohort's padding lanes included (under vmap they run too)
-        rows = self.rows if self.sampling == "poisson" else 1
+        # one call of the cohort's rows: under vmap a Poisson cohort's padding lanes run too (under map and
+        # chunked they take no step, or as chunks of padding alone none)
+        rows = self.rows if self.sampling == "poisson" and self.strategy == "vmap" else 1
         plan = plan_buckets(-(-self.train.counts[ids] // self.batch_size), max_lanes=len(ids), single=True,
                             lane_multiple=rows)
         host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)
