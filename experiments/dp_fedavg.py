@@ -13,7 +13,8 @@ median update norm, TFF's defaults: lr 0.2, count noise 0.05 k = 5, the update's
 the same ε), z = 2 with server momentum 0.9 at server lr 0.1 (DP-FedAvgM: the same effective step as lr 1
 without momentum, the noise averaged over ~10 rounds), and Poisson sampling (``--cohort-sampling poisson``: each
 client joins a round with probability 0.1, the clipped updates summed over the expected 100; add/remove
-accounting) at each z in --noise and with the noise calibrated to ε = 6.6 (the fixed cohort's ε at z = 4).
+accounting) without DP, at each z in --noise and with the noise calibrated to ε = 6.6 (the fixed cohort's ε at
+z = 4).
 
 Writes, under --out: [seed<k>/]<variant>/ (the runs), table.md (final, best and last-5 accuracy on the pooled
 test set, mean ± std over seeds, and the ε each row spent) and accuracy.png (ε in the legend).
@@ -46,6 +47,7 @@ def variants(clip: float, noises: list[float]) -> dict[str, str]:
     out["DP-FedAvgM z = 2, server lr 0.1, momentum 0.9"] = (f"{dp}:dp_noise=2:server_opt=sgd:server_lr=0.1:"
                                                             f"server_momentum=0.9")
     # Poisson sampling (each client joins with q = 0.1; the sum over qN = 100): add/remove accounting
+    out["fedavg (no DP), Poisson sampling"] = "fedavg:cohort_sampling=poisson"
     out.update({f"DP-FedAvg z = {z:g}, Poisson sampling": f"{dp}:dp_noise={z:g}:cohort_sampling=poisson"
                 for z in noises})
     out["DP-FedAvg, Poisson sampling, noise for ε = 6.6"] = f"{dp}:dp_epsilon=6.6:cohort_sampling=poisson"
