@@ -186,3 +186,15 @@ def test_bad_sampling_options_get_one_line(tmp_path, capsys, monkeypatch):
              "--cohort-sampling poisson pads each round's cohort with rows of weight 0, which fedpac's aggregate "
              "does not treat as absent (algorithms without Poisson sampling: fedpac); use --cohort-sampling fixed"}
     assert_refused_in_one_line(cases, tmp_path, capsys)
+
+
+def test_round_metrics_must_be_scalars_named_apart_from_the_clients_metrics():
+    from jaxfl.core.step import with_round_metrics
+    base = _logreg_fedavg(4)
+    arrays = base._replace(round_metrics=lambda before, after: {"spread": jnp.zeros(3), "ok": jnp.float32(1)})
+    with pytest.raises(ValueError, match="fedavg's round_metrics must be scalars: spread are not"):
+        make_step(arrays).round_metrics({}, {})
+    assert make_step(base).round_metrics({}, {}) == {}
+    assert with_round_metrics({"loss": 1}, {"dp_clip": 2}) == {"loss": 1, "dp_clip": 2}
+    with pytest.raises(ValueError, match="round metrics loss have the names of per-client metrics"):
+        with_round_metrics({"loss": 1}, {"loss": 2})

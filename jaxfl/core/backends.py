@@ -46,7 +46,7 @@ from ..errors import DeviceMemoryError, first_line
 from .buckets import grid_ceil, padded_work, plan_buckets
 from .cohort import SAMPLINGS, default_strategy, poisson_cohort, poisson_members, poisson_rows, sample_cohort
 from .distributed import client_sharding, fetch, place_rows
-from .step import init_state, make_step
+from .step import init_state, make_step, with_round_metrics
 from .trainer import ClientRows
 from .trees import tree_bytes
 from .types import Algorithm
@@ -257,8 +257,8 @@ class Ragged(_Backend):
         own = self.timed(self._round_metrics, server, new) if self.alg.round_metrics is not None else {}
         server = new
         store.scatter(ids, members(kept))
-        metrics = {name: np.asarray(v)[:k] for name, v in fetch(metrics).items()}
-        metrics.update({name: np.asarray(v) for name, v in fetch(own).items()})
+        metrics = with_round_metrics({name: np.asarray(v)[:k] for name, v in fetch(metrics).items()},
+                                     {name: np.asarray(v) for name, v in fetch(own).items()})
         host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)
         return server, dict(metrics, client_id=ids, **self.report(plan, ids), compiled_shapes=len(self.shapes),
                             host_share=max(host, 0.0))
@@ -370,7 +370,7 @@ class Stacked(_Backend):
         def round_fn(server, states, data, round_idx, root):
             ids, clients, cdata = cohort(states, data, round_idx, root)
             new, kept, metrics = step(server, clients, cdata, ids, round_idx, root)
-            metrics = dict(metrics, client_id=ids, **step.round_metrics(server, new))
+            metrics = with_round_metrics(dict(metrics, client_id=ids), step.round_metrics(server, new))
             return new, write_back(states, ids, kept), metrics
 
         def train_fn(server, states, data, round_idx, root):
@@ -448,7 +448,7 @@ class Stacked(_Backend):
             t0 += time.perf_counter() - t  # evaluation is not part of the round
             server, store.state, own = self.timed(self._finish, server, store.state, trained, ids, self.data,
                                                   round_idx)
-            metrics = dict(metrics, **own)
+            metrics = with_round_metrics(metrics, own)
         return server, self._report(fetch(metrics), t0, d0)
 
     def run_rounds(self, server, store: ClientStore, first: int, count: int, root):

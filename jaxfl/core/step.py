@@ -77,6 +77,15 @@ def cohort_train(alg: Algorithm, *, strategy: str | None = None, chunk_size: int
     return train
 
 
+def with_round_metrics(metrics: dict, own: dict) -> dict:
+    """A round's per-client ``metrics`` and the algorithm's round metrics ``own`` in one dict; ValueError if a
+    name is both (the round's value would hide the clients')."""
+    clash = sorted(set(own) & set(metrics))
+    if clash:
+        raise ValueError(f"round metrics {', '.join(clash)} have the names of per-client metrics")
+    return {**metrics, **own}
+
+
 class Step(NamedTuple):
     """A round's cohort step: ``train`` then ``aggregate``; calling it runs both.
 
@@ -128,6 +137,14 @@ def make_step(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 
             new = jax.tree_util.tree_map(lambda a, b: jnp.where(anyone, a, b), new, server)
         return new, kept
 
-    round_metrics = (lambda before, after: {}) if alg.round_metrics is None else alg.round_metrics
+    def round_metrics(before, after):
+        if alg.round_metrics is None:
+            return {}
+        out = dict(alg.round_metrics(before, after))
+        bad = sorted(name for name, v in out.items() if jnp.ndim(v) != 0)
+        if bad:  # (the logs tell a round's scalars from a client's arrays by their shape)
+            raise ValueError(f"{alg.name}'s round_metrics must be scalars: {', '.join(bad)} are not")
+        return out
+
     return Step(cohort_train(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds,
                              stragglers=stragglers), aggregate, round_metrics)

@@ -62,7 +62,7 @@ class Algorithm(NamedTuple):
                                                            bools or bool scalars; None: all of them), for
                                                            clipping and noising the shared update
                                                            (``jaxfl.core.privacy``)
-    round_metrics(before, after) -> {name: scalar}          optional: per-round metrics read off the server
+    round_metrics(before, after) -> {name: scalar}          optional: per-round scalars read off the server
                                                            state entering (``before``) and leaving (``after``)
                                                            the round, logged once a round (adaptive clipping's
                                                            norm)
