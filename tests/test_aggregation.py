@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfl.core.aggregation import masked_mean, tree_masked_mean, weighted_mean
+from jaxfl.core.aggregation import masked_mean, member_weights, tree_masked_mean, weighted_mean
 
 
 class WeightedMeanTest(chex.TestCase):
@@ -68,3 +68,14 @@ class RecoveredMeanTest(chex.TestCase):
         np.testing.assert_allclose(fn(jnp.broadcast_to(prev, x.shape), w, m, prev), prev, rtol=1e-6)
         garbage = jnp.where(m, x, 1e6)  # values where m = 0 never matter
         np.testing.assert_allclose(fn(garbage, w, m, prev), out, rtol=1e-6)
+
+
+def test_member_weights_are_one_per_client_and_zero_per_padding_row():
+    w = jnp.asarray([3.0, 0.0, 1.0, 0.0])
+    assert np.array_equal(jax.jit(member_weights)(w), [1.0, 0.0, 1.0, 0.0])
+    assert member_weights(w).dtype == w.dtype
+    batched = jax.vmap(member_weights)(jnp.stack([w, jnp.ones(4)]))
+    assert np.array_equal(batched, [[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    # a uniform mean over them is the mean of the clients alone
+    x = jnp.asarray([[1.0], [100.0], [3.0], [-50.0]])
+    assert float(weighted_mean(x, member_weights(w))[0]) == 2.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..core.aggregation import tree_weighted_mean
+from ..core.aggregation import member_weights, tree_weighted_mean
 
 
 def cohort_sum_over_n(tree, weights, num_clients: int | None):
@@ -14,7 +14,7 @@ def cohort_sum_over_n(tree, weights, num_clients: int | None):
     (its rows of positive weight: a padded cohort's other rows are no clients)."""
     k = weights.shape[0]
     if num_clients is None:
-        return tree_weighted_mean(tree, (weights > 0).astype(jnp.float32))
+        return tree_weighted_mean(tree, member_weights(weights).astype(jnp.float32))
     mean = tree_weighted_mean(tree, jnp.ones((k,), jnp.float32))  # (padding rows are zeros: they add nothing)
     scale = k / num_clients
     return mean if scale == 1.0 else jax.tree_util.tree_map(lambda m: m * scale, mean)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from ..core.aggregation import masked_mean
+from ..core.aggregation import masked_mean, member_weights
 from ..core.metrics import cross_entropy, weighted_mean_loss
 from ..core.trainer import LocalTrainer
 from ..core.trees import leaf_paths, map_with_paths
@@ -268,7 +268,7 @@ def submodel_algorithm(name: str, model, trainer: LocalTrainer, *, masks: Callab
         return {"params": params, "batch_stats": stats, "mask": m}, metrics
 
     def aggregate(server, clients, weights, info: RoundInfo):
-        w = jnp.where(weights > 0, 1.0, 0.0) if uniform else weights  # (a padding row of weight 0 stays out)
+        w = member_weights(weights) if uniform else weights
         params = tree_masked_mean_of(clients["params"], clients["mask"]["params"], w, server["params"])
         if aggregate_stats == "masked":
             stats = tree_masked_mean_of(clients["batch_stats"], clients["mask"]["batch_stats"], w,

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..core.aggregation import masked_mean, weighted_mean
+from ..core.aggregation import masked_mean, member_weights, weighted_mean
 from ..core.options import Options, option
 from ..core.trainer import LocalTrainer, client_epochs, scan_first
 from ..core.trees import path_mask
@@ -144,7 +144,7 @@ def fedselect(model, trainer: LocalTrainer, o: FedSelectOptions, ctx: RunContext
         return dict(client, params=params, batch_stats=stats, pending=pending, ref=new_ref), metrics
 
     def aggregate(server, clients, weights, info: RoundInfo):
-        w = weights if weight_by_n else jnp.where(weights > 0, 1.0, 0.0)  # (a padding row of weight 0 stays out)
+        w = weights if weight_by_n else member_weights(weights)
         final = info.is_last
         avg = jax.tree_util.tree_map(lambda x, m, prev: masked_mean(x, w, ~m, prev),
                                      clients["params"], clients["mask"], server["params"])

@@ -108,6 +108,12 @@ def tree_where(mask_tree, a, b):
     return jax.tree_util.tree_map(one, mask_tree, a, b)
 
 
+def member_weights(weights):
+    """Equal weights for the cohort's clients: 1 for a row of positive weight, 0 for a padded cohort's rows of
+    weight 0 (a uniform mean over ones would count them). weights [k] -> [k], same dtype."""
+    return (weights > 0).astype(weights.dtype)
+
+
 def real_rows(ids, weights, n: int):
     """The cohort's row ids into a per-client table of ``n`` rows, with the padded cohort rows (weight 0, which
     may carry a real client's id) sent past the table, for scatters with ``mode="drop"``. ids, weights [k] -> [k]."""

@@ -351,6 +351,9 @@ class Stacked(_Backend):
         n, c, step, rows = self.num_clients, self.cohort_size, self.step, self.rows
         rounds_per_call = self.rounds_per_call
 
+        def counts_of(data, ids):  # sample counts of the cohort's rows; a padding row (id N) has none
+            return jnp.where(ids < n, data[3][jnp.minimum(ids, n - 1)], 0)
+
         def cohort(states, data, round_idx, root):
             if self.sampling == "fixed":
                 ids = sample_cohort(root, round_idx, n, c).astype(jnp.int32)
@@ -358,7 +361,7 @@ class Stacked(_Backend):
             ids = poisson_cohort(root, round_idx, n, self.rate, rows)  # members, then padding rows (id N)
             at = jnp.minimum(ids, n - 1)
             cdata = client_rows(data, at, self.length)
-            cdata = cdata.replace(count=jnp.where(ids < n, cdata.count, 0))  # a padding row has no samples
+            cdata = cdata.replace(count=counts_of(data, ids))
             return ids, jax.tree_util.tree_map(lambda a: a[at], states), cdata
 
         def write_back(states, ids, kept):  # (a padding row's id N is out of bounds: its write is dropped)
@@ -379,8 +382,7 @@ class Stacked(_Backend):
             return ids, trained, dict(metrics, client_id=ids)
 
         def finish_fn(server, states, trained, ids, data, round_idx):
-            counts = jnp.where(ids < n, data[3][jnp.minimum(ids, n - 1)], 0)
-            new, kept = step.aggregate(server, trained, counts, ids, round_idx)
+            new, kept = step.aggregate(server, trained, counts_of(data, ids), ids, round_idx)
             return new, write_back(states, ids, kept), step.round_metrics(server, new)
 
         def rounds_fn(server, states, data, first, count, root):
