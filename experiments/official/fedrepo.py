@@ -421,8 +421,9 @@ def stragglers_runs(levels, seeds, root: Path) -> list[tuple[str, float, int, Pa
     0.01) and FedAvg against fedprox mu=0, where present."""
     out = []
     for s in levels:
-        for label, folder in [("fednova", f"fednova_stragglers{s:g}"), ("fednova", f"fednova_stragglers{s:g}_lr0.01"),
-                              ("fedavg", f"fedprox_mu0_stragglers{s:g}")]:
+        tail = f"_stragglers{s:g}" if s else ""  # s = 0: the runs without stragglers
+        for label, folder in [("fednova", f"fednova{tail}"), ("fednova", f"fednova{tail}_lr0.01"),
+                              ("fedavg", f"fedprox_mu0{tail}")]:
             for seed in seeds:
                 run = root / f"s{s:g}" / f"seed{seed}" / folder
                 if (run / "config.json").exists():
@@ -485,6 +486,16 @@ def stragglers_main(argv) -> None:
                     f"{j_m:.2f} ± {j_s:.2f} | {j_m - o_m:+.2f} | {bound:.2f} | "
                     f"{'agree' if abs(o_m - j_m) <= bound else 'DIFFER'} | "
                     f"{off['tail'][0]:.2f} ± {off['tail'][1]:.2f} | {jax_['tail'][0]:.2f} ± {jax_['tail'][1]:.2f} |")
+    # paired by seed and round (the two sides share cohorts, straggler draws and initial weights): the mean
+    # over all evaluations, and the mean |difference| of the two curves at an evaluation
+    rows += ["", "| s | FedRepo method | jaxfl run | FedRepo, all 20 evaluations | jaxfl, all 20 evaluations | "
+             "difference | mean abs difference per evaluation | correlation of the curves |", "|---|---|---|---|---|---|---|---|"]
+    for (s, method, folder, lr), pairs in groups.items():
+        o = np.array([ec.accuracy_curve(o, "weighted_accuracy")[1] for o, _ in pairs]) * 100
+        j = np.array([ec.accuracy_curve(j, "weighted_accuracy")[1] for _, j in pairs]) * 100
+        corr = np.corrcoef(o.ravel(), j.ravel())[0, 1]
+        rows.append(f"| {s:g} | {method} | {folder} | {o.mean():.2f} | {j.mean():.2f} | {j.mean() - o.mean():+.2f} | "
+                    f"{np.abs(o - j).mean():.2f} | {corr:.2f} |")
     table = "\n".join(rows)
     print(table)
     if args.table:
