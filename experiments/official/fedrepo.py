@@ -496,6 +496,40 @@ def stragglers_main(argv) -> None:
         corr = np.corrcoef(o.ravel(), j.ravel())[0, 1]
         rows.append(f"| {s:g} | {method} | {folder} | {o.mean():.2f} | {j.mean():.2f} | {j.mean() - o.mean():+.2f} | "
                     f"{np.abs(o - j).mean():.2f} | {corr:.2f} |")
+    # the inputs: each round's cohort and each client's step count against the jaxfl log; FedRepo's clip
+    rows += ["", "| s | FedRepo method | jaxfl run | rounds with jaxfl's cohort and step counts | clipped steps | "
+             "largest gradient norm | jaxfl's p_i (samples) vs FedRepo's 1/k: max abs difference, mean total variation |",
+             "|---|---|---|---|---|---|---|"]
+    for (s, method, folder, lr), pairs in groups.items():
+        same = sum(a["clients_trained"] == b["clients_trained"] and a["train_steps"] == [int(x) for x in b["train_steps"]]
+                   for o, j in pairs for a, b in zip(o, j))
+        clipped = sum(a.get("clipped_steps", 0) for o, _ in pairs for a in o)
+        largest = max(a.get("max_grad_norm_seen", 0.0) for o, _ in pairs for a in o)
+        p = [np.array(a["train_count"], float) / sum(a["train_count"]) for o, _ in pairs for a in o]
+        rows.append(f"| {s:g} | {method} | {folder} | {same} of {sum(len(o) for o, _ in pairs)} | {clipped} | "
+                    f"{largest:.1f} | {max(np.abs(q - 1 / len(q)).max() for q in p):.4f}, "
+                    f"{np.mean([0.5 * np.abs(q - 1 / len(q)).sum() for q in p]):.4f} |")
+    # FedNova's extrapolation: tau_eff / min_i tau_i of an evaluated round (the largest factor by which that
+    # round's aggregate scales a client's per-step update), against the accuracy right after it
+    rows += ["", "| s | FedRepo method | jaxfl run | evaluations after a round with tau_eff / min tau_i >= 10: "
+             "FedRepo, jaxfl mean accuracy (count) | the other evaluations: FedRepo, jaxfl | correlation of "
+             "tau_eff / min tau_i with accuracy: FedRepo, jaxfl |", "|---|---|---|---|---|---|"]
+    for (s, method, folder, lr), pairs in groups.items():
+        ext, acc_o, acc_j = [], [], []
+        for o, j in pairs:
+            for a, b in zip(o, j):
+                if "weighted_accuracy" in a:
+                    q = np.array(a["train_count"], float) / sum(a["train_count"])
+                    steps = np.array(a["train_steps"], float)
+                    ext.append((q * steps).sum() / steps.min())
+                    acc_o.append(100 * a["weighted_accuracy"])
+                    acc_j.append(100 * b["weighted_accuracy"])
+        ext, acc_o, acc_j = map(np.array, (ext, acc_o, acc_j))
+        big = ext >= 10
+        corr = lambda acc: np.corrcoef(ext, acc)[0, 1] if ext.std() > 0 else float("nan")
+        rows.append(f"| {s:g} | {method} | {folder} | {acc_o[big].mean() if big.any() else float('nan'):.1f}, "
+                    f"{acc_j[big].mean() if big.any() else float('nan'):.1f} ({big.sum()}) | {acc_o[~big].mean():.1f}, "
+                    f"{acc_j[~big].mean():.1f} | {corr(acc_o):.2f}, {corr(acc_j):.2f} |")
     table = "\n".join(rows)
     print(table)
     if args.table:
