@@ -149,3 +149,6 @@ def test_help_lists_every_algorithms_options(capsys):
     out = " ".join(capsys.readouterr().out.split())  # help text is wrapped
     assert e.value.code == 0
     assert "--fedselect.grow-every" in out and "r mod K = 0" in out and "fedpick options" in out
+    # --dataset lists every preset and prefix the loader takes (generated from jaxfl.data.federated)
+    assert ("default (embedded, offline) | digits | pacs | cifar10 | mnist | synthetic_text | tfds:NAME | "
+            "folder:PATH | text:PATH | leaf:PATH") in out

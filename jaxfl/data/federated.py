@@ -208,7 +208,8 @@ PRESETS = {
 PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": _leaf}
 TEXT_DATASETS = ("synthetic_text", "text:", "leaf:")  # token ids, for the char_lstm model
 TFDS_NAMES = ("mnist", "svhn_cropped", "cifar10", "cifar100", "domainnet")
-DATASET_NAMES = tuple(PRESETS) + tuple(f"{p}NAME" for p in PREFIXES)
+PREFIX_ARGUMENT = {"tfds:": "NAME", "folder:": "PATH", "text:": "PATH", "leaf:": "PATH"}  # what follows each prefix
+DATASET_NAMES = tuple(PRESETS) + tuple(p + PREFIX_ARGUMENT[p] for p in PREFIXES)
 
 
 def load_dataset(cfg: DataConfig) -> FederatedDataset:

@@ -13,7 +13,6 @@ from .config import TRAINING_DEFAULTS, RunConfig, check_output, holds_files, loa
 
 
 HELP = {
-    "dataset": "default (embedded, offline) | digits | pacs | cifar10 | mnist | tfds:NAME | folder:PATH",
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
     "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU)",
     "backend": "stacked (the whole population on the device, one jitted call per round) | ragged (samples on "
@@ -84,11 +83,13 @@ def _add_flag(group, flag: str, dest: str, tp, text: str) -> None:
 
 
 def generated_help() -> dict[str, str]:
-    """Help texts built from the registries: every algorithm and every model by name, and each protocol
+    """Help texts built from the registries: every algorithm, model and dataset by name, and each protocol
     field's default (the algorithms' ``train_preset`` values, else ``TRAINING_DEFAULTS``)."""
     from ..algorithms import REGISTRY
+    from ..data.federated import DATASET_NAMES
     from ..models import MODELS
-    out = {"algorithm": " | ".join(REGISTRY), "model": " | ".join(MODELS) + " (default: per dataset)"}
+    out = {"algorithm": " | ".join(REGISTRY), "model": " | ".join(MODELS) + " (default: per dataset)",
+           "dataset": " | ".join(n + " (embedded, offline)" if n == "default" else n for n in DATASET_NAMES)}
     for field, default in TRAINING_DEFAULTS.items():
         own = [f"{name} {reg.options.train_preset[field]}" for name, reg in REGISTRY.items()
                if field in reg.options.train_preset]
