@@ -14,6 +14,10 @@ With equal step counts this is FedAvg. BatchNorm statistics are averaged as FedA
 The official code's server momentum ``gmf`` is ``--server-opt sgd --server-momentum gmf`` (FedNova composes
 with the server optimizers: its aggregate is a weighted combination of the cohort's models).
 
+Under heavy stragglers (a client running 1 of 20 epochs beside clients running all 20) tau_eff / ||a_i||_1
+extrapolates a straggler's first steps up to ~18-fold and accuracy swings between rounds; FedRepo's port of the
+official optimizer does the same on jaxfl's inputs (``experiments/official/fedrepo.md``, stragglers section).
+
 Deviations:
 - BatchNorm running statistics are averaged (FedAvg); the official optimizer averages only parameters.
 - The FedProx variant (``mu`` > 0, which changes a_i) is not offered; ``--algorithm fedprox`` has no normalization.
