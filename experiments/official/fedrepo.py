@@ -89,7 +89,7 @@ from typing import NamedTuple
 import numpy as np
 
 from common import MetricsLog, jaxfl_inputs, to_nchw_float
-from pfl_setting import Library, check_setting, load_jaxfl_init, two_nn
+from pfl_setting import LOGREG_LAYERS, Library, check_setting, load_jaxfl_init, two_nn
 
 REPO = "lxcnju/FedRepo"
 
@@ -252,21 +252,6 @@ def logreg(num_classes: int = 10):
     return LogReg()
 
 
-def load_logreg_init(model, cfg) -> None:
-    """Copy jaxfl's initial ``logreg`` parameters of ``cfg``'s seed (flax kernel [in, out] -> torch [out, in])."""
-    import dataclasses
-    import tempfile
-
-    import torch
-    from jaxfl.run.runner import Experiment
-    with tempfile.TemporaryDirectory() as out:
-        server, _ = Experiment(dataclasses.replace(cfg, algorithm="fedavg", options={}, out=out, resume=False)).init()
-    layer = server["params"]["head"]["fc1"]["linear"]
-    with torch.no_grad():
-        model.fc.weight.copy_(torch.from_numpy(np.array(layer["kernel"], np.float32).T))
-        model.fc.bias.copy_(torch.from_numpy(np.array(layer["bias"], np.float32)))
-
-
 def straggler_epochs(cfg, cohorts) -> list[dict[int, int]]:
     """Per round (0-based): {client id: local epochs} of the cohort, as jaxfl's engine draws them
     (``core.step.cohort_train``: ``straggler_work(root, round, ids, s)``, root = key(seed); then
@@ -336,7 +321,7 @@ def run_stragglers(args, cfg) -> None:
     cohort_names = [[names[int(i)] for i in ids] for ids in inputs.cohorts]
     torch.set_num_threads(1)
     model = logreg(inputs.num_classes)
-    load_logreg_init(model, cfg)
+    load_jaxfl_init(model, cfg, LOGREG_LAYERS)
     c_ratio = k / n
     assert int(c_ratio * n) == k, (k, n)
     arguments = dict(SETTING_ARGUMENTS, local_epochs=cfg.local_epochs, c_ratio=c_ratio, n_classes=inputs.num_classes,
@@ -416,9 +401,9 @@ def run_stragglers(args, cfg) -> None:
     algo.train()
 
 
-def stragglers_runs(levels, seeds, root: Path) -> list[tuple[str, float, int, Path]]:
-    """(FedRepo method, s, seed, jaxfl run) of fedprox_stragglers.py's logs under ``root``: FedNova (lr 0.03 and
-    0.01) and FedAvg against fedprox mu=0, where present."""
+def stragglers_runs(levels, seeds, root: Path) -> list[tuple[str, float, int, Path, dict]]:
+    """(FedRepo method, s, seed, jaxfl run, its config.json) of fedprox_stragglers.py's logs under ``root``:
+    FedNova (lr 0.03 and 0.01) and FedAvg against fedprox mu=0, where present."""
     out = []
     for s in levels:
         tail = f"_stragglers{s:g}" if s else ""  # s = 0: the runs without stragglers
@@ -427,7 +412,7 @@ def stragglers_runs(levels, seeds, root: Path) -> list[tuple[str, float, int, Pa
             for seed in seeds:
                 run = root / f"s{s:g}" / f"seed{seed}" / folder
                 if (run / "config.json").exists():
-                    out.append((label, s, seed, run))
+                    out.append((label, s, seed, run, json.loads((run / "config.json").read_text())))
     return out
 
 
@@ -455,12 +440,11 @@ def stragglers_main(argv) -> None:
     seeds = [int(x) for x in args.seeds.split(",")]
     runs = stragglers_runs(levels, seeds, Path(args.jaxfl_logs))
     wanted = set(args.methods.split(","))
-    runs = [(m, s, k, r) for m, s, k, r in runs
-            if m in wanted or f"{m}@{json.loads((r / 'config.json').read_text())['lr']:g}" in wanted]
+    runs = [run for run in runs if run[0] in wanted or f"{run[0]}@{run[4]['lr']:g}" in wanted]
     if args.stragglers_grid:
-        for method, s, seed, run in runs:
+        for method, s, seed, run, config in runs:
             out = Path(args.out) / f"s{s:g}" / f"seed{seed}" / run.name
-            if finished(out, json.loads((run / "config.json").read_text())["rounds"]):
+            if finished(out, config["rounds"]):
                 continue
             print(f"FedRepo {method}, s {s:g}, seed {seed} ({run.name})", flush=True)
             subprocess.run([sys.executable, __file__, "--method", method, "--jaxfl-run", str(run), "--out", str(out),
@@ -471,11 +455,10 @@ def stragglers_main(argv) -> None:
     rows = ["| s | FedRepo method | jaxfl run | lr | FedRepo final | jaxfl final | difference | bound | verdict | "
             "FedRepo last-5 | jaxfl last-5 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict = {}
-    for method, s, seed, run in runs:
+    for method, s, seed, run, config in runs:
         out = Path(args.out) / f"s{s:g}" / f"seed{seed}" / run.name
-        lr = json.loads((run / "config.json").read_text())["lr"]
-        if finished(out, json.loads((run / "config.json").read_text())["rounds"]):
-            groups.setdefault((s, method, run.name, lr), []).append((load(out), load(run)))
+        if finished(out, config["rounds"]):
+            groups.setdefault((s, method, run.name, config["lr"]), []).append((load(out), load(run)))
     for (s, method, folder, lr), pairs in groups.items():
         off = ec.seed_stats([o for o, _ in pairs], key="weighted_accuracy")
         jax_ = ec.seed_stats([j for _, j in pairs], key="weighted_accuracy")

@@ -55,14 +55,18 @@ def two_nn(num_classes: int = 10, with_features: bool = False):
     return TwoNN()
 
 
-def load_jaxfl_init(model, cfg) -> None:
-    """Copy jaxfl's initial ``mlp_2nn`` parameters of ``cfg``'s seed (flax kernels [in, out] -> torch [out, in])."""
+TWO_NN_LAYERS = {"fc1": ("encoder", "fc1"), "fc2": ("encoder", "fc2"), "fc": ("head", "fc1")}
+LOGREG_LAYERS = {"fc": ("head", "fc1")}
+
+
+def load_jaxfl_init(model, cfg, layers: dict[str, tuple[str, str]] = TWO_NN_LAYERS) -> None:
+    """Copy jaxfl's initial parameters of ``cfg``'s seed into ``model``: torch layer ``name`` of ``layers`` gets
+    the flax Dense ``params[part][layer]["linear"]`` (kernels [in, out] -> torch [out, in]); the 2NN by default."""
     import torch
     from jaxfl.run.runner import Experiment
     with tempfile.TemporaryDirectory() as out:  # the run's own folder is not empty; nothing is written here
         server, _ = Experiment(dataclasses.replace(cfg, algorithm="fedavg", options={}, out=out, resume=False)).init()
-    enc, head = server["params"]["encoder"], server["params"]["head"]
-    pairs = {"fc1": enc["fc1"]["linear"], "fc2": enc["fc2"]["linear"], "fc": head["fc1"]["linear"]}
+    pairs = {name: server["params"][part][layer]["linear"] for name, (part, layer) in layers.items()}
     with torch.no_grad():
         for name, layer in pairs.items():
             getattr(model, name).weight.copy_(torch.from_numpy(np.array(layer["kernel"], np.float32).T))
