@@ -82,4 +82,12 @@ for strategy, backend in (("map", None), ("vmap", None), ("map", "ragged")):
                                                      jax.tree_util.tree_leaves(b.clients)))
     failed |= not ok
     print(f"runner devices=2 {strategy} ({exp.backend_name}): {'equal' if ok else 'DIFFERENT'}")
+# a Poisson cohort (expected size 3, padded to 8 rows a device) needs no cohort that splits evenly over the devices
+poisson = dict(tiny, cohort_sampling="poisson", clients_per_round=3, rounds=3)
+a, b = (Experiment(RunConfig(devices=d, **poisson)).run() for d in (1, 2))
+ok = [h["clients_trained"] for h in a.history] == [h["clients_trained"] for h in b.history] and np.allclose(
+    a.history[-1]["test_accuracy"], b.history[-1]["test_accuracy"]) and all(
+    np.allclose(x, y, atol=1e-5) for x, y in zip(jax.tree_util.tree_leaves(a.clients), jax.tree_util.tree_leaves(b.clients)))
+failed |= not ok
+print(f"runner devices=2 poisson cohort of 3 expected: {'equal' if ok else 'DIFFERENT'}")
 sys.exit(1 if failed else 0)

@@ -161,17 +161,22 @@ def test_noise_calibrated_for_poisson_sampling_is_smaller_and_minimal():
 
 
 def test_dp_over_poisson_through_the_cli_logs_its_epsilon_and_resumes_exactly(tmp_path, capsys):
-    # three rounds in one call equal one call per round, stopped after round 2 and resumed
+    # three rounds in one call equal one call per round, stopped after round 2 and resumed; each of the 3
+    # clients joins with probability q = --participation 0.5 (not 2 / 3, the fixed cohort's ceil(0.5 x 3) of 3)
     args = ["run", "--algorithm", "fedavg", *TINY, "--model", "logreg", "--dp-clip", "0.5", "--dp-noise", "1",
-            "--weighting", "uniform", "--clients-per-round", "2", "--cohort-sampling", "poisson", "--backend",
+            "--weighting", "uniform", "--participation", "0.5", "--cohort-sampling", "poisson", "--backend",
             "stacked"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert main([*args, "--rounds", "3", "--out", str(full), "--rounds-per-call", "3"]) == 0  # one call
-    acc = privacy.Accountant(2 / 3, 1.0, 3 ** -1.1, "poisson")
+    acc = privacy.Accountant(0.5, 1.0, 3 ** -1.1, "poisson")
     assert f"({acc.epsilon(3):.3g}, " in capsys.readouterr().err
     recs = _records(full)
     assert [r["dp_epsilon"] for r in recs] == pytest.approx([acc.epsilon(t) for t in (1, 2, 3)], rel=1e-12)
-    assert json.loads((full / "summary.json").read_text())["privacy"]["accountant"].startswith("RDP, Poisson")
+    summary = json.loads((full / "summary.json").read_text())
+    spent, names = summary["privacy"], summary["clients"]
+    assert spent["accountant"].startswith("RDP, Poisson") and spent["sampling_rate"] == 0.5
+    assert [r["clients_trained"] for r in recs] == [  # the draw at the run's seed 0
+        [names[i] for i in np.flatnonzero(poisson_members(jax.random.key(0), r, 3, 0.5))] for r in range(3)]
     assert main([*args, "--rounds", "2", "--out", str(part), "--checkpoint-every", "1", "--quiet"]) == 0
     assert main([*args, "--rounds", "3", "--out", str(part), "--resume", "--quiet"]) == 0
     assert [r["test_accuracy"] for r in _records(part)] == [r["test_accuracy"] for r in recs]

@@ -3,6 +3,7 @@ accountant against an independent one, the wrapper's bound on the server's step 
 and the run options through the CLI's path (epsilon logged, exact resume, bad input in one line)."""
 import json
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -303,12 +304,20 @@ def test_a_dp_run_through_the_cli_logs_epsilon_and_resumes_exactly(tmp_path, cap
     assert (spent["clip_initial"], spent["count_noise_std"], spent["quantile"]) == (0.5, 1.0, 0.5)
     assert spent["update_noise_multiplier"] == pytest.approx(privacy.value_noise_multiplier(z, 1.0))
     assert spent["clip_final"] not in clips and spent["clip_final"] > 0
-    # ... equal one call per round with that z given, stopped after round 2 and resumed (with --dp-epsilon the
-    # 2-round run would be calibrated to 2 rounds: a different z, which resume refuses)
-    args[args.index("--dp-epsilon"):args.index("--dp-epsilon") + 2] = ["--dp-noise", repr(z)]
-    assert main([*args, "--rounds", "2", "--out", str(part), "--checkpoint-every", "1", "--quiet"]) == 0
-    assert main([*args, "--rounds", "3", "--out", str(part), "--resume", "--quiet"]) == 0
+    # ... equal one call per round, stopped after round 2 (its round-3 checkpoint removed) and continued by the
+    # line jaxfl prints on a stop: the saved target calibrates the same z again
+    assert main([*args, "--rounds", "3", "--out", str(part), "--checkpoint-every", "1", "--quiet"]) == 0
+    shutil.rmtree(part / "checkpoints" / "3")
+    capsys.readouterr()
+    # 4 rounds would calibrate another noise than rounds 1-2 had: refused, naming the z to continue with
+    assert main(["run", "--out", str(part), "--resume", "--rounds", "4", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"jaxfl: error: --resume: --dp-epsilon 20 over 4 rounds calibrates "
+                                               f"noise {privacy.noise_for_epsilon(2 / 3, 4, 3 ** -1.1, 20.0):g}, "
+                                               f"but the run so far used {z!r}; continue with --dp-noise {z!r}")
+    assert main(["run", "--out", str(part), "--resume", "--quiet"]) == 0
     assert [r["test_accuracy"] for r in _records(part)] == [r["test_accuracy"] for r in recs]
+    assert json.loads((part / "config.json").read_text())["dp_noise"] == z
 
 
 def test_bad_dp_options_get_one_line(tmp_path, capsys):

@@ -407,3 +407,16 @@ def test_a_large_population_is_summarised_in_the_start_up_line_and_the_table():
     assert table[2].split() == ["min", "of", "25", "0.0000", "0.0000", "1.0000"]
     assert table[3].split() == ["median", "of", "25", "0.5000", "0.5000", "1.0000"]
     assert table[4].split() == ["max", "of", "25", "1.0000", "1.0000", "1.0000"]
+
+
+def test_participation_is_a_fraction_of_the_clients_up_to_float_error_and_the_poisson_rate():
+    from jaxfl.run.runner import cohort_size, sampling_rate
+    # p N rounded up, but 0.14 x 50 = 7.000000000000001 is 7 clients, not 8
+    for p, n, k in ((0.14, 50, 7), (0.07, 100, 7), (0.56, 100, 56), (0.1, 100, 10), (0.5, 3, 2), (0.001, 20, 1),
+                    (1.0, 7, 7), (0.3, 10, 3), (0.29, 10, 3)):
+        assert cohort_size(RunConfig(participation=p), n) == k, (p, n)
+        assert sampling_rate(RunConfig(participation=p), n) == k / n
+        # under Poisson sampling each client joins with probability p itself (the rate the accountant uses)
+        assert sampling_rate(RunConfig(participation=p, cohort_sampling="poisson"), n) == p
+    assert sampling_rate(RunConfig(clients_per_round=3, cohort_sampling="poisson"), 20) == 3 / 20
+    assert sampling_rate(RunConfig(), 20) == 1.0

@@ -117,13 +117,15 @@ class _Backend:
     """What both backends share: the step, the cohort draw, the initial state and the per-round report.
 
     sampling: ``fixed`` (``cohort_size`` = k clients a round, drawn without replacement: ``sample_cohort``) or
-    ``poisson`` (each client joins a round with probability q = k / N on its own stream: ``poisson_members``;
+    ``poisson`` (each client joins a round with probability q = ``rate``, default k / N, on its own stream:
+    ``poisson_members``;
     the cohort, of Binomial(N, q) clients, is padded to a size class with rows of count 0, which
     ``make_step(padded=True)`` gives weight 0, and the metrics report its members only)."""
 
     def __init__(self, alg: Algorithm, train: RaggedClients, *, batch_size: int, strategy: str | None = None,
                  chunk_size: int = 8, cohort_size: int | None = None, weighting: str = "samples", mesh=None,
-                 num_rounds: int | None = None, stragglers: float = 0.0, sampling: str = "fixed"):
+                 num_rounds: int | None = None, stragglers: float = 0.0, sampling: str = "fixed",
+                 rate: float | None = None):
         if sampling not in SAMPLINGS:
             raise ValueError(f"sampling={sampling!r}: one of {SAMPLINGS}")
         self.alg, self.train, self.batch_size = alg, train, batch_size
@@ -131,7 +133,7 @@ class _Backend:
         self.chunk_size, self.weighting, self.mesh, self.num_rounds = chunk_size, weighting, mesh, num_rounds
         self.num_clients = train.num_clients
         self.cohort_size = min(cohort_size or self.num_clients, self.num_clients)
-        self.sampling, self.rate = sampling, self.cohort_size / self.num_clients
+        self.sampling, self.rate = sampling, self.cohort_size / self.num_clients if rate is None else rate
         self.devices = 1 if mesh is None else mesh.devices.size
         self.row_multiple = 8 * self.devices  # a padded Poisson cohort's rows: a multiple of this
         self.step = make_step(alg, strategy=self.strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds,

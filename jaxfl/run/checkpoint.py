@@ -27,9 +27,9 @@ from .config import replace_text
 
 
 # Fields that may change between a run and its resumption; any other change is refused.
-# (lr: a run stopped by NaN says to lower it.)
+# (lr: a run stopped by NaN says to lower it; dp_epsilon: only a target, the noise it calibrates must match.)
 RESUMABLE_CHANGES = {"rounds", "resume", "overwrite", "out", "checkpoint_every", "eval_every", "strategy", "backend",
-                     "chunk_size", "devices", "client_store", "eval_batch_size", "eval_point", "lr"}
+                     "chunk_size", "devices", "client_store", "eval_batch_size", "eval_point", "lr", "dp_epsilon"}
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -171,6 +171,11 @@ class Checkpointer:
             # A field added to RunConfig after the run was saved counts as having its default value then.
             default = type(cfg)().to_dict()
             diff = sorted(k for k in new if k not in RESUMABLE_CHANGES and old.get(k, default.get(k)) != new[k])
+            if diff == ["dp_noise"] and cfg.dp_epsilon is not None:  # the target now calibrates another noise
+                raise ConfigError(f"--resume: --dp-epsilon {cfg.dp_epsilon:g} over {cfg.rounds} rounds calibrates "
+                                  f"noise {cfg.dp_noise:g}, but the run so far used {old['dp_noise']!r}; continue "
+                                  f"with --dp-noise {old['dp_noise']!r} instead (the start-up line then says what "
+                                  f"the {cfg.rounds} rounds spend)")
             if diff:
                 raise ConfigError(f"--resume: config differs from the checkpointed run in {diff}; "
                                   f"only {sorted(RESUMABLE_CHANGES)} may change")

@@ -467,6 +467,10 @@ def with_saved_run(values: dict) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"--resume: {str(saved_path)!r} is not valid JSON ({e})") from None
     saved = {k: v for k, v in saved.items() if k not in ("resume", "overwrite")}
+    if saved.get("dp_epsilon") is not None:
+        # a --dp-epsilon run saved the target and the noise multiplier calibrated to it: --dp-noise given now
+        # replaces both; else the target stays and is calibrated again (the same z over the same --rounds)
+        saved.pop("dp_epsilon" if "dp_noise" in values else "dp_noise", None)
     return merge_config(saved, values)
 
 

@@ -300,7 +300,7 @@ def check_privacy(cfg: RunConfig) -> None:
                           f"alone; DP-FedAvg composes with: {able}")
     if cfg.weighting != "uniform":
         raise ConfigError(f"--dp-clip: DP-FedAvg averages the cohort with equal weights (--weighting {cfg.weighting} "
-                          f"would let one client move the mean by more than C/k); add --weighting uniform")
+                          f"would let one client move the mean by more than 2C/k); add --weighting uniform")
 
 
 def dp_count_noise(cfg: RunConfig, cohort: int) -> float:

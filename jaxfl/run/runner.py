@@ -121,9 +121,10 @@ class Experiment:
             raise ConfigError(f"devices={cfg.devices}: a run over {jax.process_count()} processes splits the "
                               f"clients over all {jax.device_count()} devices; use devices=0")
         self.mesh = None if cfg.devices == 1 else client_mesh(cfg.devices or None)
-        self.cohort = cohort_size(cfg, n)
+        self.cohort, self.rate = cohort_size(cfg, n), sampling_rate(cfg, n)
         self.cfg = cfg = cfg.with_eval_point(self.cohort == n)
-        if self.mesh is not None and self.cohort % self.mesh.devices.size:
+        # (a Poisson cohort is padded to a multiple of 8 rows per device: any expected size splits)
+        if self.mesh is not None and cfg.cohort_sampling == "fixed" and self.cohort % self.mesh.devices.size:
             raise ConfigError(f"{self.cohort} clients per round cannot be split evenly over "
                               f"devices={self.mesh.devices.size}; use a cohort that is a multiple of it")
         self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
@@ -145,16 +146,16 @@ class Experiment:
                                   f"({local})")
             delta = cfg.dp_delta or default_delta(n)
             if cfg.dp_epsilon is not None:  # the noise multiplier that spends the asked epsilon over the run
-                noise = noise_for_epsilon(self.cohort / n, cfg.rounds, delta, cfg.dp_epsilon, cfg.cohort_sampling)
+                noise = noise_for_epsilon(self.rate, cfg.rounds, delta, cfg.dp_epsilon, cfg.cohort_sampling)
                 self.cfg = cfg = cfg.replace(dp_noise=noise)
             adaptive = {} if cfg.dp_quantile is None else dict(
                 quantile=cfg.dp_quantile, clip_lr=cfg.dp_clip_lr,
                 count_std=dp_count_noise(cfg, self.cohort))
-            poisson = cfg.cohort_sampling == "poisson"  # then the sum over the expected cohort, qN = self.cohort
+            poisson = cfg.cohort_sampling == "poisson"  # then the sum over the expected cohort qN
             self.algorithm = with_privacy(self.algorithm, cfg.dp_clip, cfg.dp_noise,
                                           jax.random.fold_in(jax.random.key(cfg.seed), 4), **adaptive,
-                                          expected_clients=self.cohort if poisson else None)
-            self.privacy = Accountant(self.cohort / n, cfg.dp_noise, delta, cfg.cohort_sampling)
+                                          expected_clients=self.rate * n if poisson else None)
+            self.privacy = Accountant(self.rate, cfg.dp_noise, delta, cfg.cohort_sampling)
         server_tx = cfg.server_optimizer()
         if server_tx is not None:  # FedOpt: the aggregate becomes a pseudo-gradient step
             self.algorithm = with_server_optimizer(self.algorithm, server_tx)
@@ -172,7 +173,7 @@ class Experiment:
         self.backend = {"stacked": Stacked, "ragged": Ragged}[self.backend_name](
             self.algorithm, self.train_data, batch_size=cfg.batch_size, strategy=strategy, chunk_size=cfg.chunk_size,
             cohort_size=self.cohort, weighting=cfg.weighting, mesh=self.mesh, num_rounds=cfg.rounds,
-            stragglers=cfg.stragglers, sampling=cfg.cohort_sampling, **kw)
+            stragglers=cfg.stragglers, sampling=cfg.cohort_sampling, rate=self.rate, **kw)
         self.evaluator = Evaluator(self.algorithm, self.test_data, eval_batch_size=eval_bs, preprocess=preprocess,
                                    strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh, train=self.train_data)
         self.root = jax.random.key(cfg.seed)
@@ -537,9 +538,17 @@ def cohort_size(cfg: RunConfig, n: int) -> int:
         if cfg.clients_per_round > n:
             raise ConfigError(f"clients_per_round={cfg.clients_per_round} exceeds the {n} clients")
         return cfg.clients_per_round
-    if cfg.participation is not None:
-        return max(1, math.ceil(cfg.participation * n))
+    if cfg.participation is not None:  # p N up to float error (0.14 x 50 = 7.000000000000001 is 7 clients)
+        return max(1, math.ceil(round(cfg.participation * n, 9)))
     return n
+
+
+def sampling_rate(cfg: RunConfig, n: int) -> float:
+    """q, each client's chance to train in a round: ``participation`` as given under Poisson sampling (the
+    rate the accountant assumes), else the cohort's share k / N."""
+    if cfg.cohort_sampling == "poisson" and cfg.participation is not None:
+        return cfg.participation
+    return cohort_size(cfg, n) / n
 
 
 def run(cfg: RunConfig, progress: bool = False) -> RunResult:
