@@ -615,6 +615,9 @@ MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg
           "mlp_2nn": mlp_2nn, "femnist_cnn": femnist_cnn, "char_lstm": char_lstm}
 
 
+TEXT_MODELS = ("char_lstm",)  # the models whose inputs are token ids [B, T]; every other one reads images
+
+
 def build_model(name: str, num_classes: int) -> Classifier:
     """Look up a model by name; unknown names list the valid ones."""
     check_choice("model", name, MODELS)

@@ -56,6 +56,13 @@ CASES = {
     "--devices beyond the machine": (lambda d: ["--devices", "64"], "devices=64: this machine has"),
     "a model the algorithm cannot use": (lambda d: ["--algorithm", "fedtp"],
                                          "--algorithm fedtp cannot use --model small_cnn"),
+    "a text model on images": (lambda d: ["--model", "char_lstm"], "--model char_lstm reads text (token ids) and "
+                               "--dataset default holds images; use a text dataset (synthetic_text, text:PATH"),
+    "an image model on text": (lambda d: ["--dataset", "synthetic_text", "--model", "logreg"],
+                               "--dataset synthetic_text holds text (token ids) and --model logreg reads images"),
+    "an image-only algorithm on text": (lambda d: ["--dataset", "synthetic_text", "--algorithm", "fedtp", "--model",
+                                                   "vit_tiny"], "and --model vit_tiny reads images; text needs "
+                                                                "--model char_lstm"),
     "--seed -1": (lambda d: ["--seed", "-1"], "seed=-1 must be >= 0"),
     "--image-size -8": (lambda d: ["--image-size", "-8"], "image_size=-8 must be at least 1"),
     "--fedtp.embed-dim 0": (lambda d: ["--algorithm", "fedtp", "--model", "vit_tiny", "--fedtp.embed-dim", "0"],

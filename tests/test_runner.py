@@ -72,13 +72,15 @@ def test_cli_writes_every_run_and_prints_a_line_per_round_when_piped(tmp_path, m
 def test_cli_seeds_runs_each_seed_in_its_folder_resumes_them_and_tables_them(tmp_path, capsys):
     """``--seeds``: OUT/seed<S> holds the ordinary run of seed S (the config ``--seed S`` gives); the table of
     ``jaxfl compare`` is printed and saved; ``--resume`` with more rounds and a new seed continues the started
-    run and starts the new one (OUT from a config file's ``out`` here)."""
+    run and starts the new one with the started one's settings (OUT from a config file's ``out`` here)."""
     out, flags = tmp_path / "sweep", ["run", "--quiet", "--checkpoint-every", "1"] + CLI_TINY
     assert main(flags + ["--seeds", "0", "--rounds", "1", "--out", str(out)]) == 0
     assert "| fedbn | 1 | 1 | " in capsys.readouterr().out
-    # the folder named by a config file's `out` (no --out flag) is continued too
+    # the folder named by a config file's `out` (no --out flag) is continued too, and the new seed 1 is run
+    # with the sweep's settings (seed 0's config.json), not the defaults
     (tmp_path / "sweep.json").write_text(json.dumps({"out": str(out)}))
-    assert main(flags + ["--seeds", "0,1", "--rounds", "2", "--config", str(tmp_path / "sweep.json"), "--resume"]) == 0
+    assert main(["run", "--quiet", "--seeds", "0,1", "--rounds", "2", "--config", str(tmp_path / "sweep.json"),
+                 "--resume"]) == 0
     table = capsys.readouterr().out
     assert "| fedbn | 2 | 2 | " in table and (out / "compare.md").read_text() == table
     assert (out / "compare.png").stat().st_size > 0

@@ -324,11 +324,14 @@ def seed_configs(args: dict, seeds_flag: str) -> tuple[str, list[RunConfig], set
     if (Path(root) / "metrics.jsonl").exists() or (Path(root) / "config.json").exists():
         raise ConfigError(f"--out {str(root)!r} holds a run of its own; --seeds writes one run per seed into "
                           f"{str(root)!r}/seed<S>: choose another folder")
+    # under --resume a seed not started yet takes the sweep's settings from a started one's config.json
+    started = sorted(Path(root).glob("seed*/config.json")) if args.get("resume") else []
     cfgs, skip = [], set()
     for seed in seeds:
         out = Path(root) / f"seed{seed}"
         resume = bool(args.get("resume")) and out.is_dir() and holds_files(out)
-        cfg = validate(run_config({**args, "seed": seed, "out": str(out), "resume": resume}))
+        cfg = validate(run_config({**args, "seed": seed, "out": str(out), "resume": resume},
+                                  like=started[0] if started and not resume else None))
         if resume and finished(cfg):  # a finished seed needs no checkpoint to be resumed
             skip.add(seed)
         else:
@@ -410,15 +413,15 @@ def command_config(argv) -> RunConfig:
     return run_config(args)
 
 
-def run_config(args: dict) -> RunConfig:
+def run_config(args: dict, like: Path | None = None) -> RunConfig:
     """The validated RunConfig of parsed ``jaxfl run`` arguments (``vars(parse_args(...))`` less
     ``PROCESS_OPTIONS``): the config file, then the flags, over the saved config of ``--out`` under
-    ``--resume``. Raises ConfigError on bad input; builds nothing."""
+    ``--resume`` (or of ``like``: ``with_saved_run``). Raises ConfigError on bad input; builds nothing."""
     args = dict(args)
     flags = config_values(args)
     values = merge_config(load_config_file(args.pop("config")) if "config" in args else {}, flags)
     values.pop("config", None)
-    values = with_saved_run(values)
+    values = with_saved_run(values, like)
     if not values.get("out") and not values.get("resume"):
         values["out"] = default_out(values)
     cfg = RunConfig.from_dict(values)
@@ -456,17 +459,20 @@ def default_out(values: dict) -> str:
     return out
 
 
-def with_saved_run(values: dict) -> dict:
-    """Under --resume, the saved config of --out as the base, overridden by what the file and flags give."""
-    from pathlib import Path
+def with_saved_run(values: dict, like: Path | None = None) -> dict:
+    """Under --resume, the saved config of --out as the base, overridden by what the file and flags give; for a
+    run not started yet, ``like`` (another run's config.json: a sweep's sibling seed) is the base instead."""
     saved_path = Path(values["out"]) / "config.json" if values.get("resume") and values.get("out") else None
     if saved_path is None or not saved_path.is_file():
+        saved_path = like
+    if saved_path is None:
         return values
     try:
         saved = json.loads(saved_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"--resume: {str(saved_path)!r} is not valid JSON ({e})") from None
-    saved = {k: v for k, v in saved.items() if k not in ("resume", "overwrite")}
+    own = ("seed", "out") if saved_path == like else ()  # a sibling's seed and folder are its own
+    saved = {k: v for k, v in saved.items() if k not in ("resume", "overwrite", *own)}
     if saved.get("dp_epsilon") is not None:
         # a --dp-epsilon run saved the target and the noise multiplier calibrated to it: --dp-noise given now
         # replaces both; else the target stays and is calibrated again (the same z over the same --rounds)

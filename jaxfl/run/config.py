@@ -16,7 +16,7 @@ from ..core.privacy import DEFAULT_CLIP_LR
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
-from ..data.federated import DataConfig
+from ..data.federated import TEXT_DATASETS, DataConfig
 from ..errors import ConfigError, check_choice, check_range
 from .lock import LOCK_NAME, check_free
 
@@ -179,6 +179,41 @@ class RunConfig:
                                 self.server_beta2, self.server_tau)
 
 
+DEFAULT_MODEL = {"default": "digits_cnn", "digits": "digits_cnn", "pacs": "digits_cnn"}
+
+
+def model_name(cfg: RunConfig) -> str:
+    """--model, else the first model the algorithm allows, else the dataset's default (small_cnn otherwise;
+    char_lstm for text)."""
+    from ..algorithms import options_class
+    allowed = options_class(cfg.algorithm).models
+    default = "char_lstm" if is_text(cfg.dataset) else DEFAULT_MODEL.get(cfg.dataset, "small_cnn")
+    return cfg.model or (allowed[0] if allowed else default)
+
+
+def is_text(dataset: str) -> bool:
+    """Whether ``dataset`` holds token ids (``TEXT_DATASETS``) rather than images."""
+    return any(dataset.startswith(t) for t in TEXT_DATASETS)
+
+
+def check_modality(cfg: RunConfig) -> None:
+    """ConfigError unless the run's model reads what its dataset holds: token ids (``models.TEXT_MODELS``) or
+    images (every other model)."""
+    from ..algorithms import options_class
+    from ..models import TEXT_MODELS
+    model, text = model_name(cfg), is_text(cfg.dataset)
+    if text and model not in TEXT_MODELS:
+        allowed = options_class(cfg.algorithm).models
+        which = (f"--model {model} reads images" if cfg.model is not None or not allowed else
+                 f"{cfg.algorithm} runs on images only (its models: {', '.join(allowed)})")
+        raise ConfigError(f"--dataset {cfg.dataset} holds text (token ids) and {which}; text needs --model "
+                          f"{' or '.join(TEXT_MODELS)}")
+    if not text and model in TEXT_MODELS:
+        raise ConfigError(f"--model {model} reads text (token ids) and --dataset {cfg.dataset} holds images; use "
+                          f"a text dataset ({', '.join(t + 'PATH' if t.endswith(':') else t for t in TEXT_DATASETS)}) "
+                          f"or an image model")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Raise ConfigError naming the first bad value; otherwise return cfg with its protocol fields resolved
     (``RunConfig.with_protocol``)."""
@@ -196,6 +231,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         if allowed is not None and cfg.model not in allowed:
             raise ConfigError(f"--algorithm {cfg.algorithm} cannot use --model {cfg.model}; it needs one of: "
                               f"{', '.join(allowed)}")
+    check_modality(cfg)
     if cfg.strategy is not None:
         check_choice("strategy", cfg.strategy, STRATEGIES)
     if cfg.backend is not None:

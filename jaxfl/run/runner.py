@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..algorithms import build_algorithm, options_class
+from ..algorithms import build_algorithm
 from ..core.backends import Ragged, Stacked, device_memory_bytes
 from ..core.cost import backend_seconds, train_flops_per_sample
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
@@ -26,16 +26,14 @@ from ..core.trainer import LocalTrainer, client_optimizer, normalizer
 from ..core.trees import count_params
 from ..core.types import RunContext
 from ..data import load_dataset
-from ..data.federated import TEXT_DATASETS
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped, first_line
 from ..models import build_model
-from .config import RunConfig, check_output, clear_outputs, dp_count_noise, replace_text, validate
+from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
 from .lock import RunLock
 from .plots import plot_accuracy
 
 
-DEFAULT_MODEL = {"default": "digits_cnn", "digits": "digits_cnn", "pacs": "digits_cnn"}
 
 
 def model_size(server, model, sample_x) -> int:
@@ -46,13 +44,6 @@ def model_size(server, model, sample_x) -> int:
     return count_params(jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), sample_x)["params"])
 
 
-def model_name(cfg: RunConfig) -> str:
-    """--model, else the first model the algorithm allows, else the dataset's default (small_cnn otherwise;
-    char_lstm for text)."""
-    allowed = options_class(cfg.algorithm).models
-    text = any(cfg.dataset.startswith(t) for t in TEXT_DATASETS)
-    default = "char_lstm" if text else DEFAULT_MODEL.get(cfg.dataset, "small_cnn")
-    return cfg.model or (allowed[0] if allowed else default)
 # per-round (not per-client) metrics of a backend's round, logged as they are
 ROUND_METRICS = ("padded_work", "buckets", "compiled_shapes", "host_share")
 
