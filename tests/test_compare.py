@@ -98,3 +98,77 @@ def test_runs_of_other_codes_are_labelled_by_the_fields_both_sides_have():
     del older["model"]  # e.g. a config written before a field existed
     assert group_by_seed([(Path("j0"), jaxfl, ["j0"]), (Path("k0"), older, ["k0"])]) == {
         "fedx model=mlp_2nn": [["j0"]], "fedx": [["k0"]]}
+
+
+def _copy_run(src, dst, config=None, rounds=None, names=None, clients=None):
+    """A copy of run folder ``src`` with its config updated by ``config``, its log cut to ``rounds`` records (no
+    summary.json then), or its per-client accuracy widened to ``clients`` columns named ``names``."""
+    import shutil
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("checkpoints"))
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    recs = [json.loads(line) for line in (dst / "metrics.jsonl").read_text().splitlines()]
+    if rounds is not None:
+        recs = recs[:rounds]
+        (dst / "summary.json").unlink()
+    if clients is not None:
+        for r in recs:
+            r["test_accuracy"] = [r["test_accuracy"][j % len(r["test_accuracy"])] for j in range(clients)]
+        summary = json.loads((dst / "summary.json").read_text())
+        (dst / "summary.json").write_text(json.dumps({**summary, "clients": names}))
+    (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return recs
+
+
+def test_compare_aligns_rounds_keeps_seeds_distinct_and_names_each_groups_clients(sweep, tmp_path, capsys):
+    root, runs = sweep
+    fedavg = [root / "seed0" / "fedavg", root / "seed1" / "fedavg"]
+    # seed 2, stopped after round 2: the group is compared at round 2, with a note
+    cut = _copy_run(fedavg[1], tmp_path / "seed2", {"seed": 2}, rounds=2)
+    # seed 0 again on another backend: a group of its own, not a third seed
+    _copy_run(fedavg[0], tmp_path / "ragged", {"backend": "ragged"})
+    # a run of six clients (another population): its clients in a table of their own
+    wide = _copy_run(fedavg[0], tmp_path / "six", {"clients_per_domain": 2}, names=[f"c{j}" for j in range(6)],
+                     clients=6)
+    csv_path = tmp_path / "t.csv"
+    args = ["compare", *map(str, fedavg), str(fedavg[0]), str(tmp_path / "seed2"), str(tmp_path / "ragged"),
+            str(tmp_path / "six"), "--csv", str(csv_path), "--per-client"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    rows = {r["method"]: r for r in csv.DictReader(io.StringIO(csv_path.read_text()))}
+    assert sorted(rows) == ["fedavg clients_per_domain=1", "fedavg clients_per_domain=1 backend=ragged",
+                            "fedavg clients_per_domain=2"]
+    group = rows["fedavg clients_per_domain=1"]
+    assert (int(group["seeds"]), int(group["rounds"])) == (3, 2)  # fedavg[0] given twice counts once
+    at2 = [runs[("fedavg", s)].history[1]["mean_accuracy"] * 100 for s in (0, 1)] + [cut[1]["mean_accuracy"] * 100]
+    np.testing.assert_allclose(float(group["final_mean"]), np.mean(at2), rtol=1e-9)
+    assert captured.err.strip().splitlines() == [
+        f"jaxfl: note: fedavg clients_per_domain=1: its runs end at different rounds ({str(tmp_path / 'seed2')!r} "
+        f"at round 2, the others at 3); compared at round 2, the last all of them evaluated"]
+    table = captured.out
+    assert "| fedavg clients_per_domain=2 | c5 | " in table and "| method | client | final % (mean ± std) |" in table
+    np.testing.assert_allclose(float(rows["fedavg clients_per_domain=2"]["client4_final_mean"]),
+                               wide[-1]["test_accuracy"][4] * 100, rtol=1e-9)
+    # the plot follows the same rounds (a run that evaluated other rounds is not lined up by position)
+    from jaxfl.run.compare import aligned_curves
+    rounds, acc = aligned_curves([runs[("fedavg", 0)].history, cut])
+    assert rounds.tolist() == [1, 2] and acc.shape == (2, 2)
+
+
+def test_compare_output_faults_are_one_line(sweep, tmp_path, capsys):
+    root, _ = sweep
+    assert main(["compare", str(root), "--plot", str(tmp_path / "t.xyz")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [f"jaxfl: error: --plot {str(tmp_path / 't.xyz')!r}: give a file "
+                                                 f"ending in one of .png, .pdf, .svg, .svgz, .jpg, .jpeg, .tif, "
+                                                 f".tiff, .eps, .ps"] and captured.out == ""
+    assert main(["compare", str(root), "--md", "/proc/jaxfl-t.md"]) == 1  # an OS error: a fault, not bad input
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxfl: error: could not write '/proc/jaxfl-t.md' (")
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    assert main(["compare", str(root), str(empty)]) == 2
+    assert capsys.readouterr().err.strip() == (f"jaxfl: error: {str(empty)!r} has no evaluated round with "
+                                               f"'mean_accuracy' (its metrics.jsonl is empty or the run has not "
+                                               f"evaluated yet); leave it out")

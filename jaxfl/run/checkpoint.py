@@ -42,7 +42,7 @@ def read_metrics(path: Path) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             if i < len(lines) - 1:
-                raise ConfigError(f"--resume: line {i + 1} of {str(path)!r} is not valid JSON; the log is damaged "
+                raise ConfigError(f"line {i + 1} of {str(path)!r} is not valid JSON; the log is damaged "
                                   f"before its last line") from None
     return records
 

@@ -216,24 +216,39 @@ def format_table(summary: dict) -> str:
 
 def compare_main(args: dict) -> int:
     """``jaxfl compare``: the markdown table on stdout; --md/--csv/--plot files."""
+    import os
     from .compare import compare, plot_mean_accuracy
+    from .plots import IMAGE_FORMATS
+    notes = []
     try:
-        results, table, csv_text = compare(args["runs"], args["key"], args["last_k"], args["per_client"])
         outputs = [(args[k], k) for k in ("md", "csv", "plot") if args[k]]
-        for path, kind in outputs:
-            if Path(path).is_dir() or not Path(path).absolute().parent.is_dir():
+        for path, kind in outputs:  # checked before any is written
+            parent = Path(path).absolute().parent
+            if Path(path).is_dir() or not parent.is_dir():
                 raise ConfigError(f"--{kind} {path!r}: give a file in an existing folder")
+            if not os.access(parent, os.W_OK):
+                raise ConfigError(f"--{kind} {path!r}: the folder {str(parent)!r} is not writable")
+            if kind == "plot" and Path(path).suffix.lower().lstrip(".") not in IMAGE_FORMATS:
+                raise ConfigError(f"--plot {path!r}: give a file ending in one of "
+                                  f"{', '.join('.' + f for f in IMAGE_FORMATS)}")
+        results, table, csv_text = compare(args["runs"], args["key"], args["last_k"], args["per_client"], notes)
     except JaxflError as e:
         print(f"jaxfl: error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"jaxfl: note: {note}", file=sys.stderr)
     print(table)
     for path, kind in outputs:
-        if kind == "md":
-            Path(path).write_text(table + "\n")
-        elif kind == "csv":
-            Path(path).write_text(csv_text)
-        else:
-            plot_mean_accuracy(results, Path(path), args["title"], key=args["key"])
+        try:
+            if kind == "md":
+                Path(path).write_text(table + "\n")
+            elif kind == "csv":
+                Path(path).write_text(csv_text)
+            else:
+                plot_mean_accuracy(results, Path(path), args["title"], key=args["key"])
+        except OSError as e:
+            print(f"jaxfl: error: could not write {path!r} ({e.strerror or e})", file=sys.stderr)
+            return 1
     return 0
 
 

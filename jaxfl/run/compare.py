@@ -38,7 +38,8 @@ def find_runs(paths) -> list[Path]:
         found = [p] if (p / "metrics.jsonl").is_file() else sorted(m.parent for m in p.rglob("metrics.jsonl"))
         if not found:
             raise ConfigError(f"{str(p)!r} holds no run (no metrics.jsonl in it or below it)")
-        runs += [r for r in found if r not in runs]
+        seen = {r.resolve() for r in runs}
+        runs += [r for r in found if r.resolve() not in seen]
     return runs
 
 
@@ -54,29 +55,56 @@ def load_run(folder: Path) -> tuple[dict, list[dict]]:
 
 
 def group_by_seed(runs: list[tuple[Path, dict, list[dict]]]) -> dict[str, list[list[dict]]]:
-    """{label: [history per seed]}: runs whose configs agree outside ``EXECUTION_FIELDS`` share a group; the
-    label is the algorithm and the fields in which the groups differ (``fedtp variant=vanilla``), or the folder
-    name when configs are missing."""
+    """{label: [history per seed]} (``group_runs``' groups, their histories)."""
+    return {label: [hist for _, _, hist in members] for label, members in group_runs(runs).items()}
+
+
+def group_runs(runs: list[tuple[Path, dict, list[dict]]]) -> dict[str, list[tuple[Path, dict, list[dict]]]]:
+    """{label: [(folder, config, history) per seed]}: runs whose configs agree outside ``EXECUTION_FIELDS``
+    share a group; the label is the algorithm and the fields in which the groups differ (``fedtp
+    variant=vanilla``), or the folder name when configs are missing. A seed that comes again in a group (the
+    same run executed another way) starts a group of its own, labelled by the execution fields it differs in:
+    a group's runs are distinct seeds."""
     def identity(cfg):
         return json.dumps({k: v for k, v in cfg.items() if k not in EXECUTION_FIELDS}, sort_keys=True)
     groups: dict[str, list] = {}
     for folder, cfg, hist in runs:
         groups.setdefault(identity(cfg) if cfg else str(folder), []).append((folder, cfg, hist))
-    configs = [members[0][1] for members in groups.values()]
-    labels = _labels(groups, _differing(configs))
+    split = []  # (members, execution suffix)
+    for members in groups.values():
+        parts: list[list] = []
+        for run in members:
+            seed = run[1].get("seed")
+            part = next((p for p in parts if seed is None or all(r[1].get("seed") != seed for r in p)), None)
+            if part is None:
+                parts.append([run])
+            else:
+                part.append(run)
+        split += [(part, _execution_suffix(part[0][1], parts[0][0][1]) if i else "") for i, part in enumerate(parts)]
+    configs = [members[0][1] for members, _ in split]
+    labels = _labels([m for m, _ in split], _differing(configs))
     if len(set(labels)) < len(labels):  # then a field only some configs have is what tells groups apart
-        labels = _labels(groups, _differing(configs, count_missing=True))
+        labels = _labels([m for m, _ in split], _differing(configs, count_missing=True))
     out = {}
-    for label, members in zip(labels, groups.values()):
+    for label, (members, suffix) in zip(labels, split):
+        label += suffix
         while label in out:  # distinct groups never share a label
             label += "'"
-        out[label] = [hist for _, _, hist in members]
+        out[label] = members
     return out
 
 
-def _labels(groups: dict, differing: list[str]) -> list[str]:
+def _execution_suffix(cfg: dict, first: dict) -> str:
+    """`` backend=ragged ...``: the execution fields in which ``cfg`` differs from ``first`` (where and how a
+    run was executed, less its seed and folder), or `` (again)``."""
+    fields = sorted(EXECUTION_FIELDS - {"seed", "out", "resume", "overwrite", "data_dir"})
+    differ = [f"{k}={_short(cfg.get(k))}" for k in fields if cfg.get(k) != first.get(k)]
+    return " " + " ".join(differ) if differ else " (again)"
+
+
+def _labels(groups: list[list], differing: list[str]) -> list[str]:
     """Each group's label by ``differing`` (its first run's folder name when it has no config)."""
-    return [_label(members[0][1], differing) if members[0][1] else members[0][0].name for members in groups.values()]
+    return [_label(members[0][1], differing) if members[0][1] else members[0][0].name for members in groups]
 
 
 def _flat(cfg: dict) -> dict:
@@ -121,21 +149,35 @@ def accuracy_curve(hist: list[dict], key: str = "mean_accuracy") -> tuple[np.nda
     return np.array([h["round"] for h in evals]), np.array([h[key] for h in evals], float)
 
 
+def aligned_curves(hists: list[list[dict]], key: str = "mean_accuracy") -> tuple[np.ndarray, np.ndarray]:
+    """(rounds [R], accuracy [S, R]): the rounds every one of the S runs evaluated (a run stopped early, or
+    resumed with another ``eval_every``, evaluated others), and each run's accuracy ``key`` at them.
+    ConfigError if they share none."""
+    curves = [accuracy_curve(h, key) for h in hists]
+    common = sorted(set.intersection(*(set(r.tolist()) for r, _ in curves)))
+    if not common:
+        raise ConfigError(f"runs of one group share no evaluated round with {key!r}")
+    at = [dict(zip(r.tolist(), a)) for r, a in curves]
+    return np.array(common), np.array([[c[r] for r in common] for c in at], float)
+
+
 def seed_stats(hists: list[list[dict]], key: str = "mean_accuracy", tail: int = 5) -> dict:
-    """Over seeds, in %: ``final``, ``best`` (best-mean) and ``tail`` (mean of the last ``tail`` evaluations),
-    each (mean, std) (population std: 0 for one seed); ``seeds``; ``rounds`` (the last evaluated round);
-    ``clients`` [(mean, std)] of each client's final accuracy (when the runs record per-client accuracy)."""
-    curves = [accuracy_curve(h, key)[1] for h in hists]
-    if any(len(c) == 0 for c in curves):
+    """Over seeds, in %, at the rounds every seed evaluated (``aligned_curves``): ``final`` (the last of them),
+    ``best`` (best-mean) and ``tail`` (mean of the last ``tail``), each (mean, std) (population std: 0 for one
+    seed); ``seeds``; ``rounds`` (that last round); ``clients`` [(mean, std)] of each client's accuracy then
+    (when the runs record per-client accuracy)."""
+    if any(len(accuracy_curve(h, key)[0]) == 0 for h in hists):
         raise ConfigError(f"a run has no evaluated round with {key!r}")
+    rounds, acc = aligned_curves(hists, key)
+    acc = acc * 100
     ms = lambda xs: (float(np.mean(xs)), float(np.std(xs)))
-    per_client = [np.asarray([h for h in hist if "test_accuracy" in h][-1]["test_accuracy"], float) * 100
-                  for hist in hists if any("test_accuracy" in h for h in hist)]
+    last = int(rounds[-1])
+    per_client = [np.asarray(rec["test_accuracy"], float) * 100 for hist in hists for rec in hist
+                  if rec.get("round") == last and "test_accuracy" in rec]
     same = per_client and len({len(c) for c in per_client}) == 1 and len(per_client) == len(hists)
     clients = [ms(col) for col in np.stack(per_client).T] if same else []
-    return {"final": ms([c[-1] * 100 for c in curves]), "best": ms([c.max() * 100 for c in curves]),
-            "tail": ms([c[-tail:].mean() * 100 for c in curves]), "seeds": len(hists),
-            "rounds": int(accuracy_curve(hists[0], key)[0][-1]), "clients": clients}
+    return {"final": ms(acc[:, -1]), "best": ms(acc.max(1)), "tail": ms(acc[:, -tail:].mean(1)),
+            "seeds": len(hists), "rounds": last, "clients": clients}
 
 
 def compare_rows(results: dict[str, list[list[dict]]], key: str = "mean_accuracy", tail: int = 5) -> list[dict]:
@@ -159,13 +201,18 @@ def compare_rows(results: dict[str, list[list[dict]]], key: str = "mean_accuracy
 
 def seed_table(results: dict[str, list[list[dict]]], key: str = "mean_accuracy", tail: int = 5,
                paper: dict | None = None, paper_label: str = "paper", per_client: bool = False,
-               client_names: list[str] | None = None) -> str:
+               client_names: list[str] | dict | None = None) -> str:
     """Markdown: per group, final, best-mean and last-``tail`` accuracy, mean ± std over seeds (%);
-    ``per_client``: each client's final accuracy too; ``paper``: a last column, by label or algorithm name."""
+    ``per_client``: each client's final accuracy too (``client_names``: one list, or {label: list or None}):
+    as columns when every group has the same clients, else as a second table (method, client, final);
+    ``paper``: a last column, by label or algorithm name."""
     rows = compare_rows(results, key, tail)
-    n_clients = max((sum(1 for k in r if k.endswith("_final_mean") and k.startswith("client")) for r in rows),
-                    default=0) if per_client else 0
-    names = client_names or [f"client {j}" for j in range(n_clients)]
+    counts = [sum(1 for k in r if k.endswith("_final_mean") and k.startswith("client")) for r in rows]
+    by_group = (client_names if isinstance(client_names, dict) else {r["method"]: client_names for r in rows})
+    named = [by_group.get(r["method"]) or [f"client {j}" for j in range(c)] for r, c in zip(rows, counts)]
+    shared = per_client and all(n == named[0] and c == counts[0] for n, c in zip(named, counts))
+    n_clients = counts[0] if shared and rows else 0
+    names = named[0] if n_clients else []
     dp = any("dp_epsilon" in r for r in rows)  # DP runs among them: a column of the epsilon each spent
     head = (["method", "seeds", "rounds"] + (["DP ε spent"] if dp else [])
             + ["final % (mean ± std)", "best-mean % (mean ± std)", f"mean of the last {tail} evaluations % (mean ± std)"]
@@ -181,6 +228,11 @@ def seed_table(results: dict[str, list[list[dict]]], key: str = "mean_accuracy",
         if paper is not None:
             cells.append(str(paper.get(r["method"], paper.get(r["method"].split(":")[0].split(" ")[0], "-"))))
         lines.append("| " + " | ".join(cells) + " |")
+    if per_client and not shared:  # groups of different clients: a row per (group, client)
+        lines += ["", "| method | client | final % (mean ± std) |", "|---|---|---|"]
+        for r, group_names, count in zip(rows, named, counts):
+            lines += [f"| {r['method']} | {name} | {r[f'client{j}_final_mean']:.2f} ± {r[f'client{j}_final_std']:.2f} |"
+                      for j, name in enumerate(group_names[:count])]
     return "\n".join(lines)
 
 
@@ -204,9 +256,8 @@ def plot_mean_accuracy(results: dict[str, list[list[dict]]], path: Path, title: 
     crowded = len(results) > 6  # then the legend goes beside the axes, and past 10 lines the styles alternate
     fig, ax = plt.subplots(figsize=(8.5 if crowded else 6, 4))
     for i, (label, hists) in enumerate(results.items()):
-        curves = [accuracy_curve(h, key) for h in hists]
-        n = min(len(c[0]) for c in curves)  # seeds evaluate the same rounds; guard against a short run
-        rounds, acc = curves[0][0][:n], np.stack([c[1][:n] for c in curves]) * 100
+        rounds, acc = aligned_curves(hists, key)  # the rounds every seed evaluated
+        acc = acc * 100
         mean, std = acc.mean(0), acc.std(0)
         name = label.split(":")[0].split(" ")[0]
         style = dict(color=plt.cm.tab10(i % 10), ls=("-", "--", ":")[i // 10 % 3]) if len(results) > 10 else {}
@@ -230,14 +281,34 @@ def client_names(folder: Path) -> list[str] | None:
         return None
 
 
-def compare(paths, key: str = "mean_accuracy", tail: int = 5, per_client: bool = False) -> tuple[dict, str, str]:
-    """(results, markdown, csv) of the runs under ``paths``, grouped by seed (``group_by_seed``)."""
+def compare(paths, key: str = "mean_accuracy", tail: int = 5, per_client: bool = False,
+            notes: list | None = None) -> tuple[dict, str, str]:
+    """(results, markdown, csv) of the runs under ``paths``, grouped by seed (``group_runs``). ``notes`` (a
+    list) receives a line for each group whose runs evaluated different last rounds (it is compared at the
+    last round all of them evaluated)."""
     if key not in KEYS:
         raise ConfigError(f"unknown --key {key!r}; valid: {', '.join(KEYS)}")
     if tail < 1:
         raise ConfigError(f"--last-k {tail} must be at least 1")
-    folders = find_runs(paths)
-    results = group_by_seed([(folder, *load_run(folder)) for folder in folders])
-    names = next((n for n in map(client_names, folders) if n), None) if per_client else None
+    runs = []
+    for folder in find_runs(paths):
+        cfg, hist = load_run(folder)
+        if not any(key in h for h in hist):
+            raise ConfigError(f"{str(folder)!r} has no evaluated round with {key!r} (its metrics.jsonl is empty or "
+                              f"the run has not evaluated yet); leave it out")
+        runs.append((folder, cfg, hist))
+    grouped = group_runs(runs)
+    results = {label: [hist for _, _, hist in members] for label, members in grouped.items()}
+    for label, members in grouped.items():
+        last = {folder: int(accuracy_curve(hist, key)[0][-1]) for folder, _, hist in members}
+        if len(set(last.values())) > 1 and notes is not None:
+            at = int(aligned_curves(results[label], key)[0][-1])
+            short = ", ".join(f"{str(f)!r} at round {r}" for f, r in last.items() if r != max(last.values()))
+            notes.append(f"{label}: its runs end at different rounds ({short}, the others at {max(last.values())}); "
+                         f"compared at round {at}, the last all of them evaluated")
+    names = None
+    if per_client:  # each group's client names (its first run's summary.json); one header if they agree
+        names = {label: next((n for n in (client_names(f) for f, _, _ in members) if n), None)
+                 for label, members in grouped.items()}
     return results, seed_table(results, key, tail, per_client=per_client, client_names=names), \
         to_csv(compare_rows(results, key, tail))

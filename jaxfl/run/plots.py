@@ -4,6 +4,10 @@ from __future__ import annotations
 import numpy as np
 
 
+# file types matplotlib writes without extra packages (what --plot may end in)
+IMAGE_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "eps", "ps")
+
+
 def plot_accuracy(history, names, path, title=""):
     """PNG: each client's test accuracy per round (thin) and the unweighted mean (thick)."""
     import matplotlib
