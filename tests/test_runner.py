@@ -17,7 +17,7 @@ TINY = dict(dataset="default", model="small_cnn", image_size=12, samples_per_cli
             batch_size=16, eval_batch_size=32, lr=0.05)
 
 
-def test_resume_equals_uninterrupted(tmp_path):
+def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     full = Experiment(RunConfig(algorithm="fedbn", rounds=4, **TINY)).run()
     first = Experiment(RunConfig(algorithm="fedbn", rounds=2, out=str(tmp_path), checkpoint_every=1, **TINY)).run()
     assert len(first.history) == 2
@@ -29,9 +29,14 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert [l["round"] for l in lines] == [1, 2, 3, 4]
     np.testing.assert_allclose(lines[-1]["test_accuracy"], full.history[-1]["test_accuracy"])
     assert (tmp_path / "accuracy.png").stat().st_size > 1000
-    # resuming with a different algorithm is refused
-    with pytest.raises(ConfigError, match="config differs.*algorithm"):
-        Experiment(RunConfig(algorithm="fedavg", rounds=5, out=str(tmp_path), resume=True, **TINY)).run()
+    # resuming with a different algorithm, or fewer rounds than checkpointed, is refused before any data is read
+    from jaxfl.run import runner
+    with monkeypatch.context() as m:
+        m.setattr(runner, "load_dataset", lambda *a: pytest.fail("read the data before refusing"))
+        with pytest.raises(ConfigError, match="config differs.*algorithm"):
+            Experiment(RunConfig(algorithm="fedavg", rounds=5, out=str(tmp_path), resume=True, **TINY))
+        with pytest.raises(ConfigError, match="the checkpoint is at round 4; --rounds 3 must be at least 4"):
+            Experiment(RunConfig(algorithm="fedbn", rounds=3, out=str(tmp_path), resume=True, **TINY))
     # a run saved before a config field existed resumes when the field keeps its default
     saved = json.loads((tmp_path / "config.json").read_text())
     del saved["client_store"]

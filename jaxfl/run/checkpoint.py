@@ -84,6 +84,38 @@ def state_digest(tree) -> str | None:
     return h.hexdigest()
 
 
+def check_resumable(cfg, out: Path, steps=None) -> None:
+    """ConfigError unless ``cfg`` may resume the run in ``out``: a checkpoint there (``steps``: its rounds,
+    default the finished step folders of ``out/checkpoints``), a saved config.json that differs only in
+    ``RESUMABLE_CHANGES`` and a ``rounds`` of at least the latest checkpoint's. Cheap (no data, no jax): a run
+    checks it before loading anything, with ``dp_noise`` left for after a ``dp_epsilon`` run calibrates it."""
+    directory = Path(out) / "checkpoints"
+    if steps is None:
+        steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
+    if not steps:
+        raise ConfigError(f"--resume: no checkpoint in {str(directory)!r}")
+    saved_cfg = Path(out) / "config.json"
+    if saved_cfg.is_file():
+        old = json.loads(saved_cfg.read_text())
+        new = cfg.to_dict()
+        # A field added to RunConfig after the run was saved counts as having its default value then.
+        default = type(cfg)().to_dict()
+        diff = sorted(k for k in new if k not in RESUMABLE_CHANGES and old.get(k, default.get(k)) != new[k])
+        if cfg.dp_epsilon is not None and new.get("dp_noise") in (None, 0.0):  # not calibrated yet
+            diff = [k for k in diff if k != "dp_noise"]
+        if diff == ["dp_noise"] and cfg.dp_epsilon is not None:  # the target now calibrates another noise
+            raise ConfigError(f"--resume: --dp-epsilon {cfg.dp_epsilon:g} over {cfg.rounds} rounds calibrates "
+                              f"noise {cfg.dp_noise:g}, but the run so far used {old['dp_noise']!r}; continue "
+                              f"with --dp-noise {old['dp_noise']!r} instead (the start-up line then says what "
+                              f"the {cfg.rounds} rounds spend)")
+        if diff:
+            raise ConfigError(f"--resume: config differs from the checkpointed run in {diff}; "
+                              f"only {sorted(RESUMABLE_CHANGES)} may change")
+    if cfg.rounds < max(steps):
+        raise ConfigError(f"--resume: the checkpoint is at round {max(steps)}; --rounds {cfg.rounds} must be at "
+                          f"least {max(steps)}")
+
+
 class Checkpointer:
     """Saves and restores the stacked state by round number (keeps the newest ``keep``)."""
 
@@ -162,27 +194,7 @@ class Checkpointer:
     def restore_latest(self, server, clients, cfg, metrics_path: Path, notify=None):
         """(server, clients, next_round, history) from the newest intact checkpoint; checks the config
         matches, trims the log to the checkpoint."""
-        if not self.manager.all_steps():
-            raise ConfigError(f"--resume: no checkpoint in {str(self.directory)!r}")
-        saved_cfg = self.directory.parent / "config.json"
-        if saved_cfg.is_file():
-            old = json.loads(saved_cfg.read_text())
-            new = cfg.to_dict()
-            # A field added to RunConfig after the run was saved counts as having its default value then.
-            default = type(cfg)().to_dict()
-            diff = sorted(k for k in new if k not in RESUMABLE_CHANGES and old.get(k, default.get(k)) != new[k])
-            if diff == ["dp_noise"] and cfg.dp_epsilon is not None:  # the target now calibrates another noise
-                raise ConfigError(f"--resume: --dp-epsilon {cfg.dp_epsilon:g} over {cfg.rounds} rounds calibrates "
-                                  f"noise {cfg.dp_noise:g}, but the run so far used {old['dp_noise']!r}; continue "
-                                  f"with --dp-noise {old['dp_noise']!r} instead (the start-up line then says what "
-                                  f"the {cfg.rounds} rounds spend)")
-            if diff:
-                raise ConfigError(f"--resume: config differs from the checkpointed run in {diff}; "
-                                  f"only {sorted(RESUMABLE_CHANGES)} may change")
-        step = self.latest_round()
-        if cfg.rounds < step:
-            raise ConfigError(f"--resume: the checkpoint is at round {step}; --rounds {cfg.rounds} must be at least "
-                              f"{step}")
+        check_resumable(cfg, self.directory.parent, self.manager.all_steps())
         server, clients, step = self.restore_intact(server, clients, notify)
         history = [h for h in read_metrics(metrics_path) if h.get("round", 0) <= step]
         rounds = [h.get("round") for h in history]

@@ -96,6 +96,9 @@ class Experiment:
             use_cpu_devices(cfg.devices)  # on a CPU, devices=N runs N CPU devices if jax has not started yet
         self.cfg = cfg = validate(cfg)
         check_output(cfg)  # before any expensive work
+        if cfg.resume and cfg.out:  # the saved run's config and checkpoints, before any data is read
+            from .checkpoint import check_resumable
+            check_resumable(cfg.resolved(), Path(cfg.out))
         if cfg.devices > jax.device_count():
             cpu = "" if platform() != "cpu" else (
                 f" (a run makes up to one CPU device per core, {cpu_cores()} here, if jax has not started before "
