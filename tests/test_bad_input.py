@@ -53,7 +53,8 @@ CASES = {
                                           "'/sys' is not writable; give a writable folder, or none"),
     "corrupt npz": (lambda d: ["--dataset", "mnist", "--data-dir", str(corrupt(d / "data"))],
                     "is not a readable .npz archive"),
-    "--devices beyond the machine": (lambda d: ["--devices", "64"], "devices=64: this machine has"),
+    "--devices beyond the machine": (lambda d: ["--devices", "64"],
+                                     "devices=64: a CPU run makes at most one device per core and this machine has "),
     "a model the algorithm cannot use": (lambda d: ["--algorithm", "fedtp"],
                                          "--algorithm fedtp cannot use --model small_cnn"),
     "a text model on images": (lambda d: ["--model", "char_lstm"], "--model char_lstm reads text (token ids) and "
@@ -63,6 +64,14 @@ CASES = {
     "an image-only algorithm on text": (lambda d: ["--dataset", "synthetic_text", "--algorithm", "fedtp", "--model",
                                                    "vit_tiny"], "and --model vit_tiny reads images; text needs "
                                                                 "--model char_lstm"),
+    "a label-skew option on a domain dataset": (lambda d: ["--partition", "dirichlet"],
+                                                "--partition dirichlet: --dataset default has one client per domain "
+                                                "(--clients-per-domain k splits each into k), so it would be ignored; "
+                                                "it applies to mnist, cifar10, tfds:NAME"),
+    "a domain option on a label-skew dataset": (lambda d: ["--dataset", "mnist", "--clients-per-domain", "2"],
+                                                "--clients-per-domain 2: --dataset mnist is split by label"),
+    "a prefix without its path": (lambda d: ["--dataset", "text:", "--model", "char_lstm"],
+                                  "--dataset 'text:': give the PATH after 'text:' (text:PATH)"),
     "--seed -1": (lambda d: ["--seed", "-1"], "seed=-1 must be >= 0"),
     "--image-size -8": (lambda d: ["--image-size", "-8"], "image_size=-8 must be at least 1"),
     "--fedtp.embed-dim 0": (lambda d: ["--algorithm", "fedtp", "--model", "vit_tiny", "--fedtp.embed-dim", "0"],

@@ -228,3 +228,11 @@ def test_text_folder_and_leaf_json(tmp_path):
     assert leaf.train[1][1].tolist() == [LEAF_CHARS.index("d")] * 3 and leaf.train[0][0].shape == (3, 80)
     with pytest.raises(DataError, match="holds no .txt files"):
         load_dataset(DataConfig(f"text:{tmp_path / 'leaf'}"))
+    with pytest.raises(DataError, match="--dataset 'text:': give the PATH after 'text:'"):
+        load_dataset(DataConfig("text:"))  # not the current folder
+    # inputs and targets that do not pair up, or are not strings, are refused (were cut, or encoded as spaces)
+    for bad, message in (({"x": ["a" * 80] * 3, "y": ["b"] * 2}, "has 3 inputs \\(x\\) and 2 targets \\(y\\)"),
+                         ({"x": [[1] * 80] * 3, "y": ["b"] * 3}, "has an input or target that is not a string")):
+        (tmp_path / "leaf" / "train" / "all.json").write_text(json.dumps({"users": ["A"], "user_data": {"A": bad}}))
+        with pytest.raises(DataError, match=message):
+            load_dataset(DataConfig(f"leaf:{tmp_path / 'leaf'}"))

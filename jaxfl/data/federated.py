@@ -220,6 +220,9 @@ def load_dataset(cfg: DataConfig) -> FederatedDataset:
         raise DataError(f"channels={cfg.channels}; allowed: 1 or 3")
     for prefix, build in PREFIXES.items():
         if cfg.dataset.startswith(prefix):
+            if not cfg.dataset[len(prefix):].strip():  # (an empty PATH would be the current folder)
+                raise DataError(f"--dataset {cfg.dataset!r}: give the {PREFIX_ARGUMENT[prefix]} after "
+                                f"{prefix!r} ({prefix}{PREFIX_ARGUMENT[prefix]})")
             return _checked(build(cfg, rng, cfg.dataset[len(prefix):]))
     check_choice("dataset", cfg.dataset, DATASET_NAMES)
     return _checked(PRESETS[cfg.dataset](cfg, rng))
@@ -229,5 +232,5 @@ def _checked(ds: FederatedDataset) -> FederatedDataset:
     for name, (x, y), (_, vy) in zip(ds.client_names, ds.train, ds.test):
         if len(y) == 0 or len(vy) == 0:
             raise DataError(f"client {name!r} has {len(y)} training and {len(vy)} test samples; every "
-                            f"client needs at least one of each (use fewer clients)")
+                            f"client needs at least one of each (use fewer clients, or more data per client)")
     return ds

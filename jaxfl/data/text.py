@@ -104,6 +104,12 @@ def load_leaf_json(path: str | Path, seq_len: int = 80):
                 blob = json.loads(f.read_text())
                 for user in blob["users"]:
                     d = blob["user_data"][user]
+                    if len(d["x"]) != len(d["y"]):
+                        raise DataError(f"{str(f)!r}: LEAF user {user!r} has {len(d['x'])} inputs (x) and "
+                                        f"{len(d['y'])} targets (y); they must pair up")
+                    if not all(isinstance(v, str) for v in (*d["x"], *d["y"])):
+                        raise DataError(f"{str(f)!r}: LEAF user {user!r} has an input or target that is not a "
+                                        f"string (Shakespeare's x are {seq_len}-character strings, y characters)")
                     data.setdefault(user, ([], []))
                     data[user][0].extend(d["x"])
                     data[user][1].extend(d["y"])

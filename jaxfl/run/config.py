@@ -214,6 +214,45 @@ def check_modality(cfg: RunConfig) -> None:
                           f"or an image model")
 
 
+# how each kind of dataset is split into clients, the datasets of that kind, and the options that shape it
+DATASET_KINDS = {
+    "label": ("is split by label", "mnist, cifar10, tfds:NAME",
+              ("num_clients", "partition", "dirichlet_alpha", "classes_per_client", "client_sizes", "size_sigma")),
+    "domain": ("has one client per domain (--clients-per-domain k splits each into k)",
+               "default, digits, pacs, folder:PATH", ("clients_per_domain",)),
+    "writers": ("has --num-clients synthetic writers", "synthetic_text", ("num_clients", "size_sigma")),
+    "files": ("has one client per file (text:) or user (leaf:)", "text:PATH, leaf:PATH", ()),
+}
+
+
+def dataset_kind(dataset: str) -> str | None:
+    """``DATASET_KINDS``' key of a dataset name (None for an unknown one: loading names the valid ones)."""
+    if dataset in ("mnist", "cifar10") or dataset.startswith("tfds:"):
+        return "label"
+    if dataset in ("default", "digits", "pacs") or dataset.startswith("folder:"):
+        return "domain"
+    if dataset == "synthetic_text":
+        return "writers"
+    if dataset.startswith(("text:", "leaf:")):
+        return "files"
+    return None
+
+
+def check_data_options(cfg: RunConfig) -> None:
+    """ConfigError for a data option set (away from its default) that the dataset's split does not read, e.g.
+    --partition on a domain dataset (it would be ignored)."""
+    kind = dataset_kind(cfg.dataset)
+    if kind is None:
+        return
+    default = RunConfig()
+    for name in sorted({f for _, _, fields in DATASET_KINDS.values() for f in fields} - set(DATASET_KINDS[kind][2])):
+        if getattr(cfg, name) != getattr(default, name):
+            users = [k for k, (_, _, fields) in DATASET_KINDS.items() if name in fields]
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: --dataset {cfg.dataset} "
+                              f"{DATASET_KINDS[kind][0]}, so it would be ignored; it applies to "
+                              f"{', '.join(DATASET_KINDS[k][1] for k in users)}")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Raise ConfigError naming the first bad value; otherwise return cfg with its protocol fields resolved
     (``RunConfig.with_protocol``)."""
@@ -298,6 +337,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     for name, table in cfg.options.items():  # every table given, not only the run's: a typo is caught
         check_choice("algorithm table", name, REGISTRY)
         algorithm_options(name, table, cfg.dataset)
+    check_data_options(cfg)  # (after the ranges: a bad value is named as such first)
     return cfg
 
 

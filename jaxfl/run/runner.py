@@ -100,12 +100,16 @@ class Experiment:
             from .checkpoint import check_resumable
             check_resumable(cfg.resolved(), Path(cfg.out))
         if cfg.devices > jax.device_count():
-            cpu = "" if platform() != "cpu" else (
-                f" (a run makes up to one CPU device per core, {cpu_cores()} here, if jax has not started before "
-                f"it: else call jaxfl.core.distributed.use_cpu_devices(N) before any jax work)")
-            raise ConfigError(f"devices={cfg.devices}: this machine has {jax.device_count()} "
-                              f"{jax.default_backend()} device(s){cpu}; use --devices 0 (all) or at most "
-                              f"{jax.device_count()}")
+            count = jax.device_count()
+            if platform() == "cpu" and cfg.devices > cpu_cores():
+                raise ConfigError(f"devices={cfg.devices}: a CPU run makes at most one device per core and this "
+                                  f"machine has {cpu_cores()} cores; use --devices 0 (all) or at most {cpu_cores()}")
+            if platform() == "cpu":  # a library caller whose jax had started with fewer devices
+                raise ConfigError(f"devices={cfg.devices}: jax started before this run with {count} CPU device(s) "
+                                  f"and cannot make more; call jaxfl.core.distributed.use_cpu_devices("
+                                  f"{cfg.devices}) before any jax work, or use devices at most {count}")
+            raise ConfigError(f"devices={cfg.devices}: this machine has {count} {jax.default_backend()} "
+                              f"device(s); use --devices 0 (all) or at most {count}")
         self.dataset = ds = load_dataset(cfg.data_config())
         n = len(ds.client_names)
         self.model = build_model(model_name(cfg), ds.num_classes)
