@@ -96,7 +96,10 @@ def check_resumable(cfg, out: Path, steps=None) -> None:
         raise ConfigError(f"--resume: no checkpoint in {str(directory)!r}")
     saved_cfg = Path(out) / "config.json"
     if saved_cfg.is_file():
-        old = json.loads(saved_cfg.read_text())
+        try:
+            old = json.loads(saved_cfg.read_text())
+        except ValueError as e:
+            raise ConfigError(f"--resume: {str(saved_cfg)!r} is not valid JSON ({e})") from None
         new = cfg.to_dict()
         # A field added to RunConfig after the run was saved counts as having its default value then.
         default = type(cfg)().to_dict()

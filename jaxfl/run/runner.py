@@ -34,8 +34,6 @@ from .lock import RunLock
 from .plots import plot_accuracy
 
 
-
-
 def model_size(server, model, sample_x) -> int:
     """The parameter count of the server's model, or where the server holds none (FedProto, FedAMP's table) of
     ``model`` on a preprocessed sample ``sample_x`` (shapes only: nothing is computed)."""
