@@ -73,6 +73,11 @@ CASES = {
     "a prefix without its path": (lambda d: ["--dataset", "text:", "--model", "char_lstm"],
                                   "--dataset 'text:': give the PATH after 'text:' (text:PATH)"),
     "--seed -1": (lambda d: ["--seed", "-1"], "seed=-1 must be >= 0"),
+    "an integer too large for the arrays": (lambda d: ["--seed", "99999999999999999999"],
+                                            "seed=99999999999999999999 is too large (at most 2147483647)"),
+    "an algorithm's integer option too large": (lambda d: ["--algorithm", "fedselect", "--fedselect.grow-every",
+                                                           "99999999999"], "fedselect.grow_every=99999999999 is too "
+                                                                           "large (at most 2147483647)"),
     "--image-size -8": (lambda d: ["--image-size", "-8"], "image_size=-8 must be at least 1"),
     "--fedtp.embed-dim 0": (lambda d: ["--algorithm", "fedtp", "--model", "vit_tiny", "--fedtp.embed-dim", "0"],
                             "fedtp.embed_dim=0 must be at least 1"),

@@ -81,6 +81,12 @@ def test_the_forward_differences_are_the_moments_of_the_privacy_loss():
     assert privacy._log_even_differences(sigma, m)[m] == pytest.approx(quad, rel=1e-9)
 
 
+def test_a_huge_epsilon_calibrates_a_tiny_noise_without_overflow():
+    # (at σ ~ 1e-3, e^{ε(2)} overflows a float: the bound works in logs)
+    z = privacy.noise_for_epsilon(0.1, 1, 1e-5, 1e6)
+    assert 0 < z < 0.01 and privacy.Accountant(0.1, z, 1e-5).epsilon(1) <= 1e6
+
+
 def test_the_noise_calibrated_to_an_epsilon_is_the_smallest_that_spends_at_most_it():
     q, rounds, delta = 0.1, 200, 1000 ** -1.1
     z = privacy.noise_for_epsilon(q, rounds, delta, 10.0)
@@ -363,6 +369,8 @@ def test_bad_dp_options_get_one_line(tmp_path, capsys):
              ("--dp-clip", "1", "--dp-epsilon", "5", "--dp-noise", "1", "--weighting", "uniform"):
              "--dp-epsilon 5 sets the noise multiplier: give it or --dp-noise 1, not both",
              ("--dp-clip", "1", "--dp-epsilon", "0", "--weighting", "uniform"): "dp_epsilon=0.0 is outside (0.0, inf]",
+             ("--algorithm", "fedbn", "--dp-clip", "1", "--dp-epsilon", "1", "--dp-delta", "1e-300", "--weighting",
+              "uniform", *TINY): "epsilon 1 after 1 rounds at delta 1e-300 needs a noise multiplier above 1000",
              ("--dp-clip", "1", "--dp-clip-lr", "0.1", "--weighting", "uniform"):
              "--dp-clip-lr and --dp-count-noise adapt the clipping norm: they need --dp-quantile Q",
              ("--dp-clip", "1", "--dp-quantile", "1", "--weighting", "uniform"): "dp_quantile=1.0 is outside (0, 1)",

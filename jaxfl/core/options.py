@@ -105,11 +105,22 @@ def plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
+MAX_INT = 2 ** 31 - 1  # counts, steps and seeds end up in int32 arrays or C longs
+
+
+def check_int_size(label: str, v) -> None:
+    """ConfigError for an integer (or each integer of a list) beyond ``MAX_INT`` in size."""
+    for x in (v if isinstance(v, (list, tuple)) else [v]):
+        if isinstance(x, int) and not isinstance(x, bool) and abs(x) > MAX_INT:
+            raise ConfigError(f"{label}={x} is too large (at most {MAX_INT})")
+
+
 def _check(label: str, v, meta) -> None:
     if meta.get("choices") is not None and v not in meta["choices"]:
         raise ConfigError(f"{label}={v!r} is not one of: {', '.join(map(str, meta['choices']))}")
     if isinstance(v, float) and not math.isfinite(v):  # a rate, weight or size of inf/nan is never meant
         raise ConfigError(f"{label}={v} must be a finite number")
+    check_int_size(label, v)
     lo, hi, lo_open, minimum = meta.get("lo"), meta.get("hi"), meta.get("lo_open"), meta.get("minimum")
     if minimum is not None and v < minimum:
         raise ConfigError(f"{label}={v} must be at least {minimum}")

@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import ConfigError
 from .types import Algorithm
 
 ORDERS = tuple(range(2, 257))
@@ -311,7 +312,8 @@ def rdp_wor_gaussian(q: float, sigma: float, orders=ORDERS) -> np.ndarray:
     refined = math.log(4) + 0.5 * (diffs[2 * (j // 2)] + diffs[2 * (-(-j // 2))])
     # log of the j-th term without its binom(α, j): j >= 3, then j = 2's log min(4 (e^{ε(2)} - 1), 2 e^{ε(2)})
     tail = np.minimum(refined, math.log(2) + (j - 1) * eps(j)) + j * math.log(q)
-    second = 2 * math.log(q) + min(math.log(4) + math.log(math.expm1(eps(2))), math.log(2) + eps(2))
+    log_expm1 = eps(2) + math.log(-math.expm1(-eps(2)))  # log(e^x - 1), without overflow at tiny σ
+    second = 2 * math.log(q) + min(math.log(4) + log_expm1, math.log(2) + eps(2))
     out = []
     for a in orders:
         logs = np.concatenate([[0.0, _log_binom(a, 2) + second],
@@ -401,13 +403,14 @@ class Accountant:
 
 def noise_for_epsilon(q: float, rounds: int, delta: float, target: float, sampling: str = "fixed") -> float:
     """The smallest noise multiplier z (to 0.1 %) whose ``rounds`` rounds at sampling rate q spend at most ε =
-    ``target`` at δ (``Accountant`` with ``sampling``): bisection, ε falling as z grows. ValueError past z = 1000."""
+    ``target`` at δ (``Accountant`` with ``sampling``): bisection, ε falling as z grows. ConfigError past z = 1000."""
     spent = lambda z: Accountant(q, z, delta, sampling).epsilon(rounds)
     lo, hi = 0.0, 1.0
     while spent(hi) > target:
         lo, hi = hi, 2 * hi
         if hi > 1000:
-            raise ValueError(f"epsilon {target} after {rounds} rounds needs a noise multiplier above 1000")
+            raise ConfigError(f"epsilon {target:g} after {rounds} rounds at delta {delta:g} needs a noise "
+                              f"multiplier above 1000; ask for a larger epsilon or delta")
     while hi - lo > 1e-3 * hi:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if spent(mid) > target else (lo, mid)

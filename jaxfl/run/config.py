@@ -11,7 +11,7 @@ from pathlib import Path
 from ..core.backends import BACKENDS, PLACEMENTS
 from ..core.cohort import SAMPLINGS, STRATEGIES, default_strategy
 from ..core.distributed import is_primary
-from ..core.options import accepts_none, coerce, field_type, plain
+from ..core.options import accepts_none, check_int_size, coerce, field_type, plain
 from ..core.privacy import DEFAULT_CLIP_LR
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
@@ -264,6 +264,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         v = getattr(cfg, f.name)
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"{f.name}={v} must be a finite number")
+        check_int_size(f.name, v)
     if cfg.model is not None:
         check_choice("model", cfg.model, MODELS)
         allowed = options_class(cfg.algorithm).models
