@@ -18,25 +18,33 @@ import numpy as np
 
 from jaxfl.algorithms import options_class
 from jaxfl.core.options import field_type
-from jaxfl.errors import JaxflError, Stopped
+from jaxfl.errors import ConfigError, JaxflError, Stopped
 from jaxfl.run import cli
 from jaxfl.run.checkpoint import Checkpointer
 from jaxfl.run.compile_cache import resolve_compile_cache, use_compile_cache
-from jaxfl.run.config import RunConfig
+from jaxfl.run.config import RunConfig, validate
 from jaxfl.run.runner import Experiment, RunResult
 # the seed tables and the figure are jaxfl's own (``jaxfl compare`` writes the same from run folders)
 from jaxfl.run.compare import accuracy_curve, plot_mean_accuracy, seed_stats, seed_table  # noqa: F401
 
 
 def _typed(tp, value: str, spec: str):
-    if tp is tuple or "tuple" in str(tp):  # e.g. device_ratios=0+0.2 ("," separates variants)
-        return tuple(float(x) for x in value.split("+"))
-    if tp is bool or "bool" in str(tp):
-        return value.lower() in ("1", "true", "yes")
-    if tp is int or "int" in str(tp):
-        return int(value)
-    if tp is float or "float" in str(tp):
-        return float(value)
+    """``value`` of variant ``spec`` as type ``tp``; ConfigError naming both if it is not one."""
+    try:
+        if tp is tuple or "tuple" in str(tp):  # e.g. device_ratios=0+0.2 ("," separates variants)
+            return tuple(float(x) for x in value.split("+"))
+        if tp is bool or "bool" in str(tp):
+            if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                raise ValueError(value)
+            return value.lower() in ("1", "true", "yes")
+        if tp is int or "int" in str(tp):
+            return int(value)
+        if tp is float or "float" in str(tp):
+            return float(value)
+    except ValueError:
+        kind = "true/false" if "bool" in str(tp) else "numbers joined by +" if "tuple" in str(tp) else getattr(
+            tp, "__name__", str(tp))
+        raise ConfigError(f"{value!r} in variant {spec!r} is not a {kind}") from None
     return value
 
 
@@ -55,9 +63,37 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         elif key in run_types:
             run[key] = _typed(run_types[key], value, spec)
         else:
-            raise SystemExit(f"unknown option {key!r} in {spec!r}; {name} takes {', '.join(sorted(option_types))}"
-                             f", or a RunConfig field")
+            raise ConfigError(f"unknown option {key!r} in {spec!r}; {name} takes {', '.join(sorted(option_types))}"
+                              f", or a RunConfig field")
     return name, opts, run
+
+
+def variant_config(spec: str, base: RunConfig, out: Path) -> RunConfig:
+    """The RunConfig of variant ``spec`` over ``base``, written to ``out``."""
+    name, opts, run = parse_variant(spec)
+    table = {**base.options.get(name, {}), **opts}
+    return base.replace(algorithm=name, out=str(out), checkpoint_every=1, options={name: table}, **run)
+
+
+def check_variants(specs, base: RunConfig) -> None:
+    """Every variant's config validated before the first runs (ConfigError naming the bad one): a typo in the
+    last variant must not cost the runs of the others."""
+    for spec in specs:
+        validate(variant_config(spec, base, Path(".")))
+
+
+def parse_list(text: str, flag: str, kind=str, choices=None) -> list:
+    """A comma-separated flag's items as ``kind``, each one of ``choices`` if given; ConfigError naming the flag."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    try:
+        values = [kind(t) for t in items]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give comma-separated {kind.__name__} values") from None
+    bad = [v for v in values if choices is not None and v not in choices]
+    if not values or bad:
+        raise ConfigError(f"{flag} {text!r}: give comma-separated values"
+                          + (f" from {', '.join(map(str, choices))}" if choices is not None else ""))
+    return values
 
 
 def variant_dir(spec: str) -> str:
@@ -70,10 +106,8 @@ def run_variant(spec: str, base: RunConfig, out_root: str | Path, progress: bool
     """(history, experiment, result) of one variant. A finished run with a matching config is reused: then
     experiment and result are None, unless ``keep_state``, which rebuilds the experiment and restores the final
     checkpoint (no retraining) so that the final states can be inspected."""
-    name, opts, run = parse_variant(spec)
     out = Path(out_root) / variant_dir(spec)
-    table = {**base.options.get(name, {}), **opts}
-    cfg = base.replace(algorithm=name, out=str(out), checkpoint_every=1, options={name: table}, **run)
+    cfg = variant_config(spec, base, out)
     default = RunConfig().to_dict()
     same = lambda d: {k: d.get(k, default.get(k)) for k in set(d) | set(default) if k != "resume"}
     saved = out / "config.json"
@@ -112,10 +146,7 @@ def table(results: dict[str, list[list[dict]]], names: list[str], paper: dict) -
 
 def parse_seeds(text: str) -> list[int]:
     """"0,1,2" -> [0, 1, 2] (distinct seeds >= 0, in order), as ``jaxfl run --seeds`` reads them."""
-    try:
-        return cli.parse_seeds(str(text))
-    except JaxflError as e:
-        raise SystemExit(str(e)) from None
+    return cli.parse_seeds(str(text))  # (a ConfigError: run_script's one line, exit 2)
 
 
 def seed_root(out_root: str | Path, seed: int, seeds: list[int]) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table, table
+from common import parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table, table
 
 from jaxfl.run.config import RunConfig
 
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     p.add_argument("--bn-check", action="store_true", help="also the BatchNorm re-estimation diagnostic")
     args = p.parse_args(argv)
     seeds = parse_seeds(args.seeds)
-    for dataset in args.datasets.split(","):
+    for dataset in parse_list(args.datasets, "--datasets", choices=MODELS):
         base = RunConfig(dataset=dataset, model=args.model or MODELS[dataset], clients_per_domain=3,
                          samples_per_client=args.samples_per_client, test_per_client=args.test_per_client,
                          rounds=args.rounds, local_epochs=args.local_epochs, batch_size=64, lr=0.01,

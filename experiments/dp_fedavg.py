@@ -24,11 +24,13 @@ test set, mean ± std over seeds, and the ε each row spent) and accuracy.png (�
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
-from common import parse_seeds, plot_mean_accuracy, run_script, run_seeds, seed_table
+from common import check_variants, parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, seed_table
 
 from jaxfl.core.privacy import Accountant
+from jaxfl.errors import ConfigError
 from jaxfl.run.config import RunConfig
 
 
@@ -75,8 +77,12 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     seeds, out, base = parse_seeds(args.seeds), Path(args.out), base_config(args)
     key = "weighted_accuracy"  # the global model on every client's test images, pooled
-    results = {label: run_seeds(spec, base, out, seeds, args.progress)
-               for label, spec in variants(args.clip, [float(z) for z in args.noise.split(",")], args.rounds).items()}
+    noises = parse_list(args.noise, "--noise", float)
+    if not all(math.isfinite(z) and z > 0 for z in noises):
+        raise ConfigError(f"--noise {args.noise!r}: give finite noise multipliers above 0")
+    specs = variants(args.clip, noises, args.rounds)
+    check_variants(specs.values(), base)
+    results = {label: run_seeds(spec, base, out, seeds, args.progress) for label, spec in specs.items()}
     head = (f"MNIST, logreg, 1,000 clients of two digits, 100 a round, E = 1, batch 10, lr 0.1, equal weights, "
             f"clip C = {args.clip:g}, δ = 1000^-1.1, {args.rounds} rounds, seeds {args.seeds}; accuracy on all "
             f"clients' test images, %\n")

@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import parse_seeds, plot_mean_accuracy, run_script, run_seeds, seed_table, table
+from common import (check_variants, parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, seed_table,
+                    table)
 
 from jaxfl.run.config import RunConfig
 
@@ -41,8 +42,9 @@ def main(argv=None) -> None:
     base = RunConfig(dataset="digits", rounds=args.rounds, lr=0.01, momentum=0.5, batch_size=64,
                      local_epochs=1, samples_per_client=1000, test_per_client=args.test_per_client,
                      eval_every=args.eval_every)
-    results = {}
-    for spec in args.algorithms.split(","):
+    results, specs = {}, parse_list(args.algorithms, "--algorithms")
+    check_variants(specs, base)
+    for spec in specs:
         results[spec] = run_seeds(spec, base, args.out, seeds, args.progress)
         print(spec, [round(a, 4) for a in results[spec][0][-1].get("test_accuracy", [])], flush=True)
     names = ["MNIST-M", "MNIST", "USPS"]

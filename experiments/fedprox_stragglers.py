@@ -27,8 +27,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import accuracy_curve, parse_seeds, run_script, run_seeds, seed_table
+from common import accuracy_curve, check_variants, parse_list, parse_seeds, run_script, run_seeds, seed_table
 
+from jaxfl.errors import ConfigError
 from jaxfl.run.config import RunConfig
 
 
@@ -88,7 +89,12 @@ def main(argv=None) -> None:
     key = "weighted_accuracy"  # the global model on every client's test images, pooled (the paper's test accuracy)
     results, text = {}, [f"MNIST, logreg, 1,000 clients of two digits, {COHORT} a round, E = 20, batch 10, lr 0.03, "
                          f"{args.rounds} rounds, seeds {args.seeds}; accuracy on all clients' test images, %\n"]
-    for s in (float(x) for x in args.stragglers.split(",")):
+    levels = parse_list(args.stragglers, "--stragglers", float)
+    if not all(0 <= s < 1 for s in levels):
+        raise ConfigError(f"--stragglers {args.stragglers!r}: give levels s in [0, 1)")
+    for s in levels:
+        check_variants(variants(s, args.mu).values(), base)
+    for s in levels:
         results[s] = {label: run_seeds(spec, base, out / f"s{s:g}", seeds, args.progress)
                       for label, spec in variants(s, args.mu).items()}
         text += [f"\n{s:.0%} stragglers:\n", seed_table(results[s], key=key)]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from common import parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table
+from common import parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table
 
 from jaxfl.core.trees import leaf_paths
 from jaxfl.ops.diagnostics import overlap_ratio
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
     seeds = parse_seeds(args.seeds)
-    for dataset in args.datasets.split(","):
+    for dataset in parse_list(args.datasets, "--datasets", choices=("cifar10", "pacs")):
         out, results = Path(args.out) / dataset, {}
         for spec in args.algorithms.split(","):
             results[spec] = run_seeds(spec, base_config(dataset, args), out, seeds, args.progress)

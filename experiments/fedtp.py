@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import parse_seeds, plot_mean_accuracy, run_script, run_seeds, seed_table
+from common import parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, seed_table
 
 from jaxfl.run.config import RunConfig
 
@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
     seeds = parse_seeds(args.seeds)
-    for split in args.splits.split(","):
+    for split in parse_list(args.splits, "--splits", choices=SPLITS):
         base = RunConfig(dataset="cifar10", num_clients=args.num_clients, clients_per_round=args.clients_per_round,
                          test_per_client=args.test_per_client, model=args.model, rounds=args.rounds,
                          local_epochs=args.local_epochs, batch_size=64, lr=0.01, momentum=0.9,

@@ -24,7 +24,8 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from common import parse_seeds, plot_mean_accuracy, run_script, run_variant, seed_stats, seed_table
+from common import (check_variants, parse_list, parse_seeds, plot_mean_accuracy, run_script, run_variant, seed_stats,
+                    seed_table)
 
 from jaxfl.errors import NonFiniteError
 from jaxfl.run.config import RunConfig
@@ -84,10 +85,12 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="runs/pfl_methods")
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
-    seeds, lrs = parse_seeds(args.seeds), [float(x) for x in args.lrs.split(",")]
+    seeds, lrs = parse_seeds(args.seeds), parse_list(args.lrs, "--lrs", float)
     out, base = Path(args.out), base_config(args)
+    specs = parse_list(args.algorithms, "--algorithms")
+    check_variants([f"{spec}:lr={lr}" for spec in specs for lr in lrs], base)
     grid, chosen, results, diverged = {}, {}, {}, []
-    for spec in args.algorithms.split(","):
+    for spec in specs:
         grid[spec] = {lr: run_or_diverged(f"{spec}:lr={lr}", base.replace(seed=seeds[0]), out / "grid",
                                           args.progress, diverged) for lr in lrs}
         # the best rate on the first seed at which no other seed diverges (the next best otherwise)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from common import (parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table, table,
+from common import (parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table, table,
                     variant_dir)
 
 from jaxfl.run.checkpoint import read_metrics
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     if args.from_logs:
         return tables_from_logs(args)
     seeds = parse_seeds(args.seeds)
-    for dataset in args.datasets.split(","):
+    for dataset in parse_list(args.datasets, "--datasets", choices=NAMES):
         out, names = Path(args.out) / dataset, NAMES[dataset]
         results, reports = {}, {}
         for spec in args.algorithms.split(","):

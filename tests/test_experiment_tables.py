@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 from common import parse_seeds, plot_mean_accuracy, run_script, seed_root, seed_stats, seed_table, table  # noqa: E402
 import common as experiments_common  # noqa: E402
 
-from jaxfl.errors import DataError, RunIOError, Stopped  # noqa: E402
+from jaxfl.errors import ConfigError, DataError, RunIOError, Stopped  # noqa: E402
 
 
 def history(accs, per_client=None):
@@ -67,12 +67,29 @@ def test_per_client_table_averages_best_and_last_over_seeds():
 def test_seeds_parse_and_lay_out_runs(tmp_path):
     assert parse_seeds("0,1, 2") == [0, 1, 2]
     for bad in ("", "1,1"):
-        with pytest.raises(SystemExit):
+        with pytest.raises(ConfigError, match="give distinct integers >= 0"):  # run_script's one line, exit 2
             parse_seeds(bad)
     assert seed_root(tmp_path, 3, [3]) == tmp_path
     assert seed_root(tmp_path, 3, [1, 3]) == tmp_path / "seed3"
     plot_mean_accuracy({"fedavg": [SEED0, SEED1]}, tmp_path / "a.png", "t")
     assert (tmp_path / "a.png").stat().st_size > 1000
+
+
+def test_every_variant_is_checked_before_the_first_runs():
+    from jaxfl.run.config import RunConfig
+    base = RunConfig(dataset="default")
+    experiments_common.check_variants(["fedavg", "fedprox:mu=0.1:lr=0.05"], base)
+    cases = {("fedavg", "fedprox:mu=-1"): "fedprox.mu=-1.0 must be a finite number in [0.0, inf)",
+             ("fedavg", "nosuch"): "unknown algorithm 'nosuch'",
+             ("fedavg", "fedprox:muu=1"): "unknown option 'muu' in 'fedprox:muu=1'",
+             ("fedpick:use_pfsm=ture",): "'ture' in variant 'fedpick:use_pfsm=ture' is not a true/false",
+             ("fedavg:lr=abc",): "'abc' in variant 'fedavg:lr=abc' is not a float"}
+    for specs, message in cases.items():
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            experiments_common.check_variants(specs, base)
+    assert experiments_common.parse_list("0.5, 0.9", "--stragglers", float) == [0.5, 0.9]
+    with pytest.raises(ConfigError, match="--datasets 'nosuch': give comma-separated values from digits, pacs"):
+        experiments_common.parse_list("nosuch", "--datasets", choices=("digits", "pacs"))
 
 
 def test_run_script_ends_a_stop_or_an_error_in_one_line_with_the_cli_exit_code(capsys):
