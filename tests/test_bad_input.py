@@ -119,6 +119,9 @@ CASES = {
     # refused by the argument parser, which printed its whole usage (~170 lines) first
     "--lr abc": (lambda d: ["--lr", "abc"],
                  "argument --lr: invalid float value: 'abc' (jaxfl run --help lists the options)"),
+    "a list of numbers with a word in it": (lambda d: ["--algorithm", "heterofl", "--heterofl.device-ratios", "0,abc"],
+                                            "argument --heterofl.device-ratios: invalid comma-separated numbers value: "
+                                            "'0,abc'"),
     "an unknown flag": (lambda d: ["--bogus", "1"], "unrecognized arguments: --bogus 1 (jaxfl run --help"),
     "an abbreviated flag": (lambda d: ["--rounds-per-cal", "5"], "unrecognized arguments: --rounds-per-cal 5"),
 }

@@ -68,6 +68,15 @@ def test_compare_refuses_bad_input_in_one_line(sweep, tmp_path, capsys):
     assert not (tmp_path / "no").exists()
 
 
+def test_the_library_functions_refuse_an_empty_input_clearly(tmp_path):
+    from jaxfl.errors import ConfigError
+    from jaxfl.run.compare import aligned_curves, load_run, seed_stats
+    for fn, arg, message in ((seed_stats, [], "no runs to compare"), (aligned_curves, [], "no runs to compare"),
+                             (load_run, tmp_path / "nope", "holds no run \\(no metrics.jsonl\\)")):
+        with pytest.raises(ConfigError, match=message):
+            fn(arg)
+
+
 def test_groups_are_labelled_by_what_differs_among_them():
     from pathlib import Path
     from jaxfl.run.compare import group_by_seed

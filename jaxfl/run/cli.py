@@ -73,11 +73,19 @@ HELP = {
 }
 
 
+def _numbers(text: str) -> tuple:
+    """"0,0.2,0.4" -> (0.0, 0.2, 0.4): a tuple option's flag value."""
+    return tuple(float(x) for x in text.split(","))
+
+
+_numbers.__name__ = "comma-separated numbers"  # (argparse: "invalid comma-separated numbers value: '0,abc'")
+
+
 def _add_flag(group, flag: str, dest: str, tp, text: str) -> None:
     if tp is bool:
         group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=text)
     elif tp is tuple:  # comma-separated numbers, e.g. --dapperfl.device-ratios 0,0.2,0.4
-        group.add_argument(flag, dest=dest, type=lambda v: tuple(float(x) for x in v.split(",")), help=text)
+        group.add_argument(flag, dest=dest, type=_numbers, help=text)
     else:
         group.add_argument(flag, dest=dest, type=tp, help=text)
 

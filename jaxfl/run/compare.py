@@ -47,6 +47,8 @@ def load_run(folder: Path) -> tuple[dict, list[dict]]:
     """(config, history) of a run folder; a torn last line of metrics.jsonl is dropped."""
     from .checkpoint import read_metrics
     cfg_path = Path(folder) / "config.json"
+    if not (Path(folder) / "metrics.jsonl").is_file():
+        raise ConfigError(f"{str(folder)!r} holds no run (no metrics.jsonl)")
     try:
         config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     except ValueError as e:
@@ -153,6 +155,8 @@ def aligned_curves(hists: list[list[dict]], key: str = "mean_accuracy") -> tuple
     """(rounds [R], accuracy [S, R]): the rounds every one of the S runs evaluated (a run stopped early, or
     resumed with another ``eval_every``, evaluated others), and each run's accuracy ``key`` at them.
     ConfigError if they share none."""
+    if not hists:
+        raise ConfigError("no runs to compare")
     curves = [accuracy_curve(h, key) for h in hists]
     common = sorted(set.intersection(*(set(r.tolist()) for r, _ in curves)))
     if not common:
@@ -166,6 +170,8 @@ def seed_stats(hists: list[list[dict]], key: str = "mean_accuracy", tail: int = 
     ``best`` (best-mean) and ``tail`` (mean of the last ``tail``), each (mean, std) (population std: 0 for one
     seed); ``seeds``; ``rounds`` (that last round); ``clients`` [(mean, std)] of each client's accuracy then
     (when the runs record per-client accuracy)."""
+    if not hists:
+        raise ConfigError("no runs to compare")
     if any(len(accuracy_curve(h, key)[0]) == 0 for h in hists):
         raise ConfigError(f"a run has no evaluated round with {key!r}")
     rounds, acc = aligned_curves(hists, key)
