@@ -427,3 +427,12 @@ def test_participation_is_a_fraction_of_the_clients_up_to_float_error_and_the_po
         assert sampling_rate(RunConfig(participation=p, cohort_sampling="poisson"), n) == p
     assert sampling_rate(RunConfig(clients_per_round=3, cohort_sampling="poisson"), 20) == 3 / 20
     assert sampling_rate(RunConfig(), 20) == 1.0
+
+
+def test_a_config_built_in_python_is_checked_for_its_types():
+    # (the CLI and config files coerce; a RunConfig built by hand reaches validate as it is)
+    for kw, message in ((dict(rounds="3"), "rounds='3' must be an integer"), (dict(lr="x"), "lr='x' must be a number"),
+                        (dict(resume="yes"), "resume='yes' must be true or false")):
+        with pytest.raises(ConfigError, match=message):
+            validate(RunConfig(**kw))
+    assert validate(RunConfig(lr=1)).lr == 1  # an int where a float is asked is a number

@@ -261,6 +261,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_choice("algorithm", cfg.algorithm, REGISTRY)
     cfg = cfg.with_protocol()
     for f in dataclasses.fields(cfg):  # every rate, fraction and scale: inf/nan is never meant
+        if f.name != "options":  # a RunConfig built in Python: each value of its field's type
+            coerce(f.name, field_type(type(cfg), f), getattr(cfg, f.name))
         v = getattr(cfg, f.name)
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"{f.name}={v} must be a finite number")
