@@ -314,10 +314,11 @@ def rdp_wor_gaussian(q: float, sigma: float, orders=ORDERS) -> np.ndarray:
     tail = np.minimum(refined, math.log(2) + (j - 1) * eps(j)) + j * math.log(q)
     log_expm1 = eps(2) + math.log(-math.expm1(-eps(2)))  # log(e^x - 1), without overflow at tiny σ
     second = 2 * math.log(q) + min(math.log(4) + log_expm1, math.log(2) + eps(2))
+    log_fact = np.array([math.lgamma(k + 1) for k in range(top + 1)])  # log k!, for binom(α, j)
     out = []
     for a in orders:
-        logs = np.concatenate([[0.0, _log_binom(a, 2) + second],
-                               tail[:a - 2] + [_log_binom(a, int(i)) for i in j[:a - 2]]])
+        log_binom = log_fact[a] - log_fact[j[:a - 2]] - log_fact[a - j[:a - 2]]
+        logs = np.concatenate([[0.0, _log_binom(a, 2) + second], tail[:a - 2] + log_binom])
         top_log = logs.max()
         log_sum = top_log + math.log(np.exp(logs - top_log).sum())
         # subsampling never costs privacy: the Gaussian's own RDP bounds it too (the tighter near q = 1)
