@@ -16,7 +16,7 @@ from ..core.privacy import DEFAULT_CLIP_LR
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
-from ..data.federated import TEXT_DATASETS, DataConfig
+from ..data.federated import PREFIX_ARGUMENT, TEXT_DATASETS, DataConfig
 from ..errors import ConfigError, check_choice, check_range
 from .lock import LOCK_NAME, check_free
 
@@ -210,32 +210,30 @@ def check_modality(cfg: RunConfig) -> None:
                           f"{' or '.join(TEXT_MODELS)}")
     if not text and model in TEXT_MODELS:
         raise ConfigError(f"--model {model} reads text (token ids) and --dataset {cfg.dataset} holds images; use "
-                          f"a text dataset ({', '.join(t + 'PATH' if t.endswith(':') else t for t in TEXT_DATASETS)}) "
+                          f"a text dataset ({dataset_names(TEXT_DATASETS)}) "
                           f"or an image model")
 
 
-# how each kind of dataset is split into clients, the datasets of that kind, and the options that shape it
+# how each kind of dataset is split into clients, its datasets (a prefix ends in ":") and the options that shape it
 DATASET_KINDS = {
-    "label": ("is split by label", "mnist, cifar10, tfds:NAME",
+    "label": ("is split by label", ("mnist", "cifar10", "tfds:"),
               ("num_clients", "partition", "dirichlet_alpha", "classes_per_client", "client_sizes", "size_sigma")),
     "domain": ("has one client per domain (--clients-per-domain k splits each into k)",
-               "default, digits, pacs, folder:PATH", ("clients_per_domain",)),
-    "writers": ("has --num-clients synthetic writers", "synthetic_text", ("num_clients", "size_sigma")),
-    "files": ("has one client per file (text:) or user (leaf:)", "text:PATH, leaf:PATH", ()),
+               ("default", "digits", "pacs", "folder:"), ("clients_per_domain",)),
+    "writers": ("has --num-clients synthetic writers", ("synthetic_text",), ("num_clients", "size_sigma")),
+    "files": ("has one client per file (text:) or user (leaf:)", ("text:", "leaf:"), ()),
 }
+
+
+def dataset_names(names) -> str:
+    """"mnist, tfds:NAME": dataset names as --help writes them (a prefix with what follows it)."""
+    return ", ".join(n + PREFIX_ARGUMENT.get(n, "") for n in names)
 
 
 def dataset_kind(dataset: str) -> str | None:
     """``DATASET_KINDS``' key of a dataset name (None for an unknown one: loading names the valid ones)."""
-    if dataset in ("mnist", "cifar10") or dataset.startswith("tfds:"):
-        return "label"
-    if dataset in ("default", "digits", "pacs") or dataset.startswith("folder:"):
-        return "domain"
-    if dataset == "synthetic_text":
-        return "writers"
-    if dataset.startswith(("text:", "leaf:")):
-        return "files"
-    return None
+    return next((kind for kind, (_, names, _) in DATASET_KINDS.items()
+                 if any(dataset == n or (n.endswith(":") and dataset.startswith(n)) for n in names)), None)
 
 
 def check_data_options(cfg: RunConfig) -> None:
@@ -250,7 +248,7 @@ def check_data_options(cfg: RunConfig) -> None:
             users = [k for k, (_, _, fields) in DATASET_KINDS.items() if name in fields]
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: --dataset {cfg.dataset} "
                               f"{DATASET_KINDS[kind][0]}, so it would be ignored; it applies to "
-                              f"{', '.join(DATASET_KINDS[k][1] for k in users)}")
+                              f"{', '.join(dataset_names(DATASET_KINDS[k][1]) for k in users)}")
 
 
 def validate(cfg: RunConfig) -> RunConfig:
