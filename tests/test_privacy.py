@@ -355,7 +355,7 @@ def test_a_dp_run_through_the_cli_logs_epsilon_and_resumes_exactly(tmp_path, cap
 
 
 def test_bad_dp_options_get_one_line(tmp_path, capsys):
-    cases = {("--dp-noise", "1"): "--dp-noise, --dp-delta and the adaptive clipping options need --dp-clip C",
+    cases = {("--dp-noise", "1"): "--dp-noise, --dp-delta, --dp-level and the adaptive clipping options need --dp-clip C",
              ("--dp-clip", "0", "--weighting", "uniform"): "dp_clip=0.0 is outside (0.0, inf]",
              ("--dp-clip", "1", "--dp-noise", "-1", "--weighting", "uniform"): "dp_noise=-1.0 is outside [0.0, inf]",
              ("--dp-clip", "1", "--dp-delta", "1", "--weighting", "uniform"): "dp_delta=1.0 is outside (0, 1)",
@@ -364,7 +364,7 @@ def test_bad_dp_options_get_one_line(tmp_path, capsys):
              "--dp-clip: fednova's aggregate is not an equal-weight mean of shared parameters alone; DP-FedAvg "
              "composes with: ",
              ("--algorithm", "fedavg", "--dp-clip", "1"): "--dp-clip: DP-FedAvg averages the cohort with equal weights",
-             ("--dp-quantile", "0.5"): "--dp-noise, --dp-delta and the adaptive clipping options need --dp-clip C",
+             ("--dp-quantile", "0.5"): "--dp-noise, --dp-delta, --dp-level and the adaptive clipping options need --dp-clip C",
              ("--dp-epsilon", "5"): "--dp-epsilon needs --dp-clip C",
              ("--dp-clip", "1", "--dp-epsilon", "5", "--dp-noise", "1", "--weighting", "uniform"):
              "--dp-epsilon 5 sets the noise multiplier: give it or --dp-noise 1, not both",

@@ -23,6 +23,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedProxOptions(LocalBNOption):
     name = "fedprox"
+    sample_dp = True
     server_optimizer = True
     user_dp = True
     sharing = ("as FedAvg; local loss + mu/2 ||w - w_global||^2", "nothing")

@@ -48,6 +48,10 @@ class Options:
     # the trained rows' "params", from nothing else the clients computed from their data, and clients keep only
     # what they trained themselves: DP-FedAvg's clipping and noise (``--dp-clip``, ``jaxfl.core.privacy``) apply
     user_dp: ClassVar[bool] = False
+    # the client's only work on its data is one ``LocalTrainer.run`` of the run's epochs on a loss that is a mean
+    # of per-sample terms (plus terms of the parameters alone), nothing else it computes from its data leaves
+    # it but the trained model and its metrics: DP-SGD (``--dp-level sample``, ``jaxfl.core.dpsgd``) applies
+    sample_dp: ClassVar[bool] = False
     # the aggregate treats a cohort row of weight 0 as absent (its server state and the other rows' kept states
     # as without it), so Poisson sampling (``--cohort-sampling poisson``) may pad the cohort with such rows;
     # checked for every algorithm that claims it (tests/test_baselines.py)

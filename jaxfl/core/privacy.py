@@ -49,6 +49,9 @@ fixed-denominator estimate
 (adding or removing one client moves the sum by at most C: sensitivity C / qN, noise multiplier z), and
 ``Accountant(..., sampling="poisson")`` accounts for it.
 
+Sample-level DP (DP-SGD in local training, ``jaxfl.core.dpsgd``) is accounted for by ``SampleAccountant``: the
+same Poisson curve per local step, composed over every client's steps.
+
 Deviations:
 - The bound is the one Google's ``dp_accounting`` computes for sampling without replacement at orders up to 256
   (equal to 1e-9 in ``tests/test_privacy.py``), with exact forward differences: where dp_accounting's float64
@@ -126,6 +129,7 @@ def add_noise(key, params, shared, std):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+DP_LEVELS = ("user", "sample")  # DP-FedAvg here; DP-SGD in local training (``jaxfl.core.dpsgd``)
 DEFAULT_CLIP_LR = 0.2  # adaptive clipping's learning rate (Andrew et al.'s and TFF's)
 CLIP_KEY = "dp_clip"  # adaptive clipping: the current clipping norm, beside the algorithm's server state
 COUNT_STREAM = 2 ** 32 - 1  # fold_in(key, COUNT_STREAM): the clipped count's noise (a round index never reaches it)
@@ -339,15 +343,15 @@ def rdp_poisson_gaussian(q: float, noise_multiplier: float, orders=ORDERS) -> np
         return np.full(len(orders), math.inf)
     if q == 1:
         return np.asarray([a / (2 * z * z) for a in orders], np.float64)
-    out = []
-    for a in orders:
-        a = int(a)
-        log_sum = -math.inf
-        for j in range(a + 1):
-            log_sum = _log_add(log_sum, _log_binom(a, j) + j * math.log(q) + (a - j) * math.log1p(-q)
-                               + (j * j - j) / (2 * z * z))
-        out.append(log_sum / (a - 1))
-    return np.asarray(out, np.float64)
+    a = np.asarray(orders, np.int64)[:, None]
+    j = np.arange(int(a.max()) + 1)[None, :]
+    log_fact = np.array([math.lgamma(k + 1) for k in range(int(a.max()) + 1)])
+    logs = (log_fact[a] - log_fact[j] - log_fact[np.maximum(a - j, 0)] + j * math.log(q)
+            + (a - j) * math.log1p(-q) + (j * j - j) / (2 * z * z))
+    logs = np.where(j <= a, logs, -np.inf)  # the sum runs over j = 0..α
+    top = logs.max(axis=1, keepdims=True)
+    log_sum = top[:, 0] + np.log(np.exp(logs - top).sum(axis=1))
+    return log_sum / (a[:, 0] - 1)
 
 
 def epsilon_from_rdp(rdp, delta: float, orders=ORDERS) -> tuple[float, int]:
@@ -402,20 +406,67 @@ class Accountant:
                 f"(user-level, {neighbours})")
 
 
-def noise_for_epsilon(q: float, rounds: int, delta: float, target: float, sampling: str = "fixed") -> float:
-    """The smallest noise multiplier z (to 0.1 %) whose ``rounds`` rounds at sampling rate q spend at most ε =
-    ``target`` at δ (``Accountant`` with ``sampling``): bisection, ε falling as z grows. ConfigError past z = 1000."""
-    spent = lambda z: Accountant(q, z, delta, sampling).epsilon(rounds)
+class SampleAccountant:
+    """ε after t rounds of DP-SGD in every client's local training (``jaxfl.core.dpsgd``), add/remove one
+    sample, at δ. Client i takes E · s_i steps a round (s_i = ceil(n_i / B)), each the Poisson-sampled
+    Gaussian mechanism of rate 1 / s_i and noise multiplier z (``rdp_poisson_gaussian``), so a sample of client
+    i spends ε_i(t) = min_α t E s_i RDP_{1/s_i}(α) + ... (``epsilon_from_rdp``) if its client trains every round;
+    the run's ε is the largest over the clients (every sample's guarantee). The cohort draw's amplification is
+    not claimed (a client counts as training every round) and a straggler's shorter rounds count in full: an
+    upper bound. counts: the clients' sample counts n_i."""
+
+    def __init__(self, counts, batch_size: int, epochs: int, noise_multiplier: float, delta: float):
+        self.noise_multiplier, self.delta, self.batch_size, self.epochs = noise_multiplier, delta, batch_size, epochs
+        self.steps = sorted({-(-int(n) // batch_size) for n in counts if int(n) > 0})  # distinct s_i
+        self._rdp = [epochs * s * rdp_poisson_gaussian(1.0 / s, noise_multiplier) for s in self.steps]
+
+    def epsilon(self, rounds: int) -> float:
+        if self.noise_multiplier == 0:
+            return math.inf
+        return max(epsilon_from_rdp(rounds * rdp, self.delta)[0] for rdp in self._rdp)
+
+    def worst_steps(self, rounds: int) -> int:
+        """s_i of the clients whose samples spend the most (the smallest clients, usually: no amplification
+        where n_i <= B)."""
+        return self.steps[int(np.argmax([epsilon_from_rdp(rounds * rdp, self.delta)[0] for rdp in self._rdp]))]
+
+    def report(self, rounds: int) -> dict:
+        """summary.json's privacy record after ``rounds`` rounds (epsilon None without noise: no guarantee)."""
+        eps = self.epsilon(rounds)
+        return {"level": "sample", "epsilon": None if math.isinf(eps) else eps, "delta": self.delta,
+                "noise_multiplier": self.noise_multiplier, "rounds": rounds, "local_epochs": self.epochs,
+                "batch_size": self.batch_size, "worst_client_steps_per_epoch": self.worst_steps(rounds),
+                "accountant": "RDP, DP-SGD with Poisson-sampled batches (rate 1 / steps per epoch), add/remove one "
+                              "sample, every client counted in every round, integer orders 2-256"}
+
+    def describe(self, rounds: int) -> str:
+        """One line for the start-up message."""
+        eps = self.epsilon(rounds)
+        spent = "no privacy guarantee (no noise)" if math.isinf(eps) else f"({eps:.3g}, {self.delta:.2g})-DP"
+        return (f"noise {self.noise_multiplier:g}: {spent} after {rounds} rounds (sample-level, add/remove one "
+                f"sample, every client counted every round)")
+
+
+def calibrate_noise(spent, target: float, what: str) -> float:
+    """The smallest noise multiplier z (to 0.1 %) with spent(z) <= ``target`` (spent: z -> ε, falling as z
+    grows): bisection. ConfigError past z = 1000, naming ``what`` (e.g. "after 100 rounds at delta 1e-05")."""
     lo, hi = 0.0, 1.0
     while spent(hi) > target:
         lo, hi = hi, 2 * hi
         if hi > 1000:
-            raise ConfigError(f"epsilon {target:g} after {rounds} rounds at delta {delta:g} needs a noise "
-                              f"multiplier above 1000; ask for a larger epsilon or delta")
+            raise ConfigError(f"epsilon {target:g} {what} needs a noise multiplier above 1000; ask for a larger "
+                              f"epsilon or delta")
     while hi - lo > 1e-3 * hi:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if spent(mid) > target else (lo, mid)
     return hi
+
+
+def noise_for_epsilon(q: float, rounds: int, delta: float, target: float, sampling: str = "fixed") -> float:
+    """The smallest noise multiplier z (to 0.1 %) whose ``rounds`` rounds at sampling rate q spend at most ε =
+    ``target`` at δ (``Accountant`` with ``sampling``). ConfigError past z = 1000."""
+    return calibrate_noise(lambda z: Accountant(q, z, delta, sampling).epsilon(rounds), target,
+                           f"after {rounds} rounds at delta {delta:g}")
 
 
 def bn_stats_shared(alg: Algorithm, key, sample_x) -> bool:
@@ -426,6 +477,14 @@ def bn_stats_shared(alg: Algorithm, key, sample_x) -> bool:
     count = lambda state: (len(jax.tree_util.tree_leaves(state.get("batch_stats", {})))
                            if isinstance(state, dict) else 0)
     return count(server) > count(client)
+
+
+def has_batch_stats(alg: Algorithm, key, sample_x) -> bool:
+    """Whether ``alg``'s server or client state holds BatchNorm statistics (top-level ``batch_stats`` with
+    leaves). Shapes only."""
+    server, client = jax.eval_shape(alg.init, key, sample_x)
+    return any(isinstance(state, dict) and jax.tree_util.tree_leaves(state.get("batch_stats", {}))
+               for state in (server, client))
 
 
 def default_delta(num_clients: int) -> float:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from ..data.clients import ClientData
+from .dpsgd import SELECT_STREAM, SampleDP, poisson_members, poisson_rate, private_gradient
 from .metrics import correct_count
 
 
@@ -141,11 +142,14 @@ class LocalTrainer:
     runs until its longest client is done (the engine groups clients of similar size for that reason).
     The padded length M of ``data`` only bounds the step count (M / batch_size, rounded up). A straggler
     (``data.work`` given) runs ``local_epochs(work, epochs)`` of the epochs.
+    With ``dp`` (``jaxfl.core.dpsgd``) every step is a DP-SGD step: a Poisson-sampled batch, per-sample
+    gradients clipped, summed and noised; the steps per epoch stay ceil(n / batch_size).
     """
     tx: optax.GradientTransformation
     batch_size: int
     epochs: int
     preprocess: Callable = normalizer()
+    dp: SampleDP | None = None
 
     def run(self, loss_fn, params, state, opt_state, data: ClientData, key, epochs=None):
         """Train one client.
@@ -162,6 +166,21 @@ class LocalTrainer:
         slots = -(-m // b) * b  # the permutation padded to whole batches (indices past m are never real)
         n_steps = (data.count + b - 1) // b
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def private_epoch(e, carry):  # DP-SGD: each step its own Poisson draw (no epoch permutation)
+            ekey = jax.random.fold_in(key, e)
+            rate = poisson_rate(data.count, b)
+
+            def step(t, carry):
+                params, state, opt_state, sums = carry
+                skey = jax.random.fold_in(ekey, t + 1)
+                members = poisson_members(jax.random.fold_in(skey, SELECT_STREAM), data.count, m, rate)
+                grads, step_sums = private_gradient(loss_fn, params, state, lambda idx: batch_of(data, idx),
+                                                    self.preprocess, members, data.count, skey, self.dp, b, rate)
+                updates, opt_state = self.tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), state, opt_state, sums + step_sums
+
+            return jax.lax.fori_loop(0, n_steps, step, carry)
 
         def epoch(e, carry):
             ekey = jax.random.fold_in(key, e)
@@ -185,7 +204,8 @@ class LocalTrainer:
             return jax.lax.fori_loop(0, n_steps, step, carry)
 
         init = (params, state, opt_state, jnp.zeros(4, jnp.float32))
-        params, state, opt_state, sums = jax.lax.fori_loop(0, epochs, epoch, init)
+        params, state, opt_state, sums = jax.lax.fori_loop(0, epochs, epoch if self.dp is None else private_epoch,
+                                                           init)
         seen = jnp.maximum(sums[2], 1.0)
         return params, state, opt_state, {"loss": sums[0] / seen, "accuracy": sums[1] / seen,
                                           "seen": sums[2], "steps": sums[3]}

@@ -56,7 +56,12 @@ HELP = {
     "dp_noise": "DP-FedAvg noise multiplier z: Gaussian noise of std z*C/k on the mean of the cohort's k "
                 "clipped updates (with --cohort-sampling poisson: z*C/(qN) on their sum over qN); the run reports "
                 "(epsilon, delta) by an RDP accountant (0: clipping only)",
-    "dp_delta": "DP-FedAvg: the delta of the reported epsilon (default: N^-1.1 for N clients)",
+    "dp_level": "user: DP-FedAvg (above); sample: DP-SGD in every client's local training (Poisson-sampled "
+                "batches of rate 1/steps, each sample's gradient clipped to --dp-clip, Gaussian noise of std "
+                "--dp-noise x C on a step's sum; needs a model without BatchNorm; any --weighting; epsilon per sample, "
+                "every client counted every round)",
+    "dp_delta": "the delta of the reported epsilon (default: N^-1.1 for N clients; --dp-level sample: for N "
+                "training samples)",
     "dp_epsilon": "DP-FedAvg: calibrate the noise: the smallest --dp-noise whose run spends at most this epsilon "
                   "(at --dp-delta, over --rounds; the start-up line and config.json give the multiplier found)",
     "dp_quantile": "DP-FedAvg with adaptive clipping (Andrew et al. 2021): the clipping norm starts at --dp-clip and "
@@ -400,8 +405,9 @@ def run_one(cfg: RunConfig, quiet: bool, cache: str | None):
             adapt = "" if cfg.dp_quantile is None else (f" (at first; then the {cfg.dp_quantile:g} quantile of the "
                                                         f"update norms, lr {cfg.dp_clip_lr:g})")
             calibrated = "" if cfg.dp_epsilon is None else f" (the noise calibrated to epsilon {cfg.dp_epsilon:g})"
-            say(f"DP-FedAvg: updates clipped to norm {cfg.dp_clip:g}{adapt}, {exp.privacy.describe(cfg.rounds)}"
-                f"{calibrated}")
+            what = ("DP-SGD: each sample's gradient clipped to norm" if cfg.dp_level == "sample"
+                    else "DP-FedAvg: updates clipped to norm")
+            say(f"{what} {cfg.dp_clip:g}{adapt}, {exp.privacy.describe(cfg.rounds)}{calibrated}")
     bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
     result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds), notify=say)
     if not quiet:

@@ -12,7 +12,7 @@ from ..core.backends import BACKENDS, PLACEMENTS
 from ..core.cohort import SAMPLINGS, STRATEGIES, default_strategy
 from ..core.distributed import is_primary
 from ..core.options import accepts_none, check_int_size, coerce, field_type, plain
-from ..core.privacy import DEFAULT_CLIP_LR
+from ..core.privacy import DEFAULT_CLIP_LR, DP_LEVELS
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
@@ -51,6 +51,9 @@ class RunConfig:
     server_tau: float = 1e-3
     # user-level differential privacy of the averaging algorithms (DP-FedAvg, ``jaxfl.core.privacy``); None: off
     dp_clip: float | None = None  # C: each client's update of the shared parameters is clipped to l2 norm C
+    # user: DP-FedAvg (a client's update clipped); sample: DP-SGD in local training (each sample's gradient
+    # clipped to dp_clip, noise z C on a step's sum; ``jaxfl.core.dpsgd``)
+    dp_level: str = "user"
     dp_noise: float = 0.0  # z: Gaussian noise of std z C / k on the mean of the cohort's k clipped updates
     dp_delta: float | None = None  # δ of the reported ε (None: N^-1.1 for N clients)
     dp_epsilon: float | None = None  # calibrate z: the smallest noise multiplier that spends at most this ε
@@ -354,10 +357,15 @@ def check_privacy(cfg: RunConfig) -> None:
                               f"{cfg.dp_noise:g}, not both")
         check_range("dp_epsilon", cfg.dp_epsilon, 0.0, float("inf"), lo_open=True)
     tuning = cfg.dp_clip_lr != DEFAULT_CLIP_LR or cfg.dp_count_noise is not None  # adaptive clipping's knobs
+    check_choice("dp_level", cfg.dp_level, DP_LEVELS)
     if cfg.dp_clip is None:
-        if cfg.dp_noise or cfg.dp_delta is not None or cfg.dp_quantile is not None or tuning:
-            raise ConfigError("--dp-noise, --dp-delta and the adaptive clipping options need --dp-clip C (the "
-                              "clipping norm the noise is scaled to; with --dp-quantile, its starting value)")
+        if (cfg.dp_noise or cfg.dp_delta is not None or cfg.dp_quantile is not None or tuning
+                or cfg.dp_level != "user"):
+            raise ConfigError("--dp-noise, --dp-delta, --dp-level and the adaptive clipping options need --dp-clip C "
+                              "(the clipping norm the noise is scaled to; with --dp-quantile, its starting value)")
+        return
+    if cfg.dp_level == "sample":
+        check_sample_privacy(cfg, tuning)
         return
     if cfg.dp_quantile is None and tuning:
         raise ConfigError("--dp-clip-lr and --dp-count-noise adapt the clipping norm: they need --dp-quantile Q")
@@ -378,6 +386,23 @@ def check_privacy(cfg: RunConfig) -> None:
     if cfg.weighting != "uniform":
         raise ConfigError(f"--dp-clip: DP-FedAvg averages the cohort with equal weights (--weighting {cfg.weighting} "
                           f"would let one client move the mean by more than 2C/k); add --weighting uniform")
+
+
+def check_sample_privacy(cfg: RunConfig, tuning: bool) -> None:
+    """DP-SGD's options (``dp_level`` sample): the clip, noise and delta ranges, no adaptive clipping, an
+    algorithm whose local work is DP-SGD's (``Options.sample_dp``)."""
+    from ..algorithms import REGISTRY, options_class
+    if cfg.dp_quantile is not None or tuning:
+        raise ConfigError("--dp-quantile, --dp-clip-lr and --dp-count-noise adapt DP-FedAvg's clipping norm; "
+                          "--dp-level sample clips each sample's gradient to a fixed --dp-clip")
+    check_range("dp_clip", cfg.dp_clip, 0.0, float("inf"), lo_open=True)
+    check_range("dp_noise", cfg.dp_noise, 0.0, float("inf"))
+    if cfg.dp_delta is not None and not 0 < cfg.dp_delta < 1:
+        raise ConfigError(f"dp_delta={cfg.dp_delta!r} is outside (0, 1)")
+    if not options_class(cfg.algorithm).sample_dp:
+        able = ", ".join(n for n, r in REGISTRY.items() if r.options.sample_dp)
+        raise ConfigError(f"--dp-level sample: {cfg.algorithm}'s local work is not one minibatch loop of the "
+                          f"client optimizer on its loss alone; DP-SGD composes with: {able}")
 
 
 def dp_count_noise(cfg: RunConfig, cohort: int) -> float:

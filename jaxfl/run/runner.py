@@ -19,8 +19,9 @@ from ..core.backends import Ragged, Stacked, device_memory_bytes
 from ..core.cost import backend_seconds, train_flops_per_sample
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
 from ..core.evaluate import Evaluator
-from ..core.privacy import (CLIP_KEY, Accountant, bn_stats_shared, default_delta, noise_for_epsilon,
-                             value_noise_multiplier, with_privacy)
+from ..core.dpsgd import SampleDP
+from ..core.privacy import (CLIP_KEY, Accountant, SampleAccountant, bn_stats_shared, calibrate_noise, default_delta,
+                            has_batch_stats, noise_for_epsilon, value_noise_multiplier, with_privacy)
 from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer, client_optimizer, normalizer
 from ..core.trees import count_params
@@ -133,7 +134,22 @@ class Experiment:
                                   momentum=cfg.momentum if cfg.optimizer == "sgd" else None, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
         self.privacy = None
-        if cfg.dp_clip is not None:  # DP-FedAvg: clipped updates, noise on the mean (before a server optimizer)
+        if cfg.dp_clip is not None and cfg.dp_level == "sample":  # DP-SGD in every client's local training
+            if has_batch_stats(self.algorithm, jax.random.key(0), ds.train[0][0][:1]):
+                raise ConfigError(f"--dp-level sample: {model_name(cfg)} has BatchNorm, whose statistics mix a "
+                                  f"batch's samples; use a model without it (logreg, mlp_2nn, femnist_cnn, "
+                                  f"fedavg_cnn, pfl_cnn, vit_tiny, ...)")
+            counts = [len(y) for _, y in ds.train]
+            delta = cfg.dp_delta or default_delta(sum(counts))
+            spent = lambda z: SampleAccountant(counts, cfg.batch_size, cfg.local_epochs, z, delta)
+            if cfg.dp_epsilon is not None:
+                noise = calibrate_noise(lambda z: spent(z).epsilon(cfg.rounds), cfg.dp_epsilon,
+                                        f"after {cfg.rounds} rounds at delta {delta:g}")
+                self.cfg = cfg = cfg.replace(dp_noise=noise)
+            self.trainer = dataclasses.replace(self.trainer, dp=SampleDP(cfg.dp_clip, cfg.dp_noise))
+            self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
+            self.privacy = spent(cfg.dp_noise)
+        elif cfg.dp_clip is not None:  # DP-FedAvg: clipped updates, noise on the mean (before a server optimizer)
             if bn_stats_shared(self.algorithm, jax.random.key(0), ds.train[0][0][:1]):
                 local = (f"--{cfg.algorithm}.local-bn" if hasattr(self.options, "local_bn") else "fedbn")
                 raise ConfigError(f"--dp-clip: {cfg.algorithm} averages the BatchNorm statistics of "
@@ -372,6 +388,8 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
 def privacy_settings(cfg: RunConfig, cohort: int, server) -> dict:
     """summary.json's record of how a DP run clipped and noised: the clip (adaptive: where it started and ended,
     the count's noise std) and the update's noise multiplier."""
+    if cfg.dp_level == "sample":
+        return {"per_sample_clip": cfg.dp_clip, "gradient_noise_multiplier": cfg.dp_noise}
     if cfg.dp_quantile is None:
         return {"clip": cfg.dp_clip, "update_noise_multiplier": cfg.dp_noise}
     std = dp_count_noise(cfg, cohort)
