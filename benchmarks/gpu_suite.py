@@ -15,11 +15,12 @@ spent are skipped and listed as such.
 
 A workload whose runner fails (e.g. out of GPU memory) keeps its other runners' figures; the failure is a row of
 the table. Sessions 18, 19 and 27 measured every workload on an H200 (``benchmarks/results/gpu_h200_*``), so
-``--skip-done benchmarks/results`` goes straight to the last part: with the budget left and MNIST under
-``$JAXFL_DATA_DIR/digits``, ``benchmarks/backend_choice.py`` (into ``DIR/choice``) checks that ``jaxfl run``
-picks the faster data backend on that device, then ``benchmarks/seed_axis.py`` (into ``DIR/seed_axis.json``)
-whether a round over a seed axis beats one round per seed there. The workloads' processes import jaxfl from this
-checkout.
+``--skip-done benchmarks/results`` goes straight to the parts after them (``extra_parts``), skipping those an
+earlier session measured too: with the budget left and MNIST under ``$JAXFL_DATA_DIR/digits``,
+``benchmarks/backend_choice.py`` (into ``DIR/choice``: does ``jaxfl run`` pick the faster data backend on that
+device?), ``benchmarks/seed_axis.py`` (``DIR/seed_axis.json``: does a round over a seed axis beat one round per
+seed?), both measured in session 34, then ``benchmarks/time_to_accuracy.py`` with the torch loop on the GPU too
+(``DIR/time_to_accuracy_gpu.{json,md}``). The workloads' processes import jaxfl from this checkout.
 
 The small-model workloads (``small:...``, issue 34) run the engine vmapped (one round per call and 10 rounds per
 call, ``Stacked``), the ragged engine's vmap buckets and the two loops (``GPU_SMALL_RUNNERS``).
@@ -95,24 +96,19 @@ def main(argv=None) -> None:
         res["suite_cohort"], res["suite_spec"] = cohort, spec
         results.append(res)
         print("\n".join(throughput.report(results[-1:]).splitlines()[2:]), flush=True)
-    left = budget - (time.perf_counter() - start)
-    if not args.smoke and left >= 60 and mnist_available():
-        # does `jaxfl run` pick the faster backend here? (benchmarks/backend_choice.py, ~6 min on an H200)
-        import backend_choice
-        backend_choice.main(["--out", str(out / "choice"), "--budget-s", str(left - 60)])
-    elif not args.smoke:
-        skipped.append("backend_choice (no MNIST under $JAXFL_DATA_DIR/digits, or no budget left)")
-    left = budget - (time.perf_counter() - start)
-    if not args.smoke and left >= 60:
-        # a lead for `jaxfl run --seeds`: one round over a seed axis against S rounds (a loss on the CPU)
+    skip_dir = Path(args.skip_done) if args.skip_done else None
+    for name, output, command in ([] if args.smoke else extra_parts(out)):
+        left = budget - (time.perf_counter() - start)
+        if skip_dir is not None and any(skip_dir.rglob(Path(output).name)):
+            continue  # an earlier GPU session measured it
+        if left < 60 or (name != "seed_axis" and not mnist_available()):
+            skipped.append(f"{name} (no budget left, or no MNIST under $JAXFL_DATA_DIR/digits)")
+            continue
+        budget_args = ["--budget-s", str(left - 60)] if name == "backend_choice" else []  # keeps what it measured
         try:
-            subprocess.run([sys.executable, str(Path(__file__).parent / "seed_axis.py"), "--workload", "logreg,2nn",
-                            "--seeds", "3,10", "--strategy", "vmap", "--rounds", "10",
-                            "--out", str(out / "seed_axis.json")], env=env, timeout=left - 30, check=False)
+            subprocess.run([sys.executable, *command, *budget_args], env=env, timeout=left - 30, check=False)
         except subprocess.TimeoutExpired:
-            skipped.append("seed_axis (out of budget)")
-    elif not args.smoke:
-        skipped.append("seed_axis (no budget left)")
+            skipped.append(f"{name} (out of budget)")
     elapsed = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps({"results": results, "skipped": skipped, "elapsed_s": elapsed},
                                                  indent=1))
@@ -137,6 +133,26 @@ def main(argv=None) -> None:
 H100 = dict(peak_flops=66.9e12, tf32_flops=494.7e12, hbm_bytes_per_s=3.35e12, launch_s=5e-6)
 SKIP_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
             "replica-id", "opt-barrier"}
+
+
+def extra_parts(out: Path) -> list[tuple[str, str, list[str]]]:
+    """The suite's parts after the throughput workloads, in order: (name, output file, script and arguments).
+    ``--skip-done DIR`` skips a part whose output file's name is somewhere under DIR."""
+    here = Path(__file__).parent
+    return [
+        # does `jaxfl run` pick the faster backend here? (~6 min on an H200; measured in session 34)
+        ("backend_choice", str(out / "choice" / "backend_choice.json"),
+         [str(here / "backend_choice.py"), "--out", str(out / "choice")]),
+        # a lead for `jaxfl run --seeds`: one round over a seed axis against S rounds (measured in session 34)
+        ("seed_axis", str(out / "seed_axis.json"),
+         [str(here / "seed_axis.py"), "--workload", "logreg,2nn", "--seeds", "3,10", "--strategy", "vmap",
+          "--rounds", "10", "--out", str(out / "seed_axis.json")]),
+        # time to accuracy with the torch loop on the GPU too (session 34 measured jaxfl alone there)
+        ("time_to_accuracy", str(out / "time_to_accuracy_gpu.json"),
+         [str(here / "time_to_accuracy.py"), "--settings", "2nn_iid,cnn_iid,2nn_noniid", "--frameworks",
+          "jaxfl,torch", "--lrs", "0.2", "--out", str(out / "time_to_accuracy_gpu.json"),
+          "--md", str(out / "time_to_accuracy_gpu.md"), "--resume"]),
+    ]
 
 
 def mnist_available() -> bool:

@@ -24,7 +24,8 @@ per entry over a grid. The frameworks:
           ``jaxfl run --devices 2`` does; asked for before jax starts)
   torch   a plain PyTorch loop, client after client: load the global state, a fresh ``torch.optim.SGD``, E epochs
           over ``torch.randperm`` minibatches of B (drop_last False), then the sample-weighted average;
-          ``torch.set_num_threads(--threads)``; the clients' float tensors are made before timing
+          ``torch.set_num_threads(--threads)``; the clients' float tensors are made (and, where CUDA is
+          available, moved to the GPU, where the loop then runs, each round synchronised) before timing
 
 Both see the same partition, the same cohorts (``jaxfl.core.cohort.sample_cohort``), the same initial weights
 (jaxfl's init copied into the torch model) and the same inputs x / 255.
@@ -260,20 +261,28 @@ def run_torch(cfg: dict, clients, test, init, lr: float, cohorts, seed: int, thr
     import numpy as np
     import torch
     torch.set_num_threads(threads)
-    model = torch_net(cfg["model"])
-    state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in init.items()}
-    x_test, y_test = test
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine, the loop runs on the GPU too
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)  # a round's time includes its kernels
+    model = torch_net(cfg["model"]).to(dev)
+    state = {k: torch.from_numpy(np.array(v, np.float32)).to(dev) for k, v in init.items()}
+    clients = [(x.to(dev), y.to(dev)) for x, y in clients]  # (once, before any timing)
+    x_test, y_test = (v.to(dev) for v in test)
     b, e = cfg["batch"], cfg["epochs"]
     t = time.perf_counter()
     torch_round(model, state, clients, cohorts[0], lr, b, e, seed, -1)  # warm-up, discarded
+    sync()
     warm_s = time.perf_counter() - t
 
     def step(r, state):
-        return torch_round(model, state, clients, cohorts[r], lr, b, e, seed, r)
+        new = torch_round(model, state, clients, cohorts[r], lr, b, e, seed, r)
+        sync()
+        return new
 
     out = track(step, lambda s: torch_accuracy(model, s, x_test, y_test), state, len(cohorts), cfg["target"],
                 stop, label)
-    return dict(out, compile_s=0.0, warmup_s=warm_s, threads=torch.get_num_threads(), torch=torch.__version__)
+    device = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    return dict(out, compile_s=0.0, warmup_s=warm_s, threads=torch.get_num_threads(), torch=torch.__version__,
+                torch_device=device)
 
 
 def same_model_check(model_name: str, init, x) -> float:
@@ -322,12 +331,20 @@ def fmt(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+def devices_note(entries: list[dict]) -> str:
+    """" jaxfl on X; torch on Y." from the entries' devices (older entries lack ``torch_device``: the CPU)."""
+    jax_dev = sorted({e["device"] for e in entries if e["framework"].startswith("jaxfl") and "device" in e})
+    torch_dev = sorted({e.get("torch_device", "cpu") for e in entries if e["framework"] == "torch"})
+    parts = [f"{name} on {', '.join(d)}" for name, d in (("jaxfl", jax_dev), ("torch", torch_dev)) if d]
+    return f" {'; '.join(parts)}." if parts else ""
+
+
 def report(entries: list[dict], meta: dict) -> str:
     """Markdown: one summary row per (setting, framework) at its best lr, then every lr."""
     lines = [f"Time to accuracy, FedAvg on MNIST (McMahan et al. 2017 settings): {meta['clients']} clients of "
              f"{meta['per_client']}, cohort {meta['cohort']} per round, SGD, evaluation on {meta['test']} test "
              f"images after every round. Wall seconds: the rounds' training + aggregation only (no evaluation, no "
-             f"compilation). {meta['machine']}.", "",
+             f"compilation). {meta['machine']}.{devices_note(entries)}", "",
              "| setting | framework | lr grid | best lr | rounds to target | paper rounds | wall s to target | "
              "s / round | compile s | final acc |", "|---" * 10 + "|"]
     groups: dict = {}
