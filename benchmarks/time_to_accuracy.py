@@ -239,9 +239,11 @@ def torch_inputs(x, y, parts) -> list:
 
 def torch_round(model, global_state: dict, clients, ids, lr: float, batch: int, epochs: int, seed: int, r: int):
     """One FedAvg round, client after client (``torch_fedavg_round``), each client's batch order from its own
-    seeded generator; returns the new global state."""
+    seeded generator on the clients' device (on a GPU no index crosses from the host); returns the new global
+    state."""
     import torch
-    gen = lambda i: torch.Generator().manual_seed((seed * 1_000_003 + r) * 100_003 + i)
+    device = clients[0][1].device
+    gen = lambda i: torch.Generator(device=device).manual_seed((seed * 1_000_003 + r) * 100_003 + i)
     return torch_fedavg_round(model, global_state, clients, ids, lr, batch, epochs, generator=gen)
 
 

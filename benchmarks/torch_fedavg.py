@@ -20,7 +20,8 @@ def torch_fedavg_round(model, global_state: dict, clients, ids, lr: float, batch
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         gen = generator(int(i)) if generator is not None else None
         for _ in range(epochs):
-            perm = torch.randperm(n, generator=gen) if gen is not None else torch.randperm(n, device=y.device)
+            perm = (torch.randperm(n, generator=gen, device=gen.device) if gen is not None
+                    else torch.randperm(n, device=y.device))
             for s in range(0, n, batch):
                 idx = perm[s:s + batch]
                 opt.zero_grad()
