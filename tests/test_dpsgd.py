@@ -2,6 +2,7 @@
 noise against their formulas (jit, vmap), the private gradient reduced to the plain one, padding and chunking
 that change nothing, the accountant's composition, and the run option through the CLI's path."""
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -139,21 +140,59 @@ def test_the_sample_accountant_composes_every_clients_steps():
     assert privacy.SampleAccountant(counts, b, e, found * 0.99, delta).epsilon(7) > 5.0
 
 
+def test_thm9_subsampling_of_any_curve_follows_its_formula():
+    rng = np.random.default_rng(0)
+    curve = np.cumsum(rng.uniform(0.001, 0.05, len(privacy.ORDERS)))  # increasing, as an RDP curve is
+    q = 0.07
+    got = privacy.rdp_wor_subsampled(q, curve)
+    eps = lambda j: curve[j - 2]
+    for a in (2, 3, 9, 40):
+        total = 1 + q * q * math.comb(a, 2) * min(4 * math.expm1(eps(2)), 2 * math.exp(eps(2)))
+        total += sum(q ** j * math.comb(a, j) * 2 * math.exp((j - 1) * eps(j)) for j in range(3, a + 1))
+        assert got[a - 2] == pytest.approx(min(math.log(total) / (a - 1), eps(a)), rel=1e-9)
+    assert np.all(got <= curve) and np.array_equal(privacy.rdp_wor_subsampled(1.0, curve), curve)
+    # on the Gaussian's curve it is the bound the forward differences refine: never below it
+    gauss = np.array([a / (2 * 1.3 ** 2) for a in privacy.ORDERS])
+    assert np.all(privacy.rdp_wor_subsampled(0.1, gauss) >= privacy.rdp_wor_gaussian(0.1, 1.3) * (1 - 1e-12))
+
+
+def test_the_cohort_draw_amplifies_only_stateless_clients():
+    counts, z, delta = [190, 600, 1200], 1.0, 5.5e-6
+    wide = privacy.SampleAccountant(counts, 32, 1, z, delta)
+    drawn = privacy.SampleAccountant(counts, 32, 1, z, delta, cohort_fraction=0.1)
+    per_client = [privacy.epsilon_from_rdp(50 * privacy.rdp_wor_subsampled(
+        0.1, s * privacy.rdp_poisson_gaussian(1 / s, z)), delta)[0] for s in (6, 19, 38)]
+    assert drawn.epsilon(50) == pytest.approx(max(per_client), rel=1e-12)
+    assert drawn.epsilon(50) < 0.3 * wide.epsilon(50)
+    from jaxfl.algorithms import build_algorithm
+    from jaxfl.core.trainer import LocalTrainer
+    from jaxfl.core.types import RunContext
+    from jaxfl.models import build_model
+    trainer = LocalTrainer(optax.sgd(0.1), 4, 1)
+    keeps = {name: privacy.clients_keep_state(build_algorithm(name, build_model("logreg", 3), trainer,
+                                                              RunContext(num_clients=4, num_rounds=2)),
+                                              jax.random.key(0), jnp.zeros((1, 8, 8, 1), jnp.uint8))
+             for name in ("fedavg", "fedprox", "fedper", "local")}
+    assert keeps == {"fedavg": False, "fedprox": False, "fedper": True, "local": True}
+
+
 def test_a_sample_dp_run_through_the_cli(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["run", "--algorithm", "fedprox", "--model", "logreg", *TINY, "--dp-level", "sample", "--dp-clip", "1",
-            "--dp-epsilon", "8", "--rounds", "2", "--out", str(out)]
+            "--dp-epsilon", "8", "--rounds", "2", "--clients-per-round", "2", "--out", str(out)]
     assert main(args) == 0
     err = capsys.readouterr().err
     spent = json.loads((out / "summary.json").read_text())["privacy"]
     z = json.loads((out / "config.json").read_text())["dp_noise"]
-    acc = privacy.SampleAccountant([40], 16, 1, z, spent["delta"])  # every client has 40 samples: 3 steps
+    # every client has 40 samples (3 steps); fedprox's clients keep nothing: 2 of 3 a round amplify
+    acc = privacy.SampleAccountant([40], 16, 1, z, spent["delta"], cohort_fraction=2 / 3)
+    assert spent["cohort_fraction"] == pytest.approx(2 / 3)
     assert spent["epsilon"] == pytest.approx(acc.epsilon(2), rel=1e-12) and 7.9 < spent["epsilon"] <= 8
     assert (spent["level"], spent["per_sample_clip"], spent["worst_client_steps_per_epoch"]) == ("sample", 1.0, 3)
     assert f"DP-SGD: each sample's gradient clipped to norm 1, noise {z:g}: ({acc.epsilon(2):.3g}, " in err
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["dp_epsilon"] for r in recs] == pytest.approx([acc.epsilon(1), acc.epsilon(2)], rel=1e-12)
-    assert all(s == 3 for r in recs for s in r["train_steps"])
+    assert all(s == 3 for r in recs for s in r["train_steps"]) and all(len(r["train_steps"]) == 2 for r in recs)
 
 
 def test_bad_sample_dp_options_get_one_line(tmp_path, capsys):

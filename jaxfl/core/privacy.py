@@ -330,6 +330,38 @@ def rdp_wor_gaussian(q: float, sigma: float, orders=ORDERS) -> np.ndarray:
     return np.asarray(out, np.float64)
 
 
+def rdp_wor_subsampled(q: float, rdp) -> np.ndarray:
+    """RDP(α) of any mechanism of RDP curve ε(j) (``rdp``, float [255] at the orders 2..256, ``ORDERS``) run on a
+    fixed-size sample of a fraction q of the units drawn without replacement, replace-one units (Wang et al. 2019,
+    Thm. 9, with ε(∞) = ∞), capped by ε(α) itself:
+
+        RDP(α) = 1 / (α - 1) · log(1 + q² binom(α, 2) min(4 (e^{ε(2)} - 1), 2 e^{ε(2)})
+                                    + Σ_{j=3..α} q^j binom(α, j) 2 e^{(j - 1) ε(j)}).
+
+    q = 1 gives the curve itself. -> float64 [255]."""
+    eps = np.asarray(rdp, np.float64)
+    if len(eps) != len(ORDERS):
+        raise ValueError(f"rdp_wor_subsampled needs the curve at orders {ORDERS[0]}..{ORDERS[-1]}")
+    if q >= 1:
+        return eps
+    if q == 0:
+        return np.zeros_like(eps)
+    a = np.asarray(ORDERS, np.int64)[:, None]
+    j = np.arange(3, ORDERS[-1] + 1)[None, :]
+    log_fact = np.array([math.lgamma(k + 1) for k in range(ORDERS[-1] + 1)])
+    tail = (log_fact[a] - log_fact[j] - log_fact[np.maximum(a - j, 0)] + j * math.log(q) + math.log(2)
+            + (j - 1) * eps[j - 2])
+    tail = np.where(j <= a, tail, -np.inf)
+    e2 = eps[0]
+    log_expm1 = e2 + math.log(-math.expm1(-e2)) if e2 > 0 else -np.inf  # log(e^x - 1) without overflow
+    second = (2 * math.log(q) + log_fact[a[:, 0]] - log_fact[2] - log_fact[a[:, 0] - 2]
+              + min(math.log(4) + log_expm1, math.log(2) + e2))
+    logs = np.concatenate([np.zeros((len(ORDERS), 1)), second[:, None], tail], axis=1)
+    top = logs.max(axis=1, keepdims=True)
+    log_sum = top[:, 0] + np.log(np.exp(logs - top).sum(axis=1))
+    return np.minimum(log_sum / (a[:, 0] - 1), eps)
+
+
 def rdp_poisson_gaussian(q: float, noise_multiplier: float, orders=ORDERS) -> np.ndarray:
     """RDP(α) of one round of the Poisson-sampled Gaussian mechanism (sampling rate q, noise z relative to the
     sensitivity, add/remove neighbours; Mironov, Talwar and Zhang 2019, Sec. 3.3) at integer orders α:
@@ -409,16 +441,23 @@ class Accountant:
 class SampleAccountant:
     """ε after t rounds of DP-SGD in every client's local training (``jaxfl.core.dpsgd``), add/remove one
     sample, at δ. Client i takes E · s_i steps a round (s_i = ceil(n_i / B)), each the Poisson-sampled
-    Gaussian mechanism of rate 1 / s_i and noise multiplier z (``rdp_poisson_gaussian``), so a sample of client
-    i spends ε_i(t) = min_α t E s_i RDP_{1/s_i}(α) + ... (``epsilon_from_rdp``) if its client trains every round;
-    the run's ε is the largest over the clients (every sample's guarantee). The cohort draw's amplification is
-    not claimed (a client counts as training every round) and a straggler's shorter rounds count in full: an
-    upper bound. counts: the clients' sample counts n_i."""
+    Gaussian mechanism of rate 1 / s_i and noise multiplier z (``rdp_poisson_gaussian``): a round in which it
+    trains has RDP ε_i(α) = E s_i RDP_{1/s_i}(α) for its samples. With ``cohort_fraction`` q < 1 (a fixed-size
+    cohort of k of N clients, drawn without replacement, of an algorithm whose clients keep nothing between
+    rounds, so that a round is a function of the global model and its cohort's data alone), a round is that
+    mechanism on a sample of the clients: ``rdp_wor_subsampled(q, ε_i)`` (Wang et al.'s Thm. 9; one sample
+    changed changes its client's data: replace-one clients). Otherwise (q = 1, Poisson cohorts, clients that keep
+    state, which ties their rounds together) every client counts in every round. T rounds compose to T times the
+    round's curve; the run's ε is the largest over the clients (every sample's guarantee). A straggler's shorter
+    rounds count in full: an upper bound. counts: the clients' sample counts n_i."""
 
-    def __init__(self, counts, batch_size: int, epochs: int, noise_multiplier: float, delta: float):
+    def __init__(self, counts, batch_size: int, epochs: int, noise_multiplier: float, delta: float,
+                 cohort_fraction: float = 1.0):
         self.noise_multiplier, self.delta, self.batch_size, self.epochs = noise_multiplier, delta, batch_size, epochs
+        self.cohort_fraction = cohort_fraction
         self.steps = sorted({-(-int(n) // batch_size) for n in counts if int(n) > 0})  # distinct s_i
-        self._rdp = [epochs * s * rdp_poisson_gaussian(1.0 / s, noise_multiplier) for s in self.steps]
+        self._rdp = [rdp_wor_subsampled(cohort_fraction, epochs * s * rdp_poisson_gaussian(1.0 / s, noise_multiplier))
+                     for s in self.steps]
 
     def epsilon(self, rounds: int) -> float:
         if self.noise_multiplier == 0:
@@ -436,15 +475,20 @@ class SampleAccountant:
         return {"level": "sample", "epsilon": None if math.isinf(eps) else eps, "delta": self.delta,
                 "noise_multiplier": self.noise_multiplier, "rounds": rounds, "local_epochs": self.epochs,
                 "batch_size": self.batch_size, "worst_client_steps_per_epoch": self.worst_steps(rounds),
+                "cohort_fraction": self.cohort_fraction,
                 "accountant": "RDP, DP-SGD with Poisson-sampled batches (rate 1 / steps per epoch), add/remove one "
-                              "sample, every client counted in every round, integer orders 2-256"}
+                              "sample, " + self._rounds_note() + ", integer orders 2-256"}
+
+    def _rounds_note(self) -> str:
+        return ("every client counted in every round" if self.cohort_fraction >= 1 else
+                f"a fixed-size cohort of {self.cohort_fraction:.3g} of the clients a round (Thm. 9, replace-one clients)")
 
     def describe(self, rounds: int) -> str:
         """One line for the start-up message."""
         eps = self.epsilon(rounds)
         spent = "no privacy guarantee (no noise)" if math.isinf(eps) else f"({eps:.3g}, {self.delta:.2g})-DP"
         return (f"noise {self.noise_multiplier:g}: {spent} after {rounds} rounds (sample-level, add/remove one "
-                f"sample, every client counted every round)")
+                f"sample, {self._rounds_note()})")
 
 
 def calibrate_noise(spent, target: float, what: str) -> float:
@@ -485,6 +529,12 @@ def has_batch_stats(alg: Algorithm, key, sample_x) -> bool:
     server, client = jax.eval_shape(alg.init, key, sample_x)
     return any(isinstance(state, dict) and jax.tree_util.tree_leaves(state.get("batch_stats", {}))
                for state in (server, client))
+
+
+def clients_keep_state(alg: Algorithm, key, sample_x) -> bool:
+    """Whether ``alg``'s clients keep any state between rounds (their client state has leaves). Shapes only."""
+    _, client = jax.eval_shape(alg.init, key, sample_x)
+    return bool(jax.tree_util.tree_leaves(client))
 
 
 def default_delta(num_clients: int) -> float:

@@ -20,8 +20,9 @@ from ..core.cost import backend_seconds, train_flops_per_sample
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
 from ..core.evaluate import Evaluator
 from ..core.dpsgd import SampleDP
-from ..core.privacy import (CLIP_KEY, Accountant, SampleAccountant, bn_stats_shared, calibrate_noise, default_delta,
-                            has_batch_stats, noise_for_epsilon, value_noise_multiplier, with_privacy)
+from ..core.privacy import (CLIP_KEY, Accountant, SampleAccountant, bn_stats_shared, calibrate_noise,
+                            clients_keep_state, default_delta, has_batch_stats, noise_for_epsilon,
+                            value_noise_multiplier, with_privacy)
 from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer, client_optimizer, normalizer
 from ..core.trees import count_params
@@ -141,7 +142,11 @@ class Experiment:
                                   f"fedavg_cnn, pfl_cnn, vit_tiny, ...)")
             counts = [len(y) for _, y in ds.train]
             delta = cfg.dp_delta or default_delta(sum(counts))
-            spent = lambda z: SampleAccountant(counts, cfg.batch_size, cfg.local_epochs, z, delta)
+            # the fixed-size cohort's draw amplifies a round only where it depends on the cohort's data alone
+            amplified = (cfg.cohort_sampling == "fixed" and
+                         not clients_keep_state(self.algorithm, jax.random.key(0), ds.train[0][0][:1]))
+            spent = lambda z: SampleAccountant(counts, cfg.batch_size, cfg.local_epochs, z, delta,
+                                               self.rate if amplified else 1.0)
             if cfg.dp_epsilon is not None:
                 noise = calibrate_noise(lambda z: spent(z).epsilon(cfg.rounds), cfg.dp_epsilon,
                                         f"after {cfg.rounds} rounds at delta {delta:g}")
