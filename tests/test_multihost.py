@@ -58,3 +58,40 @@ def test_cli_rejects_bad_process_id(capsys):
     from jaxfl.run.cli import main
     assert main(["run", "--num-processes", "2", "--process-id", "5", "--coordinator-address", "localhost:1"]) == 2
     assert "process_id=5 must be in [0, 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--process-id", "1"], "--process-id is for a run of several processes; add --num-processes N"),
+    (["--coordinator-address", "localhost:1"], "--coordinator-address is for a run of several processes"),
+    (["--num-processes", "-1"], "num_processes=-1 must be >= 1"),
+    (["--num-processes", "2", "--coordinator-address", "localhost:1"], "process_id=None must be in [0, 2)"),
+    # refused before joining the other process (which it would otherwise wait for)
+    (["--num-processes", "2", "--process-id", "0", "--coordinator-address", "localhost:1", "--devices", "0",
+      "--rounds", "0"], "rounds=0"),
+    (["--num-processes", "2", "--process-id", "0", "--coordinator-address", "localhost:1"],
+     "--num-processes 2: a run over several processes splits the clients over all of their devices; add --devices 0"),
+])
+def test_cli_refuses_launch_options_it_would_ignore_or_hang_on(args, message, tmp_path, capsys):
+    from jaxfl.run.cli import main
+    out = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
+def test_processes_started_with_other_options_are_refused(tmp_path):
+    port = str(free_port())
+    code = "import sys; from jaxfl.run.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, "run", "--quiet", "--out", str(tmp_path / "run"),
+                               "--devices", "0", "--num-processes", "2", "--process-id", str(i),
+                               "--coordinator-address", f"localhost:{port}", "--lr", lr],
+                              stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+             for i, lr in enumerate(("0.01", "0.5"))]
+    errs = [p.communicate(timeout=300)[1].strip().splitlines() for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert errs[1] == ["jaxfl: error: process 1 was started with other options than process 0: lr (0.5 here, 0.01 in "
+                       "process 0); start every process with the same options"]
+    assert errs[0] == ["jaxfl: error: process(es) 1 were started with other options than this one (see their error "
+                       "line); start every process with the same options"]
+    assert not (tmp_path / "run").exists()

@@ -55,20 +55,35 @@ def use_cpu_devices(n: int) -> bool:
     return True
 
 
+def check_launch(coordinator_address: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """ConfigError unless the three launch options describe a run: num_processes >= 1, process_id in
+    [0, num_processes), and with more than one process a "host:port" coordinator; with one process (or none
+    given) a process id other than 0 or a coordinator is refused, not ignored (the host that forgot
+    ``--num-processes`` would otherwise train the whole run alone). Cheap: no jax."""
+    n = 1 if num_processes is None else num_processes
+    if n < 1:
+        raise ConfigError(f"num_processes={n} must be >= 1")
+    if n == 1:
+        if process_id not in (None, 0) or coordinator_address:
+            given = "--process-id" if process_id not in (None, 0) else "--coordinator-address"
+            raise ConfigError(f"{given} is for a run of several processes; add --num-processes N (N > 1), the same "
+                              f"for every process")
+        return
+    if process_id is None or not 0 <= process_id < n:
+        raise ConfigError(f"process_id={process_id} must be in [0, {n})")
+    if not coordinator_address or ":" not in coordinator_address:
+        raise ConfigError(f"coordinator_address={coordinator_address!r} must be 'host:port' of process 0")
+
+
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
     """Join a run of ``num_processes`` processes (``jax.distributed.initialize``); call before any jax work.
 
     ``coordinator_address`` is "host:port" of process 0, the same for every process; ``process_id`` in
     [0, num_processes). On CPU, cross-process collectives use gloo. ``num_processes == 1`` does nothing.
     """
-    if num_processes < 1:
-        raise ConfigError(f"num_processes={num_processes} must be >= 1")
-    if not 0 <= process_id < num_processes:
-        raise ConfigError(f"process_id={process_id} must be in [0, {num_processes})")
-    if num_processes == 1:
-        return
-    if not coordinator_address or ":" not in coordinator_address:
-        raise ConfigError(f"coordinator_address={coordinator_address!r} must be 'host:port' of process 0")
+    if num_processes == 1 and process_id == 0:
+        return  # nothing to join (the CLI refuses a coordinator given with one process: check_launch)
+    check_launch(coordinator_address, num_processes, process_id)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
 
@@ -97,6 +112,34 @@ def fetch(tree):
             return np.asarray(multihost_utils.process_allgather(a, tiled=True))
         return np.array(a)
     return jax.tree_util.tree_map(one, tree)
+
+
+def check_same_everywhere(values: dict) -> None:
+    """ConfigError in every process unless every process passed the same ``values`` (a JSON-able dict: the run's
+    resolved options), naming the fields where this process differs from process 0. Every process must call
+    it; one process returns at once."""
+    if jax.process_count() == 1:
+        return
+    import json
+
+    from jax.experimental import multihost_utils
+    mine = json.dumps(values, sort_keys=True, default=str).encode()
+    longest = int(np.max(multihost_utils.process_allgather(np.array([len(mine)], np.int32))))
+    padded = np.zeros(longest, np.uint8)
+    padded[:len(mine)] = np.frombuffer(mine, np.uint8)
+    first = bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))).rstrip(b"\0")
+    theirs = json.loads(first.decode())
+    ours = json.loads(mine.decode())
+    diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+    differs = multihost_utils.process_allgather(np.array([len(diff) > 0], np.int32))
+    if diff:
+        shown = ", ".join(f"{k} ({ours.get(k)!r} here, {theirs.get(k)!r} in process 0)" for k in diff[:4])
+        raise ConfigError(f"process {jax.process_index()} was started with other options than process 0: {shown}"
+                          f"{' ...' if len(diff) > 4 else ''}; start every process with the same options")
+    if np.any(differs):
+        bad = ", ".join(str(i) for i in np.flatnonzero(np.asarray(differs).reshape(-1)))
+        raise ConfigError(f"process(es) {bad} were started with other options than this one (see their error "
+                          f"line); start every process with the same options")
 
 
 def is_primary() -> bool:

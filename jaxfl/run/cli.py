@@ -280,13 +280,22 @@ def main(argv=None) -> int:
     cache_flag = args.pop("compile_cache", None)
     seeds_flag = args.pop("seeds", None)
     launch = {k: args.pop(k) for k in LAUNCH_OPTIONS if k in args}
-    from ..core.distributed import initialize, is_primary  # imports jax: kept out of `jaxfl --help`'s start-up
+    from ..core.distributed import check_launch, check_same_everywhere, initialize, is_primary  # (imports jax)
     seed = None
     try:
-        if launch.get("num_processes", 1) > 1:
-            initialize(launch.get("coordinator_address", ""), launch["num_processes"], launch.get("process_id", 0))
-            quiet = quiet or not is_primary()  # one process prints
+        check_launch(*(launch.get(k) for k in LAUNCH_OPTIONS))
+        processes = launch.get("num_processes") or 1
+        # bad input is refused before joining the other processes (which would wait for a peer that has left)
         root, cfgs, skip = (None, [run_config(args)], ()) if seeds_flag is None else seed_configs(args, seeds_flag)
+        if processes > 1:
+            for c in cfgs:
+                validate(c)  # Experiment validates too, but after joining, a refusal would leave a peer waiting
+            if any(c.devices != 0 for c in cfgs):
+                raise ConfigError(f"--num-processes {processes}: a run over several processes splits the clients over "
+                                  f"all of their devices; add --devices 0")
+            initialize(launch["coordinator_address"], processes, launch["process_id"])
+            quiet = quiet or not is_primary()  # one process prints
+            check_same_everywhere({**cfgs[0].to_dict(), "seeds": [c.seed for c in cfgs]})
         folder, named, note = resolve_compile_cache(cache_flag)
         cache = use_compile_cache(folder, explicit=named)
         if cache is None and note and not quiet:
