@@ -57,6 +57,8 @@ class MetricsTest(chex.TestCase):
         np.testing.assert_allclose(ops.diagnostics.auroc(jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])), 0.0)
         np.testing.assert_allclose(ops.diagnostics.auroc(jnp.array([1.0, 3.0]), jnp.array([2.0, 2.0])), 0.5)
         np.testing.assert_allclose(ops.diagnostics.auroc(jnp.array([2.0]), jnp.array([2.0, 1.0])), 0.75)
+        # n+ n- past 2^31 (a test set of ~50,000 per side): no integer overflow, all ties counted half
+        np.testing.assert_allclose(ops.diagnostics.auroc(np.ones(50_000), np.ones(50_000)), 0.5, rtol=1e-5)
 
     def test_sparsity_ratio(self):
         z = jnp.array([[0.0, 1.0, 0.0, 2.0], [1.0, 1.0, 1.0, 0.0]])

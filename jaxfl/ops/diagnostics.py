@@ -36,7 +36,8 @@ def expected_calibration_error(confidence, correct, n_bins: int = 15, weights=No
 def auroc(scores_positive, scores_negative):
     """Area under the ROC curve for separating positives (higher score) from negatives:
     P(s+ > s-) + 0.5 P(s+ = s-) (Mann-Whitney U / (n+ n-), ties counted half).
-    Shapes: scores [N], labels [N] (1 positive, 0 negative) -> [] float.
+    Shapes: scores_positive [P], scores_negative [Q] (any shapes, flattened) -> [] float (NaN if either is
+    empty).
     """
     pos = jnp.ravel(jnp.asarray(scores_positive, jnp.float32))
     neg = jnp.ravel(jnp.asarray(scores_negative, jnp.float32))
@@ -45,7 +46,8 @@ def auroc(scores_positive, scores_negative):
     hi = jnp.searchsorted(allv, pos, side="right")
     rank = (lo + hi + 1) / 2.0  # 1-based average rank among all scores
     n_p, n_n = pos.size, neg.size
-    return (jnp.sum(rank) - n_p * (n_p + 1) / 2.0) / (n_p * n_n)
+    # (float products: n+ n- passes 2^31 at 46,341 samples each)
+    return (jnp.sum(rank) - float(n_p) * (n_p + 1) / 2.0) / (float(n_p) * float(n_n))
 
 
 def sparsity_per_sample(z, eps: float = 1e-5):
