@@ -51,6 +51,8 @@ class MetricsTest(chex.TestCase):
         got = self.variant(lambda c, k, w: ops.diagnostics.expected_calibration_error(c, k, 15, w))(conf, correct, w)
         np.testing.assert_allclose(got, 0.45, rtol=1e-6)
         np.testing.assert_allclose(ops.diagnostics.expected_calibration_error(jnp.ones(4), jnp.ones(4)), 0.0)
+        with pytest.raises(ValueError, match="n_bins=0 must be an integer >= 1"):  # (0 bins: an ECE of 0, silently)
+            ops.diagnostics.expected_calibration_error(jnp.ones(4), jnp.ones(4), 0)
 
     def test_auroc(self):
         np.testing.assert_allclose(ops.diagnostics.auroc(jnp.array([3.0, 4.0]), jnp.array([1.0, 2.0])), 1.0)

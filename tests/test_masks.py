@@ -213,3 +213,11 @@ class ChannelMaskTest(chex.TestCase):
         assert int(ops.masks.tree_count(tree)) == 13 and ops.masks.tree_size(tree) == 15
         np.testing.assert_allclose(float(ops.masks.tree_density(tree)), 13 / 15)
         np.testing.assert_allclose(float(ops.masks.leaf_density(tree)["a"]), 0.6)
+
+
+def test_integer_logits_give_the_float_mask():
+    key = jax.random.key(3)
+    z = jnp.array([[-2, 0, 3]])
+    soft = ops.masks.gumbel_sigmoid(z, key, 2.0)
+    np.testing.assert_array_equal(soft, ops.masks.gumbel_sigmoid(z.astype(jnp.float32), key, 2.0))
+    assert soft.dtype == jnp.float32 and ops.masks.relaxed_mask(z, key).dtype == jnp.float32

@@ -192,3 +192,27 @@ def test_plan_covers_the_cohort_once_with_bounded_shapes(seed, max_lanes, multip
         assert b.lanes in allowed and b.steps == grid_ceil(b.steps) and np.all(steps[present] <= b.steps)
     done, real = padded_work(plan, steps * 10, 10, per_client_trips=False)
     assert real == steps.sum() * 10 and 1.0 <= done / real < 1.6
+
+
+def test_the_library_entry_points_refuse_what_they_would_silently_misread():
+    from jaxfl.core.evaluate import Evaluator
+    from jaxfl.core.step import make_step
+    from jaxfl.errors import ConfigError
+    alg, data = algorithm("fedavg"), ragged()
+    bad = [(lambda: make_step(alg, weighting="sample"), "unknown weighting 'sample'"),
+           (lambda: Ragged(alg, data, batch_size=8, client_store="disk"), "unknown client_store 'disk'"),
+           (lambda: Stacked(alg, data, batch_size=8, strategy="pmap"), "unknown strategy 'pmap'"),
+           (lambda: Stacked(alg, data, batch_size=0), "batch_size=0 must be an integer >= 1"),
+           (lambda: Ragged(alg, data, batch_size=8, cohort_size=-2), "cohort_size=-2 must be an integer >= 1"),
+           (lambda: Evaluator(alg, data, eval_batch_size=0, preprocess=None), "eval_batch_size=0 must be")]
+    for build, message in bad:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            build()
+    engine = Ragged(alg, data, batch_size=8, cohort_size=2, num_rounds=3)
+    server, store = engine.init(jax.random.key(0), data.x[:1])
+    for t in (-1, 3, 2 ** 31):
+        with pytest.raises(ConfigError, match=re.escape(f"round index {t} is outside [0, 3) (num_rounds)")):
+            engine.round(server, store, t, ROOT)
+    evaluator = Evaluator(alg, data, eval_batch_size=8, preprocess=make_trainer().preprocess)
+    with pytest.raises(ConfigError, match="unknown predict 'train'"):
+        evaluator.metrics(server, store, predict="train")

@@ -42,9 +42,9 @@ import numpy as np
 
 from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
-from ..errors import DeviceMemoryError, first_line
+from ..errors import ConfigError, DeviceMemoryError, check_choice, first_line
 from .buckets import grid_ceil, padded_work, plan_buckets
-from .cohort import SAMPLINGS, default_strategy, poisson_cohort, poisson_members, poisson_rows, sample_cohort
+from .cohort import SAMPLINGS, STRATEGIES, default_strategy, poisson_cohort, poisson_members, poisson_rows, sample_cohort
 from .distributed import client_sharding, fetch, place_rows
 from .step import init_state, make_step, with_round_metrics
 from .trainer import ClientRows
@@ -126,8 +126,14 @@ class _Backend:
                  chunk_size: int = 8, cohort_size: int | None = None, weighting: str = "samples", mesh=None,
                  num_rounds: int | None = None, stragglers: float = 0.0, sampling: str = "fixed",
                  rate: float | None = None):
-        if sampling not in SAMPLINGS:
-            raise ValueError(f"sampling={sampling!r}: one of {SAMPLINGS}")
+        check_choice("sampling", sampling, SAMPLINGS)
+        if strategy is not None:
+            check_choice("strategy", strategy, STRATEGIES)
+        for name, value in (("batch_size", batch_size), ("chunk_size", chunk_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        if cohort_size is not None and (not isinstance(cohort_size, int) or cohort_size < 1):
+            raise ConfigError(f"cohort_size={cohort_size!r} must be an integer >= 1 (None: every client)")
         self.alg, self.train, self.batch_size = alg, train, batch_size
         self.strategy = strategy or default_strategy()
         self.chunk_size, self.weighting, self.mesh, self.num_rounds = chunk_size, weighting, mesh, num_rounds
@@ -146,6 +152,14 @@ class _Backend:
         out = jax.block_until_ready(fn(*args))
         self.device_s += time.perf_counter() - t
         return out
+
+    def check_rounds(self, first: int, count: int = 1) -> None:
+        """ConfigError unless rounds first .. first + count - 1 are round indices: 0 <= t < num_rounds (T, if
+        given: the algorithms' schedules assume t < T) and below 2^31 - 1 (a traced int32)."""
+        end = self.num_rounds if self.num_rounds is not None else 2 ** 31 - 1
+        if not (isinstance(first, (int, np.integer)) and 0 <= first and first + count <= end):
+            raise ConfigError(f"round index {first!r}{f' (+{count - 1})' if count > 1 else ''} is outside "
+                              f"[0, {end})" + (" (num_rounds)" if self.num_rounds is not None else ""))
 
     def draw(self, round_idx: int, root) -> np.ndarray:
         """Round ``round_idx``'s cohort on the host: its clients' ids, sorted (int [k])."""
@@ -188,6 +202,7 @@ class Ragged(_Backend):
     """
 
     def __init__(self, alg: Algorithm, train: RaggedClients, *, client_store: str = "auto", **kw):
+        check_choice("client_store", client_store, PLACEMENTS)
         super().__init__(alg, train, **kw)
         self.placement = client_store
         step = self.step
@@ -227,6 +242,7 @@ class Ragged(_Backend):
         ``before_aggregate(server, trained, ids)``, if given, sees the cohort's trained rows (stacked in cohort
         order) before aggregation (to evaluate the models right after local training).
         """
+        self.check_rounds(round_idx)
         t0, d0 = time.perf_counter(), self.device_s
         ids = self.draw(round_idx, root)
         k = len(ids)  # a Poisson cohort's buffer has rows for a size class: padding rows after the k members
@@ -439,6 +455,7 @@ class Stacked(_Backend):
     def round(self, server, store: ClientStore, round_idx: int, root, before_aggregate=None):
         """One round in one jitted call (two around ``before_aggregate``, which sees the trained rows);
         returns (server, metrics) as ``Ragged.round``."""
+        self.check_rounds(round_idx)
         t0, d0 = time.perf_counter(), self.device_s
         self._fit_rows(round_idx, 1, root)
         if before_aggregate is None:
@@ -458,6 +475,7 @@ class Stacked(_Backend):
     def run_rounds(self, server, store: ClientStore, first: int, count: int, root):
         """Rounds ``first`` .. ``first + count - 1`` in calls of at most ``rounds_per_call`` rounds:
         (server, [metrics of each round]), each as ``round`` returns them."""
+        self.check_rounds(first, count)
         out = []
         while count > 0:
             n = min(count, self.rounds_per_call)

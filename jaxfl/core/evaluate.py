@@ -17,12 +17,16 @@ import numpy as np
 
 from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
+from ..errors import ConfigError, check_choice
 from .buckets import grid_ceil
 from .cohort import over_clients
 from .distributed import fetch, place_rows
 from .metrics import correct_count, cross_entropy
 from .trainer import normalizer
 from .types import Algorithm, split_output
+
+
+PREDICTS = ("aggregated", "trained")  # the model after the round, or right after local training
 
 
 def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_size=8,
@@ -122,6 +126,8 @@ class Evaluator:
                  train: RaggedClients | None = None):
         if alg.prepare_predict is not None and train is None:
             raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
+        if not isinstance(eval_batch_size, int) or eval_batch_size < 1:
+            raise ConfigError(f"eval_batch_size={eval_batch_size!r} must be an integer >= 1")
         self.alg, self.test, self.train, self.mesh = alg, test, train, mesh
         self.eval_batch_size = eval_batch_size
         devices = 1 if mesh is None else mesh.devices.size
@@ -132,6 +138,7 @@ class Evaluator:
 
     def _fn(self, kind: str, predict: str, transform=None):
         key = (kind, predict, transform)
+        check_choice("predict", predict, PREDICTS)
         if key not in self._fns:
             alg = self.alg
             if predict == "trained":

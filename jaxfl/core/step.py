@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ..data.clients import ClientData
+from ..errors import check_choice
 from .aggregation import broadcast_clients
 from .cohort import client_keys, over_clients, straggler_work
 from .trainer import ClientRows
@@ -125,6 +126,8 @@ def make_step(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 
     they get weight 0 and zero trained rows (``drop_padding``), the algorithm's aggregate must treat a row of
     weight 0 as absent, and a cohort without a member leaves the server state as it was (unless the algorithm
     defines that round itself: ``Algorithm.aggregates_empty``)."""
+    check_choice("weighting", weighting, WEIGHTINGS)  # (a typo would silently weigh uniformly)
+
     def aggregate(server, trained, counts, ids, round_idx):
         info = RoundInfo(jnp.asarray(round_idx, jnp.int32), jnp.asarray(ids, jnp.int32), num_rounds)
         weights = aggregation_weights(counts, weighting)

@@ -24,6 +24,8 @@ def expected_calibration_error(confidence, correct, n_bins: int = 15, weights=No
     confidence [N] in [0, 1] (e.g. max softmax prob or max_k alpha_k / S); correct [N] bool/0-1.
     A confidence of exactly 0 falls in the first bin.
     """
+    if not isinstance(n_bins, int) or n_bins < 1:
+        raise ValueError(f"n_bins={n_bins!r} must be an integer >= 1")
     conf = jnp.asarray(confidence, jnp.float32)
     w = _weights(conf.shape[0], weights)
     bins = jnp.clip(jnp.ceil(conf * n_bins).astype(jnp.int32) - 1, 0, n_bins - 1)

@@ -34,7 +34,8 @@ def gumbel_sigmoid(logits, key=None, tau=1.0):
     (evaluation, deterministic). logits: any shape; returns the same shape in (0, 1). tau > 0.
     """
     check_positive(tau, "tau", "gumbel_sigmoid")
-    noise = 0.0 if key is None else logistic_noise(key, jnp.shape(logits), jnp.result_type(logits))
+    logits = jnp.asarray(logits, jnp.result_type(logits, jnp.float32))  # integer logits: a float mask
+    noise = 0.0 if key is None else logistic_noise(key, jnp.shape(logits), logits.dtype)
     return jax.nn.sigmoid((logits + noise) / tau)
 
 
