@@ -68,6 +68,12 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--only", default="", help="run only the workloads whose name contains this text")
     args = p.parse_args(argv)
+    from jaxfl.errors import ConfigError
+    from jaxfl.run.script import check_at_least
+    check_at_least("--rounds", args.rounds, 3)  # a compiling round, one timed, an evaluating one
+    names = list(SMOKE if args.smoke else WORKLOADS)
+    if not any(args.only in name for name in names):
+        raise ConfigError(f"--only {args.only!r} matches no workload; the workloads: {'; '.join(names)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start, rows = time.perf_counter(), []
@@ -113,4 +119,5 @@ def report(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxfl.run.script import run_script
+    raise SystemExit(run_script(main))

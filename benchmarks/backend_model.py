@@ -156,4 +156,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxfl.run.script import run_script
+    raise SystemExit(run_script(main))

@@ -254,6 +254,16 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    from jaxfl.errors import ConfigError
+    from jaxfl.run.script import check_at_least, check_output_file
+    for flag in ("batch", "steps", "reps"):
+        check_at_least(f"--{flag}", getattr(a, flag), 1)
+    for path in a.paths.split(","):
+        base, *flags = path.split("+")
+        if base not in PATHS or any(f not in FLAGS for f in flags):
+            raise ConfigError(f"--paths: {path!r} is not PATH[+FLAG...] with PATH one of {', '.join(PATHS)} and "
+                              f"FLAG of {', '.join(FLAGS)}")
+    check_output_file(a.json, "--json")
     if a.one:
         if a.one.startswith("torch/"):
             res = torch_path(int(a.one.split("/")[1]), a.model, a.batch, a.steps, a.reps)
@@ -297,4 +307,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from jaxfl.run.script import run_script
+    raise SystemExit(run_script(main))

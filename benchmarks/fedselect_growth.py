@@ -85,6 +85,10 @@ def main(argv=None) -> None:
     p.add_argument("--models", default="fedavg_cnn,resnet18_imagenet")
     p.add_argument("--clients", type=int, default=10)
     args = p.parse_args(argv)
+    from jaxfl.models import MODELS
+    from jaxfl.run.script import check_at_least, parse_list
+    parse_list(args.models, "--models", choices=tuple(MODELS))
+    check_at_least("--clients", args.clients, 1)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     print("| model | clients | parameter entries (all clients) | growth s (bisection) | growth s (sort) | "
           "one epoch s | growth / epoch |")
@@ -96,4 +100,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxfl.run.script import run_script
+    raise SystemExit(run_script(main))

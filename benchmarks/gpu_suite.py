@@ -69,6 +69,11 @@ def main(argv=None) -> None:
                    help="no GPU needed: XLA's flop / byte / kernel counts per round of every SUITE workload and the "
                         "H100 round time they imply (a projection; see project_workload)")
     args = p.parse_args(argv)
+    from jaxfl.core.cohort import STRATEGIES
+    from jaxfl.run.script import check_at_least, parse_list
+    parse_list(args.strategies, "--strategies", choices=STRATEGIES)
+    check_at_least("--rounds", args.rounds, 1)
+    check_at_least("--budget-s", args.budget_s, 0)
     if args.project:
         return project_main(args)
     budget = args.budget_s if args.budget_s is not None else (float("inf") if args.smoke else 540.0)
@@ -482,4 +487,5 @@ def plot(results, path):
 
 
 if __name__ == "__main__":
-    main()
+    from jaxfl.run.script import run_script
+    raise SystemExit(run_script(main))

@@ -33,10 +33,11 @@ from throughput import SMALL, lognormal_counts, small_population  # noqa: E402
 from jaxfl.algorithms import build_algorithm  # noqa: E402
 from jaxfl.core.backends import client_rows  # noqa: E402
 from jaxfl.core.buckets import grid_ceil  # noqa: E402
-from jaxfl.core.cohort import default_strategy, sample_cohort  # noqa: E402
+from jaxfl.core.cohort import STRATEGIES, default_strategy, sample_cohort  # noqa: E402
 from jaxfl.core.step import init_state, make_step  # noqa: E402
 from jaxfl.core.trainer import LocalTrainer  # noqa: E402
 from jaxfl.models import build_model  # noqa: E402
+from jaxfl.run.script import check_at_least, parse_list, run_script  # noqa: E402
 
 
 def stack(trees):
@@ -117,10 +118,16 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--equal-sizes", action="store_true", help="every seed's population has the same client sizes")
     p.add_argument("--out", default=None, help="write the results here (JSON)")
     args = p.parse_args(argv)
+    workloads = parse_list(args.workload, "--workload", choices=tuple(SMALL))
+    strategies = parse_list(args.strategy or default_strategy(), "--strategy", choices=STRATEGIES)
+    seed_counts = parse_list(args.seeds, "--seeds", int)
+    check_at_least("--seeds", seed_counts, 1)
+    for flag, value in (("--clients", args.clients), ("--cohort", args.cohort), ("--rounds", args.rounds)):
+        check_at_least(flag, value, 1)
     results = []
-    for workload in args.workload.split(","):
-        for strategy in (args.strategy or default_strategy()).split(","):
-            for s in map(int, args.seeds.split(",")):
+    for workload in workloads:
+        for strategy in strategies:
+            for s in seed_counts:
                 r = measure(workload, args.clients, args.cohort, s, strategy, args.rounds, args.equal_sizes)
                 results.append(r)
                 print(f"{workload} N={r['clients']} C={r['cohort']} S={s} {strategy}"
@@ -135,4 +142,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

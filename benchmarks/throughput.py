@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -697,6 +698,34 @@ def subprocess_run(spec: str, strategies: str, rounds: int, env=None, timeout=No
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+RUNNER = re.compile(r"(stacked/(map|vmap|chunked)/K[1-9][0-9]*|ragged/(map|vmap|chunked))(/D[1-9][0-9]*)?"
+                    r"|jax_loop|torch_loop")
+
+
+def check_args(args) -> None:
+    """ConfigError (one line, exit 2 through ``run_script``) for a flag no workload could take, before any."""
+    from jaxfl.core.cohort import STRATEGIES
+    from jaxfl.errors import ConfigError
+    from jaxfl.run.script import check_at_least, check_output_file, parse_list
+    parse_list(args.strategies, "--strategies", choices=STRATEGIES)
+    check_at_least("--rounds", args.rounds, 1)
+    check_at_least("--k", args.k, 1)
+    parse_list(args.workloads, "--workloads", choices=tuple(WORKLOADS))
+    if args.clients:
+        check_at_least("--clients", parse_list(args.clients, "--clients", int), 1)
+    if args.alphas:
+        check_at_least("--alphas", parse_list(args.alphas, "--alphas", float), 0, strict=True)
+    bad = [r for r in args.runners.split(",") if not RUNNER.fullmatch(r)]
+    if bad:
+        raise ConfigError(f"--runners: {', '.join(map(repr, bad))} is not stacked/STRATEGY/K<k>[/D<d>], "
+                          f"ragged/STRATEGY[/D<d>], jax_loop or torch_loop")
+    for item in (args.plan.split(",") if args.plan else []):
+        name, *sizes = item.split(":")
+        if name not in SMALL or len(sizes) != 2 or not all(s.isdigit() and int(s) > 0 for s in sizes):
+            raise ConfigError(f"--plan {item!r}: give NAME:CLIENTS:COHORT with NAME one of {', '.join(SMALL)}")
+    check_output_file(args.json, "--json")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fedavg_cnn at 4 and 16 clients, cross_device, vit_cohort")
@@ -716,6 +745,7 @@ def main(argv=None) -> None:
     p.add_argument("--sigma", type=float, default=None, help="with --small: override the client size sigma")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one workload in a subprocess
     args = p.parse_args(argv)
+    check_args(args)
     SMALL_OPTIONS.update(runners=args.runners.split(","), k=args.k, median=args.median, sigma=args.sigma)
     if args.one:
         if args.one.startswith("small:"):  # /D runners: CPU devices, one per core, asked for before jax starts
@@ -755,4 +785,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxfl.run.script import run_script
+    raise SystemExit(run_script(main))

@@ -401,6 +401,15 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true",
                    help="plumbing check: 10 clients of 60, 2 rounds, one lr, 1,000 test images")
     args = p.parse_args(argv)
+    from jaxfl.run.script import check_at_least, check_output_file, parse_list
+    parse_list(args.settings, "--settings", choices=tuple(SETTINGS))
+    parse_list(args.frameworks, "--frameworks", choices=FRAMEWORKS)
+    if args.lrs:
+        check_at_least("--lrs", parse_list(args.lrs, "--lrs", float), 0, strict=True)
+    check_at_least("--max-rounds", args.max_rounds, 1)
+    check_at_least("--threads", args.threads, 1)
+    check_output_file(args.out, "--out")
+    check_output_file(args.md, "--md")
     if "jaxfl_d2" in args.frameworks.split(","):
         from jaxfl.core.distributed import use_cpu_devices
         use_cpu_devices(2)  # before jax starts (on a machine with an accelerator, its devices are used)
@@ -431,8 +440,6 @@ def main(argv=None) -> None:
         init = initial_params(cfg["model"], args.seed, x)
         torch_data = None
         for fw in args.frameworks.split(","):
-            if fw not in FRAMEWORKS:
-                raise SystemExit(f"unknown framework {fw!r}; valid: {', '.join(FRAMEWORKS)}")
             for lr in lrs:
                 key = (setting, fw, lr, args.smoke, args.seed)
                 done = [e for e in entries if entry_key(e) == key]
@@ -468,4 +475,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxfl.run.script import run_script
+    raise SystemExit(run_script(main))

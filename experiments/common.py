@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from jaxfl.algorithms import options_class
 from jaxfl.core.options import field_type
-from jaxfl.errors import ConfigError, JaxflError, Stopped
+from jaxfl.errors import ConfigError
 from jaxfl.run import cli
 from jaxfl.run.checkpoint import Checkpointer
 from jaxfl.run.compile_cache import resolve_compile_cache, use_compile_cache
+from jaxfl.run.script import parse_list, run_script  # noqa: F401 (the scripts' shared one-line errors)
 from jaxfl.run.config import RunConfig, validate
 from jaxfl.run.runner import Experiment, RunResult
 # the seed tables and the figure are jaxfl's own (``jaxfl compare`` writes the same from run folders)
@@ -63,8 +63,9 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         elif key in run_types:
             run[key] = _typed(run_types[key], value, spec)
         else:
-            raise ConfigError(f"unknown option {key!r} in {spec!r}; {name} takes {', '.join(sorted(option_types))}"
-                              f", or a RunConfig field")
+            takes = f"{', '.join(sorted(option_types))} or" if option_types else "no options of its own, only"
+            raise ConfigError(f"unknown option {key!r} in {spec!r}; {name} takes {takes} a RunConfig field "
+                              f"(name=value)")
     return name, opts, run
 
 
@@ -80,20 +81,6 @@ def check_variants(specs, base: RunConfig) -> None:
     last variant must not cost the runs of the others."""
     for spec in specs:
         validate(variant_config(spec, base, Path(".")))
-
-
-def parse_list(text: str, flag: str, kind=str, choices=None) -> list:
-    """A comma-separated flag's items as ``kind``, each one of ``choices`` if given; ConfigError naming the flag."""
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    try:
-        values = [kind(t) for t in items]
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: give comma-separated {kind.__name__} values") from None
-    bad = [v for v in values if choices is not None and v not in choices]
-    if not values or bad:
-        raise ConfigError(f"{flag} {text!r}: give comma-separated values"
-                          + (f" from {', '.join(map(str, choices))}" if choices is not None else ""))
-    return values
 
 
 def variant_dir(spec: str) -> str:
@@ -158,19 +145,3 @@ def run_seeds(spec: str, base: RunConfig, out_root: str | Path, seeds: list[int]
               progress: bool = False) -> list[list[dict]]:
     """The history of variant ``spec`` for each seed (``run_variant`` with ``base.seed`` replaced)."""
     return [run_variant(spec, base.replace(seed=s), seed_root(out_root, s, seeds), progress)[0] for s in seeds]
-
-
-def run_script(main, argv=None) -> int:
-    """Run a script's ``main(argv)`` as the CLI runs a command: a stop signal (``Stopped``, after a complete,
-    checkpointed round) and a ``JaxflError`` (bad input, a failed write) end in one line on stderr and the
-    CLI's exit code (130/143, 2, 1) instead of a traceback; rerunning the same command resumes."""
-    name = Path(sys.argv[0]).name
-    try:
-        main(argv)
-    except Stopped as e:
-        print(f"{name}: stopped at round {e.round_done}; rerun the same command to continue", file=sys.stderr)
-        return e.exit_code
-    except JaxflError as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
-        return e.exit_code
-    return 0

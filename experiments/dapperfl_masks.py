@@ -18,7 +18,9 @@ import numpy as np
 
 from jaxfl.algorithms._submodel import pruning_masks
 from jaxfl.core.trees import leaf_paths
+from jaxfl.errors import ConfigError
 from jaxfl.models import MODELS
+from jaxfl.run.script import parse_list
 
 
 def torch_masks(params, ratio: float, masks):
@@ -61,7 +63,11 @@ def main(argv=None) -> None:
     p.add_argument("--ratios", default="0.2,0.4,0.6,0.8")
     p.add_argument("--torch", action="store_true", help="compare with torch's pruning calls on the same weights")
     args = p.parse_args(argv)
-    ratios = [float(r) for r in args.ratios.split(",")]
+    ratios = parse_list(args.ratios, "--ratios", float)
+    if not all(0 <= r < 1 for r in ratios):
+        raise ConfigError(f"--ratios {args.ratios!r}: give pruning ratios in [0, 1)")
+    if args.model not in MODELS:
+        raise ConfigError(f"--model {args.model!r}: one of {', '.join(MODELS)}")
     model = MODELS[args.model](10)
     params = model.init(jax.random.key(0), np.zeros((1, 32, 32, 3), np.float32), train=False)["params"]
     # the initial BN scales are all 1: ties, which torch's topk breaks in no specified order; noise (as training
@@ -92,4 +98,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxfl.run.script import run_script
+    raise SystemExit(run_script(main))

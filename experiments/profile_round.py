@@ -20,6 +20,7 @@ import numpy as np
 from common import parse_variant  # the experiment scripts' "name:key=value" variants
 from jaxfl.run.config import RunConfig
 from jaxfl.run.runner import Experiment
+from jaxfl.run.script import check_at_least
 
 
 def block(tree):
@@ -62,6 +63,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds timed after the compiling one")
     p.add_argument("--json", default=None, help="append the result as one JSON line here")
     args = p.parse_args(argv)
+    check_at_least("--rounds", args.rounds, 1)
     name, opts, run = parse_variant(":".join([args.algorithm] + args.set))
     cfg = RunConfig(algorithm=name, dataset=args.dataset, options={name: opts}, **run)
     res = profile(cfg, args.rounds)
@@ -75,4 +77,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxfl.run.script import run_script
+    raise SystemExit(run_script(main))

@@ -72,3 +72,26 @@ def test_the_seed_axis_benchmark_compares_the_same_rounds():
     r = seed_axis.measure("logreg", n=12, cohort=4, seeds=2, strategy="map", rounds=1, equal=False)
     assert r["seeds"] == 2 and r["sequential_s"] > 0 and r["vectorized_s"] > 0
     assert r["max_param_diff"] <= 1e-6
+
+
+def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkeypatch):
+    import backend_choice
+    import seed_axis
+    import time_to_accuracy
+
+    from jaxfl.run.script import run_script
+    monkeypatch.setattr(sys, "argv", ["script.py"])
+    cases = [(seed_axis.main, ["--workload", "nosuch"], "--workload 'nosuch': give comma-separated values from"),
+             (seed_axis.main, ["--seeds", "0"], "--seeds 0: give a number >= 1"),
+             (throughput.main, ["--strategies", "foo"], "--strategies 'foo': give comma-separated values from"),
+             (throughput.main, ["--small", "--runners", "stacked/map"], "--runners: 'stacked/map' is not"),
+             (gpu_suite.main, ["--out", "x", "--rounds", "0"], "--rounds 0: give a number >= 1"),
+             (backend_choice.main, ["--out", "x", "--only", "nosuch"], "--only 'nosuch' matches no workload"),
+             (time_to_accuracy.main, ["--lrs", "-1"], "--lrs -1.0: give a number > 0"),
+             (time_to_accuracy.main, ["--out", "/no/such/folder/x.json"], "--out '/no/such/folder/x.json': give a "
+                                                                          "file in an existing folder")]
+    for main, argv, message in cases:
+        assert run_script(main, argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"script.py: error: {message}"), err
+    assert not Path("x").exists()

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped
 from .compile_cache import cache_warnings, resolve_compile_cache, use_compile_cache
 from .config import TRAINING_DEFAULTS, RunConfig, check_output, holds_files, load_config_file, validate
+from .script import check_output_file
 
 
 HELP = {
@@ -229,18 +230,13 @@ def format_table(summary: dict) -> str:
 
 def compare_main(args: dict) -> int:
     """``jaxfl compare``: the markdown table on stdout; --md/--csv/--plot files."""
-    import os
     from .compare import compare, plot_mean_accuracy
     from .plots import IMAGE_FORMATS
     notes = []
     try:
         outputs = [(args[k], k) for k in ("md", "csv", "plot") if args[k]]
         for path, kind in outputs:  # checked before any is written
-            parent = Path(path).absolute().parent
-            if Path(path).is_dir() or not parent.is_dir():
-                raise ConfigError(f"--{kind} {path!r}: give a file in an existing folder")
-            if not os.access(parent, os.W_OK):
-                raise ConfigError(f"--{kind} {path!r}: the folder {str(parent)!r} is not writable")
+            check_output_file(path, f"--{kind}")
             if kind == "plot" and Path(path).suffix.lower().lstrip(".") not in IMAGE_FORMATS:
                 raise ConfigError(f"--plot {path!r}: give a file ending in one of "
                                   f"{', '.join('.' + f for f in IMAGE_FORMATS)}")
