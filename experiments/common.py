@@ -145,3 +145,20 @@ def run_seeds(spec: str, base: RunConfig, out_root: str | Path, seeds: list[int]
               progress: bool = False) -> list[list[dict]]:
     """The history of variant ``spec`` for each seed (``run_variant`` with ``base.seed`` replaced)."""
     return [run_variant(spec, base.replace(seed=s), seed_root(out_root, s, seeds), progress)[0] for s in seeds]
+
+
+def with_epsilon(label: str, hists: list[list[dict]]) -> str:
+    """The label with the ε the runs logged after their last round (equal over seeds: it depends on q, z, T, δ)."""
+    eps = {h[-1].get("dp_epsilon") for h in hists}
+    return label if eps == {None} else f"{label}, ε = {eps.pop():.3g}"
+
+
+def write_privacy_results(results: dict[str, list[list[dict]]], out: Path, head: str, title: str, key: str) -> None:
+    """The DP scripts' outputs: ``head`` and the seed table (printed and in ``out/table.md``) and the mean
+    accuracy per round with the ε each row spent in its legend (``out/accuracy.png``)."""
+    text = head + "\n" + seed_table(results, key=key)
+    print(text, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text + "\n")
+    plot_mean_accuracy({with_epsilon(label, hists): hists for label, hists in results.items()}, out / "accuracy.png",
+                       title, key=key)

@@ -27,7 +27,7 @@ import argparse
 import math
 from pathlib import Path
 
-from common import check_variants, parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, seed_table
+from common import check_variants, parse_list, parse_seeds, run_script, run_seeds, write_privacy_results
 
 from jaxfl.core.privacy import Accountant
 from jaxfl.errors import ConfigError
@@ -59,12 +59,6 @@ def variants(clip: float, noises: list[float], rounds: int) -> dict[str, str]:
     return out
 
 
-def with_epsilon(label: str, hists: list[list[dict]]) -> str:
-    """The label with the ε the runs logged after their last round (equal over seeds: it depends on q, z, T, δ)."""
-    eps = {h[-1].get("dp_epsilon") for h in hists}
-    return label if eps == {None} else f"{label}, ε = {eps.pop():.3g}"
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=200)
@@ -86,13 +80,7 @@ def main(argv=None) -> None:
     head = (f"MNIST, logreg, 1,000 clients of two digits, 100 a round, E = 1, batch 10, lr 0.1, equal weights, "
             f"clip C = {args.clip:g}, δ = 1000^-1.1, {args.rounds} rounds, seeds {args.seeds}; accuracy on all "
             f"clients' test images, %\n")
-    text = head + "\n" + seed_table(results, key=key)
-    print(text, flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(text + "\n")
-    plot_mean_accuracy({with_epsilon(label, hists): hists for label, hists in results.items()}, out / "accuracy.png",
-                       "DP-FedAvg on MNIST (logreg), all clients' test images", key=key)
-
+    write_privacy_results(results, out, head, "DP-FedAvg on MNIST (logreg), all clients' test images", key)
 
 if __name__ == "__main__":
     raise SystemExit(run_script(main))

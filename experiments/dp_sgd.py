@@ -24,8 +24,7 @@ import argparse
 import math
 from pathlib import Path
 
-from common import check_variants, parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, seed_table
-from dp_fedavg import with_epsilon
+from common import check_variants, parse_list, parse_seeds, run_script, run_seeds, write_privacy_results
 
 from jaxfl.errors import ConfigError
 from jaxfl.run.config import RunConfig
@@ -66,13 +65,7 @@ def main(argv=None) -> None:
     head = (f"MNIST, logreg, 100 clients (Dirichlet 0.5), 10 a round, E = 1, batch 32, lr 0.5, sample weights, "
             f"per-sample clip C = {args.clip:g}, δ = 60000^-1.1, {args.rounds} rounds, seeds {args.seeds}; accuracy "
             f"on all clients' test images, %\n")
-    text = head + "\n" + seed_table(results, key=key)
-    print(text, flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(text + "\n")
-    plot_mean_accuracy({with_epsilon(label, hists): hists for label, hists in results.items()}, out / "accuracy.png",
-                       "DP-SGD in FedAvg's clients on MNIST (logreg), all clients' test images", key=key)
-
+    write_privacy_results(results, out, head, "DP-SGD in FedAvg's clients, MNIST (logreg)", key)
 
 if __name__ == "__main__":
     raise SystemExit(run_script(main))

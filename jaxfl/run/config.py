@@ -304,10 +304,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum <= 0):
         raise ConfigError("--nesterov needs --optimizer sgd with --momentum > 0")
     check_choice("server_opt", cfg.server_opt, SERVER_OPTIMIZERS)
-    if cfg.server_opt != "none" and not options_class(cfg.algorithm).server_optimizer:
-        able = ", ".join(n for n, r in REGISTRY.items() if r.options.server_optimizer)
-        raise ConfigError(f"--server-opt {cfg.server_opt}: {cfg.algorithm}'s aggregate is not a mean of shared "
-                          f"parameters; a server optimizer composes with: {able}")
+    if cfg.server_opt != "none":
+        check_marked(cfg, "server_optimizer", f"--server-opt {cfg.server_opt}: {cfg.algorithm}'s aggregate is not a "
+                                              f"mean of shared parameters; a server optimizer composes with")
     if cfg.server_lr is not None:
         check_range("server_lr", cfg.server_lr, 0.0, float("inf"), lo_open=True)
     check_range("server_momentum", cfg.server_momentum, 0.0, 1.0)
@@ -348,7 +347,6 @@ def validate(cfg: RunConfig) -> RunConfig:
 def check_privacy(cfg: RunConfig) -> None:
     """The DP-FedAvg options (``dp_clip``, ``dp_noise``, ``dp_delta``; adaptive clipping's ``dp_quantile``,
     ``dp_clip_lr``, ``dp_count_noise``): ConfigError naming the first bad one."""
-    from ..algorithms import REGISTRY, options_class
     if cfg.dp_epsilon is not None:
         if cfg.dp_clip is None:
             raise ConfigError("--dp-epsilon needs --dp-clip C (the clipping norm the calibrated noise is scaled to)")
@@ -375,14 +373,9 @@ def check_privacy(cfg: RunConfig) -> None:
         check_range("dp_clip_lr", cfg.dp_clip_lr, 0.0, float("inf"))
         if cfg.dp_count_noise is not None:
             check_range("dp_count_noise", cfg.dp_count_noise, 0.0, float("inf"))
-    check_range("dp_clip", cfg.dp_clip, 0.0, float("inf"), lo_open=True)
-    check_range("dp_noise", cfg.dp_noise, 0.0, float("inf"))
-    if cfg.dp_delta is not None and not 0 < cfg.dp_delta < 1:
-        raise ConfigError(f"dp_delta={cfg.dp_delta!r} is outside (0, 1)")
-    if not options_class(cfg.algorithm).user_dp:
-        able = ", ".join(n for n, r in REGISTRY.items() if r.options.user_dp)
-        raise ConfigError(f"--dp-clip: {cfg.algorithm}'s aggregate is not an equal-weight mean of shared parameters "
-                          f"alone; DP-FedAvg composes with: {able}")
+    check_dp_ranges(cfg)
+    check_marked(cfg, "user_dp", f"--dp-clip: {cfg.algorithm}'s aggregate is not an equal-weight mean of shared "
+                                 f"parameters alone; DP-FedAvg composes with")
     if cfg.weighting != "uniform":
         raise ConfigError(f"--dp-clip: DP-FedAvg averages the cohort with equal weights (--weighting {cfg.weighting} "
                           f"would let one client move the mean by more than 2C/k); add --weighting uniform")
@@ -391,18 +384,28 @@ def check_privacy(cfg: RunConfig) -> None:
 def check_sample_privacy(cfg: RunConfig, tuning: bool) -> None:
     """DP-SGD's options (``dp_level`` sample): the clip, noise and delta ranges, no adaptive clipping, an
     algorithm whose local work is DP-SGD's (``Options.sample_dp``)."""
-    from ..algorithms import REGISTRY, options_class
     if cfg.dp_quantile is not None or tuning:
         raise ConfigError("--dp-quantile, --dp-clip-lr and --dp-count-noise adapt DP-FedAvg's clipping norm; "
                           "--dp-level sample clips each sample's gradient to a fixed --dp-clip")
+    check_dp_ranges(cfg)
+    check_marked(cfg, "sample_dp", f"--dp-level sample: {cfg.algorithm}'s local work is not one minibatch loop of "
+                                   f"the client optimizer on its loss alone; DP-SGD composes with")
+
+
+def check_dp_ranges(cfg: RunConfig) -> None:
+    """The clip, the noise multiplier and delta of either DP level in their ranges."""
     check_range("dp_clip", cfg.dp_clip, 0.0, float("inf"), lo_open=True)
     check_range("dp_noise", cfg.dp_noise, 0.0, float("inf"))
     if cfg.dp_delta is not None and not 0 < cfg.dp_delta < 1:
         raise ConfigError(f"dp_delta={cfg.dp_delta!r} is outside (0, 1)")
-    if not options_class(cfg.algorithm).sample_dp:
-        able = ", ".join(n for n, r in REGISTRY.items() if r.options.sample_dp)
-        raise ConfigError(f"--dp-level sample: {cfg.algorithm}'s local work is not one minibatch loop of the "
-                          f"client optimizer on its loss alone; DP-SGD composes with: {able}")
+
+
+def check_marked(cfg: RunConfig, mark: str, message: str) -> None:
+    """ConfigError "<message>: <the algorithms whose Options set ``mark``>" unless ``cfg``'s algorithm sets it."""
+    from ..algorithms import REGISTRY, options_class
+    if not getattr(options_class(cfg.algorithm), mark):
+        able = ", ".join(n for n, r in REGISTRY.items() if getattr(r.options, mark))
+        raise ConfigError(f"{message}: {able}")
 
 
 def dp_count_noise(cfg: RunConfig, cohort: int) -> float:
