@@ -21,7 +21,7 @@ from jaxfl.errors import ConfigError
 from jaxfl.run import cli
 from jaxfl.run.checkpoint import Checkpointer
 from jaxfl.run.compile_cache import resolve_compile_cache, use_compile_cache
-from jaxfl.run.script import parse_list, run_script  # noqa: F401 (the scripts' shared one-line errors)
+from jaxfl.run.script import check_at_least, parse_list, run_script  # noqa: F401 (the scripts' shared one-line errors)
 from jaxfl.run.config import RunConfig, validate
 from jaxfl.run.runner import Experiment, RunResult
 # the seed tables and the figure are jaxfl's own (``jaxfl compare`` writes the same from run folders)

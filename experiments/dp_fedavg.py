@@ -24,13 +24,12 @@ test set, mean ± std over seeds, and the ε each row spent) and accuracy.png (�
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
-from common import check_variants, parse_list, parse_seeds, run_script, run_seeds, write_privacy_results
+from common import (check_at_least, check_variants, parse_list, parse_seeds, run_script, run_seeds,
+                    write_privacy_results)
 
 from jaxfl.core.privacy import Accountant
-from jaxfl.errors import ConfigError
 from jaxfl.run.config import RunConfig
 
 
@@ -72,8 +71,7 @@ def main(argv=None) -> None:
     seeds, out, base = parse_seeds(args.seeds), Path(args.out), base_config(args)
     key = "weighted_accuracy"  # the global model on every client's test images, pooled
     noises = parse_list(args.noise, "--noise", float)
-    if not all(math.isfinite(z) and z > 0 for z in noises):
-        raise ConfigError(f"--noise {args.noise!r}: give finite noise multipliers above 0")
+    check_at_least("--noise", noises, 0, strict=True)
     specs = variants(args.clip, noises, args.rounds)
     check_variants(specs.values(), base)
     results = {label: run_seeds(spec, base, out, seeds, args.progress) for label, spec in specs.items()}

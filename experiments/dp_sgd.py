@@ -21,12 +21,11 @@ test set, mean ± std over seeds) and accuracy.png (ε in the legend).
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
-from common import check_variants, parse_list, parse_seeds, run_script, run_seeds, write_privacy_results
+from common import (check_at_least, check_variants, parse_list, parse_seeds, run_script, run_seeds,
+                    write_privacy_results)
 
-from jaxfl.errors import ConfigError
 from jaxfl.run.config import RunConfig
 
 
@@ -57,8 +56,7 @@ def main(argv=None) -> None:
     seeds, out, base = parse_seeds(args.seeds), Path(args.out), base_config(args)
     key = "weighted_accuracy"  # the global model on every client's test images, pooled
     epsilons = parse_list(args.epsilons, "--epsilons", float)
-    if not all(math.isfinite(e) and e > 0 for e in epsilons):
-        raise ConfigError(f"--epsilons {args.epsilons!r}: give finite targets above 0")
+    check_at_least("--epsilons", epsilons, 0, strict=True)
     specs = variants(args.clip, epsilons)
     check_variants(specs.values(), base)
     results = {label: run_seeds(spec, base, out, seeds, args.progress) for label, spec in specs.items()}
