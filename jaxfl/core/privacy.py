@@ -456,8 +456,8 @@ class SampleAccountant:
         self.noise_multiplier, self.delta, self.batch_size, self.epochs = noise_multiplier, delta, batch_size, epochs
         self.cohort_fraction = cohort_fraction
         self.steps = sorted({-(-int(n) // batch_size) for n in counts if int(n) > 0})  # distinct s_i
-        self._rdp = [rdp_wor_subsampled(cohort_fraction, epochs * s * rdp_poisson_gaussian(1.0 / s, noise_multiplier))
-                     for s in self.steps]
+        round_rdp = lambda s: epochs * s * rdp_poisson_gaussian(1.0 / s, noise_multiplier)  # noqa: E731
+        self._rdp = [rdp_wor_subsampled(cohort_fraction, round_rdp(s)) for s in self.steps]
 
     def epsilon(self, rounds: int) -> float:
         if self.noise_multiplier == 0:
@@ -481,7 +481,8 @@ class SampleAccountant:
 
     def _rounds_note(self) -> str:
         return ("every client counted in every round" if self.cohort_fraction >= 1 else
-                f"a fixed-size cohort of {self.cohort_fraction:.3g} of the clients a round (Thm. 9, replace-one clients)")
+                f"a fixed-size cohort of {self.cohort_fraction:.3g} of the clients a round (Thm. 9, replace-one "
+                f"clients)")
 
     def describe(self, rounds: int) -> str:
         """One line for the start-up message."""
