@@ -216,3 +216,12 @@ def test_the_library_entry_points_refuse_what_they_would_silently_misread():
     evaluator = Evaluator(alg, data, eval_batch_size=8, preprocess=make_trainer().preprocess)
     with pytest.raises(ConfigError, match="unknown predict 'train'"):
         evaluator.metrics(server, store, predict="train")
+
+
+def test_a_sample_of_another_shape_is_refused_before_it_sizes_the_model():
+    from jaxfl.errors import ConfigError
+    data = ragged()
+    for sample in (data.x[0], data.x[:1, :4]):  # unbatched; another image size
+        with pytest.raises(ConfigError, match=re.escape(f"sample_x has shape {tuple(sample.shape)}; the clients' "
+                                                        f"inputs are (8, 8, 3) a sample")):
+            Ragged(algorithm("fedavg"), data, batch_size=8).init(jax.random.key(0), sample)

@@ -177,7 +177,12 @@ class _Backend:
         return server, out
 
     def init_states(self, key, sample_x):
-        """(server, every client's initial state stacked [N])."""
+        """(server, every client's initial state stacked [N]). sample_x: a batch of the clients' inputs
+        [b, ...] (e.g. ``train.x[:1]``), whose shape sizes the model."""
+        want = tuple(self.train.x.shape[1:])
+        if tuple(np.shape(sample_x)[1:]) != want:
+            raise ConfigError(f"sample_x has shape {tuple(np.shape(sample_x))}; the clients' inputs are {want} a "
+                              f"sample: pass a batch of them, e.g. train.x[:1]")
         server, clients = init_state(self.alg, key, sample_x, self.num_clients)
         if self.mesh is not None:
             server = jax.device_put(server, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
