@@ -103,6 +103,12 @@ POISSON_STREAM = 5  # fold_in(root, 5): Poisson sampling's draws (0 client keys,
 # stragglers; 4 of the seed's key: DP noise)
 
 
+def position_uniforms(key, m: int):
+    """u_j ~ U[0, 1) for the positions j = 0..m-1, u_j from ``fold_in(key, j)`` alone: the first n values are the
+    same for any m >= n, so padding a client's data changes no draw of its real samples. -> float32 [m]."""
+    return jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(jnp.arange(m))
+
+
 @functools.partial(jax.jit, static_argnums=(2, 3))  # the Ragged backend draws on the host every round
 def poisson_members(root, round_idx, num_clients: int, rate: float):
     """Poisson sampling (the cohort DP-FedAvg's add/remove accounting assumes): client i joins round t iff

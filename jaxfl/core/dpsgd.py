@@ -28,7 +28,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from .cohort import position_uniforms
 from .metrics import correct_count
+from .privacy import add_noise, all_shared, clip_factor
 
 SELECT_STREAM, NOISE_STREAM, SAMPLE_STREAM = 1, 2, 3  # fold_in(step key, ·): the draw, the noise, per-sample keys
 
@@ -50,9 +52,7 @@ def poisson_rate(count, batch_size: int):
 def poisson_members(key, count, m: int, rate):
     """Position j < count joins the step if uniform(fold_in(key, j)) < rate: bool [m] (padding never joins;
     a position's draw does not depend on m)."""
-    idx = jnp.arange(m)
-    u = jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(idx)
-    return (idx < count) & (u < rate)
+    return (jnp.arange(m) < count) & (position_uniforms(key, m) < rate)
 
 
 def per_sample_norms(grads):
@@ -66,16 +66,8 @@ def clipped_sum(grads, w, clip: float):
     """Σ_j w_j g_j min(1, C / ||g_j||) (w_j in {0, 1}: 0 drops lane j). grads: leaves [L, ...]; w: [L]
     -> (leaves [...], norms [L])."""
     norms = per_sample_norms(grads)
-    scale = w * jnp.where(norms > clip, clip / jnp.where(norms > 0, norms, 1.0), 1.0)
+    scale = w * clip_factor(norms, clip)
     return jax.tree_util.tree_map(lambda g: jnp.tensordot(scale.astype(g.dtype), g, axes=1), grads), norms
-
-
-def gaussian_noise(key, like, std):
-    """N(0, std²) shaped like every leaf of ``like``; one key per leaf, ``fold_in(key, leaf index)``."""
-    leaves, treedef = jax.tree_util.tree_flatten(like)
-    noise = [(std * jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32)).astype(x.dtype)
-             for i, x in enumerate(leaves)]
-    return jax.tree_util.tree_unflatten(treedef, noise)
 
 
 def private_gradient(loss_fn, params, state, batch_of, preprocess, members, count, key, dp: SampleDP,
@@ -113,7 +105,6 @@ def private_gradient(loss_fn, params, state, batch_of, preprocess, members, coun
     zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
     _, acc, sums = jax.lax.while_loop(lambda cr: cr[0] * lanes < total, chunk,
                                       (jnp.zeros((), jnp.int32), zeros, jnp.zeros(4, jnp.float32)))
-    noisy = jax.tree_util.tree_map(jnp.add, acc, gaussian_noise(jax.random.fold_in(key, NOISE_STREAM), acc,
-                                                                dp.noise_multiplier * dp.clip))
+    noisy = add_noise(jax.random.fold_in(key, NOISE_STREAM), acc, all_shared(acc), dp.noise_multiplier * dp.clip)
     denominator = rate * count.astype(jnp.float32)
     return jax.tree_util.tree_map(lambda g: g / denominator.astype(g.dtype), noisy), sums.at[3].set(1.0)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from ..data.clients import ClientData
+from .cohort import position_uniforms
 from .dpsgd import SELECT_STREAM, SampleDP, poisson_members, poisson_rate, private_gradient
 from .metrics import correct_count
 
@@ -45,9 +46,7 @@ def epoch_permutation(key, count, m: int):
     The priority of position j is uniform(fold_in(key, j)): it depends on j alone, so the order of the real
     samples is the same however much padding follows them.
     """
-    idx = jnp.arange(m)
-    prio = jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(idx)
-    return jnp.argsort(jnp.where(idx < count, prio, 2.0))
+    return jnp.argsort(jnp.where(jnp.arange(m) < count, position_uniforms(key, m), 2.0))
 
 
 @flax.struct.dataclass
