@@ -257,13 +257,22 @@ def with_privacy(alg: Algorithm, clip: float, noise_multiplier: float, key, *, q
 
 
 # -- the accountant (host-side numpy) ------------------------------------------------------------------------
-def _log_add(a: float, b: float) -> float:
-    hi, lo = max(a, b), min(a, b)
-    return hi if lo == -math.inf else hi + math.log1p(math.exp(lo - hi))
-
-
 def _log_binom(n: int, k: int) -> float:
     return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _log_factorials(top: int) -> np.ndarray:
+    """log k! for k = 0..top (read-only), for binom(α, j) at every order at once."""
+    out = np.array([math.lgamma(k + 1) for k in range(top + 1)])
+    out.flags.writeable = False
+    return out
+
+
+def _log_sum_rows(logs) -> np.ndarray:
+    """log Σ_j e^{logs[i, j]} for each row i, without overflow: [m, n] -> [m]."""
+    top = logs.max(axis=1, keepdims=True)
+    return top[:, 0] + np.log(np.exp(logs - top).sum(axis=1))
 
 
 @functools.lru_cache(maxsize=64)
@@ -318,7 +327,7 @@ def rdp_wor_gaussian(q: float, sigma: float, orders=ORDERS) -> np.ndarray:
     tail = np.minimum(refined, math.log(2) + (j - 1) * eps(j)) + j * math.log(q)
     log_expm1 = eps(2) + math.log(-math.expm1(-eps(2)))  # log(e^x - 1), without overflow at tiny σ
     second = 2 * math.log(q) + min(math.log(4) + log_expm1, math.log(2) + eps(2))
-    log_fact = np.array([math.lgamma(k + 1) for k in range(top + 1)])  # log k!, for binom(α, j)
+    log_fact = _log_factorials(top)
     out = []
     for a in orders:
         log_binom = log_fact[a] - log_fact[j[:a - 2]] - log_fact[a - j[:a - 2]]
@@ -348,7 +357,7 @@ def rdp_wor_subsampled(q: float, rdp) -> np.ndarray:
         return np.zeros_like(eps)
     a = np.asarray(ORDERS, np.int64)[:, None]
     j = np.arange(3, ORDERS[-1] + 1)[None, :]
-    log_fact = np.array([math.lgamma(k + 1) for k in range(ORDERS[-1] + 1)])
+    log_fact = _log_factorials(ORDERS[-1])
     tail = (log_fact[a] - log_fact[j] - log_fact[np.maximum(a - j, 0)] + j * math.log(q) + math.log(2)
             + (j - 1) * eps[j - 2])
     tail = np.where(j <= a, tail, -np.inf)
@@ -357,9 +366,7 @@ def rdp_wor_subsampled(q: float, rdp) -> np.ndarray:
     second = (2 * math.log(q) + log_fact[a[:, 0]] - log_fact[2] - log_fact[a[:, 0] - 2]
               + min(math.log(4) + log_expm1, math.log(2) + e2))
     logs = np.concatenate([np.zeros((len(ORDERS), 1)), second[:, None], tail], axis=1)
-    top = logs.max(axis=1, keepdims=True)
-    log_sum = top[:, 0] + np.log(np.exp(logs - top).sum(axis=1))
-    return np.minimum(log_sum / (a[:, 0] - 1), eps)
+    return np.minimum(_log_sum_rows(logs) / (a[:, 0] - 1), eps)
 
 
 def rdp_poisson_gaussian(q: float, noise_multiplier: float, orders=ORDERS) -> np.ndarray:
@@ -377,13 +384,11 @@ def rdp_poisson_gaussian(q: float, noise_multiplier: float, orders=ORDERS) -> np
         return np.asarray([a / (2 * z * z) for a in orders], np.float64)
     a = np.asarray(orders, np.int64)[:, None]
     j = np.arange(int(a.max()) + 1)[None, :]
-    log_fact = np.array([math.lgamma(k + 1) for k in range(int(a.max()) + 1)])
+    log_fact = _log_factorials(int(a.max()))
     logs = (log_fact[a] - log_fact[j] - log_fact[np.maximum(a - j, 0)] + j * math.log(q)
             + (a - j) * math.log1p(-q) + (j * j - j) / (2 * z * z))
     logs = np.where(j <= a, logs, -np.inf)  # the sum runs over j = 0..α
-    top = logs.max(axis=1, keepdims=True)
-    log_sum = top[:, 0] + np.log(np.exp(logs - top).sum(axis=1))
-    return log_sum / (a[:, 0] - 1)
+    return _log_sum_rows(logs) / (a[:, 0] - 1)
 
 
 def epsilon_from_rdp(rdp, delta: float, orders=ORDERS) -> tuple[float, int]:
