@@ -60,7 +60,8 @@ HELP = {
     "dp_level": "user: DP-FedAvg (above); sample: DP-SGD in every client's local training (Poisson-sampled "
                 "batches of rate 1/steps, each sample's gradient clipped to --dp-clip, Gaussian noise of std "
                 "--dp-noise x C on a step's sum; needs a model without BatchNorm; any --weighting; epsilon per sample, "
-                "every client counted every round)",
+                "each round amplified by a fixed-size cohort's draw where clients keep no state, else every client "
+                "counted every round)",
     "dp_delta": "the delta of the reported epsilon (default: N^-1.1 for N clients; --dp-level sample: for N "
                 "training samples)",
     "dp_epsilon": "DP-FedAvg: calibrate the noise: the smallest --dp-noise whose run spends at most this epsilon "
