@@ -181,17 +181,24 @@ def make_backend(alg, data, backend="stacked", *, strategy="vmap", chunk_size=8,
                cohort_size=cohort_size, weighting=weighting, mesh=mesh, num_rounds=num_rounds, **kw)
 
 
-def run_rounds(alg, data, server, clients, root, rounds=1, backend="stacked", keep_rows=False, **backend_kw):
+def run_rounds(alg, data, server, clients, root, rounds=1, backend="stacked", keep_rows=False, every_round=False,
+               **backend_kw):
     """``rounds`` rounds of ``alg`` on a backend (``make_backend``) from (server, clients stacked [N]);
     returns (server, clients, last round's metrics), and with ``keep_rows`` also the last round's trained rows
-    (stacked in cohort order: what ``trained_rows`` computes, without compiling a second program)."""
+    (stacked in cohort order: what ``trained_rows`` computes, without compiling a second program). With
+    ``every_round``: a list of each round's (server, clients, metrics), fetched to the host (one run, one
+    compilation, instead of a run per round count)."""
     from jaxfl.core.backends import ClientStore
     engine = make_backend(alg, data, backend, **backend_kw)
     store = ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")  # a copy: rounds donate it
-    kept = []
+    kept, history = [], []
     hook = (lambda s, trained, ids: kept.append(jax.tree_util.tree_map(jnp.array, trained))) if keep_rows else None
     for r in range(rounds):
         server, metrics = engine.round(server, store, r, root, before_aggregate=hook if r == rounds - 1 else None)
+        if every_round:
+            history.append(jax.device_get((server, store.state, metrics)))
+    if every_round:
+        return history
     return (server, store.state, metrics, kept[-1]) if keep_rows else (server, store.state, metrics)
 
 
