@@ -112,11 +112,10 @@ def test_fedprox_term_pulls_toward_the_round_start():
 @pytest.mark.parametrize("name", ["fedper", "fedrep"])
 def test_personal_head_is_never_averaged(name):
     alg, data, server, clients = setup(name)
-    s, c, _ = run(alg, data, server, clients)
+    (s1, _, _), (s, c, _) = run(alg, data, server, clients, every_round=True)
     assert set(c["params"]) == {"head"}  # the client keeps its head and nothing else
     assert_personal(c["params"]["head"], server["params"]["head"])
     # the server's encoder is the weighted mean of the clients' trained encoders
-    s1, _, _ = run(alg, data, server, clients, rounds=1)
     trained = trained_rows(alg, data, server, clients, ROOT)
     w = np.array(COUNTS, float) / sum(COUNTS)
     for sv, cl in zip(jax.tree_util.tree_leaves(s1["params"]["encoder"]),
@@ -143,11 +142,10 @@ def test_fedrep_phases_freeze_the_other_part():
 
 def test_lg_fedavg_never_averages_the_body_after_warmup():
     alg, data, server, clients = setup("lg_fedavg")
-    s, c, _ = run(alg, data, server, clients)
+    (s1, _, _), (s, c, _) = run(alg, data, server, clients, every_round=True)
     assert set(c["params"]) == {"encoder"}  # the client keeps its body and nothing else
     assert_personal(c["params"]["encoder"], server["params"]["encoder"])
     assert_trees_close(s["params"]["encoder"], server["params"]["encoder"], atol=0, rtol=0)
-    s1, _, _ = run(alg, data, server, clients, rounds=1)
     trained = trained_rows(alg, data, server, clients, ROOT)
     w = np.array(COUNTS, float) / sum(COUNTS)
     for sv, cl in zip(jax.tree_util.tree_leaves(s1["params"]["head"]),
