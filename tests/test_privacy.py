@@ -87,6 +87,31 @@ def test_a_huge_epsilon_calibrates_a_tiny_noise_without_overflow():
     assert 0 < z < 0.01 and privacy.Accountant(0.1, z, 1e-5).epsilon(1) <= 1e6
 
 
+@pytest.mark.parametrize("z", [1e-8, 1e-50, 1e-200])
+def test_a_tiny_noise_spends_a_huge_or_infinite_epsilon_without_overflow(z):
+    # (such z once divided by zero or overflowed the decimal sums, and gave NaN at sample level)
+    for eps in (privacy.Accountant(0.5, z, 1e-5).epsilon(3), privacy.Accountant(0.5, z, 1e-5, "poisson").epsilon(3),
+                privacy.SampleAccountant([100, 400], 32, 1, z, 1e-5, 0.5).epsilon(3),
+                privacy.SampleAccountant([100, 400], 32, 1, z, 1e-5).epsilon(3)):
+        assert eps > 1e15 and not math.isnan(eps)
+    # below 1e-3 the curves are the Gaussian's own alpha / (2 z^2) (inf once that overflows)
+    with np.errstate(over="ignore"):
+        want = np.array([1.0, 4.5]) / np.float64(z) / np.float64(z)
+    np.testing.assert_allclose(privacy.rdp_poisson_gaussian(0.1, z, (2, 9)), want)
+    np.testing.assert_allclose(privacy.rdp_wor_gaussian(0.1, z, (2, 9)), want)
+
+
+def test_an_epsilon_below_what_any_noise_certifies_is_refused_naming_the_floor():
+    floor = privacy.epsilon_floor(1e-5)  # min over the orders 2..256 of log((a-1)/a) - (log delta + log a)/(a-1)
+    a = np.arange(2, 257)
+    assert floor == pytest.approx(np.min(np.log((a - 1) / a) - (math.log(1e-5) + np.log(a)) / (a - 1)))
+    # (the Poisson curve: the replace-one bound's decimal sums take ~30 s at z = 1e6)
+    assert privacy.Accountant(0.1, 1e6, 1e-5, "poisson").epsilon(10) == pytest.approx(floor, rel=1e-6)
+    with pytest.raises(privacy.ConfigError, match=r"epsilon 0.01 is at or below 0.01949.*delta 1e-05"):
+        privacy.noise_for_epsilon(0.1, 10, 1e-5, 0.01)
+    assert privacy.noise_for_epsilon(0.1, 10, 1e-5, 0.03, "poisson") > 10
+
+
 def test_the_noise_calibrated_to_an_epsilon_is_the_smallest_that_spends_at_most_it():
     q, rounds, delta = 0.1, 200, 1000 ** -1.1
     z = privacy.noise_for_epsilon(q, rounds, delta, 10.0)
@@ -370,7 +395,7 @@ def test_bad_dp_options_get_one_line(tmp_path, capsys):
              "--dp-epsilon 5 sets the noise multiplier: give it or --dp-noise 1, not both",
              ("--dp-clip", "1", "--dp-epsilon", "0", "--weighting", "uniform"): "dp_epsilon=0.0 is outside (0.0, inf]",
              ("--algorithm", "fedbn", "--dp-clip", "1", "--dp-epsilon", "1", "--dp-delta", "1e-300", "--weighting",
-              "uniform", *TINY): "epsilon 1 after 1 rounds at delta 1e-300 needs a noise multiplier above 1000",
+              "uniform", *TINY): "epsilon 1 is at or below 2.683, the smallest epsilon the accountant certifies at delta 1e-300",
              ("--dp-clip", "1", "--dp-clip-lr", "0.1", "--weighting", "uniform"):
              "--dp-clip-lr and --dp-count-noise adapt the clipping norm: they need --dp-quantile Q",
              ("--dp-clip", "1", "--dp-quantile", "1", "--weighting", "uniform"): "dp_quantile=1.0 is outside (0, 1)",

@@ -270,9 +270,20 @@ def _log_factorials(top: int) -> np.ndarray:
 
 
 def _log_sum_rows(logs) -> np.ndarray:
-    """log Σ_j e^{logs[i, j]} for each row i, without overflow: [m, n] -> [m]."""
+    """log Σ_j e^{logs[i, j]} for each row i, without overflow: [m, n] -> [m] (inf where a row holds inf)."""
     top = logs.max(axis=1, keepdims=True)
-    return top[:, 0] + np.log(np.exp(logs - top).sum(axis=1))
+    with np.errstate(invalid="ignore"):  # (inf - inf in an infinite row: its sum is inf)
+        out = top[:, 0] + np.log(np.exp(logs - top).sum(axis=1))
+    return np.where(np.isposinf(top[:, 0]), np.inf, out)
+
+
+def _gaussian_rdp(orders, sigma: float) -> np.ndarray:
+    """The Gaussian mechanism's RDP α / (2σ²) at ``orders``, inf where it overflows (σ of 1e-160 and below)."""
+    with np.errstate(over="ignore", divide="ignore"):
+        return np.asarray(orders, np.float64) * (0.5 / np.float64(sigma)) / np.float64(sigma)
+
+
+TINY_NOISE = 1e-3  # below it a subsampled curve is the Gaussian's own within a relative 1e-4 (its sums overflow)
 
 
 @functools.lru_cache(maxsize=64)
@@ -317,6 +328,8 @@ def rdp_wor_gaussian(q: float, sigma: float, orders=ORDERS) -> np.ndarray:
         return np.zeros(len(orders))
     if sigma == 0:
         return np.full(len(orders), math.inf)
+    if sigma < TINY_NOISE:  # (the cap: subsampling changes nothing measurable there)
+        return _gaussian_rdp(orders, sigma)
     orders = [int(a) for a in orders]
     top = max(orders)
     eps = lambda j: j / (2 * sigma * sigma)  # the Gaussian's RDP at order j
@@ -380,8 +393,8 @@ def rdp_poisson_gaussian(q: float, noise_multiplier: float, orders=ORDERS) -> np
         return np.zeros(len(orders))
     if z == 0:
         return np.full(len(orders), math.inf)
-    if q == 1:
-        return np.asarray([a / (2 * z * z) for a in orders], np.float64)
+    if q == 1 or z < TINY_NOISE:  # (at tiny z the sampled curve is the Gaussian's own, and its sum overflows)
+        return _gaussian_rdp(orders, z)
     a = np.asarray(orders, np.int64)[:, None]
     j = np.arange(int(a.max()) + 1)[None, :]
     log_fact = _log_factorials(int(a.max()))
@@ -497,9 +510,21 @@ class SampleAccountant:
                 f"sample, {self._rounds_note()})")
 
 
-def calibrate_noise(spent, target: float, what: str) -> float:
+def epsilon_floor(delta: float) -> float:
+    """The smallest ε these accountants certify at δ, however large the noise: ``epsilon_from_rdp`` of a curve
+    that is 0 at every order (min over α of log((α - 1) / α) - (log δ + log α) / (α - 1); the orders stop at
+    256)."""
+    return epsilon_from_rdp(np.zeros(len(ORDERS)), delta)[0]
+
+
+def calibrate_noise(spent, target: float, what: str, delta: float | None = None) -> float:
     """The smallest noise multiplier z (to 0.1 %) with spent(z) <= ``target`` (spent: z -> ε, falling as z
-    grows): bisection. ConfigError past z = 1000, naming ``what`` (e.g. "after 100 rounds at delta 1e-05")."""
+    grows): bisection. ConfigError, naming ``what`` (e.g. "after 100 rounds at delta 1e-05"), for a target at
+    or below ``epsilon_floor(delta)`` (when δ is given: no noise reaches it) and past z = 1000."""
+    if delta is not None and target <= epsilon_floor(delta):
+        raise ConfigError(f"epsilon {target:g} is at or below {epsilon_floor(delta):.4g}, the smallest epsilon the "
+                          f"accountant certifies at delta {delta:g} with any noise (its Renyi orders stop at 256); "
+                          f"ask for a larger epsilon or delta")
     lo, hi = 0.0, 1.0
     while spent(hi) > target:
         lo, hi = hi, 2 * hi
@@ -516,7 +541,7 @@ def noise_for_epsilon(q: float, rounds: int, delta: float, target: float, sampli
     """The smallest noise multiplier z (to 0.1 %) whose ``rounds`` rounds at sampling rate q spend at most ε =
     ``target`` at δ (``Accountant`` with ``sampling``). ConfigError past z = 1000."""
     return calibrate_noise(lambda z: Accountant(q, z, delta, sampling).epsilon(rounds), target,
-                           f"after {rounds} rounds at delta {delta:g}")
+                           f"after {rounds} rounds at delta {delta:g}", delta)
 
 
 def bn_stats_shared(alg: Algorithm, key, sample_x) -> bool:
