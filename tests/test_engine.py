@@ -212,3 +212,29 @@ def test_evaluation_runs_only_the_batches_that_hold_real_samples(strategy):
         assert np.all(np.asarray(logits[0, 4:]) == 0) and np.any(np.asarray(logits[1, 4:]) != 0)
     ev = jax.jit(make_evaluate(alg, eval_batch_size=4, strategy=strategy))(server, clients, data)
     assert np.all(np.isfinite(np.asarray(ev["loss"]))) and ev["count"].tolist() == [3, 20]
+
+
+def test_a_client_without_test_samples_has_no_metrics_and_counts_in_no_mean():
+    # NaN (a mean over no sample), not 0; metrics.jsonl lists it as null and its means leave it out
+    from jaxfl.run.runner import eval_record
+    alg, _, server, clients = setup_algorithm("fedavg", small_cnn(num_classes=4, width=4, hidden=(8,)), [8, 8, 8])
+    data = conftest.make_data([3, 0, 5], m=8)
+    ev = jax.device_get(jax.jit(make_evaluate(alg, eval_batch_size=4, strategy="map"))(server, clients, data))
+    assert np.isnan(ev["accuracy"][1]) and np.isnan(ev["loss"][1])
+    assert np.all(np.isfinite(ev["loss"][[0, 2]])) and ev["count"].tolist() == [3, 0, 5]
+    rec = eval_record(ev)
+    assert rec["test_accuracy"][1] is None and rec["test_loss"][1] is None
+    acc = ev["accuracy"]
+    assert rec["mean_accuracy"] == pytest.approx((acc[0] + acc[2]) / 2)
+    assert rec["weighted_accuracy"] == pytest.approx((3 * acc[0] + 5 * acc[2]) / 8)
+    empty = eval_record(dict(ev, count=np.zeros(3, np.int32)))
+    assert empty["mean_accuracy"] is None and empty["weighted_accuracy"] is None
+
+
+def test_batchnorm_local_training_runs_with_64_bit_types_enabled():
+    # under jax_enable_x64 a BatchNorm model's loss is float64: the step sums keep their float32 carry
+    with jax.enable_x64(True):
+        alg, data, server, clients = setup_algorithm("fedbn", small_cnn(num_classes=4, width=4, hidden=(8,)), [5, 9])
+        trained, metrics = jax.jit(cohort_train(alg, strategy="map"))(
+            server, clients, data, jnp.arange(2), 0, jax.random.key(0))
+    assert np.all(np.isfinite(np.asarray(metrics["loss"]))) and metrics["seen"].tolist() == [5, 9]

@@ -99,7 +99,7 @@ def private_gradient(loss_fn, params, state, batch_of, preprocess, members, coun
         loss, logits, g = jax.vmap(one)(preprocess(x), y, keys)
         part, _ = clipped_sum(g, w, dp.clip)
         acc = jax.tree_util.tree_map(jnp.add, acc, part)
-        sums = sums + jnp.stack([jnp.sum(loss * w), correct_count(logits, y, w), jnp.sum(w), 0.0])
+        sums = sums + jnp.stack([jnp.sum(loss * w), correct_count(logits, y, w), jnp.sum(w), 0.0]).astype(sums.dtype)
         return c + 1, acc, sums
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, params)

@@ -88,8 +88,9 @@ def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_s
     client [N].
 
     ids [N]: the rows' client ids (default 0..N-1). Means over each client's real test samples (padding counts
-    nowhere) of CE and accuracy; if ``alg.predict`` returns (logits, {name: [B]}), each diagnostic is averaged
-    the same way under its name. train: the clients' training sets, for an algorithm with ``prepare_predict``.
+    nowhere) of CE and accuracy, NaN for a client without test samples (a mean over none); if ``alg.predict``
+    returns (logits, {name: [B]}), each diagnostic is averaged the same way under its name. train: the clients'
+    training sets, for an algorithm with ``prepare_predict``.
     """
     predict_all = make_predict(alg, eval_batch_size=eval_batch_size, strategy=strategy, chunk_size=chunk_size,
                                preprocess=preprocess, mesh=mesh)
@@ -97,11 +98,12 @@ def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_s
     def evaluate(server, clients, data: ClientData, ids=None, train: ClientData | None = None):
         logits, extra = predict_all(server, clients, data, ids=ids, train=train)
         w = data.sample_mask()
-        n = jnp.maximum(data.count.astype(jnp.float32), 1.0)
+        n = data.count.astype(jnp.float32)
         sums = {"loss": jnp.sum(w * cross_entropy(logits, data.y), -1),
                 "accuracy": jax.vmap(correct_count)(logits, data.y, w)}
         sums.update({k: jnp.sum(w * v, -1) for k, v in extra.items()})
-        return dict({k: v / n for k, v in sums.items()}, count=data.count)
+        mean = lambda v: jnp.where(n > 0, v / jnp.maximum(n, 1.0), jnp.nan)  # noqa: E731
+        return dict({k: mean(v) for k, v in sums.items()}, count=data.count)
 
     return evaluate
 

@@ -177,7 +177,7 @@ class LocalTrainer:
                 grads, step_sums = private_gradient(loss_fn, params, state, lambda idx: batch_of(data, idx),
                                                     self.preprocess, members, data.count, skey, self.dp, b, rate)
                 updates, opt_state = self.tx.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), state, opt_state, sums + step_sums
+                return optax.apply_updates(params, updates), state, opt_state, sums + step_sums.astype(sums.dtype)
 
             return jax.lax.fori_loop(0, n_steps, step, carry)
 
@@ -192,12 +192,14 @@ class LocalTrainer:
                 idx = jax.lax.dynamic_slice(perm, (start,), (b,))
                 w = ((start + jnp.arange(b)) < data.count).astype(jnp.float32)
                 x, y = batch_of(data, idx)
-                (loss, (state, logits)), grads = grad_fn(params, state, self.preprocess(x), y, w,
-                                                         jax.random.fold_in(ekey, t + 1))
+                (loss, (new_state, logits)), grads = grad_fn(params, state, self.preprocess(x), y, w,
+                                                             jax.random.fold_in(ekey, t + 1))
+                # (under jax_enable_x64 BatchNorm's statistics come back float64: the carry keeps its types)
+                state = jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), new_state, state)
                 updates, opt_state = self.tx.update(grads, opt_state, params)
                 params = optax.apply_updates(params, updates)
                 n = jnp.sum(w)
-                sums = sums + jnp.stack([loss * n, correct_count(logits, y, w), n, 1.0])
+                sums = sums + jnp.stack([loss * n, correct_count(logits, y, w), n, 1.0]).astype(sums.dtype)
                 return params, state, opt_state, sums
 
             return jax.lax.fori_loop(0, n_steps, step, carry)

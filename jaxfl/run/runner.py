@@ -149,7 +149,7 @@ class Experiment:
                                                self.rate if amplified else 1.0)
             if cfg.dp_epsilon is not None:
                 noise = calibrate_noise(lambda z: spent(z).epsilon(cfg.rounds), cfg.dp_epsilon,
-                                        f"after {cfg.rounds} rounds at delta {delta:g}")
+                                        f"after {cfg.rounds} rounds at delta {delta:g}", delta)
                 self.cfg = cfg = cfg.replace(dp_noise=noise)
             self.trainer = dataclasses.replace(self.trainer, dp=SampleDP(cfg.dp_clip, cfg.dp_noise))
             self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
@@ -224,11 +224,16 @@ class Experiment:
 
 
 def eval_record(m) -> dict:
-    """metrics.jsonl's test fields from per-client evaluation arrays (accuracy, loss, count, diagnostics)."""
+    """metrics.jsonl's test fields from per-client evaluation arrays (accuracy, loss, count, diagnostics). A
+    client without test samples (NaN metrics: the library's own datasets have none) is null in the lists and
+    left out of the means; the means are null when no client has any."""
     acc, cnt = np.asarray(m["accuracy"], float), np.asarray(m["count"], float)
-    extra = {f"test_{k}": np.asarray(v, float).tolist() for k, v in m.items() if k not in ("accuracy", "loss", "count")}
-    return {"test_accuracy": acc.tolist(), "test_loss": np.asarray(m["loss"], float).tolist(),
-            "mean_accuracy": float(acc.mean()), "weighted_accuracy": float((acc * cnt).sum() / cnt.sum()), **extra}
+    has = cnt > 0
+    listed = lambda v: [float(a) if h else None for a, h in zip(np.asarray(v, float), has)]  # noqa: E731
+    extra = {f"test_{k}": listed(v) for k, v in m.items() if k not in ("accuracy", "loss", "count")}
+    return {"test_accuracy": listed(acc), "test_loss": listed(m["loss"]),
+            "mean_accuracy": float(acc[has].mean()) if has.any() else None,
+            "weighted_accuracy": float((acc[has] * cnt[has]).sum() / cnt.sum()) if has.any() else None, **extra}
 
 
 # -- the host loop: rounds, checks, logging, checkpoints -----------------------------------------------------
@@ -341,7 +346,8 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
             check_finite(m, names, r + j, ckpt)
             rec = round_record(m, names, r + j)
             if exp.privacy is not None and cfg.dp_noise > 0:
-                rec["dp_epsilon"] = exp.privacy.epsilon(r + j + 1)
+                spent = exp.privacy.epsilon(r + j + 1)
+                rec["dp_epsilon"] = spent if math.isfinite(spent) else None  # (JSON has no inf)
             t_eval, c_eval = time.perf_counter(), compile_seconds()
             if j == n - 1 and evaluates(cfg, r + j):
                 rec.update(local or exp.evaluate(server, store))
