@@ -330,7 +330,7 @@ def _strip_time(history):
 @default_codegen
 def test_rounds_kept_on_the_device_give_the_same_run_for_any_rounds_per_call_and_resume(tmp_path):
     # K = 4 rounds per call, evaluation every 3 rounds and checkpoints every 2 cut the calls into 2, 1, 1, 2, ...
-    # rounds: the same numbers, bit for bit, as one round per call; and a resumed run too
+    # rounds: the same numbers, bit for bit, as one round per call; and a run resumed with another K too
     base = dict(algorithm="fedbn", backend="stacked", rounds=7, eval_every=3, clients_per_domain=2,
                 clients_per_round=4, **TINY)
     one = Experiment(RunConfig(rounds_per_call=1, **base)).run()
@@ -341,7 +341,7 @@ def test_rounds_kept_on_the_device_give_the_same_run_for_any_rounds_per_call_and
     assert all(0.0 <= h["host_share"] <= 1.0 for h in four.history)
     part = Experiment(RunConfig(rounds_per_call=4, out=str(tmp_path / "part"), checkpoint_every=2,
                                 **dict(base, rounds=4))).run()
-    resumed = Experiment(RunConfig(rounds_per_call=4, out=str(tmp_path / "part"), checkpoint_every=2, resume=True,
+    resumed = Experiment(RunConfig(rounds_per_call=2, out=str(tmp_path / "part"), checkpoint_every=2, resume=True,
                                    **base)).run()
     # (the shorter run evaluated after its last round, 4; the rounds' training is the same)
     train_only = lambda hs: [{k: v for k, v in h.items() if not k.startswith("test_") and "accuracy" not in k or
