@@ -521,10 +521,11 @@ def calibrate_noise(spent, target: float, what: str, delta: float | None = None)
     """The smallest noise multiplier z (to 0.1 %) with spent(z) <= ``target`` (spent: z -> ε, falling as z
     grows): bisection. ConfigError, naming ``what`` (e.g. "after 100 rounds at delta 1e-05"), for a target at
     or below ``epsilon_floor(delta)`` (when δ is given: no noise reaches it) and past z = 1000."""
-    if delta is not None and target <= epsilon_floor(delta):
-        raise ConfigError(f"epsilon {target:g} is at or below {epsilon_floor(delta):.4g}, the smallest epsilon the "
-                          f"accountant certifies at delta {delta:g} with any noise (its Renyi orders stop at 256); "
-                          f"ask for a larger epsilon or delta")
+    floor = None if delta is None else epsilon_floor(delta)
+    if floor is not None and target <= floor:
+        raise ConfigError(f"epsilon {target:g} is at or below {floor:.4g}, the smallest epsilon the accountant "
+                          f"certifies at delta {delta:g} with any noise (its Renyi orders stop at 256); ask for a "
+                          f"larger epsilon or delta")
     lo, hi = 0.0, 1.0
     while spent(hi) > target:
         lo, hi = hi, 2 * hi

@@ -177,7 +177,7 @@ class LocalTrainer:
                 grads, step_sums = private_gradient(loss_fn, params, state, lambda idx: batch_of(data, idx),
                                                     self.preprocess, members, data.count, skey, self.dp, b, rate)
                 updates, opt_state = self.tx.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), state, opt_state, sums + step_sums.astype(sums.dtype)
+                return optax.apply_updates(params, updates), state, opt_state, sums + step_sums
 
             return jax.lax.fori_loop(0, n_steps, step, carry)
 
