@@ -21,6 +21,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as jaxfl/__init__.py sets 
 # the subprocess checks (they inherit the environment). One folder per suite run (PYTEST_XDIST_TESTRUNUID is
 # shared by the workers of one run), under the system's temporary folder; never part of the repository.
 _run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+# the process that names the folder (pytest's main process; xdist's workers inherit it) removes it at the end
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(__import__("tempfile").gettempdir(),
                                                                 f"jaxfl-test-xla-cache-{_run_id}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -95,6 +97,25 @@ def default_codegen(test):
     return wrapper
 
 
+def bit_identity(why: str):
+    """Mark a test that compares two *different* programs bit for bit, with ``why`` they are exact (e.g. a
+    reduction that adds exact zeros, a leaf copied and never computed, the same round program run in a loop).
+    Every other float comparison uses a tolerance derived from the computation (``rounding_tolerance``);
+    these run with XLA:CPU's default code generator, the one users run (``default_codegen``).
+    ``pytest -m bit_identity`` runs them alone; the reasons are in each test's marker."""
+    if not why.strip():
+        raise ValueError("bit_identity needs the reason the two programs are exact")
+
+    def mark(test):
+        return pytest.mark.bit_identity(why)(default_codegen(test))
+    return mark
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bit_identity(why): compares two different programs bit for bit, because "
+                                       "of why (conftest.bit_identity)")
+
+
 def make_data(counts, m=None, shape=(8, 8, 3), seed=0, classes=4):
     """Random uint8 client data padded to m (default: max count), labels in [0, classes)."""
     rng = np.random.default_rng(seed)
@@ -128,8 +149,45 @@ def make_trainer(batch_size=8, epochs=1, lr=0.05, momentum=0.5):
 
 
 def assert_trees_close(a, b, atol=1e-5, rtol=1e-5):
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
+    """Leaf by leaf |a - b| <= atol + rtol |b|; ``atol`` a number or a tree of numbers like ``b``
+    (``rounding_tolerance``)."""
+    leaves = jax.tree_util.tree_leaves(b)
+    atols = [atol] * len(leaves) if np.isscalar(atol) else jax.tree_util.tree_leaves(atol)
+    for x, y, tol in zip(jax.tree_util.tree_leaves(a), leaves, atols, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=float(tol), rtol=rtol)
+
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def rounding_tolerance(fn, *args, factor=16.0, seed=0):
+    """Per-leaf absolute tolerances for comparing ``fn(*args)`` with another program's result for the same math
+    (another backend, batch layout, fusion or CPU): ``factor`` times how far each float output leaf moves when
+    every float input element is scaled by 1 +- eps32 (signs at random), plus 4 eps32 times the leaf's size.
+
+    Why this bounds reassociation: reordering a float32 sum of n terms changes it by about the rounding of its
+    terms (~sqrt(n) eps32 times their size), which is what rounding the inputs does, and the computation after
+    it (optimizer steps, normalisation, an Adam step's division by a tiny second moment) amplifies both alike.
+    A wrong computation (a dropped client, a padding row counted) moves the outputs by far more, so a test
+    with this tolerance still fails on it. ``fn`` should be jitted (the perturbed call reuses its program).
+    -> a tree of floats shaped like ``fn``'s output."""
+    rng = np.random.default_rng(seed)
+
+    def nudge(a):
+        if not jnp.issubdtype(jnp.result_type(a), jnp.floating):  # (integers, PRNG keys, bools)
+            return a
+        a = np.asarray(a)
+        return (a * (1 + EPS32 * rng.choice([-1.0, 1.0], a.shape))).astype(a.dtype)
+
+    base = jax.device_get(fn(*args))
+    moved = jax.device_get(fn(*jax.tree_util.tree_map(nudge, args)))
+
+    def tol(x, y):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        if x.size == 0:
+            return 0.0
+        return factor * float(np.max(np.abs(x - y))) + 4 * EPS32 * float(np.max(np.abs(x)))
+    return jax.tree_util.tree_map(tol, base, moved)
 
 
 @pytest.fixture(scope="session")
@@ -281,6 +339,13 @@ def padded_batch(seed=7, n=8, real=5, shape=(8, 8, 3), classes=4):
 # The longest tests (subprocess checks, GP fits) go first: pytest-xdist hands tests out in collection order, and
 # a long test drawn last keeps one worker busy while the other idles (measured: ~50 s of the suite's wall time).
 FIRST = ("test_sharding.py", "test_multihost.py", "test_pfedgp.py", "test_gp.py", "test_faults.py")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove this run's compile cache (~115 MB) from the temporary folder: the tests leave nothing behind."""
+    if _OWN_CACHE and not hasattr(session.config, "workerinput"):
+        import shutil
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

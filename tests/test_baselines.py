@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (assert_trees_close, default_codegen, make_backend, make_data, make_separable, make_trainer,
-                      ragged, run_rounds, setup_algorithm, trained_rows)
+from conftest import (assert_trees_close, bit_identity, make_backend, make_data, make_separable, make_trainer,
+                      ragged, rounding_tolerance, run_rounds, setup_algorithm, trained_rows)
 
 from jaxfl.algorithms import REGISTRY
 from jaxfl.algorithms._common import ce_loss
@@ -168,7 +168,7 @@ def test_lg_fedavg_warmup_rounds_are_fedavg():
     assert_trees_close(s3["params"]["encoder"], warm[0]["params"]["encoder"], atol=0, rtol=0)
 
 
-@default_codegen
+@bit_identity("at lambda 0 Ditto's personal loop is Local's loop: the proximal term adds exact zeros")
 def test_ditto_with_lambda_zero_has_purely_local_personal_models():
     alg, data, server, clients = setup("ditto", lam=0.0)
     (s1, _, _), (s, c, _) = run(alg, data, server, clients, every_round=True)
@@ -244,4 +244,9 @@ def assert_padding_rows_are_absent(alg, server, trained, want, pad=5):
     ids = jnp.concatenate([jnp.arange(n, dtype=jnp.int32), jnp.full(pad, n, jnp.int32)])
     aggregate = jax.jit(make_step(alg, num_rounds=T, padded=True).aggregate)
     new, kept = aggregate(server, garbage, counts, ids, 1)
-    assert_trees_close((new, jax.tree_util.tree_map(lambda a: a[:n], kept)), want, atol=1e-6, rtol=1e-5)
+    # the round's own program against this one: equal up to float32 rounding of the aggregate (FedTP's Adam step
+    # on the hypernetwork divides by a small second moment: 1.3e-6 on an AMD EPYC, within 1e-6 on a Xeon)
+    unpadded = jax.jit(make_step(alg, num_rounds=T).aggregate)
+    tol = rounding_tolerance(unpadded, server, trained,
+                             jnp.asarray(COUNTS, jnp.int32), jnp.arange(n, dtype=jnp.int32), 1)
+    assert_trees_close((new, jax.tree_util.tree_map(lambda a: a[:n], kept)), want, atol=tol, rtol=0)

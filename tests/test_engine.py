@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, make_trainer, setup_algorithm, default_codegen
+from conftest import assert_trees_close, make_trainer, setup_algorithm, bit_identity
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import is_batchnorm
@@ -71,7 +71,7 @@ def test_padding_changes_nothing():
     np.testing.assert_allclose(ea["loss"], eb["loss"], rtol=1e-5)
 
 
-@default_codegen
+@bit_identity("a weighted mean of one client with weight 1 is that client's state exactly")
 def test_fedavg_one_client_equals_local():
     alg_avg, data, server, clients = setup("fedavg", counts=(20,))
     alg_loc = build_algorithm("local", small_cnn(num_classes=4, width=4), make_trainer())

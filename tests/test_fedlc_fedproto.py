@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds, default_codegen
+from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds, bit_identity
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import logits_and_representation
@@ -63,7 +63,7 @@ def test_calibrated_loss_is_ce_of_the_lowered_logits_and_its_gradient():
     np.testing.assert_allclose(np.asarray(dz), want, atol=1e-6)
 
 
-@default_codegen
+@bit_identity("at tau 0 the calibration adds exact zeros to the logits")
 def test_fedlc_at_tau_zero_is_fedavg_and_tau_changes_it():
     root = jax.random.key(3)
     out = {}
@@ -102,7 +102,7 @@ def test_prototype_functions_match_their_formulas():
     np.testing.assert_array_equal(mean[1], 0.0)
 
 
-@default_codegen
+@bit_identity("round 0 has no prototypes: the regulariser's weight is 0 and adds exact zeros")
 def test_fedproto_round_zero_is_local_training_and_the_server_holds_class_means():
     root = jax.random.key(3)
     alg, data, server, clients = setup("fedproto")

@@ -2,7 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_trees_close, default_codegen, run_rounds, setup_algorithm, trained_rows
+from conftest import assert_trees_close, bit_identity, run_rounds, setup_algorithm, trained_rows
 
 from jaxfl import ops
 from jaxfl.algorithms._common import is_batchnorm
@@ -59,7 +59,7 @@ def test_without_pfsm_it_is_exactly_fedbn():
     np.testing.assert_array_equal(a[2]["loss"], b[2]["loss"])
 
 
-@default_codegen
+@bit_identity("kept leaves are copied from the trained rows, never computed")
 def test_pfsm_and_batchnorm_are_never_averaged():
     s, c, m = check_round(*setup(), lambda p: p[0] != "pfsm" and not is_batchnorm(p), lambda p: False)
     assert np.all(np.isfinite(m["loss"]))
@@ -67,7 +67,7 @@ def test_pfsm_and_batchnorm_are_never_averaged():
     assert not np.allclose(phi[0], phi[1])  # each client's mask network trained on its own data
 
 
-@default_codegen
+@bit_identity("kept leaves are copied from the trained rows, never computed")
 def test_share_bn_and_share_pfsm_flip_exactly_their_leaves():
     check_round(*setup(share_bn=True), lambda p: p[0] != "pfsm", lambda p: p[0] != "pfsm")
     check_round(*setup(share_pfsm=True), lambda p: p[0] == "pfsm" or not is_batchnorm(p), lambda p: p[0] == "pfsm")

@@ -6,7 +6,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import (assert_trees_close, codegen_cache, default_codegen, make_data, make_trainer, round_function,
+from conftest import (assert_trees_close, codegen_cache, bit_identity, make_data, make_trainer, round_function,
                       run_rounds, setup_algorithm)
 
 from jaxfl.algorithms import build_algorithm
@@ -87,7 +87,7 @@ def test_fedavg_ft_with_zero_epochs_is_fedavg():
     np.testing.assert_array_equal(predictions(alg_a, *a), predictions(alg_b, *b))  # the evaluated model
 
 
-@default_codegen
+@bit_identity("fine-tuning runs at evaluation only: the training rounds are FedAvg's operations")
 def test_fedavg_ft_trains_fedavg_and_evaluates_the_received_model_fine_tuned():
     s1, _ = rounds("fedavg", n=1)
     s2, _ = rounds("fedavg")
@@ -125,7 +125,7 @@ def test_fedbabu_head_never_changes_and_the_body_is_fedavg_with_a_frozen_head():
     np.testing.assert_allclose(predictions(alg, server, clients), apply_rows(expected), atol=1e-5, rtol=1e-5)
 
 
-@default_codegen
+@bit_identity("fine-tuning runs at evaluation only: the training rounds do not read it")
 def test_fedbabu_head_only_fine_tuning_and_no_fine_tuning():
     s1, _ = rounds("fedbabu", n=1, ft_part="head", ft_epochs=1)
     server, clients = rounds("fedbabu", ft_part="head", ft_epochs=1)
@@ -232,7 +232,7 @@ def test_head_weights_of_the_members_ignore_the_other_rows():
     assert np.all(np.asarray(padded[:, :4, 4:]) == 0)
 
 
-@default_codegen
+@bit_identity("a mask of all ones multiplies by exact ones")
 def test_head_weights_with_every_row_a_member_are_the_unrestricted_ones_bit_for_bit():
     # the mask as FedPAC passes it (weights > 0, a value at run time, not a constant XLA could fold away)
     rng = np.random.default_rng(2)
@@ -311,7 +311,7 @@ def test_fedpac_without_alignment_and_combination_is_fedrep():
     assert_trees_close(a_c, b_c, atol=1e-6, rtol=1e-5)
 
 
-@default_codegen
+@bit_identity("the body and prototype means are the plain weighted mean's operations")
 def test_fedpac_aggregate_averages_bodies_and_prototypes_and_combines_heads():
     alg, data, server, clients = setup("fedpac")
     rng = np.random.default_rng(2)

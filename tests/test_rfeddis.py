@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, evaluator, make_data, make_trainer, setup_algorithm, default_codegen
+from conftest import assert_trees_close, evaluator, make_data, make_trainer, setup_algorithm, bit_identity
 
 from jaxfl import ops
 from jaxfl.algorithms import build_algorithm
@@ -56,7 +56,7 @@ def test_digits_model_has_the_spec_parameter_count():
 
 
 @pytest.mark.parametrize("share_global_head", [True, False])
-@default_codegen
+@bit_identity("kept leaves are copied from the trained rows, never computed")
 def test_encoder_and_global_head_are_averaged_bn_and_local_head_never(share_global_head):
     alg, data, server, clients = setup(share_global_head=share_global_head)
     s, c, m = run_rounds(alg, data, server, clients, ROOT)
@@ -105,7 +105,7 @@ def test_without_local_head_and_dis_it_is_fedbn_with_an_evidential_head():
     np.testing.assert_allclose(outs[0][2]["loss"], outs[1][2]["loss"], rtol=1e-5)
 
 
-@default_codegen
+@bit_identity("in round 0 the annealing weight is 0: the KL and disentanglement terms add exact zeros")
 def test_annealing_enters_only_after_the_first_round():
     """In round 0 lam = 0: the KL and L_Dis terms are off, so use_dis makes no difference; later it does."""
     on, off = (run_rounds(*setup(use_dis=flag), ROOT, rounds=2, every_round=True) for flag in (True, False))

@@ -5,7 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import assert_trees_close, make_data, make_trainer, run_step, default_codegen
+from conftest import assert_trees_close, make_data, make_trainer, run_step, bit_identity
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.core.server_opt import STATE_KEY, server_optimizer, server_step, with_server_optimizer
@@ -93,7 +93,7 @@ def test_default_server_lrs_and_bad_input_through_the_cli(tmp_path, capsys):
         assert not out.exists()
 
 
-@default_codegen
+@bit_identity("server SGD at lr 1 without momentum returns the aggregate itself")
 def test_sgd_at_server_lr_one_is_the_algorithm_itself_bitwise():
     plain = Experiment(RunConfig(algorithm="fedper", rounds=2, **TINY)).run()
     sgd = Experiment(RunConfig(algorithm="fedper", rounds=2, server_opt="sgd", server_lr=1.0, **TINY)).run()
@@ -103,7 +103,7 @@ def test_sgd_at_server_lr_one_is_the_algorithm_itself_bitwise():
 
 
 @pytest.mark.parametrize("name", ["fedala", "feddbe"])
-@default_codegen
+@bit_identity("server SGD at lr 1 without momentum returns the aggregate itself")
 def test_sgd_at_server_lr_one_leaves_the_newer_averaging_methods_bitwise_unchanged(name):
     # two of issue 36's averaging methods whose server differs from FedAvg's (their first two rounds: FedDBE's
     # round 0 keeps the model, FedALA's server holds parameters only); the others' aggregate is FedAvg's mean
