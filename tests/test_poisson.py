@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKENDS, assert_trees_close, make_backend, make_data, make_trainer
+from conftest import BACKENDS, assert_trees_close, make_backend, make_data, make_trainer, rounding_tolerance
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.core import privacy
@@ -64,20 +64,24 @@ def test_a_poisson_round_is_the_step_on_its_members_alone(backend):
     # the reference: the unpadded step on the members' data, under their ids (their streams)
     sub = jax.tree_util.tree_map(lambda a: a[ids], data)
     step = make_step(alg, strategy="vmap", num_rounds=4, weighting="uniform")
-    want, kept, want_metrics = jax.jit(lambda *a: step(*a))(
-        server, jax.tree_util.tree_map(lambda a: a[ids], clients), sub, jnp.asarray(ids), round_idx, ROOT)
-    assert_trees_close(new, want, atol=1e-6, rtol=1e-5)
+    reference = jax.jit(lambda *a: step(*a))
+    args = (server, jax.tree_util.tree_map(lambda a: a[ids], clients), sub, jnp.asarray(ids), round_idx, ROOT)
+    want, kept, want_metrics = reference(*args)
+    # another program (padding rows, another lane layout): equal up to float32 rounding of this computation
+    tol, kept_tol, _ = rounding_tolerance(reference, *args)
+    assert_trees_close(new, want, atol=tol, rtol=0)
     np.testing.assert_allclose(metrics["loss"], want_metrics["loss"], rtol=1e-5)
     others = np.setdiff1d(np.arange(len(COUNTS)), ids)
-    assert_trees_close(jax.tree_util.tree_map(lambda a: a[ids], store.state), kept, atol=1e-6, rtol=1e-5)
+    assert_trees_close(jax.tree_util.tree_map(lambda a: a[ids], store.state), kept, atol=kept_tol, rtol=0)
     for a, b in zip(jax.tree_util.tree_leaves(store.state), jax.tree_util.tree_leaves(clients)):
         assert np.array_equal(np.asarray(a)[others], np.asarray(b)[others])  # the others' states are untouched
     steps = -(-np.asarray(COUNTS)[ids] // 8)
-    if backend == "stacked":  # one vmapped call of 16 lanes (7 of them padding) as long as the longest member
-        assert engine.rows == 16
-        assert metrics["padded_work"] == pytest.approx(16 * steps.max() * 8 / np.sum(np.asarray(COUNTS)[ids]))
-    else:  # buckets of members only
-        assert metrics["padded_work"] < 16 * steps.max() * 8 / np.sum(np.asarray(COUNTS)[ids])
+    one_vmap = 16 * steps.max() * 8 / np.sum(np.asarray(COUNTS)[ids])
+    if backend == "stacked":  # 16 rows (7 of them padding, 0 steps) in the lane plan's sorted chunks
+        assert engine.rows == 16 and engine.lanes.rows == 16
+        done = engine.lanes.work(np.concatenate([steps, np.zeros(16 - len(steps), steps.dtype)]))
+        assert metrics["padded_work"] == pytest.approx(done * 8 / np.sum(np.asarray(COUNTS)[ids]))
+    assert metrics["padded_work"] < one_vmap  # (ragged: buckets of members only)
 
 
 def _logreg_fedavg(n):

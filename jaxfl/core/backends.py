@@ -46,6 +46,7 @@ from ..errors import ConfigError, DeviceMemoryError, check_choice, first_line
 from .buckets import grid_ceil, padded_work, plan_buckets
 from .cohort import SAMPLINGS, STRATEGIES, default_strategy, poisson_cohort, poisson_members, poisson_rows, sample_cohort
 from .distributed import client_sharding, fetch, place_rows
+from .lanes import LanePlan, expected_sorted_steps, plan_lanes
 from .step import init_state, make_step, with_round_metrics
 from .trainer import ClientRows
 from .trees import tree_bytes
@@ -54,6 +55,19 @@ from .types import Algorithm
 
 PLACEMENTS = ("auto", "device", "host")
 BACKENDS = ("stacked", "ragged")
+
+
+# The fixed cost of one sequential local step, in lane-steps, that ``plan_lanes`` weighs against padded lanes
+# (``Stacked(lane_overhead=...)``). CPU: 0, measured (benchmarks/RESULTS.md, "Lane plans"): logreg and the 2NN
+# at cohort 100 ran fastest with every client alone in its chunk (0.081 / 0.64 s a round, against 0.090 / 0.69
+# s at 1 lane of overhead and 0.16 / 1.29 s for one vmap over the cohort). An accelerator's steps cost launches:
+# the runner derives it from ``core.cost`` (tau P / (B f)); this value stands in where no FLOP count is known.
+DEFAULT_LANE_OVERHEAD = {"cpu": 0.0, "gpu": 32.0, "tpu": 32.0}
+
+
+def default_lane_overhead(platform: str | None = None) -> float:
+    """``DEFAULT_LANE_OVERHEAD`` of ``platform`` (default: jax's default backend)."""
+    return DEFAULT_LANE_OVERHEAD.get(platform or jax.default_backend(), 32.0)
 
 
 def device_memory_bytes() -> int:
@@ -142,9 +156,15 @@ class _Backend:
         self.sampling, self.rate = sampling, self.cohort_size / self.num_clients if rate is None else rate
         self.devices = 1 if mesh is None else mesh.devices.size
         self.row_multiple = 8 * self.devices  # a padded Poisson cohort's rows: a multiple of this
-        self.step = make_step(alg, strategy=self.strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds,
-                              weighting=weighting, stragglers=stragglers, padded=sampling == "poisson")
+        self.stragglers = stragglers
+        self.step = self.make_step()
         self.device_s = 0.0  # seconds spent in jitted computations (``timed``), for ``host_share``
+
+    def make_step(self, lanes: LanePlan | None = None):
+        """The round's ``step.Step`` for this backend's settings (``lanes``: the cohort's ``LanePlan``)."""
+        return make_step(self.alg, strategy=self.strategy, chunk_size=self.chunk_size, mesh=self.mesh,
+                         num_rounds=self.num_rounds, weighting=self.weighting, stragglers=self.stragglers,
+                         padded=self.sampling == "poisson", lanes=lanes)
 
     def timed(self, fn, *args):
         """fn(*args), waited for; its wall time is added to ``device_s``."""
@@ -343,7 +363,11 @@ class Stacked(_Backend):
     """Rounds with the whole population on the device (see the module docstring): one jitted call per round.
 
     The cohort's data is padded to the population's longest client, rounded up to the step grid, so every
-    round has the same shapes and compiles once; ``map`` and ``vmap`` run each client's own step count. The
+    round has the same shapes and compiles once; every client runs its own step count. Under ``vmap`` and
+    ``chunked`` the cohort is sorted by local steps inside the call and run as chunks of lanes that each stop at
+    their own longest client (``lanes.LanePlan``: ``lane_plan``, or planned for this population by
+    ``lanes.plan_lanes`` with at most ``lane_segments`` segments and a step cost of ``lane_overhead`` lanes;
+    ``lane_segments=0``: one vmap over the cohort, every lane to its longest client). The
     padded data is never copied: each client gets row indices into the flat store (``ClientRows``) and a
     minibatch gathers only its own rows (a copy of cohort x longest client cost 40% of a logistic-regression
     round of 100 FEMNIST-sized clients on CPU).
@@ -351,10 +375,24 @@ class Stacked(_Backend):
     so the same compiled program runs 1 to K rounds and K does not change the numbers.
     """
 
-    def __init__(self, alg: Algorithm, train: RaggedClients, rounds_per_call: int = 1, **kw):
+    def __init__(self, alg: Algorithm, train: RaggedClients, rounds_per_call: int = 1, lane_segments: int = 3,
+                 lane_overhead: float | None = None, lane_plan: LanePlan | None = None, **kw):
         kw.pop("client_store", None)  # the states always live on the device here
         super().__init__(alg, train, **kw)
+        if not isinstance(lane_segments, int) or lane_segments < 0:
+            raise ConfigError(f"lane_segments={lane_segments!r} must be an integer >= 0 (0: one vmap call over "
+                              f"the cohort)")
+        if lane_overhead is not None and not lane_overhead >= 0:
+            raise ConfigError(f"lane_overhead={lane_overhead!r} must be a number >= 0")
         self.rounds_per_call = rounds_per_call
+        self.lane_segments = lane_segments
+        self.lane_overhead = default_lane_overhead() if lane_overhead is None else float(lane_overhead)
+        self.lanes: LanePlan | None = None
+        self.given_plan = lane_plan
+        if lane_plan is not None and (self.sampling != "fixed" or self.strategy == "map"
+                                      or lane_plan.rows * self.devices != self.cohort_size):
+            raise ConfigError(f"lane_plan for {lane_plan.rows} rows a device needs fixed cohorts of "
+                              f"{lane_plan.rows * self.devices} clients under vmap or chunked")
         # with a mesh, every device holds the whole population (its samples and states), placed once: an array
         # on one device would be copied to the others in every round (3.3x a logreg round on 2 CPU devices)
         self.replicated = None if self.mesh is None else jax.sharding.NamedSharding(
@@ -370,8 +408,10 @@ class Stacked(_Backend):
         self._build()
 
     def _build(self):
-        """The jitted round functions (again when a Poisson cohort outgrows ``rows``)."""
-        n, c, step, rows = self.num_clients, self.cohort_size, self.step, self.rows
+        """The lane plan and the jitted round functions (again when a Poisson cohort outgrows ``rows``)."""
+        self.lanes = self.lane_plan()
+        self.step = step = self.make_step(self.lanes)
+        n, c, rows = self.num_clients, self.cohort_size, self.rows
         rounds_per_call = self.rounds_per_call
 
         def counts_of(data, ids):  # sample counts of the cohort's rows; a padding row (id N) has none
@@ -509,10 +549,43 @@ class Stacked(_Backend):
         if not members.all():  # (per-client rows only: the algorithm's round metrics are scalars)
             metrics = {k: v[members] if v.ndim else v for k, v in metrics.items()}
         ids = metrics["client_id"]
-        # one call of the cohort's rows: under vmap a Poisson cohort's padding lanes run too (under map and
-        # chunked they take no step, or as chunks of padding alone none)
-        rows = self.rows if self.sampling == "poisson" and self.strategy == "vmap" else 1
-        plan = plan_buckets(-(-self.train.counts[ids] // self.batch_size), max_lanes=len(ids), single=True,
-                            lane_multiple=rows)
         host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)
-        return dict(metrics, **self.report(plan, ids), compiled_shapes=1, host_share=max(host, 0.0))
+        if self.lanes is None:  # map: every client runs its own steps in one call
+            work = dict(self.report(plan_buckets(-(-self.train.counts[ids] // self.batch_size), max_lanes=len(ids),
+                                                 single=True), ids), buckets=1)
+        else:
+            work = {"padded_work": self.lane_work(ids), "buckets": len(self.lanes.segments)}
+        return dict(metrics, **work, compiled_shapes=1, host_share=max(host, 0.0))
+
+    def lane_plan(self) -> LanePlan | None:
+        """The cohort's ``LanePlan`` under ``vmap`` and ``chunked`` (None under ``map``, where every client runs
+        its own steps already): for the rows each device trains (the cohort's, or a Poisson cohort's padded rows,
+        over the mesh's devices). ``chunked``: sorted chunks of ``chunk_size`` lanes; ``vmap``: ``plan_lanes``
+        over the expected sorted steps of a cohort of this population, at most ``lane_segments`` segments
+        (0: one vmap call over the rows, every lane to the cohort's longest client)."""
+        if self.strategy == "map":
+            return None
+        if self.given_plan is not None:
+            return self.given_plan
+        rows = (self.rows if self.sampling == "poisson" else self.cohort_size) // self.devices
+        if self.strategy == "chunked":
+            lanes = min(self.chunk_size, rows)
+            return LanePlan(((lanes, -(-rows // lanes)),), rows=rows, batch_size=self.batch_size)
+        if self.lane_segments == 0:
+            return LanePlan(((rows, 1),), rows=rows, batch_size=self.batch_size)
+        steps = -(-self.train.counts // self.batch_size)
+        if self.sampling == "poisson":  # a device's block: its share of the population (every d-th client)
+            expected = expected_sorted_steps(steps[::self.devices], rows, rate=self.rate)
+        else:  # a uniform block of a uniform cohort is a uniform subset of the population
+            expected = expected_sorted_steps(steps, rows, members=rows)
+        return plan_lanes(expected, batch_size=self.batch_size, max_segments=self.lane_segments,
+                          overhead=self.lane_overhead)
+
+    def lane_work(self, ids) -> float:
+        """Computed / real samples of an epoch of the cohort ``ids`` (members) under the lane plan: each device's
+        block of rows (a Poisson cohort's padding rows last, 0 steps) run as the plan's chunks."""
+        steps = -(-self.train.counts[ids] // self.batch_size)
+        rows = self.lanes.rows * self.devices
+        steps = np.concatenate([steps, np.zeros(rows - len(steps), steps.dtype)])
+        done = sum(self.lanes.work(block) for block in steps.reshape(self.devices, -1))
+        return done * self.batch_size / max(int(self.train.counts[ids].sum()), 1)

@@ -42,12 +42,19 @@ def map_clients(fn: Callable, strategy: str | None = None, chunk_size: int = 8) 
     return lambda *args: jax.lax.map(lambda a: fn(*a), args, batch_size=batch)
 
 
-def over_clients(fn: Callable, strategy: str, chunk_size: int, mesh=None) -> Callable:
+def over_clients(fn: Callable, strategy: str, chunk_size: int, mesh=None, lanes=None) -> Callable:
     """fn(shared, *stacked) -> stacked outputs, one client per row. Without a mesh: ``map_clients``; with
     one, every device applies ``map_clients`` to its own block of clients (``jax.shard_map``) and
-    ``shared`` (e.g. the server state) is replicated. The number of clients must divide evenly."""
+    ``shared`` (e.g. the server state) is replicated. The number of clients must divide evenly.
+
+    lanes: a ``lanes.LanePlan`` instead of the strategy: the returned function then takes the rows' sort key
+    first, ``(shared, key, *stacked)``, and every device runs its block as the plan says (sorted by the key,
+    chunks of ``vmap`` lanes one after another; ``LanePlan.apply``)."""
     def local(shared, *stacked):
-        return map_clients(lambda *a: fn(shared, *a), strategy, chunk_size)(*stacked)
+        one = lambda *a: fn(shared, *a)  # noqa: E731
+        if lanes is not None:
+            return lanes.apply(one, *stacked)
+        return map_clients(one, strategy, chunk_size)(*stacked)
     if mesh is None:
         return local
     P = jax.sharding.PartitionSpec

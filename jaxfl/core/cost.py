@@ -85,6 +85,13 @@ def _abstract(tree):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+def lane_overhead(flops_per_sample: float, batch_size: int, rates: DeviceRates = H200) -> float:
+    """A local step's fixed cost in lane-steps, for ``lanes.plan_lanes``: tau / (B f / P) = tau P / (B f), the
+    launch latency of one sequential step over the compute of one lane's step (e.g. the 2NN at B = 10 on the
+    H200 constants: ~170 lanes; a CNN of 50 MFLOP a sample: ~4)."""
+    return rates.step_s * rates.flops_per_s / (batch_size * flops_per_sample)
+
+
 def stacked_calls(steps, *, strategy: str, chunk_size: int) -> list[tuple[int, int]]:
     """The (lanes, sequential steps) of the stacked backend's calls for a cohort of per-client step counts
     ``steps`` [C] (cohort order): vmap, one call of C lanes running to the longest client; map, every client

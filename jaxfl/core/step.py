@@ -20,6 +20,7 @@ from ..data.clients import ClientData
 from ..errors import check_choice
 from .aggregation import broadcast_clients
 from .cohort import client_keys, over_clients, straggler_work
+from .lanes import LanePlan
 from .trainer import ClientRows
 from .trees import tree_all_finite
 from .types import Algorithm, RoundInfo
@@ -41,7 +42,7 @@ def aggregation_weights(counts, weighting: str):
 
 
 def cohort_train(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 8, mesh=None,
-                 num_rounds: int | None = None, stragglers: float = 0.0) -> Callable:
+                 num_rounds: int | None = None, stragglers: float = 0.0, lanes: LanePlan | None = None) -> Callable:
     """train(server, clients, data, ids, round_idx, root) -> (trained, metrics), one row per client.
 
     clients: the persistent states of k clients stacked [k]; data: their ClientData [k, M], or ``ClientRows``
@@ -51,6 +52,9 @@ def cohort_train(alg: Algorithm, *, strategy: str | None = None, chunk_size: int
     state all finite). num_rounds: T, for ``RoundInfo`` (algorithms with schedules need it). stragglers: the
     probability that a client is a straggler this round (``cohort.straggler_work``: its data then carries the
     share of its local epochs it runs, ``ClientData.work``); 0: every client runs all its epochs.
+    lanes: a ``LanePlan`` for the cohort's rows (per device under ``mesh``), which replaces ``strategy``: the
+    clients sorted by their local steps run as chunks of ``vmap`` lanes, each chunk to its own longest client
+    (the same per-client results: only the order of the work changes).
     """
     def one(shared, client, x, y, count, key, cid, work, rows=None):
         server, round_idx = shared
@@ -69,11 +73,13 @@ def cohort_train(alg: Algorithm, *, strategy: str | None = None, chunk_size: int
         keys = client_keys(root, round_idx, ids)
         work = straggler_work(root, round_idx, ids, stragglers) if stragglers else None
         round_idx = jnp.asarray(round_idx, jnp.int32)
+        order = () if lanes is None else (lanes.steps_key(data.count, work),)  # (the plan's sort key first)
         if isinstance(data, ClientRows):  # rows [k, M] into one flat store, shared by the clients
-            return over_clients(one_rows, strategy, chunk_size, mesh)(
-                (server, round_idx, data.store_x, data.store_y), clients, data.rows, data.count, keys, ids, work)
-        return over_clients(one, strategy, chunk_size, mesh)((server, round_idx), clients,
-                                                             data.x, data.y, data.count, keys, ids, work)
+            return over_clients(one_rows, strategy, chunk_size, mesh, lanes)(
+                (server, round_idx, data.store_x, data.store_y), *order, clients, data.rows, data.count, keys, ids,
+                work)
+        return over_clients(one, strategy, chunk_size, mesh, lanes)((server, round_idx), *order, clients,
+                                                                    data.x, data.y, data.count, keys, ids, work)
 
     return train
 
@@ -117,7 +123,7 @@ def drop_padding(trained, counts):
 
 def make_step(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 8, mesh=None,
               num_rounds: int | None = None, weighting: str = "samples", stragglers: float = 0.0,
-              padded: bool = False) -> Step:
+              padded: bool = False, lanes: LanePlan | None = None) -> Step:
     """The cohort step of ``alg``: clients run by ``strategy`` (``vmap`` | ``map`` | ``chunked``; None: the
     platform's default), split over ``mesh``'s devices if given (the aggregation's reductions over clients then
     become all-reduces); aggregation weights by ``weighting``; num_rounds: T, given to the algorithm in its
@@ -125,7 +131,8 @@ def make_step(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 
     padded: the cohort may carry padding rows (count 0; Poisson sampling pads its cohort to a size class):
     they get weight 0 and zero trained rows (``drop_padding``), the algorithm's aggregate must treat a row of
     weight 0 as absent, and a cohort without a member leaves the server state as it was (unless the algorithm
-    defines that round itself: ``Algorithm.aggregates_empty``)."""
+    defines that round itself: ``Algorithm.aggregates_empty``). lanes: the cohort's ``LanePlan`` (``cohort_train``).
+    """
     check_choice("weighting", weighting, WEIGHTINGS)  # (a typo would silently weigh uniformly)
 
     def aggregate(server, trained, counts, ids, round_idx):
@@ -150,4 +157,4 @@ def make_step(alg: Algorithm, *, strategy: str | None = None, chunk_size: int = 
         return out
 
     return Step(cohort_train(alg, strategy=strategy, chunk_size=chunk_size, mesh=mesh, num_rounds=num_rounds,
-                             stragglers=stragglers), aggregate, round_metrics)
+                             stragglers=stragglers, lanes=lanes), aggregate, round_metrics)

@@ -29,8 +29,8 @@ from .config import replace_text
 # Fields that may change between a run and its resumption; any other change is refused.
 # (lr: a run stopped by NaN says to lower it; dp_epsilon: only a target, the noise it calibrates must match.)
 RESUMABLE_CHANGES = {"rounds", "resume", "overwrite", "out", "checkpoint_every", "eval_every", "strategy", "backend",
-                     "chunk_size", "devices", "client_store", "eval_batch_size", "eval_point", "lr", "dp_epsilon",
-                     "rounds_per_call"}  # (K rounds per call are bit for bit K single rounds)
+                     "chunk_size", "lane_segments", "lane_overhead", "devices", "client_store", "eval_batch_size",
+                     "eval_point", "lr", "dp_epsilon", "rounds_per_call"}  # (K rounds per call are bit for bit K single rounds)
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -15,12 +15,19 @@ from .script import check_output_file
 
 HELP = {
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
-    "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU)",
+    "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU); on the stacked backend vmap and "
+                "chunked sort the cohort by local steps and run chunks of lanes (--lane-segments)",
     "backend": "stacked (the whole population on the device, one jitted call per round) | ragged (samples on "
                "the host, the cohort trained in buckets of similar clients) (default: stacked when the population "
-               "fits in a quarter of each device's memory and its clients are even or, on an accelerator, one "
-               "call per round is modelled to be faster (jaxfl.core.cost), else ragged; the start-up line names "
+               "fits in a quarter of each device's memory and its clients are even, or a lane plan runs them "
+               "(--lane-segments > 0), or, on an accelerator, one call per round is modelled to be faster "
+               "(jaxfl.core.cost), else ragged; the start-up line names "
                "the choice)",
+    "lane_segments": "stacked backend under vmap/chunked: the cohort is sorted by local steps inside the round and "
+                     "run as chunks of lanes, each to its own longest client, in at most this many segments of "
+                     "equal chunks (jaxfl.core.lanes; 0: one vmap over the cohort, every lane to its longest client)",
+    "lane_overhead": "the cost of one sequential local step in lane-steps that the lane plan weighs against padded "
+                     "lanes (default: 0 on CPU; on an accelerator derived from jaxfl.core.cost, tau P / (B f))",
     "devices": "split the clients over this many devices (0: all; clients per round must divide evenly); on a "
                "CPU, N > 1 runs N CPU devices, one block of clients per core",
     "client_sizes": "dirichlet_quantity: client sizes equal | lognormal (then each client's labels ~ Dir(alpha p))",
@@ -404,7 +411,10 @@ def run_one(cfg: RunConfig, quiet: bool, cache: str | None):
     exp = Experiment(cfg)
     if not quiet:
         population = population_note(exp.dataset.client_names, exp.dataset.train_counts())
-        print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {population}, strategy {exp.strategy}, backend "
+        lanes = getattr(exp.backend, "lanes", None)
+        plan = "" if lanes is None else " (" + " + ".join(
+            f"{c} chunk{'s' if c > 1 else ''} of {n} lane{'s' if n > 1 else ''}" for n, c in lanes.segments) + ")"
+        print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {population}, strategy {exp.strategy}{plan}, backend "
               f"{exp.backend_name}, {devices_note(exp)}, compile cache {cache or 'off'}; writing to {cfg.out}",
               file=sys.stderr)
         if exp.privacy is not None:

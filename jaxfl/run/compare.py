@@ -23,8 +23,9 @@ import numpy as np
 from ..errors import ConfigError
 
 # config fields that say how or where a run was executed, not what it computed
-EXECUTION_FIELDS = {"seed", "out", "resume", "overwrite", "data_dir", "strategy", "backend", "chunk_size", "devices",
-                    "client_store", "eval_batch_size", "rounds_per_call", "checkpoint_every"}
+EXECUTION_FIELDS = {"seed", "out", "resume", "overwrite", "data_dir", "strategy", "backend", "chunk_size",
+                    "lane_segments", "lane_overhead", "devices", "client_store", "eval_batch_size", "rounds_per_call",
+                    "checkpoint_every"}
 KEYS = ("mean_accuracy", "weighted_accuracy")
 
 

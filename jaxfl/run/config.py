@@ -88,6 +88,10 @@ class RunConfig:
     backend: str | None = None  # stacked (population on the device, one jit per round) | ragged (buckets)
     rounds_per_call: int = 1  # stacked: rounds run in one jitted call (the host acts between calls)
     chunk_size: int = 8
+    # stacked backend, vmap/chunked: the cohort sorted by local steps, in at most this many segments of chunks of
+    # lanes (``core.lanes``; 0: one vmap over the cohort); a local step's fixed cost in lanes (None: the platform's)
+    lane_segments: int = 3
+    lane_overhead: float | None = None
     devices: int = 1
     client_store: str = "auto"
     eval_every: int = 1
@@ -294,6 +298,10 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
     if cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
+    if cfg.lane_segments < 0:
+        raise ConfigError(f"lane_segments={cfg.lane_segments} must be >= 0 (0: one vmap call over the cohort)")
+    if cfg.lane_overhead is not None:
+        check_range("lane_overhead", cfg.lane_overhead, 0.0, float("inf"))
     check_range("dirichlet_alpha", cfg.dirichlet_alpha, 0.0, float("inf"), lo_open=True)
     check_range("lr", cfg.lr, 0.0, float("inf"), lo_open=True)
     check_range("momentum", cfg.momentum, 0.0, 1.0)

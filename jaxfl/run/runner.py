@@ -17,6 +17,7 @@ import numpy as np
 from ..algorithms import build_algorithm
 from ..core.backends import Ragged, Stacked, device_memory_bytes
 from ..core.cost import backend_seconds, train_flops_per_sample
+from ..core.cost import lane_overhead as cost_lane_overhead
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
 from ..core.evaluate import Evaluator
 from ..core.dpsgd import SampleDP
@@ -185,8 +186,9 @@ class Experiment:
                                   "every client must train every round (drop --clients-per-round/--participation)")
         self.backend_name = choose_backend(cfg, self.train_data, self.algorithm, self.dataset.train[0][0][:1],
                                            self.model, preprocess, self.cohort)
-        kw = {"rounds_per_call": cfg.rounds_per_call} if self.backend_name == "stacked" else {
-            "client_store": cfg.client_store}
+        kw = {"rounds_per_call": cfg.rounds_per_call, "lane_segments": cfg.lane_segments,
+              "lane_overhead": lane_overhead(cfg, self.model, self.dataset.train[0][0][:1], preprocess)} \
+            if self.backend_name == "stacked" else {"client_store": cfg.client_store}
         self.backend = {"stacked": Stacked, "ragged": Ragged}[self.backend_name](
             self.algorithm, self.train_data, batch_size=cfg.batch_size, strategy=strategy, chunk_size=cfg.chunk_size,
             cohort_size=self.cohort, weighting=cfg.weighting, mesh=self.mesh, num_rounds=cfg.rounds,
@@ -240,6 +242,7 @@ def eval_record(m) -> dict:
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
 _compile_seconds = [0.0]
+_compiled_programs = [0]
 
 
 def compile_seconds() -> float:
@@ -248,9 +251,18 @@ def compile_seconds() -> float:
         def listen(event, duration, **_):
             if event in COMPILE_EVENTS:
                 _compile_seconds[0] += duration
+            if event == COMPILE_EVENTS[-1]:  # one XLA compilation (a persistent-cache hit is none)
+                _compiled_programs[0] += 1
         jax.monitoring.register_event_duration_secs_listener(listen)
         compile_seconds.listening = True
     return _compile_seconds[0]
+
+
+def compiled_programs() -> int:
+    """XLA programs this process has compiled (its backend compilations, small ones included: a cohort draw,
+    a tree copy) since ``compile_seconds`` first listened."""
+    compile_seconds()
+    return _compiled_programs[0]
 
 
 
@@ -331,7 +343,7 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
     bar = _progress(None, progress, start, cfg.rounds)
     r = start
     while r < cfg.rounds:
-        t0, c0 = time.perf_counter(), compile_seconds()
+        t0, c0, p0 = time.perf_counter(), compile_seconds(), compiled_programs()
         n = rounds_until_boundary(cfg, r)
         local = {}
         if cfg.eval_point == "local" and evaluates(cfg, r):  # the models right after local training
@@ -340,7 +352,7 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
             ms = [m]
         else:
             server, ms = exp.run_rounds(server, store, r, n)
-        compiling = compile_seconds() - c0
+        compiling, programs = compile_seconds() - c0, compiled_programs() - p0
         per_round = (time.perf_counter() - t0 - compiling) / n  # a call's rounds share its time
         for j, m in enumerate(ms):
             check_finite(m, names, r + j, ckpt)
@@ -348,11 +360,13 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
             if exp.privacy is not None and cfg.dp_noise > 0:
                 spent = exp.privacy.epsilon(r + j + 1)
                 rec["dp_epsilon"] = spent if math.isfinite(spent) else None  # (JSON has no inf)
-            t_eval, c_eval = time.perf_counter(), compile_seconds()
+            t_eval, c_eval, p_eval = time.perf_counter(), compile_seconds(), compiled_programs()
             if j == n - 1 and evaluates(cfg, r + j):
                 rec.update(local or exp.evaluate(server, store))
-            # compile_s: tracing and compiling new shapes, part of time_s (the call's, on its first round)
+            # compile_s: tracing and compiling new shapes, part of time_s (the call's, on its first round);
+            # compiled_programs: the XLA programs compiled for it
             rec["compile_s"] = (compiling if j == 0 else 0.0) + compile_seconds() - c_eval
+            rec["compiled_programs"] = (programs if j == 0 else 0) + compiled_programs() - p_eval
             rec["time_s"] = per_round + (compiling if j == 0 else 0.0) + time.perf_counter() - t_eval
             history.append(rec)
             if write:
@@ -497,7 +511,9 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=No
     per_client = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree_util.tree_leaves(states))
     state_bytes = train.num_clients * per_client
     steps = -(-train.counts // cfg.batch_size)
-    even = cfg.strategy_or_default() == "map" or steps.max() <= 1.25 * steps.mean()
+    # map: every client runs its own steps; vmap/chunked with a lane plan: sorted chunks, each to its own longest
+    # client (``core.lanes``); one vmap over the cohort: every lane to the cohort's longest client
+    even = cfg.strategy_or_default() == "map" or cfg.lane_segments > 0 or steps.max() <= 1.25 * steps.mean()
     # every device of the mesh holds the whole population; CPU devices share the host's memory
     copies = (cfg.devices or jax.device_count()) if platform() == "cpu" else 1
     fits = copies * (train.nbytes + state_bytes) <= device_memory_bytes() // 4
@@ -508,6 +524,20 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=No
             return "stacked"
     return _ragged_unless_rounds_per_call(cfg, "the population does not fit on the device or its client sizes "
                                                "are too uneven for one call")
+
+
+def lane_overhead(cfg: RunConfig, model, sample_x, preprocess) -> float | None:
+    """The stacked backend's lane-plan step overhead: ``--lane-overhead``, else on an accelerator the cost
+    model's tau P / (B f) (a step's launch latency in lane-steps of this model; ``core.cost.lane_overhead``),
+    else None (the backend's platform default)."""
+    if cfg.lane_overhead is not None:
+        return cfg.lane_overhead
+    if platform() == "cpu" or model is None:
+        return None
+    try:
+        return cost_lane_overhead(train_flops_per_sample(model, sample_x, cfg.batch_size, preprocess), cfg.batch_size)
+    except ValueError:  # no FLOP count from XLA here: the platform's default
+        return None
 
 
 def platform() -> str:
