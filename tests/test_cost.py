@@ -95,17 +95,19 @@ def uneven_population(n=40, seed=0):
     return RaggedClients(x, np.zeros(total, np.int32), np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
 
 
-@pytest.mark.parametrize("model_name, on_accelerator, expected", [
-    ("logreg", True, "stacked"),        # padding a tiny model's steps is cheaper than moving its data
-    ("femnist_cnn", True, "ragged"),    # a CNN's padded steps cost more than the transfers
-    ("logreg", False, "ragged"),        # on the CPU: uneven clients under vmap -> ragged, as before
+@pytest.mark.parametrize("model_name, on_accelerator, segments, expected", [
+    ("logreg", True, 0, "stacked"),        # one vmap: padding a tiny model's steps is cheaper than moving its data
+    ("femnist_cnn", True, 0, "ragged"),    # one vmap: a CNN's padded steps cost more than the transfers
+    ("logreg", False, 0, "ragged"),        # one vmap on the CPU: uneven clients -> ragged
+    ("femnist_cnn", True, 3, "stacked"),   # a lane plan runs uneven clients without padded lanes, in one program
+    ("logreg", False, 3, "stacked"),
 ])
-def test_choose_backend_on_uneven_clients(monkeypatch, model_name, on_accelerator, expected):
+def test_choose_backend_on_uneven_clients(monkeypatch, model_name, on_accelerator, segments, expected):
     monkeypatch.setattr(runner, "platform", lambda: "gpu" if on_accelerator else "cpu")
     train = uneven_population()
     steps = -(-train.counts // 10)
     assert steps.max() > 1.25 * steps.mean()  # too uneven for the plain rule
-    cfg = validate(RunConfig(algorithm="fedavg", batch_size=10, strategy="vmap"))
+    cfg = validate(RunConfig(algorithm="fedavg", batch_size=10, strategy="vmap", lane_segments=segments))
     model = build_model(model_name, 62 if model_name == "femnist_cnn" else 10)
     trainer = LocalTrainer(optax.sgd(0.1), 10, 1, normalizer())
     alg = build_algorithm(cfg.algorithm_options(), model, trainer, RunContext(num_clients=40, num_rounds=1))

@@ -2,7 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_trees_close, bit_identity, run_rounds, setup_algorithm, trained_rows
+from conftest import assert_trees_close, bit_identity, run_rounds, setup_algorithm
 
 from jaxfl import ops
 from jaxfl.algorithms._common import is_batchnorm
@@ -44,8 +44,7 @@ def check_sharing(before, after, trained, kept, shared):
 
 
 def check_round(alg, data, server, clients, shared_param, shared_stats):
-    s, c, m = run(alg, data, server, clients)
-    t = trained_rows(alg, data, server, clients, ROOT)
+    s, c, m, t = run_rounds(alg, data, server, clients, ROOT, keep_rows=True)  # (t: this round's trained rows)
     check_sharing(server["params"], s["params"], t["params"], c.get("params", {}), shared_param)
     check_sharing(server["batch_stats"], s["batch_stats"], t["batch_stats"], c.get("batch_stats", {}), shared_stats)
     return s, c, m

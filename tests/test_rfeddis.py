@@ -59,8 +59,7 @@ def test_digits_model_has_the_spec_parameter_count():
 @bit_identity("kept leaves are copied from the trained rows, never computed")
 def test_encoder_and_global_head_are_averaged_bn_and_local_head_never(share_global_head):
     alg, data, server, clients = setup(share_global_head=share_global_head)
-    s, c, m = run_rounds(alg, data, server, clients, ROOT)
-    trained = trained_rows(alg, data, server, clients, ROOT)
+    s, c, m, trained = run_rounds(alg, data, server, clients, ROOT, keep_rows=True)  # (this round's trained rows)
     assert np.all(np.isfinite(m["loss"]))
     shared = lambda p: not is_batchnorm(p) and (p[0] == "encoder" or (p[0] == "head" and share_global_head))
     kept = dict(paths(c["params"]))

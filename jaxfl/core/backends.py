@@ -550,9 +550,11 @@ class Stacked(_Backend):
             metrics = {k: v[members] if v.ndim else v for k, v in metrics.items()}
         ids = metrics["client_id"]
         host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)
-        if self.lanes is None:  # map: every client runs its own steps in one call
-            work = dict(self.report(plan_buckets(-(-self.train.counts[ids] // self.batch_size), max_lanes=len(ids),
-                                                 single=True), ids), buckets=1)
+        if self.lanes is None:  # one call of the cohort's rows: map (every client its own steps) or one vmap,
+            # whose lanes (a Poisson cohort's padding rows too) all run to the longest client
+            rows = self.rows if self.sampling == "poisson" and self.strategy == "vmap" else 1
+            work = self.report(plan_buckets(-(-self.train.counts[ids] // self.batch_size), max_lanes=len(ids),
+                                            single=True, lane_multiple=rows), ids)
         else:
             work = {"padded_work": self.lane_work(ids), "buckets": len(self.lanes.segments)}
         return dict(metrics, **work, compiled_shapes=1, host_share=max(host, 0.0))
@@ -562,7 +564,7 @@ class Stacked(_Backend):
         its own steps already): for the rows each device trains (the cohort's, or a Poisson cohort's padded rows,
         over the mesh's devices). ``chunked``: sorted chunks of ``chunk_size`` lanes; ``vmap``: ``plan_lanes``
         over the expected sorted steps of a cohort of this population, at most ``lane_segments`` segments
-        (0: one vmap call over the rows, every lane to the cohort's longest client)."""
+        (0: None, the plain strategy: one vmap call over the rows, every lane to the cohort's longest client)."""
         if self.strategy == "map":
             return None
         if self.given_plan is not None:
@@ -571,8 +573,8 @@ class Stacked(_Backend):
         if self.strategy == "chunked":
             lanes = min(self.chunk_size, rows)
             return LanePlan(((lanes, -(-rows // lanes)),), rows=rows, batch_size=self.batch_size)
-        if self.lane_segments == 0:
-            return LanePlan(((rows, 1),), rows=rows, batch_size=self.batch_size)
+        if self.lane_segments == 0:  # the plain strategy: one vmap over the rows
+            return None
         steps = -(-self.train.counts // self.batch_size)
         if self.sampling == "poisson":  # a device's block: its share of the population (every d-th client)
             expected = expected_sorted_steps(steps[::self.devices], rows, rate=self.rate)
