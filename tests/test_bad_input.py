@@ -94,7 +94,7 @@ CASES = {
     "non-empty --out without --resume": (lambda d: ["--out", str(write(d / "old" / "metrics.jsonl", "{}").parent)],
                                          "is not empty; pass --resume to continue its run, --overwrite"),
     "--resume of a folder without a run": (lambda d: ["--resume", "--out", str(mkdir(d / "empty"))],
-                                           "--resume: no checkpoint in"),
+                                           "is empty: no run to continue (drop --resume to start one)"),
     "--resume and --overwrite": (lambda d: ["--resume", "--overwrite", "--out", str(d / "o")],
                                  "--resume continues the run in --out, --overwrite replaces it"),
     "--stragglers 1.5": (lambda d: ["--stragglers", "1.5"], "stragglers=1.5 is outside [0.0, 1.0]"),

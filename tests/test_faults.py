@@ -2,6 +2,7 @@
 
 Each fault must end in one line (never a traceback), leave the log clean, and resume bit-identically."""
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_trees_close
 
+from jaxfl.run.checkpoint import run_state
 from jaxfl.run.cli import main
 from jaxfl.run.config import RunConfig
 from jaxfl.run.lock import LOCK_NAME, RunLock, holder
@@ -172,3 +174,50 @@ def test_sigterm_stops_after_a_round_with_one_line_and_resumes_exactly(tmp_path,
     assert_same_run(resumed, uninterrupted(n + 1))
     assert rounds_logged(out) == list(range(1, n + 2))
     assert json.loads((out / "summary.json").read_text())["last"]["round"] == n + 1
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_under_resume(tmp_path, uninterrupted, capsys):
+    # a run killed after round 1 was logged but before its first checkpoint: config.json and one record, no
+    # checkpoint. A plain re-run names --resume; --resume starts it again from round 0 with its saved config,
+    # saying so in one line, and ends as an uninterrupted run
+    out = tmp_path / "run"
+    assert main(CLI + ["--rounds", "2", "--out", str(out), "--checkpoint-every", "5"]) == 0
+    for name in ("checkpoints", "summary.json", "accuracy.png"):
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    (out / "metrics.jsonl").write_text((out / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    assert run_state(out) == "started"
+    capsys.readouterr()
+    assert main(CLI + ["--rounds", "2", "--out", str(out)]) == 2
+    assert "is not empty; pass --resume to continue its run" in capsys.readouterr().err
+    assert main(CLI + ["--rounds", "2", "--out", str(out), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "no checkpoint in" in err and "starting again from round 0 with its saved config" in err
+    assert "Traceback" not in err and rounds_logged(out) == [1, 2]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["test_accuracy"] for r in records] == [h["test_accuracy"] for h in uninterrupted(2).history]
+    assert run_state(out) == "resumable"
+
+
+@pytest.mark.parametrize("fault,message", [
+    ("missing", "config.json' is missing, so the checkpoints in"),
+    ("damaged", "config.json' is not valid JSON"),
+    ("newer", "has settings this jaxfl does not know (['from_the_future']): it was written by another version"),
+])
+def test_resume_names_a_missing_damaged_or_newer_config_and_never_advises_overwrite(tmp_path, capsys, fault,
+                                                                                      message):
+    out = tmp_path / "run"
+    Experiment(RunConfig(rounds=1, out=str(out), checkpoint_every=1, **TINY)).run()
+    saved = out / "config.json"
+    if fault == "missing":
+        saved.unlink()
+    elif fault == "damaged":
+        saved.write_text(saved.read_text()[:-20])
+    else:
+        saved.write_text(json.dumps(dict(json.loads(saved.read_text()), from_the_future=1)))
+    before = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(CLI + ["--rounds", "2", "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in " ".join(err[0].split()) and "--overwrite" not in err[0], err
+    assert (out / "metrics.jsonl").read_text() == before and run_state(out) == "resumable"

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ..errors import ConfigError, first_line
-from .config import replace_text
+from .config import RunConfig, holds_files, replace_text
 
 
 # Fields that may change between a run and its resumption; any other change is refused.
@@ -85,22 +86,62 @@ def state_digest(tree) -> str | None:
     return h.hexdigest()
 
 
+def checkpoint_steps(out: Path) -> list[int]:
+    """The rounds of the finished checkpoints in ``out/checkpoints`` (none: [])."""
+    directory = Path(out) / "checkpoints"
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+
+
+def run_state(out: Path) -> str:
+    """What ``out`` holds: ``new`` (missing, or nothing but a lock), ``started`` (a run's files but no
+    checkpoint: stopped before its first one; ``--resume`` starts it again from round 0 with its saved config)
+    or ``resumable`` (a checkpoint)."""
+    out = Path(out)
+    if not out.is_dir() or not holds_files(out):
+        return "new"
+    return "resumable" if checkpoint_steps(out) else "started"
+
+
+def saved_settings(path: Path) -> dict:
+    """A run's saved config.json as a dict; one ConfigError line naming the file and what to do when it cannot
+    be read, is not JSON, is not a table of settings, or holds settings this version does not know (written
+    by another version). Never advises --overwrite: the run's checkpoints may be intact."""
+    try:
+        saved = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume: {str(path)!r} is not valid JSON ({first_line(e, 120)}); put the run's "
+                          f"config.json back, or start the run again in another folder") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--resume: {str(path)!r} holds a {type(saved).__name__}, not a run's settings; put the "
+                          f"run's config.json back, or start the run again in another folder")
+    from ..algorithms import REGISTRY  # (an algorithm's options are a table under its name)
+    known = {f.name for f in dataclasses.fields(RunConfig)} | set(REGISTRY)
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise ConfigError(f"--resume: {str(path)!r} has settings this jaxfl does not know ({unknown}): it was "
+                          f"written by another version (a newer one, or one that named its settings otherwise); "
+                          f"resume with that version")
+    return saved
+
+
 def check_resumable(cfg, out: Path, steps=None) -> None:
-    """ConfigError unless ``cfg`` may resume the run in ``out``: a checkpoint there (``steps``: its rounds,
-    default the finished step folders of ``out/checkpoints``), a saved config.json that differs only in
-    ``RESUMABLE_CHANGES`` and a ``rounds`` of at least the latest checkpoint's. Cheap (no data, no jax): a run
+    """ConfigError unless ``cfg`` may resume the run in ``out``: its saved config.json (present, readable, of
+    this version) differs only in ``RESUMABLE_CHANGES``, and ``rounds`` is at least the latest checkpoint's
+    (``steps``: the checkpoints' rounds, default ``checkpoint_steps``; none: the run restarts from round 0). Cheap (no data, no jax): a run
     checks it before loading anything, with ``dp_noise`` left for after a ``dp_epsilon`` run calibrates it."""
     directory = Path(out) / "checkpoints"
     if steps is None:
-        steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
-    if not steps:
-        raise ConfigError(f"--resume: no checkpoint in {str(directory)!r}")
+        steps = checkpoint_steps(out)
     saved_cfg = Path(out) / "config.json"
+    if not saved_cfg.is_file():
+        if steps:  # (never --overwrite: the checkpoints are intact)
+            raise ConfigError(f"--resume: {str(saved_cfg)!r} is missing, so the checkpoints in {str(directory)!r} "
+                              f"cannot be matched to their settings; put the run's config.json back, or start the "
+                              f"run again in another folder")
+        raise ConfigError(f"--resume: {str(Path(out))!r} holds neither a checkpoint nor the run's config.json: no "
+                          f"run started there; start one with --overwrite, or in another folder")
     if saved_cfg.is_file():
-        try:
-            old = json.loads(saved_cfg.read_text())
-        except ValueError as e:
-            raise ConfigError(f"--resume: {str(saved_cfg)!r} is not valid JSON ({e})") from None
+        old = saved_settings(saved_cfg)
         new = cfg.to_dict()
         # A field added to RunConfig after the run was saved counts as having its default value then.
         default = type(cfg)().to_dict()
@@ -115,7 +156,7 @@ def check_resumable(cfg, out: Path, steps=None) -> None:
         if diff:
             raise ConfigError(f"--resume: config differs from the checkpointed run in {diff}; "
                               f"only {sorted(RESUMABLE_CHANGES)} may change")
-    if cfg.rounds < max(steps):
+    if steps and cfg.rounds < max(steps):
         raise ConfigError(f"--resume: the checkpoint is at round {max(steps)}; --rounds {cfg.rounds} must be at "
                           f"least {max(steps)}")
 
@@ -198,7 +239,13 @@ class Checkpointer:
     def restore_latest(self, server, clients, cfg, metrics_path: Path, notify=None):
         """(server, clients, next_round, history) from the newest intact checkpoint; checks the config
         matches, trims the log to the checkpoint."""
-        check_resumable(cfg, self.directory.parent, self.manager.all_steps())
+        steps = self.manager.all_steps()
+        check_resumable(cfg, self.directory.parent, steps)
+        if not steps:  # stopped before its first checkpoint: the run starts again (``run_state`` "started")
+            if notify:
+                notify(f"--resume: no checkpoint in {str(self.directory)!r} yet (the run stopped before its first "
+                       f"one): starting again from round 0 with its saved config")
+            return server, clients, 0, []
         server, clients, step = self.restore_intact(server, clients, notify)
         history = [h for h in read_metrics(metrics_path) if h.get("round", 0) <= step]
         rounds = [h.get("round") for h in history]

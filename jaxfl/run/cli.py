@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped
 from .compile_cache import cache_warnings, resolve_compile_cache, use_compile_cache
 from .config import TRAINING_DEFAULTS, RunConfig, check_output, holds_files, load_config_file, validate
+from .checkpoint import saved_settings
 from .script import check_output_file
 
 
@@ -512,10 +513,7 @@ def with_saved_run(values: dict, like: Path | None = None) -> dict:
         saved_path = like
     if saved_path is None:
         return values
-    try:
-        saved = json.loads(saved_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--resume: {str(saved_path)!r} is not valid JSON ({e})") from None
+    saved = saved_settings(saved_path)
     own = ("seed", "out") if saved_path == like else ()  # a sibling's seed and folder are its own
     saved = {k: v for k, v in saved.items() if k not in ("resume", "overwrite", *own)}
     if saved.get("dp_epsilon") is not None:

@@ -457,8 +457,8 @@ def check_output(cfg: RunConfig) -> None:
         if holds_files(out) and not (cfg.resume or cfg.overwrite):
             raise ConfigError(f"--out {str(out)!r} is not empty; pass --resume to continue its run, --overwrite "
                               f"to replace it, or choose another folder")
-        if cfg.resume and not (out / "checkpoints").is_dir():
-            raise ConfigError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
+        if cfg.resume and not holds_files(out):
+            raise ConfigError(f"--resume: {str(out)!r} is empty: no run to continue (drop --resume to start one)")
         return
     if cfg.resume:
         raise ConfigError(f"--resume: {str(out)!r} does not exist")
