@@ -12,6 +12,8 @@ spent are skipped and listed as such.
                                                               # (projection.json / .md; compiles only)
     python benchmarks/gpu_suite.py --out DIR --skip-done benchmarks/results
                                                               # only the workloads no earlier run measured
+    python benchmarks/gpu_suite.py --out DIR --lanes          # the lane-plan table against one vmap and
+                                                              # the vectorized torch baseline
 
 A workload whose runner fails (e.g. out of GPU memory) keeps its other runners' figures; the failure is a row of
 the table. Sessions 18, 19 and 27 measured every workload on an H200 (``benchmarks/results/gpu_h200_*``), so
@@ -53,6 +55,11 @@ SMOKE = [("skewed:0.3:40:4:1000", 4), ("skewed:0.3:40:8:1000", 8), ("xdev:8", 8)
 # the runners of the small workloads on a GPU: the engine vmapped (one call per round, and 10 rounds per call),
 # the ragged engine's vmap buckets, the per-client loops
 GPU_SMALL_RUNNERS = "stacked/vmap/K1,stacked/vmap/K10,ragged/vmap,jax_loop,torch_loop"
+# --lanes: the padding table (log-normal clients, median 60, sigma 0.8): one vmap over the cohort (/S0) against
+# the lane plan (one and 10 rounds per call), the ragged buckets, the vectorized torch baseline and the torch loop
+LANES_SUITE = [("small:logreg:1000:100", 100), ("small:logreg:1000:1000", 1000), ("small:2nn:1000:100", 100),
+               ("small:2nn:1000:1000", 1000), ("small:femnist_cnn:1000:100", 100)]
+LANES_RUNNERS = "stacked/vmap/K1/S0,stacked/vmap/K1,stacked/vmap/K10,ragged/vmap,torch_vmap,torch_loop"
 
 
 def main(argv=None) -> None:
@@ -65,6 +72,9 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="two tiny workloads, to check the suite runs")
     p.add_argument("--skip-done", default=None, metavar="DIR",
                    help="skip the workloads some results.json under DIR already measured")
+    p.add_argument("--lanes", action="store_true",
+                   help="only the lane-plan table (LANES_SUITE: logreg, 2NN at cohorts 100 and 1,000, the FEMNIST "
+                        "CNN at 100; log-normal clients, median 60, sigma 0.8) with LANES_RUNNERS")
     p.add_argument("--project", action="store_true",
                    help="no GPU needed: XLA's flop / byte / kernel counts per round of every SUITE workload and the "
                         "H100 round time they imply (a projection; see project_workload)")
@@ -85,14 +95,16 @@ def main(argv=None) -> None:
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     start, results, skipped = time.perf_counter(), [], []
     done = measured_keys(Path(args.skip_done)) if args.skip_done else set()
-    for spec, cohort in (SMOKE if args.smoke else SUITE):
-        if spec_key(spec) in done:
+    for spec, cohort in (SMOKE if args.smoke else LANES_SUITE if args.lanes else SUITE):
+        if spec_key(spec) in done and not args.lanes:
             continue
         left = budget - (time.perf_counter() - start)
         if left < 20:
             skipped.append(spec)
             continue
         extra = ["--runners", GPU_SMALL_RUNNERS, "--k", "10"] if spec.startswith("small:") else []
+        if args.lanes:
+            extra = ["--runners", LANES_RUNNERS, "--k", "10", "--median", "60", "--sigma", "0.8"]
         res = throughput.subprocess_run(_expand(spec, args.smoke), args.strategies, args.rounds, env=env,
                                         timeout=None if left == float("inf") else left, extra=extra)
         if res is None:
@@ -102,7 +114,7 @@ def main(argv=None) -> None:
         results.append(res)
         print("\n".join(throughput.report(results[-1:]).splitlines()[2:]), flush=True)
     skip_dir = Path(args.skip_done) if args.skip_done else None
-    for name, output, command in ([] if args.smoke else extra_parts(out)):
+    for name, output, command in ([] if args.smoke or args.lanes else extra_parts(out)):
         left = budget - (time.perf_counter() - start)
         if skip_dir is not None and any(skip_dir.rglob(Path(output).name)):
             continue  # an earlier GPU session measured it

@@ -10,6 +10,8 @@ in a first pass over the same rounds, then the rounds are timed):
                       own step grid length, then a jitted aggregation (how FedJAX-style simulators run)
   torch_loop          the same round in PyTorch, client after client, each doing only its real steps (the
                       last batch partial), for the two plain CNNs (needs torch: the optional `bench` extra)
+  torch_vmap          (--small) the round vectorized in PyTorch: ``torch.func`` vmap of grad over the cohort
+                      padded to its longest client, masked, on the device (``torch_vmap_fedavg_round``)
 and reports real samples/s (real samples trained / round time), the ratios to the loops, the engine's
 padded/real work, buckets and compiled shapes, and the peak resident memory of the process (each workload
 runs in its own subprocess).
@@ -279,7 +281,7 @@ SMALL_PLAN = [("logreg", 1000, 100), ("2nn", 1000, 100), ("femnist_cnn", 1000, 1
 SMALL_RUNNERS = ("stacked/map/K1", "stacked/map/K10", "stacked/map/K1/D2", "stacked/map/K10/D2", "stacked/vmap/K10",
                  "ragged/map", "ragged/vmap", "jax_loop", "torch_loop")
 # /D2 (stacked and ragged runners): the cohort split over 2 devices (on a CPU, 2 CPU devices: one block of clients
-# per core)
+# per core); /S<n>, /O<x> (stacked): the lane plan's segments and step overhead (``lane_options``)
 SEQ_LEN = 80  # LEAF Shakespeare's input: 80 characters
 
 
@@ -410,7 +412,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
         if kind == "stacked":
             strategy, kk = opt[0], int(opt[1][1:])
             sim = Stacked(alg, data, batch_size=batch, strategy=strategy, cohort_size=cohort, rounds_per_call=kk,
-                          mesh=mesh)
+                          mesh=mesh, **lane_options(runner))
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             if kk == 1:
@@ -431,7 +433,8 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
                 n = kk
             sec = time.perf_counter() - t
             record(runner, sec, n, {"compile_s": first, "padded_work": float(np.mean([m["padded_work"] for m in ms])),
-                                    "host_share": float(np.mean([m["host_share"] for m in ms]))})
+                                    "host_share": float(np.mean([m["host_share"] for m in ms])),
+                                    "lanes": None if sim.lanes is None else [list(g) for g in sim.lanes.segments]})
             del sim, store
         elif kind == "ragged":
             sim = Ragged(alg, data, batch_size=batch, strategy=opt[0], cohort_size=cohort, mesh=mesh)
@@ -452,6 +455,10 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
         elif kind == "jax_loop":
             sec = small_jax_loop(alg, data, batch, cohorts[:rounds], root)
             record(runner, sec * rounds, rounds)
+        elif kind == "torch_vmap":
+            res = small_torch_vmap(w, data, cohorts[:rounds])
+            if res:
+                record(runner, res["round_s"] * rounds, rounds, {k_: v for k_, v in res.items() if k_ != "round_s"})
         elif kind == "torch_loop":
             res = small_torch_loop(w, data, cohorts[:rounds])
             if res:
@@ -471,9 +478,21 @@ def cohorts_needed(runners, rounds: int, k: int) -> int:
     return max(rounds, k if any(r.startswith("stacked/") and r.split("/")[2] != "K1" for r in runners) else 0)
 
 
+def lane_options(runner: str) -> dict:
+    """A stacked runner's lane-plan options: ``/S<n>`` at most n segments (``/S0``: one vmap over the cohort, every
+    lane to its longest client), ``/O<x>`` a step's overhead of x lanes; absent: the backend's defaults."""
+    out = {}
+    for part in runner.split("/")[3:]:
+        if part.startswith("S") and part[1:].isdigit():
+            out["lane_segments"] = int(part[1:])
+        elif part.startswith("O"):
+            out["lane_overhead"] = float(part[1:])
+    return out
+
+
 def runner_devices(runner: str) -> int:
     """The devices a runner splits the cohort over: ``stacked/map/K1/D2`` -> 2 (no ``/D``: 1)."""
-    return int(runner.rsplit("/D", 1)[1]) if "/D" in runner else 1
+    return next((int(p[1:]) for p in runner.split("/")[1:] if p.startswith("D") and p[1:].isdigit()), 1)
 
 
 def small_jax_loop(alg, data, batch, cohorts, root) -> float:
@@ -595,6 +614,61 @@ def small_torch_loop(w: dict, data, cohorts) -> dict | None:
             "torch": torch.__version__, "torch_device": dev}
 
 
+def small_torch_vmap(w: dict, data, cohorts) -> dict | None:
+    """The same rounds as a vectorized PyTorch program (``torch_vmap_fedavg_round``: ``torch.func`` vmap of grad
+    over the cohort padded to its longest client, masked): the population padded to its longest client and kept
+    on the device (uint8 images, scaled to [-1, 1] inside the loss), the cohort gathered there each round.
+    Returns the median round time after an untimed first round (compiles nothing, but warms the allocator), at
+    torch's default threads."""
+    model = torch_small_model(w)
+    if model is None:
+        return None
+    import numpy as np
+    import torch
+    from torch_fedavg import torch_vmap_fedavg_round
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(dev)
+    n, m = len(data.counts), int(data.counts.max())
+    x = np.zeros((n, m) + data.x.shape[1:], data.x.dtype)
+    y = np.zeros((n, m), np.int64)
+    for i in range(n):
+        lo, c = int(data.offsets[i]), int(data.counts[i])
+        x[i, :c], y[i, :c] = data.x[lo:lo + c], data.y[lo:lo + c]
+    image = w["input"] == "image"
+    x = torch.from_numpy(x).to(dev)
+    x = x.permute(0, 1, 4, 2, 3) if image else x.long()  # [N, M, C, H, W] / tokens
+    y, counts = torch.from_numpy(y).to(dev), torch.from_numpy(data.counts.astype(np.int64)).to(dev)
+
+    class Scaled(torch.nn.Module):  # uint8 images -> [-1, 1] inside the vectorized loss
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, xb):
+            return self.inner(xb.float() / 127.5 - 1.0 if image else xb)
+
+    scaled = Scaled(model)
+    params = {k: v.detach() for k, v in scaled.named_parameters()}
+
+    def round_(ids):
+        nonlocal params
+        ids = torch.as_tensor(np.asarray(ids), device=dev)
+        params = torch_vmap_fedavg_round(scaled, params, x[ids], y[ids], counts[ids], w["lr"], w["batch"])
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    round_(cohorts[0])
+    times = []
+    for ids in cohorts:
+        t = time.perf_counter()
+        round_(ids)
+        times.append(time.perf_counter() - t)
+    steps = [-(-data.counts[ids] // w["batch"]) for ids in cohorts]  # every lane to the cohort's longest client
+    padded = sum(len(s) * int(s.max()) for s in steps) / float(sum(int(s.sum()) for s in steps))
+    return {"round_s": float(np.median(times)), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "torch_device": dev, "padded_work": padded}
+
+
 SMALL_COLUMNS = ("| workload | clients (cohort) | mean size (max/mean) | runner | real samples/s | x torch | x jax_loop | "
                  "padded/real | host share | FLOP/s / peak | round s | peak RSS GB |")
 
@@ -698,8 +772,8 @@ def subprocess_run(spec: str, strategies: str, rounds: int, env=None, timeout=No
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-RUNNER = re.compile(r"(stacked/(map|vmap|chunked)/K[1-9][0-9]*|ragged/(map|vmap|chunked))(/D[1-9][0-9]*)?"
-                    r"|jax_loop|torch_loop")
+RUNNER = re.compile(r"stacked/(map|vmap|chunked)/K[1-9][0-9]*(/D[1-9][0-9]*)?(/S[0-9]+)?(/O[0-9]+(\.[0-9]+)?)?"
+                    r"|ragged/(map|vmap|chunked)(/D[1-9][0-9]*)?|jax_loop|torch_loop|torch_vmap")
 
 
 def check_args(args) -> None:
@@ -717,8 +791,8 @@ def check_args(args) -> None:
         check_at_least("--alphas", parse_list(args.alphas, "--alphas", float), 0, strict=True)
     bad = [r for r in args.runners.split(",") if not RUNNER.fullmatch(r)]
     if bad:
-        raise ConfigError(f"--runners: {', '.join(map(repr, bad))} is not stacked/STRATEGY/K<k>[/D<d>], "
-                          f"ragged/STRATEGY[/D<d>], jax_loop or torch_loop")
+        raise ConfigError(f"--runners: {', '.join(map(repr, bad))} is not stacked/STRATEGY/K<k>[/D<d>][/S<n>][/O<x>], "
+                          f"ragged/STRATEGY[/D<d>], jax_loop, torch_loop or torch_vmap")
     for item in (args.plan.split(",") if args.plan else []):
         name, *sizes = item.split(":")
         if name not in SMALL or len(sizes) != 2 or not all(s.isdigit() and int(s) > 0 for s in sizes):
