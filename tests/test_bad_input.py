@@ -20,7 +20,7 @@ def tree(root):
     for base, dirs, files in os.walk(root):
         for name in dirs + files:
             p = os.path.join(base, name)
-            st = os.stat(p)
+            st = os.lstat(p)  # (a symbolic link as itself: a dangling one has nothing to stat)
             out[os.path.relpath(p, root)] = (st.st_size if name in files else -1, st.st_mtime_ns)
     return out
 
@@ -30,12 +30,14 @@ def write_npz(path, images, labels):
     np.savez(path, images=images, labels=labels)
 
 
-def mnist_dir(root, labels=None):
-    """A tiny data directory with digits/mnist_{train,test}.npz (labels in [0, 10) unless given)."""
+def mnist_dir(root, labels=None, images=lambda x: x, shape=lambda y: y):
+    """A tiny data directory with digits/mnist_{train,test}.npz (labels in [0, 10) unless given; ``images`` and
+    ``shape`` transform the arrays saved)."""
     rng = np.random.default_rng(0)
     for split in ("train", "test"):
         y = rng.integers(0, 10, 300) if labels is None else np.resize(labels, 300)
-        write_npz(root / "digits" / f"mnist_{split}.npz", rng.integers(0, 256, (300, 28, 28), dtype=np.uint8), y)
+        write_npz(root / "digits" / f"mnist_{split}.npz",
+                  images(rng.integers(0, 256, (300, 28, 28), dtype=np.uint8)), shape(y))
     return root
 
 
@@ -95,6 +97,21 @@ CASES = {
                                          "is not empty; pass --resume to continue its run, --overwrite"),
     "--resume of a folder without a run": (lambda d: ["--resume", "--out", str(mkdir(d / "empty"))],
                                            "is empty: no run to continue (drop --resume to start one)"),
+    "an empty --out": (lambda d: ["--out", ""], "--out '' is empty; give a folder"),
+    "a dangling symlink as --out": (lambda d: ["--out", str(dangling(d / "link"))],
+                                    "is a symbolic link to nothing (dangling, or a loop)"),
+    "a JSON config with a key twice": (lambda d: ["--config", str(write(d / "twice.json",
+                                                                        '{"rounds": 2, "rounds": 3}'))],
+                                       "is not valid JSON: key 'rounds' is given twice"),
+    "labels saved as a column": (lambda d: ["--dataset", "mnist", "--data-dir",
+                                            str(mnist_dir(d / "data", shape=lambda y: y.reshape(-1, 2)))],
+                                 "labels have shape (150, 2); give one integer class per sample, [N]"),
+    "float images with NaN": (lambda d: ["--dataset", "mnist", "--data-dir",
+                                         str(mnist_dir(d / "data", images=lambda x: np.where(x > 250, np.nan, x)))],
+                              "images hold NaN or Inf"),
+    "float images in [0, 1]": (lambda d: ["--dataset", "mnist", "--data-dir",
+                                          str(mnist_dir(d / "data", images=lambda x: x / 255.0))],
+                               "(floats in [0, 1]: multiply by 255 and save as uint8)"),
     "--resume and --overwrite": (lambda d: ["--resume", "--overwrite", "--out", str(d / "o")],
                                  "--resume continues the run in --out, --overwrite replaces it"),
     "--stragglers 1.5": (lambda d: ["--stragglers", "1.5"], "stragglers=1.5 is outside [0.0, 1.0]"),
@@ -130,6 +147,12 @@ CASES = {
 def write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+    return path
+
+
+def dangling(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(path.parent / "nowhere")
     return path
 
 
@@ -176,3 +199,12 @@ def test_help_lists_every_algorithms_options(capsys):
     # --dataset lists every preset and prefix the loader takes (generated from jaxfl.data.federated)
     assert ("default (embedded, offline) | digits | pacs | cifar10 | mnist | synthetic_text | tfds:NAME | "
             "folder:PATH | text:PATH | leaf:PATH") in out
+
+
+def test_labels_saved_as_a_column_are_read_as_one_class_per_sample(tmp_path):
+    from jaxfl.data.sources import load_npz
+    y = np.arange(12) % 10
+    write_npz(tmp_path / "digits" / "mnist_train.npz", np.zeros((12, 28, 28), np.float32) + 7.0, y[:, None])
+    images, labels = load_npz(tmp_path, "digits", "mnist", "train", 10)
+    assert labels.tolist() == y.tolist() and images.dtype == np.uint8 and images.shape == (12, 28, 28, 1)
+    assert np.all(images == 7)  # whole-number floats in [0, 255] are pixels

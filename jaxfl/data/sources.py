@@ -43,12 +43,14 @@ def load_npz(root: Path, benchmark: str, domain: str, split: str, num_classes: i
         with np.load(path) as f:
             if "images" not in f or "labels" not in f:
                 raise DataError(f"{str(path)!r} must hold arrays 'images' and 'labels', has {list(f.keys())}")
-            images, labels = f["images"], f["labels"].astype(np.int64)
+            images, labels = f["images"], f["labels"]
     except DataError:
         raise
     except Exception as e:  # a truncated or corrupt archive: zipfile, pickle or value errors of every kind
         raise DataError(f"{str(path)!r} is not a readable .npz archive ({type(e).__name__}: {e}); "
                         f"re-create or re-download it") from None
+    labels = checked_labels(path, labels)
+    images = checked_images(path, images)
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4 or len(images) != len(labels):
@@ -60,6 +62,41 @@ def load_npz(root: Path, benchmark: str, domain: str, split: str, num_classes: i
             raise DataError(f"{str(path)!r}: label {int(bad[0])} is outside [0, {num_classes}) "
                             f"({bad.size} such labels); {benchmark} has {num_classes} classes")
     return images.astype(np.uint8), labels
+
+
+def checked_labels(path, labels) -> np.ndarray:
+    """Labels as int64 [N]: a column [N, 1] is taken as [N]; other shapes, fractions and non-numbers are one
+    DataError naming the file."""
+    labels = np.asarray(labels)
+    if labels.ndim == 2 and labels.shape[1] == 1:
+        labels = labels[:, 0]
+    if labels.ndim != 1:
+        raise DataError(f"{str(path)!r}: labels have shape {labels.shape}; give one integer class per sample, [N]")
+    if labels.dtype.kind not in "iub" and not (labels.dtype.kind == "f" and np.all(np.isfinite(labels))
+                                                and np.all(labels == np.round(labels))):
+        raise DataError(f"{str(path)!r}: labels must be integer class ids, got {labels.dtype} values such as "
+                        f"{labels.reshape(-1)[:1].tolist()}")
+    return labels.astype(np.int64)
+
+
+def checked_images(path, images) -> np.ndarray:
+    """Images as uint8: uint8 as they are; integer or float arrays only when every value is a whole number in
+    [0, 255] (what uint8 would store exactly). NaN/Inf, floats scaled to [0, 1] and values outside [0, 255]
+    are one DataError naming the file (a cast would silently train on other pixels)."""
+    images = np.asarray(images)
+    if images.dtype == np.uint8:
+        return images
+    if images.dtype.kind not in "iuf":
+        raise DataError(f"{str(path)!r}: images are {images.dtype}; give uint8 pixels in [0, 255]")
+    if images.dtype.kind == "f" and not np.all(np.isfinite(images)):
+        raise DataError(f"{str(path)!r}: images hold NaN or Inf ({int(np.sum(~np.isfinite(images)))} values); "
+                        f"give uint8 pixels in [0, 255]")
+    if images.size and (images.min() < 0 or images.max() > 255 or np.any(images != np.round(images))):
+        lo, hi = float(images.min()), float(images.max())
+        hint = " (floats in [0, 1]: multiply by 255 and save as uint8)" if 0 <= lo and hi <= 1 else ""
+        raise DataError(f"{str(path)!r}: {images.dtype} images with values in [{lo:g}, {hi:g}]{hint}; give uint8 "
+                        f"pixels in [0, 255]")
+    return images.astype(np.uint8)
 
 
 def load_image_folder(root: str | os.PathLike, size: int, channels: int = 3) -> dict:

@@ -468,7 +468,7 @@ def run_config(args: dict, like: Path | None = None) -> RunConfig:
     values = merge_config(load_config_file(args.pop("config")) if "config" in args else {}, flags)
     values.pop("config", None)
     values = with_saved_run(values, like)
-    if not values.get("out") and not values.get("resume"):
+    if values.get("out") is None and not values.get("resume"):  # (an empty --out is refused by check_output)
         values["out"] = default_out(values)
     cfg = RunConfig.from_dict(values)
     other = sorted(k for k, v in flags.items() if isinstance(v, dict) and k != cfg.algorithm)

@@ -444,9 +444,13 @@ OUTPUTS = ("metrics.jsonl", "summary.json", "accuracy.png", "config.json", "chec
 def check_output(cfg: RunConfig) -> None:
     """Refuse, before any work, an ``out`` that cannot hold the run: a file, a folder that cannot be created
     or written, or a non-empty folder without ``resume`` (continue it) or ``overwrite`` (replace its outputs)."""
-    if not cfg.out:
+    if cfg.out is None:
         return
+    if not str(cfg.out).strip():
+        raise ConfigError(f"--out {cfg.out!r} is empty; give a folder (it is created if missing)")
     out = Path(cfg.out)
+    if out.is_symlink() and not out.exists():  # dangling, or a loop
+        raise ConfigError(f"--out {str(out)!r} is a symbolic link to nothing (dangling, or a loop); give a folder")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder (it is created if missing)")
     if out.is_dir():
@@ -510,6 +514,16 @@ def replace_text(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def unique_keys(pairs) -> dict:
+    """``json.loads``' object hook that refuses a key given twice (as TOML does; JSON would keep the last)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise json.JSONDecodeError(f"key {key!r} is given twice", "", 0)
+        out[key] = value
+    return out
+
+
 def load_config_file(path: str | Path) -> dict:
     """Read a TOML or JSON config file into a dict of RunConfig fields (unknown keys are an error)."""
     path = Path(path)
@@ -517,7 +531,7 @@ def load_config_file(path: str | Path) -> dict:
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
         text = path.read_text()
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text, object_pairs_hook=unique_keys)
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         kind = "TOML" if path.suffix == ".toml" else "JSON"
         raise ConfigError(f"config file {str(path)!r} is not valid {kind}: {e}") from None
