@@ -221,3 +221,20 @@ def test_resume_names_a_missing_damaged_or_newer_config_and_never_advises_overwr
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in " ".join(err[0].split()) and "--overwrite" not in err[0], err
     assert (out / "metrics.jsonl").read_text() == before and run_state(out) == "resumable"
+
+
+def test_a_sweep_resume_starts_again_a_seed_stopped_before_its_first_checkpoint(tmp_path, capsys):
+    root = tmp_path / "sweep"
+    flags = CLI + ["--checkpoint-every", "1", "--out", str(root)]
+    assert main(flags + ["--seeds", "0,1", "--rounds", "1"]) == 0
+    stopped = root / "seed1"  # as if killed while compiling its first round: config.json and an empty log
+    for name in ("checkpoints", "summary.json", "accuracy.png"):
+        path = stopped / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    (stopped / "metrics.jsonl").write_text("")
+    assert run_state(stopped) == "started" and run_state(root / "seed0") == "resumable"
+    capsys.readouterr()
+    assert main(flags + ["--seeds", "0,1", "--rounds", "2", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("starting again from round 0") == 1 and "Traceback" not in err
+    assert rounds_logged(root / "seed0") == rounds_logged(stopped) == [1, 2]
