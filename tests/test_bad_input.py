@@ -112,6 +112,14 @@ CASES = {
     "float images in [0, 1]": (lambda d: ["--dataset", "mnist", "--data-dir",
                                           str(mnist_dir(d / "data", images=lambda x: x / 255.0))],
                                "(floats in [0, 1]: multiply by 255 and save as uint8)"),
+    "--clients-per-domain beyond a domain's samples": (lambda d: ["--clients-per-domain", "100000"],
+                                                       "--clients-per-domain 100000: domain 'sk-digits' of default "
+                                                       "has "),
+    # 540 clients x ~290 MB of digits_cnn on 64 x 64 inputs ~ 157 GB: refused below ~300 GB of memory
+    "a cohort whose trained models cannot fit": (lambda d: ["--model", "digits_cnn", "--image-size", "64",
+                                                            "--clients-per-domain", "180", "--samples-per-client",
+                                                            "1"],
+                                                 "clients a round (every client trains every round) hold"),
     "--resume and --overwrite": (lambda d: ["--resume", "--overwrite", "--out", str(d / "o")],
                                  "--resume continues the run in --out, --overwrite replaces it"),
     "--stragglers 1.5": (lambda d: ["--stragglers", "1.5"], "stragglers=1.5 is outside [0.0, 1.0]"),

@@ -68,6 +68,10 @@ def _domain_clients(name, domains: dict, cfg: DataConfig, rng, num_classes, size
     names, train, test = [], [], []
     for dom, (tx, ty, vx, vy) in domains.items():
         tx, ty = _cap(tx, ty, None if spc is None else spc * k, rng)
+        fewest = min(len(ty), len(vy))  # (each client needs a training and a test sample)
+        if k > fewest:
+            raise DataError(f"--clients-per-domain {k}: domain {dom!r} of {name} has {len(ty)} training and "
+                            f"{len(vy)} test samples; give at most {fewest}")
         for j, (ti, vi) in enumerate(zip(part.iid(ty, k, rng), part.iid(vy, k, rng))):
             names.append(dom if k == 1 else f"{dom}-{j}")
             train.append((tx[ti], ty[ti]))

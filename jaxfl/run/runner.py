@@ -184,6 +184,8 @@ class Experiment:
             if self.cohort != n:
                 raise ConfigError("--eval-point local evaluates every client right after its local training, so "
                                   "every client must train every round (drop --clients-per-round/--participation)")
+        check_cohort_memory(cfg, self.algorithm, self.dataset.train[0][0][:1], self.cohort, n,
+                            self.mesh.devices.size if self.mesh is not None else 1)
         self.backend_name = choose_backend(cfg, self.train_data, self.algorithm, self.dataset.train[0][0][:1],
                                            self.model, preprocess, self.cohort)
         kw = {"rounds_per_call": cfg.rounds_per_call, "lane_segments": cfg.lane_segments,
@@ -524,6 +526,24 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=No
             return "stacked"
     return _ragged_unless_rounds_per_call(cfg, "the population does not fit on the device or its client sizes "
                                                "are too uneven for one call")
+
+
+def check_cohort_memory(cfg: RunConfig, alg, sample_x, cohort: int, num_clients: int, devices: int = 1) -> None:
+    """ConfigError, before the first round, when the cohort's trained models cannot fit: a round holds one
+    trained copy of the server's state per client of the cohort (aggregation reads them stacked), split over
+    ``devices``; refused past half a device's memory, naming the flag that sets the cohort."""
+    server = jax.eval_shape(alg.init, jax.random.key(0), sample_x)[0]
+    trained = server.get("params", server) if isinstance(server, dict) else server  # (a client trains the model)
+    model = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(trained))
+    limit = device_memory_bytes() // 2
+    if model == 0 or cohort * model / devices <= limit:
+        return
+    fit = max(int(limit * devices // model), 1)
+    every = cohort == num_clients and cfg.clients_per_round is None and cfg.participation is None
+    where = f"{limit * 2 / 1e9:.0f} GB" + (f" on each of {devices} devices" if devices > 1 else "")
+    raise ConfigError(f"{cohort} clients a round{' (every client trains every round)' if every else ''} hold "
+                      f"{cohort * model / 1e9:.1f} GB of trained {model / 1e6:.1f} MB models, more than half of "
+                      f"the device memory ({where}); give --clients-per-round at most {fit}")
 
 
 def lane_overhead(cfg: RunConfig, model, sample_x, preprocess) -> float | None:
