@@ -41,6 +41,11 @@ def mnist_dir(root, labels=None, images=lambda x: x, shape=lambda y: y):
     return root
 
 
+def empty_test(root):
+    write_npz(root / "digits" / "mnist_test.npz", np.zeros((0, 28, 28), np.uint8), np.zeros(0, np.int64))
+    return root
+
+
 CASES = {
     # crashed with a traceback
     "malformed toml": (lambda d: ["--config", str(write(d / "c.toml", "rounds = = 3"))], "is not valid TOML"),
@@ -103,6 +108,8 @@ CASES = {
     "a JSON config with a key twice": (lambda d: ["--config", str(write(d / "twice.json",
                                                                         '{"rounds": 2, "rounds": 3}'))],
                                        "is not valid JSON: key 'rounds' is given twice"),
+    "an empty test split": (lambda d: ["--dataset", "mnist", "--data-dir", str(empty_test(mnist_dir(d / "data")))],
+                            "mnist_test.npz' holds no samples (images (0, 28, 28, 1)); every test split needs"),
     "labels saved as a column": (lambda d: ["--dataset", "mnist", "--data-dir",
                                             str(mnist_dir(d / "data", shape=lambda y: y.reshape(-1, 2)))],
                                  "labels have shape (150, 2); give one integer class per sample, [N]"),

@@ -105,10 +105,10 @@ def test_cli_seeds_go_on_past_a_seed_that_diverges_and_table_the_others(tmp_path
     from jaxfl.run import cli
     real = cli.run_one
 
-    def seed_one_diverges(cfg, quiet, cache):
+    def seed_one_diverges(cfg, quiet, cache, stop=()):
         if cfg.seed == 1:
             raise NonFiniteError("training produced NaN/Inf in round 1 on client(s) x")
-        return real(cfg, quiet, cache)
+        return real(cfg, quiet, cache, stop)
     monkeypatch.setattr(cli, "run_one", seed_one_diverges)
     out = tmp_path / "sweep"
     assert main(["run", "--quiet", "--rounds", "1", "--seeds", "0,1,2", "--out", str(out)] + CLI_TINY) == 2

@@ -56,7 +56,10 @@ def load_npz(root: Path, benchmark: str, domain: str, split: str, num_classes: i
     if images.ndim != 4 or len(images) != len(labels):
         raise DataError(f"{str(path)!r}: images {images.shape} and labels {labels.shape} do not match "
                         f"[N, H, W, C] and [N]")
-    if num_classes is not None and len(labels):
+    if not len(labels):
+        raise DataError(f"{str(path)!r} holds no samples (images {images.shape}); every {split} split needs at "
+                        f"least one per client: re-create the file")
+    if num_classes is not None:
         bad = labels[(labels < 0) | (labels >= num_classes)]
         if bad.size:
             raise DataError(f"{str(path)!r}: label {int(bad[0])} is outside [0, {num_classes}) "

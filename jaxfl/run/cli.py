@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped
+from .signals import failpoint, signal_name, stop_signals
 from .compile_cache import cache_warnings, resolve_compile_cache, use_compile_cache
 from .config import TRAINING_DEFAULTS, RunConfig, check_output, holds_files, load_config_file, validate
 from .checkpoint import saved_settings
@@ -155,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--csv", help="write the table as CSV here")
     cmp.add_argument("--plot", help="write the figure (PNG) here: mean accuracy per round, ± std over seeds")
     cmp.add_argument("--title", default="", help="the figure's title")
+    cmp.add_argument("--paired", action="store_true",
+                     help="the paired equivalence test of two sides run on the same seeds: give two RUN_DIRs (or "
+                          "quoted patterns such as 'DIR/seed*/NAME'), one run per seed each; per seed the difference "
+                          "of the last-k means, their mean, its t-interval and the verdict against --margin; --plot "
+                          "draws the per-round difference")
+    cmp.add_argument("--margin", type=float, default=1.5,
+                     help="--paired: equivalence margin in accuracy points, stated before the runs (default 1.5)")
+    cmp.add_argument("--level", type=float, default=0.9,
+                     help="--paired: the confidence level of the t-interval (default 0.9: TOST at 5%%)")
     run = sub.add_parser("run", help="train and evaluate one configuration",
                          argument_default=argparse.SUPPRESS)
     run.add_argument("--config", help="TOML or JSON file of options; flags override it")
@@ -241,6 +251,8 @@ def compare_main(args: dict) -> int:
     """``jaxfl compare``: the markdown table on stdout; --md/--csv/--plot files."""
     from .compare import compare, plot_mean_accuracy
     from .plots import IMAGE_FORMATS
+    if args["paired"]:
+        return paired_main(args)
     notes = []
     try:
         outputs = [(args[k], k) for k in ("md", "csv", "plot") if args[k]]
@@ -267,6 +279,37 @@ def compare_main(args: dict) -> int:
         except OSError as e:
             print(f"jaxfl: error: could not write {path!r} ({e.strerror or e})", file=sys.stderr)
             return 1
+    return 0
+
+
+def paired_main(args: dict) -> int:
+    """``jaxfl compare A B --paired``: the paired equivalence table on stdout; --md/--plot files."""
+    from .compare import paired_equivalence, paired_table, plot_paired_curve, runs_by_seed
+    try:
+        if len(args["runs"]) != 2:
+            raise ConfigError(f"--paired compares two sides: give two RUN_DIRs (or quoted patterns), got "
+                              f"{len(args['runs'])}")
+        if args["csv"] or args["per_client"]:
+            raise ConfigError("--paired writes --md and --plot; --csv and --per-client are for the grouped table")
+        for kind in ("md", "plot"):
+            if args[kind]:
+                check_output_file(args[kind], f"--{kind}")
+        a, b = (runs_by_seed(p) for p in args["runs"])
+        result = paired_equivalence({s: h for s, (_, h) in a.items()}, {s: h for s, (_, h) in b.items()},
+                                    args["key"], args["last_k"], args["margin"], args["level"])
+    except JaxflError as e:
+        print(f"jaxfl: error: {e}", file=sys.stderr)
+        return 2
+    table = paired_table(result, *args["runs"])
+    print(table)
+    try:
+        if args["md"]:
+            Path(args["md"]).write_text(table + "\n")
+        if args["plot"]:
+            plot_paired_curve(result, Path(args["plot"]), args["title"], *args["runs"])
+    except OSError as e:
+        print(f"jaxfl: error: could not write ({e.strerror or e})", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -306,13 +349,19 @@ def main(argv=None) -> int:
         if cache is None and note and not quiet:
             say(note)
         diverged = []  # --seeds: a seed whose training turned NaN/Inf; the sweep goes on without it
-        with cache_warnings(cache, say):
-            for cfg in cfgs:
+        todo = [c for c in cfgs if c.seed not in skip]
+        # a stop signal is recorded from here on and honoured where nothing is lost: before round 1, after a
+        # round's checkpoint, between seeds; one arriving during a summary or plot lets it finish
+        with cache_warnings(cache, say), stop_signals() as stop:
+            for i, cfg in enumerate(todo):
                 seed = cfg.seed
-                if seed in skip:
-                    continue
+                if i:
+                    failpoint("seed")
+                if stop:
+                    raise Stopped(f"stopped before seed {seed}, seed(s) {', '.join(str(c.seed) for c in todo[:i])} "
+                                  f"done", stop[0], None)
                 try:
-                    result = run_one(cfg, quiet, cache)
+                    result = run_one(cfg, quiet, cache, stop)
                 except NonFiniteError as e:
                     if root is None:
                         raise
@@ -322,17 +371,25 @@ def main(argv=None) -> int:
                 summary = result.summary()
                 if root is None and summary and is_primary():
                     print(format_table(summary) if not quiet else json.dumps(summary["last"]))
-        done = [c.out for c in cfgs if c.seed not in diverged]
-        table = seeds_table(root, done) if root is not None and done and is_primary() else None
+            done = [c.out for c in cfgs if c.seed not in diverged]
+            table = seeds_table(root, done) if root is not None and done and is_primary() else None
+            late = list(stop)  # a signal during the last run's summary or the sweep's table: all is written
     except Stopped as e:  # SIGTERM/SIGINT: the run is checkpointed at a round boundary
-        say(str(e) if root is None else f"stopped at round {e.round_done} of seed {seed}; continue with jaxfl run "
-                                        f"--out {root} --seeds {seeds_flag} --resume")
+        if root is None:
+            say(str(e))
+        else:
+            where = (str(e).split(";")[0] + f" of seed {seed}" if e.round_done is not None
+                     else ("" if "seed" in str(e) else f"seed {seed}: ") + str(e).split(";")[0])
+            say(f"{where}; continue with jaxfl run --out {root} --seeds {seeds_flag} --resume")
         return e.exit_code
     except JaxflError as e:  # bad input: exit 2; a failed write (RunIOError): exit 1
         say(f"error: {e}")
         return e.exit_code
     if table is not None:
         print(table)
+    if late:
+        say(f"{signal_name(late[0])} arrived as the {'sweep' if root is not None else 'run'} finished; "
+            f"{'every seed' if root is not None else 'it'} is complete and written")
     if root is not None and diverged:
         say(f"error: seed(s) {', '.join(map(str, diverged))} stopped on non-finite numbers (above); "
             + (f"the table covers the other {len(done)}" if done else "no seed finished"))
@@ -406,10 +463,16 @@ def seeds_table(root: str, outs: list[str]) -> str:
     return table
 
 
-def run_one(cfg: RunConfig, quiet: bool, cache: str | None):
-    """Build and train one run, with the start-up line, a progress bar (a terminal) or one line per round."""
+def run_one(cfg: RunConfig, quiet: bool, cache: str | None, stop=()):
+    """Build and train one run, with the start-up line, a progress bar (a terminal) or one line per round.
+    ``stop``: the stop-signal record (``signals.stop_signals``); a signal that came while the data loaded
+    stops the run before anything is written."""
     from .runner import Experiment
+    failpoint("load")
     exp = Experiment(cfg)
+    if stop:
+        again = f"continue with jaxfl run --out {cfg.out} --resume" if cfg.resume else "run the command again"
+        raise Stopped(f"stopped while loading, before round 1; nothing was written: {again}", stop[0], None)
     if not quiet:
         population = population_note(exp.dataset.client_names, exp.dataset.train_counts())
         lanes = getattr(exp.backend, "lanes", None)

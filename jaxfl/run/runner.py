@@ -6,8 +6,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from ..models import build_model
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
 from .lock import RunLock
 from .plots import plot_accuracy
+from .signals import failpoint, stop_signals
 
 
 def model_size(server, model, sample_x) -> int:
@@ -344,7 +343,13 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
     write = out is not None and is_primary()  # every process checkpoints its rows; one logs
     bar = _progress(None, progress, start, cfg.rounds)
     r = start
+    failpoint("start")
     while r < cfg.rounds:
+        if stop and r == start:  # the signal came while loading or restoring: stop before training
+            if bar is not None:
+                bar.close()
+            raise Stopped(f"stopped before round {r + 1}{continue_note(cfg)}", stop[0], r)
+        failpoint("round")
         t0, c0, p0 = time.perf_counter(), compile_seconds(), compiled_programs()
         n = rounds_until_boundary(cfg, r)
         local = {}
@@ -364,6 +369,7 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
                 rec["dp_epsilon"] = spent if math.isfinite(spent) else None  # (JSON has no inf)
             t_eval, c_eval, p_eval = time.perf_counter(), compile_seconds(), compiled_programs()
             if j == n - 1 and evaluates(cfg, r + j):
+                failpoint("evaluate")
                 rec.update(local or exp.evaluate(server, store))
             # compile_s: tracing and compiling new shapes, part of time_s (the call's, on its first round);
             # compiled_programs: the XLA programs compiled for it
@@ -387,29 +393,36 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
             ckpt = ckpt or checkpointer(out)
             saving = True
         if saving:
+            failpoint("checkpoint")
             with written(ckpt.directory, f"in round {r}", ckpt):
                 ckpt.save(r, server, store.state)
         if stop and r < cfg.rounds:
             if bar is not None:
                 bar.close()
-            how = (f"; continue with jaxfl run --out {cfg.out} --resume" if out is not None
-                   else " (no --out: nothing was saved)")
-            raise Stopped(f"stopped at round {r}{how}", stop[0], r)
+            raise Stopped(f"stopped at round {r}{continue_note(cfg)}", stop[0], r)
     if bar is not None:
         bar.close()
     sample_x = exp.trainer.preprocess(exp.dataset.train[0][0][:1])
     result = RunResult(cfg, names, history, server, store.state, model_size(server, exp.model, sample_x))
     if write:
+        failpoint("summary")
         with written(out / "summary.json", f"after round {r}", ckpt):
             summary = result.summary()
             if exp.privacy is not None:  # what the run spent: (epsilon, delta) after its last round
                 summary["privacy"] = dict(exp.privacy.report(r), **privacy_settings(cfg, exp.cohort, server))
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
         if history:
+            failpoint("plot")
             with written(out / "accuracy.png", f"after round {r}", ckpt):
                 plot_accuracy(history, names, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}, "
                               f"{model_name(cfg)}, lr {cfg.lr}, seed {cfg.seed}")
     return result
+
+
+def continue_note(cfg: RunConfig) -> str:
+    """How a stopped run goes on: "; continue with jaxfl run --out OUT --resume", or that nothing was saved."""
+    return (f"; continue with jaxfl run --out {cfg.out} --resume" if cfg.out
+            else " (no --out: nothing was saved)")
 
 
 def privacy_settings(cfg: RunConfig, cohort: int, server) -> dict:
@@ -467,30 +480,6 @@ def os_error_text(e: Exception) -> str:
 def path_out(path: Path) -> str:
     """The run folder a written path belongs to (its parent; the checkpoint folder's parent)."""
     return str(Path(path).parent)
-
-
-@contextlib.contextmanager
-def stop_signals():
-    """A list that gets the signal number when SIGTERM or SIGINT arrives (the loop stops after the current
-    call's rounds); a second signal of the same kind acts as it would have (kills / KeyboardInterrupt).
-    Handlers are installed only in the main thread, and the previous ones restored on exit."""
-    stop: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def handle(signum, frame):
-        stop.append(signum)
-        signal.signal(signum, previous[signum])
-
-    for s in previous:
-        signal.signal(s, handle)
-    try:
-        yield stop
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=None, preprocess=lambda x: x,
