@@ -190,6 +190,29 @@ def rounding_tolerance(fn, *args, factor=16.0, seed=0):
     return jax.tree_util.tree_map(tol, base, moved)
 
 
+_TRACING: list = []  # the lists of the traces() blocks open now
+_TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+
+
+@contextlib.contextmanager
+def traces():
+    """A list that gets the name of each function jax traces inside the block, as it happens: a jit cache miss,
+    so a new program (a persistent-cache hit is traced too, so the count does not depend on that cache)."""
+    if not getattr(traces, "listening", False):
+        def listen(event, duration, **kw):
+            if event == _TRACE_EVENT:
+                for found in _TRACING:
+                    found.append(kw.get("fun_name", "?"))
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        traces.listening = True
+    found: list = []
+    _TRACING.append(found)
+    try:
+        yield found
+    finally:
+        _TRACING.remove(found)
+
+
 @pytest.fixture(scope="session")
 def data_dir():
     """The shared benchmark data; CI sets JAXFL_DATA_DIR. These tests must run, never skip, in CI."""

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (assert_trees_close, bit_identity, make_backend, make_data, make_separable, make_trainer,
-                      ragged, rounding_tolerance, run_rounds, setup_algorithm, trained_rows)
+                      ragged, rounding_tolerance, run_rounds, setup_algorithm, traces, trained_rows)
 
 from jaxfl.algorithms import REGISTRY
 from jaxfl.algorithms._common import ce_loss
@@ -212,15 +212,20 @@ def test_every_algorithm_is_the_same_on_both_backends_and_learns_a_separable_tas
     by_map = make_backend(alg, data, "ragged", strategy="map", num_rounds=T)
     s, store = server, ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")
     s_r, store_r = server, ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")
-    seen = {}
+    seen, traced = {}, []
     for r in range(6):
-        s, m = stacked.round(s, store, r, ROOT)
+        with traces() as new:
+            s, m = stacked.round(s, store, r, ROOT)
+        traced.append(len(new))
         if r < 2:
             hook = lambda server, trained, ids: seen.update(server=server, trained=trained)
             s_r, _ = by_map.round(s_r, store_r, r, ROOT, before_aggregate=hook if r == 1 else None)
         if r == 1:
             tolerance = BACKEND_TOLERANCE.get(name, DEFAULT_BACKEND_TOLERANCE)
             assert_trees_close((s, store.state), (s_r, store_r.state), **tolerance)
+    # a fixed cohort compiles one round program, in round 1, and never again (persistent-cache hits count too:
+    # they are traced)
+    assert traced == [1, 0, 0, 0, 0, 0], traced
     ev = Evaluator(alg, ragged(test), eval_batch_size=8, preprocess=make_trainer().preprocess,
                    train=ragged(data)).metrics(s, store)
     assert ev["accuracy"].shape == (3,) and np.all(np.isfinite(ev["loss"]))

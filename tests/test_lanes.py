@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, make_trainer
+from conftest import assert_trees_close, make_trainer, traces
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.core.backends import Stacked
@@ -188,18 +188,22 @@ def test_bad_lane_settings_are_refused():
 
 def test_a_run_with_uneven_clients_picks_the_stacked_backend_and_compiles_its_round_once(data_dir):
     # the CLI's path: --strategy vmap on MNIST split into log-normal client sizes; the automatic choice takes the
-    # stacked backend (a lane plan runs the cohort), the first round compiles, later rounds compile nothing, and
-    # the plan computes less padding than one vmap over the cohort
+    # stacked backend (a lane plan runs the cohort), the first round traces its programs (the round, the
+    # evaluation, the cohort draw), later rounds (new cohorts, evaluated too) none, and the plan computes less
+    # padding than one vmap over the cohort. Traces, not compilations, are counted: a persistent-cache hit
+    # is traced too.
     from jaxfl.run.config import RunConfig
     from jaxfl.run.runner import Experiment
     base = dict(algorithm="fedavg", dataset="mnist", data_dir=data_dir, model="logreg", num_clients=300,
                 clients_per_round=100, partition="dirichlet_quantity", client_sizes="lognormal", size_sigma=0.8,
-                batch_size=10, lr=0.05, strategy="vmap", rounds=4, eval_every=4)
+                batch_size=10, lr=0.05, strategy="vmap", rounds=4, eval_every=1)
     exp = Experiment(RunConfig(**base))
     assert exp.backend_name == "stacked" and exp.backend.lanes is not None
-    history = exp.run().history
-    assert history[0]["compiled_programs"] >= 1
-    assert [h["compiled_programs"] for h in history[1:3]] == [0, 0]
+    per_round = []
+    with traces() as traced:
+        history = exp.run(log=lambda record: per_round.append(len(traced))).history
+    assert per_round == [len(traced)] * 4, (per_round, traced)  # all in round 1 (and before it)
+    assert traced.count("rounds_fn") == 1 and len(traced) <= 12, traced
     assert max(h["padded_work"] for h in history) < 1.3
     plain = Experiment(RunConfig(lane_segments=0, backend="stacked", **base)).run().history
     assert min(h["padded_work"] for h in plain) > 2.0
