@@ -181,3 +181,77 @@ def test_compare_output_faults_are_one_line(sweep, tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (f"jaxfl: error: {str(empty)!r} has no evaluated round with "
                                                f"'mean_accuracy' (its metrics.jsonl is empty or the run has not "
                                                f"evaluated yet); leave it out")
+
+
+# ---- the paired equivalence test
+
+def _history(values, rounds=None):
+    rounds = rounds or list(range(1, len(values) + 1))
+    return [{"round": r, "mean_accuracy": v} for r, v in zip(rounds, values)]
+
+
+def test_t_interval_is_the_student_t_formula():
+    from scipy import stats
+
+    from jaxfl.run.compare import t_interval
+    d = np.array([1.0, -0.5, 2.0, 0.25])
+    mean, low, high = t_interval(d, 0.9)
+    half = stats.t.ppf(0.95, 3) * d.std(ddof=1) / 2.0  # sqrt(4) = 2
+    np.testing.assert_allclose([mean, low, high], [d.mean(), d.mean() - half, d.mean() + half], rtol=1e-12)
+    # t_{0.95, 2} = 2.919986 (tables): three differences of 0, 1, 2 give 1 -+ 2.919986 * 1 / sqrt(3)
+    np.testing.assert_allclose(t_interval([0.0, 1.0, 2.0], 0.9)[1:], [1 - 1.685854, 1 + 1.685854], atol=1e-6)
+    with pytest.raises(Exception, match="at least 2 paired seeds"):
+        t_interval([1.0])
+
+
+@pytest.mark.parametrize("low,high,verdict", [(-1.0, 1.0, "equivalent"), (-1.6, 1.0, "inconclusive"),
+                                              (1.6, 3.0, "different"), (-3.0, -1.51, "different"),
+                                              (0.5, 2.0, "inconclusive"), (-1.5, 0.0, "inconclusive")])
+def test_equivalence_verdict(low, high, verdict):
+    from jaxfl.run.compare import equivalence_verdict
+    assert equivalence_verdict(low, high, 1.5) == verdict
+
+
+def test_paired_equivalence_pairs_seeds_uses_common_rounds_and_sees_a_constant_offset():
+    from jaxfl.run.compare import paired_equivalence
+    rng = np.random.default_rng(0)
+    base = {s: rng.uniform(0.5, 0.9, 6) for s in range(5)}
+    # B evaluated every round, A every other one: the window is A's last 2 evaluations (rounds 4 and 6)
+    a = {s: _history(v[1::2] + 0.02, rounds=[2, 4, 6]) for s, v in base.items()}
+    b = {s: _history(v) for s, v in base.items()}
+    b[9] = _history(base[0])  # a seed only B has is left out
+    res = paired_equivalence(a, b, tail=2, margin=1.5)
+    assert res["seeds"] == [0, 1, 2, 3, 4] and res["only_b"] == [9] and res["rounds"] == [2, 4, 6]
+    want_a = [100 * (base[s][[3, 5]].mean() + 0.02) for s in range(5)]
+    np.testing.assert_allclose(res["a"], want_a, rtol=1e-12)
+    np.testing.assert_allclose(res["diff"], 2.0, atol=1e-9)  # 0.02 -> 2 points on every seed
+    np.testing.assert_allclose(res["curve"], 2.0, atol=1e-9)
+    # the same offset on every seed: the interval is a point at +2, outside a margin of 1.5, inside one of 3
+    assert res["verdict"] == "different" and res["low"] == pytest.approx(2.0) == res["high"]
+    assert paired_equivalence(a, b, tail=2, margin=3.0)["verdict"] == "equivalent"
+    # unpaired, the same runs would look alike: noise of +-3 points around the offset makes it inconclusive
+    noisy = {s: _history(base[s][1::2] + 0.02 + 0.03 * (-1) ** s, rounds=[2, 4, 6]) for s in range(5)}
+    assert paired_equivalence(noisy, b, tail=2, margin=1.5)["verdict"] == "inconclusive"
+
+
+def test_compare_paired_through_the_cli(sweep, tmp_path, capsys):
+    root, runs = sweep
+    md, png = tmp_path / "p.md", tmp_path / "p.png"
+    # fedavg against itself: every difference 0, an interval of width 0 inside any margin
+    assert main(["compare", "--paired", str(root / "seed*" / "fedavg"), str(root / "seed*" / "fedavg"),
+                 "--md", str(md), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "A - B: +0.00 points, 90% t-interval [+0.00, +0.00] over 2 paired seeds; margin ±1.5: **equivalent**" in out
+    assert md.read_text().strip() == out.strip() and png.stat().st_size > 0
+    # fedprox has seed 0 only: no interval
+    assert main(["compare", "--paired", str(root / "seed*" / "fedavg"), str(root / "seed*" / "fedprox")]) == 0
+    assert "**inconclusive**" in capsys.readouterr().out
+    # a side holding two runs of one seed, one side only, a bad margin: one line each, exit 2
+    for argv, message in ((["compare", "--paired", str(root), str(root / "seed*" / "fedavg")], "holds two runs of seed 0"),
+                          (["compare", "--paired", str(root)], "--paired compares two sides"),
+                          (["compare", "--paired", str(root / "seed*" / "fedavg"), str(root / "seed*" / "fedavg"),
+                            "--margin", "0"], "--margin 0 must be a positive number"),
+                          (["compare", "--paired", str(root / "nothing*"), str(root)], "matches no folder")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err

@@ -319,3 +319,141 @@ def compare(paths, key: str = "mean_accuracy", tail: int = 5, per_client: bool =
                  for label, members in grouped.items()}
     return results, seed_table(results, key, tail, per_client=per_client, client_names=names), \
         to_csv(compare_rows(results, key, tail))
+
+
+# ---- paired equivalence: the same seeds run two ways (official code against jaxfl, two versions, two options)
+
+VERDICTS = ("equivalent", "different", "inconclusive")
+
+
+def run_seed(folder: Path, cfg: dict) -> int | None:
+    """A run's seed: its config's ``seed``, else the number of the nearest ``seed<S>`` folder on its path."""
+    if isinstance(cfg.get("seed"), int):
+        return cfg["seed"]
+    import re
+    for part in reversed(Path(folder).parts):
+        found = re.fullmatch(r"seed(\d+)", part)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def runs_by_seed(path: str) -> dict[int, tuple[Path, list[dict]]]:
+    """{seed: (folder, history)} of the runs under ``path`` (a folder searched as ``find_runs`` does, or a glob
+    pattern such as ``logs/seed*/fedtp``); ConfigError unless each run has a seed and each seed one run."""
+    import glob
+    paths = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path]
+    if not paths:
+        raise ConfigError(f"{path!r} matches no folder")
+    out: dict[int, tuple[Path, list[dict]]] = {}
+    for folder in find_runs(paths):
+        cfg, hist = load_run(folder)
+        seed = run_seed(folder, cfg)
+        if seed is None:
+            raise ConfigError(f"{str(folder)!r} has no seed (none in its config.json, no seed<S> folder on its path)")
+        if seed in out:
+            raise ConfigError(f"{path!r} holds two runs of seed {seed} ({str(out[seed][0])!r}, {str(folder)!r}): give "
+                              f"the runs of one method, e.g. a pattern such as '{path}/seed*/NAME' (quoted)")
+        out[seed] = (folder, hist)
+    return out
+
+
+def t_interval(diffs, level: float = 0.9) -> tuple[float, float, float]:
+    """(mean, low, high): the two-sided ``level`` Student-t confidence interval of the mean of ``diffs``
+    (n >= 2): mean -+ t_{(1+level)/2, n-1} * s / sqrt(n), s the sample std (ddof 1). A 90% interval inside
+    (-m, m) is the two one-sided tests (TOST) at 5% for equivalence within margin m."""
+    from scipy import stats
+    d = np.asarray(diffs, float)
+    n, mean = len(d), float(np.mean(d))
+    if n < 2:
+        raise ConfigError(f"a confidence interval needs at least 2 paired seeds, got {n}")
+    half = float(stats.t.ppf((1 + level) / 2, n - 1) * np.std(d, ddof=1) / np.sqrt(n))
+    return mean, mean - half, mean + half
+
+
+def equivalence_verdict(low: float, high: float, margin: float) -> str:
+    """``equivalent`` when the interval lies inside (-margin, margin), ``different`` when it lies wholly
+    outside [-margin, margin], else ``inconclusive`` (more seeds, or a longer window, would decide)."""
+    if -margin < low and high < margin:
+        return "equivalent"
+    if low > margin or high < -margin:
+        return "different"
+    return "inconclusive"
+
+
+def paired_equivalence(a: dict[int, list[dict]], b: dict[int, list[dict]], key: str = "mean_accuracy",
+                       tail: int = 5, margin: float = 1.5, level: float = 0.9) -> dict:
+    """The paired test of two sides run on the same seeds (``a``, ``b``: {seed: history}). Per seed, at the
+    rounds both of its runs evaluated, d_s = (last-``tail``-evaluation mean of a) - (that of b), in points
+    (accuracy x 100); over the seeds both sides have: the mean of d, its ``t_interval`` and the
+    ``equivalence_verdict`` against ``margin`` (points, stated before looking at the runs); and the per-round
+    curve of differences at the rounds every pair evaluated. -> {"seeds", "a", "b", "diff" (per seed), "mean",
+    "low", "high", "verdict", "margin", "level", "tail", "rounds", "curve" [S, R], "only_a", "only_b"}"""
+    if key not in KEYS:
+        raise ConfigError(f"unknown --key {key!r}; valid: {', '.join(KEYS)}")
+    if tail < 1:
+        raise ConfigError(f"--last-k {tail} must be at least 1")
+    if not (margin > 0 and np.isfinite(margin)) or not 0 < level < 1:
+        raise ConfigError(f"--margin {margin:g} must be a positive number of points and --level {level:g} in (0, 1)")
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        raise ConfigError(f"no seed was run on both sides (seeds {sorted(a)} and {sorted(b)})")
+    per_a, per_b, curves = [], [], []
+    for s in seeds:
+        rounds, acc = aligned_curves([a[s], b[s]], key)
+        acc = acc * 100
+        per_a.append(float(acc[0, -tail:].mean()))
+        per_b.append(float(acc[1, -tail:].mean()))
+        curves.append(dict(zip(rounds.tolist(), (acc[0] - acc[1]).tolist())))
+    diff = [x - y for x, y in zip(per_a, per_b)]
+    mean, low, high = t_interval(diff, level) if len(diff) >= 2 else (float(np.mean(diff)) if diff else float("nan"),
+                                                                       float("-inf"), float("inf"))
+    common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    return {"seeds": seeds, "a": per_a, "b": per_b, "diff": diff, "mean": mean, "low": low, "high": high,
+            "verdict": equivalence_verdict(low, high, margin), "margin": margin, "level": level, "tail": tail,
+            "rounds": common, "curve": np.array([[c[r] for r in common] for c in curves]).reshape(len(seeds), -1),
+            "only_a": sorted(set(a) - set(b)), "only_b": sorted(set(b) - set(a))}
+
+
+def paired_table(result: dict, label_a: str = "A", label_b: str = "B") -> str:
+    """Markdown: a row per seed (each side's last-k mean and the difference), then the mean difference, its
+    interval and the verdict."""
+    k = result["tail"]
+    lines = [f"A: {label_a}; B: {label_b}; per seed, the mean of the last {k} evaluations at the rounds both "
+             f"evaluated", "", "| seed | A % | B % | A - B (points) |", "|---|---|---|---|"]
+    lines += [f"| {s} | {x:.2f} | {y:.2f} | {d:+.2f} |"
+              for s, x, y, d in zip(result["seeds"], result["a"], result["b"], result["diff"])]
+    lines.append(f"| **mean over {len(result['seeds'])} seeds** | {np.mean(result['a']):.2f} | "
+                 f"{np.mean(result['b']):.2f} | **{result['mean']:+.2f}** |")
+    lines += ["", f"A - B: {result['mean']:+.2f} points, {result['level']:.0%} t-interval "
+              f"[{result['low']:+.2f}, {result['high']:+.2f}] over {len(result['seeds'])} paired seeds; margin "
+              f"±{result['margin']:g}: **{result['verdict']}**"]
+    for side, only in (("A", result["only_a"]), ("B", result["only_b"])):
+        if only:
+            lines.append(f"(seeds only in {side}, left out: {', '.join(map(str, only))})")
+    return "\n".join(lines)
+
+
+def plot_paired_curve(result: dict, path: Path, title: str, label_a: str = "A", label_b: str = "B") -> None:
+    """PNG: the mean over seeds of the per-round difference A - B (points), with its t-interval band, the
+    margin and zero."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rounds, curve = np.asarray(result["rounds"]), np.asarray(result["curve"])
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    mean = curve.mean(0)
+    ax.plot(rounds, mean, marker="o", ms=3, color="C0", label=f"{label_a} - {label_b} ({len(curve)} seeds)")
+    if len(curve) >= 2:
+        bands = np.array([t_interval(col, result["level"])[1:] for col in curve.T])
+        ax.fill_between(rounds, bands[:, 0], bands[:, 1], color="C0", alpha=0.2, lw=0,
+                        label=f"{result['level']:.0%} t-interval")
+    for m in (-result["margin"], result["margin"]):
+        ax.axhline(m, color="C3", ls="--", lw=1)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set(xlabel="round", ylabel="difference (points)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
