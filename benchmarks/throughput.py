@@ -325,6 +325,22 @@ def matmul_peak_gflops(sizes=(256, 512, 1024, 2048), reps: int = 5) -> float:
     return best
 
 
+def copy_bandwidth_gbs(mib: int = 256, reps: int = 5) -> float:
+    """The machine's memory bandwidth measured here: the best GB/s (bytes read + written) of a jitted, warmed-up
+    ``x + 1`` over a float32 array of ``mib`` MiB, too large for any cache."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(f(x))
+    best = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(x))
+        best = max(best, 2 * x.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 def counting_model(w: dict):
     """The workload's model for FLOP counting: the LSTM with its time loop unrolled (XLA's cost analysis counts
     a loop body once), otherwise the model itself."""
@@ -359,7 +375,7 @@ def train_step_cost(w: dict, batch: int | None = None) -> dict:
     cost = jax.jit(step).lower(v["params"], v["batch_stats"], x, y).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return {"flops": float(cost["flops"]), "bytes": float(cost["bytes accessed"]), "batch": b,
-            "flops_per_sample": float(cost["flops"]) / b}
+            "flops_per_sample": float(cost["flops"]) / b, "bytes_per_sample": float(cost["bytes accessed"]) / b}
 
 
 def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS, rounds: int = 2,
@@ -381,7 +397,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     rounds = min(rounds, w.get("max_rounds", rounds))
     w["median"] = median or w["median"]
     w["sigma"] = sigma if sigma is not None else w["sigma"]
-    peak = matmul_peak_gflops()
+    peak, bandwidth = matmul_peak_gflops(), copy_bandwidth_gbs()
     counts = lognormal_counts(n_clients, w["median"], w["sigma"])
     data = small_population(w, counts)
     batch = w["batch"]
@@ -396,6 +412,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
            "median": w["median"], "sigma": w["sigma"], "rounds": rounds, "k": k,
            "real_samples_per_round": float(np.mean(real[:rounds])), "mean_size": float(counts.mean()),
            "max_over_mean": float(counts.max() / counts.mean()), "matmul_peak_gflops": peak,
+           "copy_bandwidth_gbs": bandwidth,
            "train_step_cost": cost, "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
            "jax": jax.__version__}
 
@@ -403,7 +420,11 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
         samples = sum(real[:n])
         sps = samples / sec_total
         out[runner] = dict({"round_s": sec_total / n, "samples_per_s": sps, "rounds_timed": n,
-                            "flops_fraction": sps * cost["flops_per_sample"] / (peak * 1e9)}, **(extra or {}))
+                            # the roofline: the useful work's rate (XLA's counts for one client-step, per real
+                            # sample) against the machine's measured matmul peak and copy bandwidth
+                            "flops_fraction": sps * cost["flops_per_sample"] / (peak * 1e9),
+                            "bytes_fraction": sps * cost["bytes_per_sample"] / (bandwidth * 1e9)},
+                           **(extra or {}))
 
     def run(runner):
         kind, *opt = runner.split("/")
@@ -670,17 +691,17 @@ def small_torch_vmap(w: dict, data, cohorts) -> dict | None:
 
 
 SMALL_COLUMNS = ("| workload | clients (cohort) | mean size (max/mean) | runner | real samples/s | x torch | x jax_loop | "
-                 "padded/real | host share | FLOP/s / peak | round s | peak RSS GB |")
+                 "padded/real | host share | FLOP/s / peak | bytes/s / peak | round s | peak RSS GB |")
 
 
 def small_report(results: list[dict]) -> str:
-    lines = [SMALL_COLUMNS, "|---" * 12 + "|"]
+    lines = [SMALL_COLUMNS, "|---" * 13 + "|"]
     for r in results:
         base_j = r.get("jax_loop", {}).get("samples_per_s")
         base_t = r.get("torch_loop", {}).get("samples_per_s")
         for runner in [k for k in r if isinstance(r[k], dict) and "error" in r[k]]:
             lines.append(f"| {r['workload']} | {r['clients']} ({r['cohort']}) | - | {runner} | "
-                         f"failed: {r[runner]['error'][:120]} |" + " - |" * 7)
+                         f"failed: {r[runner]['error'][:120]} |" + " - |" * 8)
         for runner in [k for k in r if isinstance(r[k], dict) and "samples_per_s" in r[k]]:
             v = r[runner]
             f = lambda key, fmt: format(v[key], fmt) if key in v else "-"
@@ -689,6 +710,7 @@ def small_report(results: list[dict]) -> str:
             lines.append(f"| {r['workload']} | {r['clients']} ({r['cohort']}) | {r['mean_size']:.0f} "
                          f"({r['max_over_mean']:.1f}) | {runner} | {v['samples_per_s']:.0f} | {xt} | {xj} | "
                          f"{f('padded_work', '.3f')} | {f('host_share', '.3f')} | {v['flops_fraction']:.3f} | "
+                         f"{f('bytes_fraction', '.3f')} | "
                          f"{v['round_s']:.3f} | {r['peak_rss_gb']:.2f} |")
     return "\n".join(lines)
 
