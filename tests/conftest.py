@@ -40,6 +40,11 @@ import pytest  # noqa: E402
 from jaxfl.core.trainer import LocalTrainer
 from jaxfl.data.clients import ClientData
 
+# start jax's backends now, with its one CPU device: a run in this process never splits its cohort over the
+# cores (which an Experiment built before any other jax work would do), so no test's numbers depend on which
+# test a worker ran first. CLI checks in a fresh process split over the cores as users' runs do.
+jax.devices()
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 

@@ -2,6 +2,7 @@
 
 Each fault must end in one line (never a traceback), leave the log clean, and resume bit-identically."""
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -138,8 +139,10 @@ def test_a_full_disk_while_checkpointing_stops_with_one_line_and_stays_resumable
     # when a disk fills up; the limit is set in the child before it imports anything (RLIMIT_FSIZE)
     limited = [sys.executable, "-c", "import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (6144, 6144)); "
                "from jaxfl.run.cli import entry; entry()"]
-    proc = subprocess.run(limited + ["run", "--quiet", "--resume", "--out", str(out), "--rounds", "4"],
-                          capture_output=True, text=True, timeout=600)
+    # (no compile cache: the child compiles programs of its own device count, whose cache entries would not fit)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    proc = subprocess.run(limited + ["run", "--quiet", "--resume", "--out", str(out), "--rounds", "4",
+                                     "--compile-cache", "none"], capture_output=True, text=True, timeout=600, env=env)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr

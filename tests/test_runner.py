@@ -393,12 +393,14 @@ def test_devices_note_suggests_the_idle_cores_only_where_the_cohort_splits_over_
     from jaxfl.core.distributed import client_mesh
     from jaxfl.run.cli import devices_note
     monkeypatch.setattr(distributed, "cpu_cores", lambda: 4)
-    assert devices_note(SimpleNamespace(mesh=None, cohort=8)) == (
+    one = SimpleNamespace(devices=1)  # --devices 1 asked for; unset, the run would have split over the cores
+    assert devices_note(SimpleNamespace(mesh=None, cohort=8, cfg=one)) == (
         "1 device (--devices 4 would split each cohort over this CPU's 4 cores)")
-    assert devices_note(SimpleNamespace(mesh=None, cohort=6)) == "1 device"
-    assert devices_note(SimpleNamespace(mesh=client_mesh(1), cohort=8)).startswith("1 device (")
+    assert devices_note(SimpleNamespace(mesh=None, cohort=8, cfg=SimpleNamespace(devices=None))) == "1 device"
+    assert devices_note(SimpleNamespace(mesh=None, cohort=6, cfg=one)) == "1 device"
+    assert devices_note(SimpleNamespace(mesh=client_mesh(1), cohort=8, cfg=one)).startswith("1 device (")
     monkeypatch.setattr(distributed, "cpu_cores", lambda: 1)
-    assert devices_note(SimpleNamespace(mesh=None, cohort=8)) == "1 device"
+    assert devices_note(SimpleNamespace(mesh=None, cohort=8, cfg=one)) == "1 device"
 
 
 def test_a_large_population_is_summarised_in_the_start_up_line_and_the_table():

@@ -64,3 +64,30 @@ def test_stacked_backend_is_one_process_only(monkeypatch):
     with pytest.raises(ConfigError, match="backend=stacked keeps the whole population.*--backend ragged"):
         choose_backend(RunConfig(backend="stacked"), None, None, None)
     assert choose_backend(RunConfig(), None, None, None) == "ragged"
+
+
+def test_resolve_devices_takes_the_most_devices_that_divide_the_cohort(monkeypatch):
+    from jaxfl.run import runner
+    monkeypatch.setattr(jax, "local_device_count", lambda: 4)
+    monkeypatch.setattr(runner, "platform", lambda: "cpu")
+    assert [runner.resolve_devices(None, c, "fixed") for c in (3, 6, 8, 10, 12)] == [3, 3, 4, 2, 4]
+    assert runner.resolve_devices(None, 7, "fixed") == 1 and runner.resolve_devices(None, 7, "poisson") == 4
+    assert runner.resolve_devices(1, 8, "fixed") == 1 and runner.resolve_devices(0, 8, "fixed") == 0  # given
+    # pFedGP's LAPACK calls on two CPU devices at once deadlock: it stays on one
+    from jaxfl.algorithms import REGISTRY
+    assert not REGISTRY["pfedgp"].options.cpu_device_split and REGISTRY["fedavg"].options.cpu_device_split
+    assert runner.resolve_devices(None, 8, "fixed", cpu_split=False) == 1
+    monkeypatch.setattr(runner, "platform", lambda: "gpu")
+    assert runner.resolve_devices(None, 8, "fixed") == 1  # an accelerator: one device unless asked
+
+
+@pytest.mark.skipif(cpu_cores() < 2, reason="needs 2 cores")
+def test_a_cpu_run_without_devices_splits_an_even_cohort_over_the_cores(tmp_path):
+    flags = ["run", "--algorithm", "fedavg", "--model", "small_cnn", "--samples-per-client", "40", "--rounds", "1",
+             "--test-per-client", "20", "--clients-per-domain", "2", "--batch-size", "16", "--out", str(tmp_path / "r")]
+    out = subprocess.run([sys.executable, "-m", "jaxfl.run.cli"] + flags, capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cores = max(d for d in range(1, cpu_cores() + 1) if 6 % d == 0)  # 6 clients a round
+    assert f", {cores} devices," in out.stderr.splitlines()[0], out.stderr
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["devices"] is None  # resumes as "auto"

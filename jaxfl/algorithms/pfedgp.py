@@ -55,6 +55,7 @@ EXACT_SPLIT_CLASSES = 12  # up to this many classes the tree's 2-means is solved
 class PFedGPOptions(Options):
     name = "pfedgp"
     local_work = "inner_steps"
+    cpu_device_split = False  # its GP's LAPACK calls on two CPU devices at once deadlock (core.options)
     sharing = ("the network (FedAvg); the GP classifiers are rebuilt on each client from its own data",
                "nothing: its tree of binary GPs is rebuilt from its training set")
     train_preset = {"weight_decay": 1e-3}  # the official client optimizer: SGD, momentum 0.9, weight decay 1e-3

@@ -17,7 +17,7 @@ from .distributed import CLIENT_AXIS
 
 
 STRATEGIES = ("vmap", "map", "chunked")
-# Measured on a 2-core CPU (README, "Client strategies"): vmap of convolutions over per-client kernels
+# Measured on a 2-core CPU (docs/design.md, "Client strategies"): vmap of convolutions over per-client kernels
 # lowers to slow grouped convolutions there, so CPU runs clients one after another inside the jit.
 DEFAULT_STRATEGY = {"cpu": "map", "gpu": "vmap", "tpu": "vmap"}
 

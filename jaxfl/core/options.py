@@ -56,6 +56,10 @@ class Options:
     # as without it), so Poisson sampling (``--cohort-sampling poisson``) may pad the cohort with such rows;
     # checked for every algorithm that claims it (tests/test_baselines.py)
     poisson_sampling: ClassVar[bool] = True
+    # a CPU run may split the cohort over several CPU devices (one per core) of one process; False where the
+    # client update's batched LAPACK calls would run on two devices at once, which deadlocks in jaxlib's CPU
+    # kernels (they share one intra-op pool and block on it: ``jaxfl.ops.gp._lower_solve``)
+    cpu_device_split: ClassVar[bool] = True
     # what a straggler (``--stragglers``) runs only part of: the run's local epochs, or the name of an option that
     # counts the method's own local work (FedSelect: la_epochs; pFedHN, pFedGP: inner_steps; 0 there: the local epochs)
     local_work: ClassVar[str] = "local_epochs"

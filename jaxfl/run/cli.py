@@ -31,7 +31,8 @@ HELP = {
     "lane_overhead": "the cost of one sequential local step in lane-steps that the lane plan weighs against padded "
                      "lanes (default: 0 on CPU; on an accelerator derived from jaxfl.core.cost, tau P / (B f))",
     "devices": "split the clients over this many devices (0: all; clients per round must divide evenly); on a "
-               "CPU, N > 1 runs N CPU devices, one block of clients per core",
+               "CPU, N > 1 runs N CPU devices, one block of clients per core (default: on a CPU, one device per "
+               "core, the most that divide the cohort; on an accelerator 1)",
     "client_sizes": "dirichlet_quantity: client sizes equal | lognormal (then each client's labels ~ Dir(alpha p))",
     "size_sigma": "dirichlet_quantity with lognormal sizes: sigma of the log client size (>= 0)",
     "client_store": "where per-client persistent state lives: auto (device if it fits in a quarter of its "
@@ -178,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep compiled programs in DIR for later runs of the same shapes (a sweep's other seeds "
                           "and rates), or none; the same numbers either way (default: $JAXFL_COMPILE_CACHE, else "
                           "~/.cache/jaxfl/xla; jax's own JAX_COMPILATION_CACHE_DIR, if set, is kept)")
-    launch = run.add_argument_group("multi-process launch (one process per host; see README, Scale-out)")
+    launch = run.add_argument_group("multi-process launch (one process per host; see docs/design.md, Scale-out)")
     launch.add_argument("--coordinator-address", help="host:port of process 0, the same for every process")
     launch.add_argument("--num-processes", type=int, help="processes in the run (default 1)")
     launch.add_argument("--process-id", type=int, help="this process's index in [0, num_processes)")
@@ -338,7 +339,7 @@ def main(argv=None) -> int:
         if processes > 1:
             for c in cfgs:
                 validate(c)  # Experiment validates too, but after joining, a refusal would leave a peer waiting
-            if any(c.devices != 0 for c in cfgs):
+            if any(c.devices not in (0, None) for c in cfgs):
                 raise ConfigError(f"--num-processes {processes}: a run over several processes splits the clients over "
                                   f"all of their devices; add --devices 0")
             initialize(launch["coordinator_address"], processes, launch["process_id"])
@@ -550,7 +551,7 @@ def devices_note(exp) -> str:
     from .runner import platform
     n = 1 if exp.mesh is None else exp.mesh.devices.size
     cores = cpu_cores()
-    if n == 1 and platform() == "cpu" and cores > 1 and exp.cohort % cores == 0:
+    if n == 1 and platform() == "cpu" and cores > 1 and exp.cohort % cores == 0 and exp.cfg.devices == 1:
         return f"1 device (--devices {cores} would split each cohort over this CPU's {cores} cores)"
     return f"{n} device{'s' if n > 1 else ''}"
 

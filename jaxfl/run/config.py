@@ -92,7 +92,7 @@ class RunConfig:
     # lanes (``core.lanes``; 0: one vmap over the cohort); a local step's fixed cost in lanes (None: the platform's)
     lane_segments: int = 3
     lane_overhead: float | None = None
-    devices: int = 1
+    devices: int | None = None
     client_store: str = "auto"
     eval_every: int = 1
     eval_point: str | None = None  # aggregated: after the round | local: each model right after local training
@@ -337,8 +337,9 @@ def validate(cfg: RunConfig) -> RunConfig:
             flag = work.replace("_", "-") if work == "local_epochs" else f"{cfg.algorithm}.{work.replace('_', '-')}"
             raise ConfigError(f"stragglers={cfg.stragglers}: a straggler runs 1 to E-1 of its E {work}, so "
                               f"--{flag} must be at least 2 (it is {count})")
-    if cfg.devices < 0:
-        raise ConfigError(f"devices={cfg.devices} must be >= 0 (0: all devices, 1: no sharding)")
+    if cfg.devices is not None and cfg.devices < 0:
+        raise ConfigError(f"devices={cfg.devices} must be >= 0 (0: all devices, 1: no sharding; unset: on a CPU "
+                          f"one device per core when the cohort splits evenly)")
     if cfg.checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0")
     if (cfg.resume or cfg.checkpoint_every) and not cfg.out:

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..algorithms import build_algorithm
+from ..algorithms import REGISTRY, build_algorithm
 from ..core.backends import Ragged, Stacked, device_memory_bytes
 from ..core.cost import backend_seconds, train_flops_per_sample
 from ..core.cost import lane_overhead as cost_lane_overhead
@@ -92,14 +92,18 @@ class Experiment:
     config. ``run()`` (``train``, the host loop below) trains it to ``cfg.rounds``, resuming if asked."""
 
     def __init__(self, cfg: RunConfig):
+        # on a CPU, devices=N runs N CPU devices if jax has not started yet; unset, one per core is made
+        # available (a single-process run then splits its cohort over them when it divides evenly)
         if isinstance(cfg.devices, int):
-            use_cpu_devices(cfg.devices)  # on a CPU, devices=N runs N CPU devices if jax has not started yet
+            use_cpu_devices(cfg.devices)
+        elif cfg.devices is None and not jax.distributed.is_initialized() and not forced_cpu_devices():
+            use_cpu_devices(cpu_cores())
         self.cfg = cfg = validate(cfg)
         check_output(cfg)  # before any expensive work
         if cfg.resume and cfg.out:  # the saved run's config and checkpoints, before any data is read
             from .checkpoint import check_resumable
             check_resumable(cfg.resolved(), Path(cfg.out))
-        if cfg.devices > jax.device_count():
+        if cfg.devices is not None and cfg.devices > jax.device_count():
             count = jax.device_count()
             if platform() == "cpu" and cfg.devices > cpu_cores():
                 raise ConfigError(f"devices={cfg.devices}: a CPU run makes at most one device per core and this "
@@ -115,11 +119,16 @@ class Experiment:
         self.model = build_model(model_name(cfg), ds.num_classes)
         # devices != 1: the client axis is split over a mesh of that many devices (0: all of them); a
         # multi-process run (jaxfl.distributed.initialize) always uses every device of every process
-        if jax.process_count() > 1 and cfg.devices not in (0, jax.device_count()):
+        if jax.process_count() > 1 and cfg.devices not in (0, None, jax.device_count()):
             raise ConfigError(f"devices={cfg.devices}: a run over {jax.process_count()} processes splits the "
                               f"clients over all {jax.device_count()} devices; use devices=0")
-        self.mesh = None if cfg.devices == 1 else client_mesh(cfg.devices or None)
         self.cohort, self.rate = cohort_size(cfg, n), sampling_rate(cfg, n)
+        splits = REGISTRY[cfg.algorithm].options.cpu_device_split
+        self.devices = resolve_devices(cfg.devices, self.cohort, cfg.cohort_sampling, splits)
+        if not splits and platform() == "cpu" and self.devices != 1 and jax.process_count() == 1:
+            raise ConfigError(f"--algorithm {cfg.algorithm} runs on one CPU device: its batched LAPACK calls on "
+                              f"several CPU devices at once deadlock in jaxlib; drop --devices {cfg.devices}")
+        self.mesh = None if self.devices == 1 else client_mesh(self.devices or None)
         self.cfg = cfg = cfg.with_eval_point(self.cohort == n)
         # (a Poisson cohort is padded to a multiple of 8 rows per device: any expected size splits)
         if self.mesh is not None and cfg.cohort_sampling == "fixed" and self.cohort % self.mesh.devices.size:
@@ -186,7 +195,7 @@ class Experiment:
         check_cohort_memory(cfg, self.algorithm, self.dataset.train[0][0][:1], self.cohort, n,
                             self.mesh.devices.size if self.mesh is not None else 1)
         self.backend_name = choose_backend(cfg, self.train_data, self.algorithm, self.dataset.train[0][0][:1],
-                                           self.model, preprocess, self.cohort)
+                                           self.model, preprocess, self.cohort, self.devices)
         kw = {"rounds_per_call": cfg.rounds_per_call, "lane_segments": cfg.lane_segments,
               "lane_overhead": lane_overhead(cfg, self.model, self.dataset.train[0][0][:1], preprocess)} \
             if self.backend_name == "stacked" else {"client_store": cfg.client_store}
@@ -419,6 +428,27 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
     return result
 
 
+def forced_cpu_devices() -> bool:
+    """Whether XLA_FLAGS already fixes the CPU device count (--xla_force_host_platform_device_count)."""
+    return "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+
+
+def resolve_devices(devices: int | None, cohort: int, sampling: str, cpu_split: bool = True) -> int:
+    """The devices a run splits its cohort over: ``devices`` when given (0: all); unset, on a CPU in one
+    process the most local devices (one per core when jax could still make them) that divide the cohort
+    (any number under Poisson sampling, whose padded cohort is a multiple of 8 rows per device) unless the
+    algorithm cannot split over CPU devices (``cpu_split``, ``Options.cpu_device_split``), on an accelerator 1,
+    over several processes all of them (0)."""
+    if devices is not None:
+        return devices
+    if jax.process_count() > 1:
+        return 0
+    if platform() != "cpu" or not cpu_split:
+        return 1
+    count = jax.local_device_count()
+    return next(d for d in range(count, 0, -1) if sampling == "poisson" or cohort % d == 0)
+
+
 def continue_note(cfg: RunConfig) -> str:
     """How a stopped run goes on: "; continue with jaxfl run --out OUT --resume", or that nothing was saved."""
     return (f"; continue with jaxfl run --out {cfg.out} --resume" if cfg.out
@@ -483,7 +513,7 @@ def path_out(path: Path) -> str:
 
 
 def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=None, preprocess=lambda x: x,
-                   cohort: int | None = None) -> str:
+                   cohort: int | None = None, devices: int | None = None) -> str:
     """``--backend``, else ``stacked`` when the population fits (its samples and every client's persistent
     state in a quarter of the device's memory, on each device of the mesh; one process, no host store asked
     for) and one call over the whole cohort wastes little (``map``: every client its own steps;
@@ -506,7 +536,8 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=No
     # client (``core.lanes``); one vmap over the cohort: every lane to the cohort's longest client
     even = cfg.strategy_or_default() == "map" or cfg.lane_segments > 0 or steps.max() <= 1.25 * steps.mean()
     # every device of the mesh holds the whole population; CPU devices share the host's memory
-    copies = (cfg.devices or jax.device_count()) if platform() == "cpu" else 1
+    devices = cfg.devices if devices is None else devices  # (the run's resolved count, ``resolve_devices``)
+    copies = (devices or jax.device_count()) if platform() == "cpu" else 1
     fits = copies * (train.nbytes + state_bytes) <= device_memory_bytes() // 4
     if fits and even:
         return "stacked"
