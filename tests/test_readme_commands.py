@@ -1,4 +1,4 @@
-"""Every `jaxfl run` example in README's bash blocks is a valid command: it parses and its configuration
+"""Every `jaxfl run` example in the bash blocks of README.md and docs/ is a valid command: it parses and its configuration
 validates through the CLI's own path (``cli.run_config``, then ``config.validate``, the first thing
 ``Experiment`` does), with nothing built or trained."""
 import re
@@ -10,7 +10,9 @@ import pytest
 from jaxfl.run import cli
 from jaxfl.run.config import validate
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCUMENTS = [README] + sorted((ROOT / "docs").rglob("*.md"))  # the README and the guides
 
 
 def readme_run_commands(text: str) -> list[str]:
@@ -26,7 +28,7 @@ def readme_run_commands(text: str) -> list[str]:
     return cmds
 
 
-COMMANDS = [c for c in readme_run_commands(README.read_text()) if "--help" not in c]
+COMMANDS = [c for doc in DOCUMENTS for c in readme_run_commands(doc.read_text()) if "--help" not in c]
 
 
 def test_the_readme_has_run_examples_and_the_extractor_finds_continued_lines():
@@ -54,3 +56,14 @@ def test_readme_run_example_is_a_valid_configuration(command, tmp_path, monkeypa
 def test_a_stale_flag_in_an_example_would_fail():
     with pytest.raises(cli.UsageError, match="unrecognized arguments: --round-per-call 5"):
         cli.build_parser().parse_args(shlex.split("run --round-per-call 5"))
+
+
+def test_the_readmes_library_example_runs(tmp_path):
+    # the README's python block, run as written (in a fresh process: it builds its own data and backend)
+    import subprocess
+    import sys
+    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    accuracy = [float(v) for v in out.stdout.strip().splitlines()[-1].strip("[]").split()]
+    assert len(accuracy) == 3 and all(0.0 <= a <= 1.0 for a in accuracy)
