@@ -376,6 +376,32 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")  # tools/slow_tests.py writes it from a full run
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="the full tier (what CI runs): every test; without it, the tests of tests/slow_tests.txt "
+                          "are left out unless named on the command line (the fast tier, for the edit-test loop)")
+
+
+def fast_tier(config) -> bool:
+    """Whether this run leaves out the slow tests: no --full, and no test picked by node id, -k or -m."""
+    picked = any("::" in str(a) for a in config.args) or config.getoption("keyword") or config.getoption("markexpr")
+    return not config.getoption("--full") and not picked
+
+
+def pytest_report_header(config):
+    if fast_tier(config):
+        return "fast tier: the tests of tests/slow_tests.txt are left out (--full runs every test)"
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+    if fast_tier(config) and SLOW_TESTS.is_file():
+        slow = {line.strip() for line in SLOW_TESTS.read_text().splitlines() if line.strip() and line[0] != "#"}
+        left_out = [item for item in items if item.nodeid in slow]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item.nodeid not in slow]

@@ -34,7 +34,8 @@ for name, extra in (("fedbn", {}), ("fedavg", {"clients_per_round": 2})):
         assert rows.tolist() == list(range(2 * pid, 2 * pid + 2)), rows
         # the per-client store lives on every process's host, whole (FedAvg's is empty)
         leaves = jax.tree_util.tree_leaves(result.clients)
-        assert all(isinstance(a, np.ndarray) and a.shape[0] == len(result.client_names) for a in leaves) and (name == "fedavg") == (not leaves)
+        assert all(isinstance(a, np.ndarray) and a.shape[0] == len(result.client_names) for a in leaves) and (
+            (name == "fedavg") == (not leaves))
     state = distributed.fetch((result.server, result.clients))
     for i, leaf in enumerate(jax.tree_util.tree_leaves(state)):
         arrays[f"{name}/state{i}"] = np.asarray(leaf)

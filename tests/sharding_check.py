@@ -68,8 +68,8 @@ print(f"fedavg cohort=2 stragglers=0.5 devices=2: {'equal' if ok else 'DIFFERENT
 # the runner with --devices 2 (mesh over 2 devices) equals the unsharded runner
 from jaxfl.run.config import RunConfig  # noqa: E402
 from jaxfl.run.runner import Experiment  # noqa: E402
-tiny = dict(algorithm="fedbn", rounds=2, model="small_cnn", samples_per_client=40, test_per_client=20, clients_per_domain=2,
-            batch_size=16)
+tiny = dict(algorithm="fedbn", rounds=2, model="small_cnn", samples_per_client=40, test_per_client=20,
+            clients_per_domain=2, batch_size=16)
 a = Experiment(RunConfig(**tiny)).run()
 for strategy, backend in (("map", None), ("map", "ragged")):  # (vmap on a mesh: the first case above)
     exp = Experiment(RunConfig(devices=2, strategy=strategy, backend=backend, **tiny))
@@ -86,7 +86,8 @@ poisson = dict(tiny, cohort_sampling="poisson", clients_per_round=3, rounds=3)
 a, b = (Experiment(RunConfig(devices=d, **poisson)).run() for d in (1, 2))
 ok = [h["clients_trained"] for h in a.history] == [h["clients_trained"] for h in b.history] and np.allclose(
     a.history[-1]["test_accuracy"], b.history[-1]["test_accuracy"]) and all(
-    np.allclose(x, y, atol=1e-5) for x, y in zip(jax.tree_util.tree_leaves(a.clients), jax.tree_util.tree_leaves(b.clients)))
+    np.allclose(x, y, atol=1e-5) for x, y in zip(jax.tree_util.tree_leaves(a.clients),
+                                                 jax.tree_util.tree_leaves(b.clients)))
 failed |= not ok
 print(f"runner devices=2 poisson cohort of 3 expected: {'equal' if ok else 'DIFFERENT'}")
 sys.exit(1 if failed else 0)

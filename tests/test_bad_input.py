@@ -137,7 +137,8 @@ CASES = {
                                           "--local-epochs must be at least 2 (it is 1)"),
     "--stragglers with one FedSelect alternation": (lambda d: ["--algorithm", "fedselect", "--stragglers", "0.9",
                                                                "--local-epochs", "5"],
-                                                    "of its E la_epochs, so --fedselect.la-epochs must be at least 2 (it is 1)"),
+                                                    "of its E la_epochs, so --fedselect.la-epochs must be at least 2 "
+                                                    "(it is 1)"),
     "--seeds with a repeat": (lambda d: ["--seeds", "0,1,0"], "--seeds '0,1,0': give distinct integers >= 0"),
     "--seeds and --seed": (lambda d: ["--seeds", "0,1", "--seed", "2"], "--seed 2 and --seeds 0,1: give one of them"),
     "--seeds with a used seed folder": (lambda d: ["--seeds", "0,1", "--out", str(write(d / "s" / "seed1" / "x", "")

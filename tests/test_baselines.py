@@ -137,7 +137,8 @@ def test_fedrep_phases_freeze_the_other_part():
         p, *_ = head_then_body(head_epochs)(t, loss, one["params"], one["batch_stats"], (), row,
                                             jax.random.key(0))
         assert_trees_close(p[frozen], one["params"][frozen], atol=0, rtol=0)
-        assert not np.allclose(jax.tree_util.tree_leaves(p[moved])[0], jax.tree_util.tree_leaves(one["params"][moved])[0])
+        assert not np.allclose(jax.tree_util.tree_leaves(p[moved])[0],
+                               jax.tree_util.tree_leaves(one["params"][moved])[0])
 
 
 def test_lg_fedavg_never_averages_the_body_after_warmup():

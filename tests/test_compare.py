@@ -247,7 +247,8 @@ def test_compare_paired_through_the_cli(sweep, tmp_path, capsys):
     assert main(["compare", "--paired", str(root / "seed*" / "fedavg"), str(root / "seed*" / "fedprox")]) == 0
     assert "**inconclusive**" in capsys.readouterr().out
     # a side holding two runs of one seed, one side only, a bad margin: one line each, exit 2
-    for argv, message in ((["compare", "--paired", str(root), str(root / "seed*" / "fedavg")], "holds two runs of seed 0"),
+    for argv, message in ((["compare", "--paired", str(root), str(root / "seed*" / "fedavg")],
+                           "holds two runs of seed 0"),
                           (["compare", "--paired", str(root)], "--paired compares two sides"),
                           (["compare", "--paired", str(root / "seed*" / "fedavg"), str(root / "seed*" / "fedavg"),
                             "--margin", "0"], "--margin 0 must be a positive number"),

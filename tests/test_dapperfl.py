@@ -95,7 +95,8 @@ def test_positions_pruned_everywhere_keep_the_previous_global_value():
     # entry 0: kept by both -> W + .25 (5 - 1) + .75 (9 - 1); entry 1: pruned by all -> 2; entry 2: only
     # client 0 keeps it -> W + .25 (7 - 3), not renormalised
     np.testing.assert_allclose(new["params"]["w"], [1 + 1 + 6, 2, 3 + 1])
-    zero_alg = build_algorithm("dapperfl", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), recover_mode="zero")
+    zero_alg = build_algorithm("dapperfl", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(),
+                               recover_mode="zero")
     new0, _ = zero_alg.aggregate(srv, cl, jnp.array([1.0, 3.0]), info(0, [0, 1]))
     np.testing.assert_allclose(new0["params"]["w"], [0.25 * 5 + 0.75 * 9, 0.0, 0.25 * 7])
 
@@ -148,9 +149,11 @@ def test_bn_statistics_of_a_pruned_channel_follow_the_weights_rule():
     # channel 0: G + .25 (s_0 - G) (client 1 recovered); the others: the plain weighted mean .25 s_0 + .75 s_1
     np.testing.assert_allclose(new["batch_stats"]["encoder"]["bn1"]["mean"], [1 + 0.25 * 2] + [0.75] * (c - 1))
     np.testing.assert_allclose(new["batch_stats"]["encoder"]["bn1"]["var"], [2 + 0.25 * 2] + [1.0] * (c - 1))
-    old = build_algorithm("dapperfl", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), bn_stats="unmasked")
+    old = build_algorithm("dapperfl", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(),
+                          bn_stats="unmasked")
     new_u, _ = old.aggregate(srv, cl, w, info(0, [0, 1]))
     np.testing.assert_allclose(new_u["batch_stats"]["encoder"]["bn1"]["mean"], [0.75] * c)
-    zero = build_algorithm("dapperfl", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(), recover_mode="zero")
+    zero = build_algorithm("dapperfl", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(),
+                           recover_mode="zero")
     new_z, _ = zero.aggregate(srv, cl, w, info(0, [0, 1]))  # pruned statistics averaged as zeros
     np.testing.assert_allclose(new_z["batch_stats"]["encoder"]["bn1"]["var"], [0.25 * 4] + [1.0] * (c - 1))

@@ -165,7 +165,8 @@ def test_image_folder_reader(tmp_path):
         for cls in ("cat", "dog"):
             (tmp_path / dom / cls).mkdir(parents=True)
             for k in range(5):
-                Image.fromarray(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)).save(tmp_path / dom / cls / f"{k}.png")
+                Image.fromarray(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)).save(
+                    tmp_path / dom / cls / f"{k}.png")
     out = load_image_folder(tmp_path, size=8)
     assert sorted(out) == ["art", "photo"]
     x, y = out["art"]

@@ -12,7 +12,7 @@ import pytest
 from test_privacy import assert_refused_in_one_line
 
 from jaxfl.core import privacy
-from jaxfl.core.dpsgd import (SampleDP, clipped_sum, per_sample_norms, poisson_members, poisson_rate,
+from jaxfl.core.dpsgd import (SampleDP, clipped_sum, poisson_members, poisson_rate,
                               private_gradient)
 from jaxfl.core.trainer import LocalTrainer
 from jaxfl.data.clients import ClientData

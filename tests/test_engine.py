@@ -102,7 +102,8 @@ def test_fedavg_keeps_no_client_state(name):
     assert jax.tree_util.tree_leaves(clients) == []
     s, c, _ = run_rounds(alg, data, server, clients, rounds=1)
     assert jax.tree_util.tree_leaves(c) == []
-    assert not np.allclose(s["params"]["head"]["fc1"]["linear"]["kernel"], server["params"]["head"]["fc1"]["linear"]["kernel"])
+    assert not np.allclose(s["params"]["head"]["fc1"]["linear"]["kernel"],
+                           server["params"]["head"]["fc1"]["linear"]["kernel"])
 
 
 def test_fedavg_server_is_sample_weighted_mean_of_clients():

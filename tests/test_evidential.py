@@ -43,7 +43,8 @@ class EvidentialTest(chex.TestCase):
     def test_worked_examples_k2(self):
         conflict = ops.evidential.ds_combine(jnp.array([3.0, 1.0]), jnp.array([1.0, 3.0]))
         np.testing.assert_allclose(conflict, [3.0, 3.0])
-        b, u, c = ops.evidential.ds_combine_opinions(*ops.evidential.opinion(jnp.array([3.0, 1.0]))[:2], *ops.evidential.opinion(jnp.array([1.0, 3.0]))[:2])
+        b, u, c = ops.evidential.ds_combine_opinions(*ops.evidential.opinion(jnp.array([3.0, 1.0]))[:2],
+                                                     *ops.evidential.opinion(jnp.array([1.0, 3.0]))[:2])
         np.testing.assert_allclose(c, 0.25)
         np.testing.assert_allclose(b, [1 / 3, 1 / 3], rtol=1e-6)
         np.testing.assert_allclose(u, 1 / 3, rtol=1e-6)
@@ -53,7 +54,8 @@ class EvidentialTest(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_dirichlet_ce_known_value_and_monotonicity(self):
-        np.testing.assert_allclose(self.variant(ops.evidential.dirichlet_ce)(jnp.array([2.0, 1.0]), jnp.array(0)), 0.5, rtol=1e-6)
+        np.testing.assert_allclose(self.variant(ops.evidential.dirichlet_ce)(jnp.array([2.0, 1.0]), jnp.array(0)), 0.5,
+                                   rtol=1e-6)
         a = jnp.array([[1.5, 2.0, 3.0]])
         got = ops.evidential.dirichlet_ce(a, jnp.array([2]))
         np.testing.assert_allclose(got, digamma(6.5) - digamma(3.0), rtol=1e-5)
@@ -71,7 +73,8 @@ class EvidentialTest(chex.TestCase):
     def test_true_class_evidence_does_not_reach_the_kl_term(self):
         z = jax.random.normal(jax.random.key(6), (4, 3))
         y = jnp.array([0, 2, 1, 1])
-        g = jax.grad(lambda z: jnp.sum(ops.evidential.kl_to_uniform(ops.evidential.remove_true_evidence(ops.evidential.dirichlet_alpha(z), y))))(z)
+        g = jax.grad(lambda z: jnp.sum(ops.evidential.kl_to_uniform(
+            ops.evidential.remove_true_evidence(ops.evidential.dirichlet_alpha(z), y))))(z)
         np.testing.assert_array_equal(np.asarray(g)[np.arange(4), np.asarray(y)], 0.0)
         assert np.all(np.abs(np.asarray(g)[np.arange(4)[:, None], [[1, 2], [0, 1], [0, 2], [0, 2]]]) > 0)
 
@@ -81,13 +84,17 @@ class EvidentialTest(chex.TestCase):
         lam = 0.3
         np.testing.assert_allclose(
             ops.evidential.edl_loss(a, y, lam),
-            ops.evidential.dirichlet_ce(a, y) + lam * ops.evidential.kl_to_uniform(ops.evidential.remove_true_evidence(a, y)), rtol=1e-6)
+            ops.evidential.dirichlet_ce(a, y) + lam * ops.evidential.kl_to_uniform(
+                ops.evidential.remove_true_evidence(a, y)), rtol=1e-6)
         base = jnp.ones(5)
-        assert float(ops.evidential.edl_loss(base.at[1].set(50.0), jnp.array(1), 0.0)) < float(ops.evidential.edl_loss(base, jnp.array(1), 0.0))
-        assert float(ops.evidential.edl_loss(base.at[2].set(50.0), jnp.array(1), 0.0)) > float(ops.evidential.edl_loss(base, jnp.array(1), 0.0))
+        assert float(ops.evidential.edl_loss(base.at[1].set(50.0), jnp.array(1), 0.0)) < float(
+            ops.evidential.edl_loss(base, jnp.array(1), 0.0))
+        assert float(ops.evidential.edl_loss(base.at[2].set(50.0), jnp.array(1), 0.0)) > float(
+            ops.evidential.edl_loss(base, jnp.array(1), 0.0))
 
     def test_annealing_coefficient(self):
-        np.testing.assert_allclose([ops.evidential.annealing_coefficient(t, 10) for t in (0, 5, 9, 20)], [0, 0.5, 0.9, 1.0])
+        np.testing.assert_allclose([ops.evidential.annealing_coefficient(t, 10) for t in (0, 5, 9, 20)],
+                                   [0, 0.5, 0.9, 1.0])
 
     def test_disentangle_loss_properties_and_vmap(self):
         h1 = jax.random.normal(jax.random.key(8), (4, 16))
@@ -107,7 +114,8 @@ class EvidentialTest(chex.TestCase):
         np.testing.assert_allclose(ops.evidential.disentangle_loss(pad1, pad2, w), l12, rtol=1e-6)
         # "batchmean" sums the KL over the D features: exp(-D * symmetric mean-all KL)
         sym = float(ops.evidential.softmax_kl_mean(h1, h2) + ops.evidential.softmax_kl_mean(h2, h1))
-        np.testing.assert_allclose(ops.evidential.disentangle_loss(h1, h2, reduction="batchmean"), np.exp(-16 * sym), rtol=1e-5)
+        np.testing.assert_allclose(ops.evidential.disentangle_loss(h1, h2, reduction="batchmean"), np.exp(-16 * sym),
+                                   rtol=1e-5)
         with pytest.raises(ValueError, match="reduction"):
             ops.evidential.disentangle_loss(h1, h2, reduction="sum")
         batched = jax.vmap(ops.evidential.disentangle_loss)(jnp.stack([h1, h2]), jnp.stack([h2, h1]))

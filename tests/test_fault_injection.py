@@ -69,7 +69,8 @@ def test_a_stop_during_a_single_runs_last_writes_lets_them_finish_and_says_so(tm
     proc = subprocess.run(JAXFL + single, capture_output=True, text=True, timeout=600,
                           env={**os.environ, FAILPOINT_ENV: f"{point}:INT"})
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "jaxfl: SIGINT arrived as the run finished; it is complete and written"
+    assert proc.stderr.strip().splitlines()[-1] == ("jaxfl: SIGINT arrived as the run finished; "
+                                                    "it is complete and written")
     assert (out / "summary.json").is_file() and (out / "accuracy.png").is_file()
 
 

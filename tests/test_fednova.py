@@ -21,7 +21,8 @@ def test_normalizing_norm_is_the_official_step_by_step_accumulation(rho):
         for _ in range(tau):  # FedNova.step: local_counter = rho * counter + 1; vec += counter (rho = 0: vec += 1)
             counter = counter * rho + 1
             vec += counter if rho else 1
-        np.testing.assert_allclose(float(jax.jit(normalizing_norm, static_argnums=1)(tau, rho)), vec, rtol=1e-5)  # float32
+        # float32
+        np.testing.assert_allclose(float(jax.jit(normalizing_norm, static_argnums=1)(tau, rho)), vec, rtol=1e-5)
 
 
 def test_server_update_matches_the_formula():

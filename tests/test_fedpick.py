@@ -34,7 +34,8 @@ def check_sharing(before, after, trained, kept, shared):
     by the clients; the others keep the server's initial value (nothing reached the server) and are kept by
     each client as it trained them."""
     kept = dict(leaves_with_paths(kept))
-    for (path, b), (_, a), (_, t) in zip(leaves_with_paths(before), leaves_with_paths(after), leaves_with_paths(trained)):
+    for (path, b), (_, a), (_, t) in zip(leaves_with_paths(before), leaves_with_paths(after),
+                                         leaves_with_paths(trained)):
         if shared(path):
             np.testing.assert_allclose(a, np.tensordot(W, t, 1), rtol=1e-5, atol=1e-6, err_msg=str(path))
             assert path not in kept, path

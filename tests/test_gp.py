@@ -148,7 +148,8 @@ def test_predictive_gradient_equals_autodiff_of_the_explicit_formula():
         S = K[None] + jax.vmap(jnp.diag)(jnp.where(valid, 1.0 / omega, 1.0))
         z = jnp.where(valid, (y0 - 0.5) / omega, 0.0)
         return (jnp.einsum("nm,dn->dm", K_s, jnp.linalg.solve(S, z[..., None])[..., 0]),
-                k_ss - jnp.einsum("nm,dnm->dm", K_s, jnp.linalg.solve(S, jnp.broadcast_to(K_s, S.shape[:1] + K_s.shape))))
+                k_ss - jnp.einsum("nm,dnm->dm", K_s,
+                                  jnp.linalg.solve(S, jnp.broadcast_to(K_s, S.shape[:1] + K_s.shape))))
 
     args = (jnp.asarray(x, jnp.float64) if jax.config.jax_enable_x64 else jnp.asarray(x), jnp.asarray(xs))
     np.testing.assert_allclose(objective(*args, gp.predictive), objective(*args, dense), rtol=1e-4)

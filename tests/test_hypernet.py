@@ -44,7 +44,8 @@ class HypernetTest(chex.TestCase):
         sent = ops.hypernet.generate(hn.apply, params, table, ids)
         trained = jax.tree_util.tree_map(
             lambda w: w + 0.1 * jax.random.normal(jax.random.key(9), w.shape), sent)
-        g_phi, g_z = jax.jit(ops.hypernet.hypernet_grads, static_argnums=0)(hn.apply, params, table, ids, sent, trained, weights)
+        g_phi, g_z = jax.jit(ops.hypernet.hypernet_grads, static_argnums=0)(hn.apply, params, table, ids, sent, trained,
+                                                                            weights)
         loss = lambda p, z: ops.hypernet.hypernet_surrogate_loss(hn.apply, p, z, ids, trained, weights)
         r_phi, r_z = jax.grad(loss, argnums=(0, 1))(params, table)
         chex.assert_trees_all_close(g_phi, r_phi, rtol=1e-5, atol=1e-7)
@@ -59,7 +60,8 @@ class HypernetTest(chex.TestCase):
             d = jax.tree_util.tree_map(lambda x: jax.random.normal(jax.random.key(3), x.shape, jnp.float64), p64)
             eps = 1e-6
             f = lambda s: ops.hypernet.hypernet_surrogate_loss(
-                hn.apply, jax.tree_util.tree_map(lambda x, v: x + s * v, p64, d), z64, ids, t64, weights.astype(jnp.float64))
+                hn.apply, jax.tree_util.tree_map(lambda x, v: x + s * v, p64, d), z64, ids, t64,
+                weights.astype(jnp.float64))
             fd = (f(eps) - f(-eps)) / (2 * eps)
             dot = sum(jnp.vdot(a, b) for a, b in zip(jax.tree_util.tree_leaves(g_phi), jax.tree_util.tree_leaves(d)))
             np.testing.assert_allclose(float(dot), float(fd), rtol=1e-3)

@@ -26,7 +26,8 @@ class LossesTest(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_negative_entropy(self):
-        np.testing.assert_allclose(self.variant(ops.losses.negative_entropy)(jnp.zeros((2, 10))), [-math.log(10)] * 2, rtol=1e-6)
+        np.testing.assert_allclose(self.variant(ops.losses.negative_entropy)(jnp.zeros((2, 10))), [-math.log(10)] * 2,
+                                   rtol=1e-6)
         np.testing.assert_allclose(ops.losses.negative_entropy(jnp.array([[1e4, 0.0, 0.0]])), [0.0], atol=1e-6)
         g = jax.grad(lambda z: ops.losses.negative_entropy(z).sum())(jnp.array([[2.0, 0.0, 0.0]]))
         assert g[0, 0] > 0  # descending it flattens the prediction (raises entropy)
@@ -79,8 +80,8 @@ class MetricsTest(chex.TestCase):
         same = jnp.array([[1.0], [2.0], [1.0], [2.0]])
         np.testing.assert_allclose(ops.diagnostics.fisher_score(same, y, 2), [0.0], atol=1e-6)
         np.testing.assert_allclose(ops.diagnostics.fisher_score(jnp.ones((4, 1)), y, 2), [0.0])
-        padded = ops.diagnostics.fisher_score(jnp.concatenate([z, 50 * jnp.ones((1, 2))]), jnp.array([0, 0, 1, 1, 1]), 2,
-                                jnp.array([1, 1, 1, 1, 0.0]))
+        padded = ops.diagnostics.fisher_score(jnp.concatenate([z, 50 * jnp.ones((1, 2))]), jnp.array([0, 0, 1, 1, 1]),
+                                              2, jnp.array([1, 1, 1, 1, 0.0]))
         np.testing.assert_allclose(padded[0], 4.0, rtol=1e-5)
 
     def test_overlap_and_selection_ratio(self):
@@ -114,7 +115,8 @@ def test_knn_predict_and_fisher_selection_probe():
     from jaxfl import ops
     train = jnp.array([[0.0, 0.0], [0.1, 0.0], [5.0, 5.0], [5.1, 5.0]])
     labels = jnp.array([0, 0, 1, 1])
-    np.testing.assert_array_equal(ops.diagnostics.knn_predict(train, labels, jnp.array([[0.2, 0.1], [4.0, 4.5]]), 2, k=1), [0, 1])
+    np.testing.assert_array_equal(
+        ops.diagnostics.knn_predict(train, labels, jnp.array([[0.2, 0.1], [4.0, 4.5]]), 2, k=1), [0, 1])
     # ties between two classes go to the smaller label
     np.testing.assert_array_equal(ops.diagnostics.knn_predict(train, labels, jnp.array([[2.5, 2.5]]), 2, k=4), [0])
     # feature 0 carries the label, features 1..7 are noise of a much larger scale: keeping only the top

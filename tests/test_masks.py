@@ -152,7 +152,8 @@ class TopkAndGrowthTest(chex.TestCase):
         new = fn(masks, params, ref)
         assert not new["bias"].any()
         np.testing.assert_array_equal(new["kernel"].sum((1, 2)), [10, 10, 10])
-        np.testing.assert_array_equal(new["kernel"][1], ops.masks.grow_mask(masks["kernel"][1], params["kernel"][1], 0.5, 0.8))
+        np.testing.assert_array_equal(new["kernel"][1],
+                                      ops.masks.grow_mask(masks["kernel"][1], params["kernel"][1], 0.5, 0.8))
 
 
 class ChannelMaskTest(chex.TestCase):

@@ -68,8 +68,9 @@ def test_cli_rejects_bad_process_id(capsys):
     # refused before joining the other process (which it would otherwise wait for)
     (["--num-processes", "2", "--process-id", "0", "--coordinator-address", "localhost:1", "--devices", "0",
       "--rounds", "0"], "rounds=0"),
-    (["--num-processes", "2", "--process-id", "0", "--coordinator-address", "localhost:1"],
-     "--num-processes 2: a run over several processes splits the clients over all of their devices; add --devices 0"),
+    (["--num-processes", "2", "--process-id", "0", "--coordinator-address", "localhost:1", "--devices", "1"],
+     "--num-processes 2: a run over several processes splits the clients over all of their devices; drop --devices 1 "
+     "(or give 0)"),
 ])
 def test_cli_refuses_launch_options_it_would_ignore_or_hang_on(args, message, tmp_path, capsys):
     from jaxfl.run.cli import main

@@ -44,7 +44,8 @@ def test_pfedme_with_one_inner_step_and_eta_lambda_one_is_fedavg():
     """K = 1 and eta * lambda = 1: theta_1 = w - plr grad f(w) and w <- w - eta lambda (w - theta_1) = theta_1, so
     each client takes plain SGD(plr) steps and beta = 1 averages them: FedAvg with lr plr (theta = w throughout)."""
     data = make_data(list(COUNTS))
-    ours = build_algorithm("pfedme", model(), make_trainer(lr=0.5, momentum=0.0), lam=2.0, inner_steps=1, personal_lr=0.05)
+    ours = build_algorithm("pfedme", model(), make_trainer(lr=0.5, momentum=0.0), lam=2.0, inner_steps=1,
+                           personal_lr=0.05)
     avg = build_algorithm("fedavg", model(), make_trainer(lr=0.05, momentum=0.0))
     s_ours, _, _ = run_rounds(ours, data, *init(ours, data), ROOT, rounds=2)
     s_avg, _, _ = run_rounds(avg, data, *init(avg, data), ROOT, rounds=2)
@@ -55,7 +56,8 @@ def test_pfedme_with_lambda_zero_keeps_w_and_trains_theta_locally():
     """lambda = 0: w never moves (the server stays at its start) and theta is plain local SGD(plr) from w, i.e.
     the first round of local training (K = 1)."""
     data = make_data(list(COUNTS))
-    ours = build_algorithm("pfedme", model(), make_trainer(lr=0.05, momentum=0.5), lam=0.0, inner_steps=1, personal_lr=0.05)
+    ours = build_algorithm("pfedme", model(), make_trainer(lr=0.05, momentum=0.5), lam=0.0, inner_steps=1,
+                           personal_lr=0.05)
     loc = build_algorithm("local", model(), make_trainer(lr=0.05, momentum=0.0))
     server, clients = init(ours, data)
     s1, c1, _ = run_rounds(ours, data, server, clients, ROOT, rounds=1)
@@ -69,7 +71,8 @@ def test_pfedme_one_local_step_against_a_hand_computation():
     theta <- theta - plr (g(theta) + lam (theta - w) + mu theta), then w <- w - eta lam (w - theta_2)."""
     lam, plr, mu, eta = 3.0, 0.1, 0.01, 0.05
     data = make_data([6])
-    alg = build_algorithm("pfedme", model(), make_trainer(lr=eta, momentum=0.0), lam=lam, inner_steps=2, personal_lr=plr, mu=mu)
+    alg = build_algorithm("pfedme", model(), make_trainer(lr=eta, momentum=0.0), lam=lam, inner_steps=2,
+                          personal_lr=plr, mu=mu)
     server, clients = init(alg, data)
     row, metrics = jax.jit(alg.local_update)(server, tmap(lambda a: a[0], clients), data.take(0),
                                              jax.random.key(1), info(0, 0))

@@ -115,7 +115,8 @@ def test_an_epsilon_below_what_any_noise_certifies_is_refused_naming_the_floor()
 def test_the_noise_calibrated_to_an_epsilon_is_the_smallest_that_spends_at_most_it():
     q, rounds, delta = 0.1, 200, 1000 ** -1.1
     z = privacy.noise_for_epsilon(q, rounds, delta, 10.0)
-    assert privacy.Accountant(q, z, delta).epsilon(rounds) <= 10.0 < privacy.Accountant(q, z * 0.998, delta).epsilon(rounds)
+    assert privacy.Accountant(q, z, delta).epsilon(rounds) <= 10.0 < privacy.Accountant(
+        q, z * 0.998, delta).epsilon(rounds)
     assert 3.0 < z < 3.02  # z = 3 spends 10.05 (experiments/RESULTS.md, DP section)
 
 
@@ -138,7 +139,8 @@ def test_the_poisson_convention_matches_an_independent_one(args, want):
 def test_rdp_special_cases_and_monotonicity():
     orders = (2, 3, 10, 64)
     np.testing.assert_allclose(privacy.rdp_poisson_gaussian(1.0, 1.7, orders), [a / (2 * 1.7 ** 2) for a in orders])
-    # order 2 in closed form: Poisson log(1 + q^2 (e^{1/z^2} - 1)); Thm. 9: log(1 + q^2 min(4 (e^{1/s^2} - 1), 2 e^{1/s^2}))
+    # order 2 in closed form: Poisson log(1 + q^2 (e^{1/z^2} - 1));
+    # Thm. 9: log(1 + q^2 min(4 (e^{1/s^2} - 1), 2 e^{1/s^2}))
     np.testing.assert_allclose(privacy.rdp_poisson_gaussian(0.3, 0.8, (2,))[0], math.log1p(0.09 * math.expm1(1 / 0.64)))
     np.testing.assert_allclose(privacy.rdp_wor_gaussian(0.3, 0.8, (2,))[0],
                                math.log1p(0.09 * min(4 * math.expm1(1 / 0.64), 2 * math.exp(1 / 0.64))))
@@ -380,7 +382,8 @@ def test_a_dp_run_through_the_cli_logs_epsilon_and_resumes_exactly(tmp_path, cap
 
 
 def test_bad_dp_options_get_one_line(tmp_path, capsys):
-    cases = {("--dp-noise", "1"): "--dp-noise, --dp-delta, --dp-level and the adaptive clipping options need --dp-clip C",
+    cases = {("--dp-noise", "1"): "--dp-noise, --dp-delta, --dp-level and the adaptive clipping options need "
+                                  "--dp-clip C",
              ("--dp-clip", "0", "--weighting", "uniform"): "dp_clip=0.0 is outside (0.0, inf]",
              ("--dp-clip", "1", "--dp-noise", "-1", "--weighting", "uniform"): "dp_noise=-1.0 is outside [0.0, inf]",
              ("--dp-clip", "1", "--dp-delta", "1", "--weighting", "uniform"): "dp_delta=1.0 is outside (0, 1)",
@@ -389,13 +392,15 @@ def test_bad_dp_options_get_one_line(tmp_path, capsys):
              "--dp-clip: fednova's aggregate is not an equal-weight mean of shared parameters alone; DP-FedAvg "
              "composes with: ",
              ("--algorithm", "fedavg", "--dp-clip", "1"): "--dp-clip: DP-FedAvg averages the cohort with equal weights",
-             ("--dp-quantile", "0.5"): "--dp-noise, --dp-delta, --dp-level and the adaptive clipping options need --dp-clip C",
+             ("--dp-quantile", "0.5"): "--dp-noise, --dp-delta, --dp-level and the adaptive clipping options need "
+                                       "--dp-clip C",
              ("--dp-epsilon", "5"): "--dp-epsilon needs --dp-clip C",
              ("--dp-clip", "1", "--dp-epsilon", "5", "--dp-noise", "1", "--weighting", "uniform"):
              "--dp-epsilon 5 sets the noise multiplier: give it or --dp-noise 1, not both",
              ("--dp-clip", "1", "--dp-epsilon", "0", "--weighting", "uniform"): "dp_epsilon=0.0 is outside (0.0, inf]",
              ("--algorithm", "fedbn", "--dp-clip", "1", "--dp-epsilon", "1", "--dp-delta", "1e-300", "--weighting",
-              "uniform", *TINY): "epsilon 1 is at or below 2.683, the smallest epsilon the accountant certifies at delta 1e-300",
+              "uniform", *TINY): "epsilon 1 is at or below 2.683, the smallest epsilon the accountant certifies at "
+                                 "delta 1e-300",
              ("--dp-clip", "1", "--dp-clip-lr", "0.1", "--weighting", "uniform"):
              "--dp-clip-lr and --dp-count-noise adapt the clipping norm: they need --dp-quantile Q",
              ("--dp-clip", "1", "--dp-quantile", "1", "--weighting", "uniform"): "dp_quantile=1.0 is outside (0, 1)",

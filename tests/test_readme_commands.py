@@ -1,5 +1,5 @@
-"""Every `jaxfl run` example in the bash blocks of README.md and docs/ is a valid command: it parses and its configuration
-validates through the CLI's own path (``cli.run_config``, then ``config.validate``, the first thing
+"""Every `jaxfl run` example in the bash blocks of README.md and docs/ is a valid command: it parses and its
+configuration validates through the CLI's own path (``cli.run_config``, then ``config.validate``, the first thing
 ``Experiment`` does), with nothing built or trained."""
 import re
 import shlex

@@ -86,8 +86,8 @@ def test_without_local_head_and_dis_it_is_fedbn_with_an_evidential_head():
                                mutable=["batch_stats"])
         lam = jnp.minimum(1.0, info.round / rounds)
         alpha = jax.nn.softplus(z) + 1.0
-        per = ops.losses.cross_entropy(z, y) + ops.evidential.dirichlet_ce(alpha, y) + lam * ops.evidential.kl_to_uniform(
-            ops.evidential.remove_true_evidence(alpha, y))
+        per = ops.losses.cross_entropy(z, y) + ops.evidential.dirichlet_ce(alpha, y) + (
+            lam * ops.evidential.kl_to_uniform(ops.evidential.remove_true_evidence(alpha, y)))
         return jnp.sum(w * per) / jnp.maximum(jnp.sum(w), 1.0), (updated["batch_stats"], z)
 
     trainer = make_trainer()
@@ -123,7 +123,8 @@ def test_fusion_sum_and_head_ce_switches_change_the_loss():
 def test_fused_alpha_is_dempster_shafer_or_summed_logits():
     z_g, z_l = jax.random.normal(jax.random.key(1), (2, 5, 4))
     out = {"z_g": z_g, "z_l": z_l}
-    np.testing.assert_allclose(fused_alpha(out), ops.evidential.ds_combine(ops.evidential.dirichlet_alpha(z_g), ops.evidential.dirichlet_alpha(z_l)))
+    np.testing.assert_allclose(fused_alpha(out), ops.evidential.ds_combine(ops.evidential.dirichlet_alpha(z_g),
+                                                                           ops.evidential.dirichlet_alpha(z_l)))
     np.testing.assert_allclose(fused_alpha(out, "sum"), ops.evidential.dirichlet_alpha(z_g + z_l))
     np.testing.assert_allclose(fused_alpha({"z_g": z_g}), ops.evidential.dirichlet_alpha(z_g))
 
@@ -153,7 +154,8 @@ def test_prediction_reports_fused_probability_and_uncertainty():
 def alg_masks(server):
     from jaxfl.core.trees import path_mask
     share = lambda p: not is_batchnorm(p) and p[0] in ("encoder", "head")
-    return {"params": path_mask(server["params"], share), "batch_stats": path_mask(server["batch_stats"], lambda p: False)}
+    return {"params": path_mask(server["params"], share),
+            "batch_stats": path_mask(server["batch_stats"], lambda p: False)}
 
 
 def test_reliability_report_with_no_noise_and_no_shift_is_chance_level_separation():

@@ -171,7 +171,8 @@ def test_nan_stops_with_round_and_client_and_keeps_last_checkpoint(tmp_path):
                 np.where(np.arange(len(a)).reshape((-1,) + (1,) * (a.ndim - 1)) == 1, np.nan, a), store.state))
         return clean_rounds(server, store, first, count)
     exp.run_rounds = poisoned_rounds
-    with pytest.raises(NonFiniteError, match=r"in round 3 on client\(s\) sk-digits-photo;.*last good checkpoint: round 2"):
+    with pytest.raises(NonFiniteError,
+                       match=r"in round 3 on client\(s\) sk-digits-photo;.*last good checkpoint: round 2"):
         exp.run()
     kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert kept[-1] == 2
@@ -245,7 +246,8 @@ def test_algorithm_options_come_from_the_algorithms_table():
 
 @pytest.mark.parametrize("values,message", [
     ({"algorithm": "fedprox", "fedprox": {"mu": -1.0}}, "fedprox.mu=-1.0 must be a finite number in [0.0, inf)"),
-    ({"algorithm": "fedselect", "fedselect": {"alpha": 1.5}}, "fedselect.alpha=1.5 must be a finite number in [0.0, 1.0]"),
+    ({"algorithm": "fedselect", "fedselect": {"alpha": 1.5}},
+     "fedselect.alpha=1.5 must be a finite number in [0.0, 1.0]"),
     ({"algorithm": "fedavg", "dirichlet_alpha": float("inf")}, "dirichlet_alpha=inf must be a finite number"),
     ({"algorithm": "fedavg", "size_sigma": float("nan")}, "size_sigma=nan must be a finite number"),
     ({"algorithm": "ditto", "ditto": {"lam": float("inf")}}, "ditto.lam=inf must be a finite number"),
@@ -255,7 +257,8 @@ def test_algorithm_options_come_from_the_algorithms_table():
     ({"algorithm": "fedavg", "fedselect": {"alpah": 0.5}}, "unknown fedselect option(s) alpah; fedselect takes:"),
     ({"algorithm": "fedavg", "fedfoo": {"x": 1}}, "unknown config keys ['fedfoo']"),
     ({"algorithm": "fedprox", "fedprox": {"mu": "big"}}, "fedprox.mu='big' must be a number"),
-    ({"algorithm": "dapperfl", "dapperfl": {"device_ratios": [0.2, 1.5]}}, "dapperfl.device_ratios=1.5 must be a finite number in"),
+    ({"algorithm": "dapperfl", "dapperfl": {"device_ratios": [0.2, 1.5]}},
+     "dapperfl.device_ratios=1.5 must be a finite number in"),
 ])
 def test_bad_algorithm_options_are_named(values, message):
     from jaxfl.run.config import validate
@@ -324,7 +327,8 @@ def test_eval_point_local_evaluates_each_model_right_after_its_local_training():
 
 
 def _strip_time(history):
-    return [{k: v for k, v in h.items() if k not in ("time_s", "compile_s", "compiled_programs", "host_share")} for h in history]
+    return [{k: v for k, v in h.items() if k not in ("time_s", "compile_s", "compiled_programs", "host_share")}
+            for h in history]
 
 
 @bit_identity("K rounds per call run one round's program in a loop, under map (each client alone)")

@@ -29,8 +29,8 @@ def test_mesh_asks_for_available_devices():
 @pytest.mark.skipif(cpu_cores() < 2, reason="needs 2 cores")
 def test_cli_devices_makes_one_cpu_device_per_core_and_resumes_exactly(tmp_path):
     """``jaxfl run --devices 2`` on a CPU asks jax for 2 CPU devices before it starts (a fresh process: with one
-    device it would stop at "devices=2: jax started before this run with 1 CPU device(s)") and trains on both (the stacked
-    backend: the population on both devices); a run stopped after round 2 and resumed to 3 logs what an
+    device it would stop at "devices=2: jax started before this run with 1 CPU device(s)") and trains on both (the
+    stacked backend: the population on both devices); a run stopped after round 2 and resumed to 3 logs what an
     uninterrupted run logs, bit for bit. That 2 devices log what one logs (1e-5) is checked by sharding_check.py."""
     flags = ["run", "--algorithm", "fedbn", "--model", "small_cnn", "--samples-per-client", "40",
              "--test-per-client", "20", "--clients-per-domain", "2", "--batch-size", "16", "--quiet",

@@ -77,7 +77,8 @@ def test_a_bucket_out_of_device_memory_is_retrained_in_smaller_buckets():
 
     sim._train_into = small_device
     server, store = sim.init(jax.random.key(0), data.x[:1])
-    with pytest.warns(UserWarning, match="out of device memory training 2 clients in one call; buckets are capped at 1"):
+    with pytest.warns(UserWarning,
+                      match="out of device memory training 2 clients in one call; buckets are capped at 1"):
         for r in range(2):
             server, m = sim.round(server, store, r, ROOT)
     assert sim.lane_cap == 1 and set(lanes_run) == {1}  # buckets of 2 lanes ran as 1 + 1
@@ -175,7 +176,8 @@ def test_ragged_gather_pads_each_client_to_the_asked_length():
 def test_grid_and_lanes():
     assert [grid_ceil(n) for n in (0, 1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 25, 100)] == \
         [1, 1, 2, 3, 4, 6, 6, 8, 12, 16, 24, 32, 128]
-    assert lane_sizes(50) == [1, 2, 4, 8, 16, 32, 50] and lane_sizes(8, 2) == [2, 4, 8] and lane_sizes(5, 2) == [2, 4, 6]
+    assert lane_sizes(50) == [1, 2, 4, 8, 16, 32, 50] and lane_sizes(8, 2) == [2, 4, 8] and (
+        lane_sizes(5, 2) == [2, 4, 6])
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -82,8 +82,8 @@ def test_every_kind_of_local_training_runs_less_for_a_straggler(name, opts, full
 
     whole, part = update(None), update(jnp.float32(0.0))  # (work 1 = everything: the trainer's test above)
     assert float(whole[1]["steps"]) == full and float(part[1]["steps"]) == slow
-    moved = sum(float(jnp.sum(jnp.abs(jnp.float32(a) - jnp.float32(b)))) for a, b in zip(jax.tree_util.tree_leaves(whole[0]),
-                                                                jax.tree_util.tree_leaves(part[0])))
+    moved = sum(float(jnp.sum(jnp.abs(jnp.float32(a) - jnp.float32(b))))
+                for a, b in zip(jax.tree_util.tree_leaves(whole[0]), jax.tree_util.tree_leaves(part[0])))
     assert moved > 0
 
 

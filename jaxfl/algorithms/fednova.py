@@ -4,7 +4,8 @@ Optimization", NeurIPS 2020): FedAvg whose clients' updates are normalised by ho
 Client i trains as in FedAvg from w^t (tau_i optimizer steps: E epochs of ceil(n_i / B) minibatches) and
 reports its cumulative change and the l1 norm of its normalizing vector a_i:
 
-    d_i = w^t - w_i,   ||a_i||_1 = sum_{s=1..tau_i} (1 - rho^s) / (1 - rho) = [tau_i - rho (1 - rho^tau_i) / (1 - rho)] / (1 - rho)
+    d_i = w^t - w_i,   ||a_i||_1 = sum_{s=1..tau_i} (1 - rho^s) / (1 - rho)
+                              = [tau_i - rho (1 - rho^tau_i) / (1 - rho)] / (1 - rho)
 
 (rho: the client SGD momentum; rho = 0 gives tau_i). The server, with p_i = n_i / sum_j n_j over the cohort,
 

@@ -47,7 +47,8 @@ class FedPickOptions(Options):
     name = "fedpick"
     server_optimizer = True
     user_dp = True
-    sharing = ("encoder and global head, without BatchNorm", "BatchNorm, the PFSM (mask net, personal and irrelevant heads)")
+    sharing = ("encoder and global head, without BatchNorm",
+               "BatchNorm, the PFSM (mask net, personal and irrelevant heads)")
     presets = {"default": DIGITS, "digits": DIGITS, "mnist": DIGITS, "office": OFFICE}
     preset_default = "office"
     tau: float | None = option(None, "Gumbel-sigmoid temperature (default: 10 digits, 1 otherwise)", lo=0.0,

@@ -62,7 +62,8 @@ def gaussian_representation(h, proj):
 
 
 def init_projection(key, d: int, z_dim: int):
-    """torch ``nn.Linear(d, 2 z_dim)``'s default init: kernel [d, 2 z_dim] and bias [2 z_dim] ~ U(-1/sqrt d, 1/sqrt d)."""
+    """torch ``nn.Linear(d, 2 z_dim)``'s default init: kernel [d, 2 z_dim] and bias [2 z_dim]
+    ~ U(-1/sqrt d, 1/sqrt d)."""
     bound = 1.0 / math.sqrt(d)
     kk, kb = jax.random.split(key)
     return {"kernel": jax.random.uniform(kk, (d, 2 * z_dim), minval=-bound, maxval=bound),

@@ -44,7 +44,8 @@ from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, DeviceMemoryError, check_choice, first_line
 from .buckets import grid_ceil, padded_work, plan_buckets
-from .cohort import SAMPLINGS, STRATEGIES, default_strategy, poisson_cohort, poisson_members, poisson_rows, sample_cohort
+from .cohort import (SAMPLINGS, STRATEGIES, default_strategy, poisson_cohort, poisson_members, poisson_rows,
+                     sample_cohort)
 from .distributed import client_sharding, fetch, place_rows
 from .lanes import LanePlan, expected_sorted_steps, plan_lanes
 from .step import init_state, make_step, with_round_metrics

@@ -85,7 +85,8 @@ def remove_true_evidence(alpha, labels):
 
 
 def kl_to_uniform(alpha):
-    """KL(Dir(alpha) || Dir(1, ..., 1)) = lnG(S) - lnG(K) - sum_k lnG(alpha_k) + sum_k (alpha_k - 1)(psi(alpha_k) - psi(S)).
+    """KL(Dir(alpha) || Dir(1, ..., 1))
+    = lnG(S) - lnG(K) - sum_k lnG(alpha_k) + sum_k (alpha_k - 1)(psi(alpha_k) - psi(S)).
 
     >= 0, and 0 iff every alpha_k = 1. KL(Dir(2, 1) || Dir(1, 1)) = ln 2 - 0.5. alpha [..., K] -> [...].
     """

@@ -28,10 +28,11 @@ from .config import RunConfig, holds_files, replace_text
 
 
 # Fields that may change between a run and its resumption; any other change is refused.
-# (lr: a run stopped by NaN says to lower it; dp_epsilon: only a target, the noise it calibrates must match.)
+# (lr: a run stopped by NaN says to lower it; dp_epsilon: only a target, the noise it calibrates must match;
+# rounds_per_call: K rounds per call are bit for bit K single rounds.)
 RESUMABLE_CHANGES = {"rounds", "resume", "overwrite", "out", "checkpoint_every", "eval_every", "strategy", "backend",
                      "chunk_size", "lane_segments", "lane_overhead", "devices", "client_store", "eval_batch_size",
-                     "eval_point", "lr", "dp_epsilon", "rounds_per_call"}  # (K rounds per call are bit for bit K single rounds)
+                     "eval_point", "lr", "dp_epsilon", "rounds_per_call"}
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -127,7 +128,8 @@ def saved_settings(path: Path) -> dict:
 def check_resumable(cfg, out: Path, steps=None) -> None:
     """ConfigError unless ``cfg`` may resume the run in ``out``: its saved config.json (present, readable, of
     this version) differs only in ``RESUMABLE_CHANGES``, and ``rounds`` is at least the latest checkpoint's
-    (``steps``: the checkpoints' rounds, default ``checkpoint_steps``; none: the run restarts from round 0). Cheap (no data, no jax): a run
+    (``steps``: the checkpoints' rounds, default ``checkpoint_steps``; none: the run restarts from round 0).
+    Cheap (no data, no jax): a run
     checks it before loading anything, with ``dp_noise`` left for after a ``dp_epsilon`` run calibrates it."""
     directory = Path(out) / "checkpoints"
     if steps is None:

@@ -234,7 +234,8 @@ def format_table(summary: dict) -> str:
     last, best, own = summary["last"], summary["best_mean_round"], summary["best_per_client"]
     many = len(names) > MAX_LISTED_CLIENTS
     w = max(12, max(len(n) for n in names) + 2) if not many else 16
-    head = f"{'client':<{w}}{'last (r' + str(last['round']) + ')':>14}{'best-mean (r' + str(best['round']) + ')':>20}{'own best':>12}"
+    head = (f"{'client':<{w}}{'last (r' + str(last['round']) + ')':>14}"
+            f"{'best-mean (r' + str(best['round']) + ')':>20}{'own best':>12}")
     rows = [head, "-" * len(head)]
     cols = [np.asarray(c["accuracy"], float) for c in (last, best, own)]
     listed = ([(f"{stat} of {len(names)}", [fn(c) for c in cols]) for stat, fn in
@@ -341,7 +342,7 @@ def main(argv=None) -> int:
                 validate(c)  # Experiment validates too, but after joining, a refusal would leave a peer waiting
             if any(c.devices not in (0, None) for c in cfgs):
                 raise ConfigError(f"--num-processes {processes}: a run over several processes splits the clients over "
-                                  f"all of their devices; add --devices 0")
+                                  f"all of their devices; drop --devices {cfgs[0].devices} (or give 0)")
             initialize(launch["coordinator_address"], processes, launch["process_id"])
             quiet = quiet or not is_primary()  # one process prints
             check_same_everywhere({**cfgs[0].to_dict(), "seeds": [c.seed for c in cfgs]})

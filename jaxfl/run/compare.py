@@ -222,13 +222,15 @@ def seed_table(results: dict[str, list[list[dict]]], key: str = "mean_accuracy",
     names = named[0] if n_clients else []
     dp = any("dp_epsilon" in r for r in rows)  # DP runs among them: a column of the epsilon each spent
     head = (["method", "seeds", "rounds"] + (["DP ε spent"] if dp else [])
-            + ["final % (mean ± std)", "best-mean % (mean ± std)", f"mean of the last {tail} evaluations % (mean ± std)"]
+            + ["final % (mean ± std)", "best-mean % (mean ± std)",
+               f"mean of the last {tail} evaluations % (mean ± std)"]
             + names[:n_clients] + ([paper_label] if paper is not None else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], str(r["seeds"]), str(r["rounds"])]
         cells += [f"{r['dp_epsilon']:.3g}" if "dp_epsilon" in r else "-"] if dp else []
-        cells += [f"{r['final_mean']:.2f} ± {r['final_std']:.2f}", f"{r['best_mean_mean']:.2f} ± {r['best_mean_std']:.2f}",
+        cells += [f"{r['final_mean']:.2f} ± {r['final_std']:.2f}",
+                  f"{r['best_mean_mean']:.2f} ± {r['best_mean_std']:.2f}",
                   f"{r[f'last{tail}_mean']:.2f} ± {r[f'last{tail}_std']:.2f}"]
         cells += [f"{r[f'client{j}_final_mean']:.2f} ± {r[f'client{j}_final_std']:.2f}"
                   if f"client{j}_final_mean" in r else "-" for j in range(n_clients)]
@@ -268,7 +270,8 @@ def plot_mean_accuracy(results: dict[str, list[list[dict]]], path: Path, title: 
         mean, std = acc.mean(0), acc.std(0)
         name = label.split(":")[0].split(" ")[0]
         style = dict(color=plt.cm.tab10(i % 10), ls=("-", "--", ":")[i // 10 % 3]) if len(results) > 10 else {}
-        line, = ax.plot(rounds, mean, marker="o", ms=3, label=label + (f" ({len(hists)} seeds)" if len(hists) > 1 else ""),
+        seeds = f" ({len(hists)} seeds)" if len(hists) > 1 else ""
+        line, = ax.plot(rounds, mean, marker="o", ms=3, label=label + seeds,
                         lw=2.5 if highlight and name == highlight else 1.2, **style)
         if len(hists) > 1:
             ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2, lw=0)

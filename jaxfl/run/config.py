@@ -292,7 +292,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.size_sigma < 0:
         raise ConfigError(f"size_sigma={cfg.size_sigma} must be >= 0")
     for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "eval_every", "eval_batch_size",
-                 "rounds_per_call", "clients_per_domain", "num_clients", "samples_per_client", "test_per_client", "image_size",
+                 "rounds_per_call", "clients_per_domain", "num_clients", "samples_per_client", "test_per_client",
+                 "image_size",
                  "clients_per_round"):  # the last five may be None (the preset's default)
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
