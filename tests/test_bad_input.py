@@ -105,6 +105,8 @@ CASES = {
     "an empty --out": (lambda d: ["--out", ""], "--out '' is empty; give a folder"),
     "a dangling symlink as --out": (lambda d: ["--out", str(dangling(d / "link"))],
                                     "is a symbolic link to nothing (dangling, or a loop)"),
+    "a symlink to an unwritable folder as --out": (lambda d: ["--out", str(link_to(d / "link", "/sys"))],
+                                                   "' is not writable"),
     "a JSON config with a key twice": (lambda d: ["--config", str(write(d / "twice.json",
                                                                         '{"rounds": 2, "rounds": 3}'))],
                                        "is not valid JSON: key 'rounds' is given twice"),
@@ -169,6 +171,12 @@ def write(path, text):
 def dangling(path):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.symlink_to(path.parent / "nowhere")
+    return path
+
+
+def link_to(path, target):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(target)
     return path
 
 
