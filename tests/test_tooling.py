@@ -30,3 +30,14 @@ def test_the_slowest_go_first_and_every_module_keeps_its_fastest_test():
     assert slow_tests.slow_set(times, budget=14.0) == ["tests/test_a.py::test_big[x]"]
     # test_b's only test and test_a's and test_c's fastest stay, whatever the budget
     assert slow_tests.slow_set(times, budget=0.0) == ["tests/test_a.py::test_big[x]", "tests/test_c.py::test_one"]
+
+
+def test_the_algorithm_reference_is_what_the_registry_generates():
+    # docs/reference/algorithms.md is generated (tools/algorithm_reference.py); an option, a sharing note or a
+    # Deviations item changed without regenerating it fails here
+    spec = importlib.util.spec_from_file_location("algorithm_reference", TOOL.with_name("algorithm_reference.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.OUT.read_text() == tool.reference(), "run: python tools/algorithm_reference.py"
+    assert tool.deviations("x\n\nDeviations:\n- a\n  b\n- c\n\nmore") == ["a b", "c"]
+    assert tool.allowed({"lo": 0.0, "hi": 1.0, "lo_open": True}) == "(0, 1]" and tool.allowed({"minimum": 1}) == ">= 1"
