@@ -24,10 +24,13 @@ qp           (FedPAC) simplex_projection, simplex_qp, head_weights
 dense        small networks beside the model (FedCP's policy, GPFL's valve): dense_init, dense, layer_norm_init,
              layer_norm
 clustering   (FPL) finch_partition, cluster_prototypes
+robust       Byzantine-robust aggregation over the client axis, masked: coordinate_median, trimmed_mean,
+             pairwise_sq_distances, krum_scores, multi_krum, geometric_median, norm_bounded_mean, centered_clip,
+             tree_robust
 diagnostics  expected_calibration_error, auroc, sparsity_ratio, sparsity_per_sample, fisher_score,
              fisher_selection_probe, knn_predict, overlap_ratio, selection_ratio, layer_positions, masked_flops
 
 The aggregation reductions over the client axis (weighted_mean, masked_mean, recovered_mean, tree_* forms)
 are the engine's: ``jaxfl.core.aggregation``.
 """
-from . import clustering, dense, diagnostics, evidential, gp, hypernet, losses, masks, qp  # noqa: F401
+from . import clustering, dense, diagnostics, evidential, gp, hypernet, losses, masks, qp, robust  # noqa: F401

@@ -1,0 +1,131 @@
+"""Byzantine-robust aggregation over the client axis: reductions of a cohort's stacked updates that a few
+malicious rows cannot move far.
+
+Every function takes ``x`` [N, D] (one flattened update per row; ``tree_robust`` applies one to a pytree of
+stacked leaves) and ``present`` [N] bool: rows that are not real clients (a padded cohort, an absent client)
+are ignored whatever they hold, NaN included. k = sum(present) is the number of real rows (dynamic: the
+functions jit once for a cohort size and work under ``vmap``). f is the number of Byzantine rows a rule is
+built to tolerate.
+
+coordinate_median   m_d = median of {x_id : i present}, per coordinate (Yin et al., ICML 2018)
+trimmed_mean        per coordinate, the mean of the present values without the b = floor(beta k) largest and
+                    b smallest (Yin et al., ICML 2018)
+krum_scores         s_i = sum of ||x_i - x_j||^2 over the k - f - 2 present j != i closest to x_i (Blanchard et
+                    al., NeurIPS 2017); absent rows score +inf
+multi_krum          the mean of the m present rows of smallest Krum score (m = 1: Krum)
+geometric_median    argmin_z sum_i w_i ||x_i - z||, by smoothed Weiszfeld iterations (Pillutla et al., RFA, 2022)
+norm_bounded_mean   the weighted mean of x_i min(1, M / ||x_i||) (Sun et al., 2019)
+centered_clip       v <- v + mean_i clip(x_i - v, tau), L times from v0 (Karimireddy et al., ICML 2021)
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _present_values(x, present, fill):
+    """x with the absent rows replaced by ``fill`` (their content, NaN included, never reaches the result)."""
+    return jnp.where(present[:, None], x, fill)
+
+
+def coordinate_median(x, present):
+    """Per coordinate, the median of the present rows' values (the mean of the two middle ones for even k).
+    x [N, D], present [N] bool -> [D]."""
+    k = jnp.sum(present)
+    s = jnp.sort(_present_values(x, present, jnp.inf), axis=0)  # the k present values first, in order
+    lo, hi = (k - 1) // 2, k // 2
+    return 0.5 * (jnp.take(s, lo, axis=0) + jnp.take(s, hi, axis=0))
+
+
+def trimmed_mean(x, present, beta: float):
+    """Per coordinate, the mean of the present values after dropping the b = floor(beta k) largest and the b
+    smallest (0 <= beta < 1/2). x [N, D], present [N] bool -> [D]."""
+    k = jnp.sum(present)
+    b = jnp.floor(beta * k).astype(k.dtype)
+    s = jnp.sort(_present_values(x, present, jnp.inf), axis=0)
+    rank = jnp.arange(x.shape[0])[:, None]
+    keep = (rank >= b) & (rank < k - b)
+    return jnp.sum(jnp.where(keep, s, 0.0), axis=0) / jnp.maximum(k - 2 * b, 1).astype(x.dtype)
+
+
+def pairwise_sq_distances(x, present):
+    """||x_i - x_j||^2 for present i != j, +inf for i == j or an absent row. x [N, D] -> [N, N]."""
+    z = _present_values(x, present, 0.0)
+    sq = jnp.sum(z * z, axis=1)
+    d = jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * z @ z.T, 0.0)
+    valid = present[:, None] & present[None, :] & ~jnp.eye(x.shape[0], dtype=bool)
+    return jnp.where(valid, d, jnp.inf)
+
+
+def krum_scores(x, present, f: int):
+    """s_i = sum of the k - f - 2 smallest ||x_i - x_j||^2 over present j != i (at least one neighbour);
+    +inf for absent rows. x [N, D], present [N] bool -> [N]."""
+    k = jnp.sum(present)
+    q = jnp.maximum(k - f - 2, 1)
+    d = jnp.sort(pairwise_sq_distances(x, present), axis=1)
+    near = jnp.arange(x.shape[0])[None, :] < q
+    scores = jnp.sum(jnp.where(near, d, 0.0), axis=1)
+    return jnp.where(present, scores, jnp.inf)
+
+
+def multi_krum(x, present, f: int, m: int = 1):
+    """The mean of the min(m, k) present rows with the smallest Krum scores (ties by index); m = 1 is Krum.
+    x [N, D], present [N] bool -> ([D], selected [N] bool)."""
+    scores = krum_scores(x, present, f)
+    rank = jnp.argsort(jnp.argsort(scores, stable=True), stable=True)
+    selected = present & (rank < m)
+    w = selected.astype(x.dtype)
+    return jnp.sum(w[:, None] * _present_values(x, present, 0.0), axis=0) / jnp.maximum(jnp.sum(w), 1.0), selected
+
+
+def geometric_median(x, present, weights=None, iters: int = 8, nu: float = 1e-6):
+    """argmin_z sum_i w_i ||x_i - z|| over the present rows, by smoothed Weiszfeld iterations from the weighted
+    mean: z <- sum_i b_i x_i / sum_i b_i, b_i = w_i / max(nu, ||x_i - z||). x [N, D], present [N] bool,
+    weights [N] (default 1) -> [D]."""
+    w = jnp.where(present, 1.0 if weights is None else weights, 0.0).astype(x.dtype)
+    z0 = _present_values(x, present, 0.0)
+    mean = jnp.sum(w[:, None] * z0, axis=0) / jnp.maximum(jnp.sum(w), 1e-12)
+
+    def step(z, _):
+        b = w / jnp.maximum(jnp.linalg.norm(z0 - z, axis=1), nu)
+        return jnp.sum(b[:, None] * z0, axis=0) / jnp.maximum(jnp.sum(b), 1e-12), None
+    return jax.lax.scan(step, mean, None, length=iters)[0]
+
+
+def norm_bounded_mean(x, present, bound: float, weights=None):
+    """sum_i w_i x_i min(1, bound / ||x_i||) / sum_i w_i over the present rows. x [N, D] -> [D]."""
+    w = jnp.where(present, 1.0 if weights is None else weights, 0.0).astype(x.dtype)
+    z = _present_values(x, present, 0.0)
+    scale = jnp.minimum(1.0, bound / jnp.maximum(jnp.linalg.norm(z, axis=1), 1e-12))
+    return jnp.sum((w * scale)[:, None] * z, axis=0) / jnp.maximum(jnp.sum(w), 1e-12)
+
+
+def centered_clip(x, present, tau: float, iters: int = 1, v0=None):
+    """v <- v + (1/k) sum_i (x_i - v) min(1, tau / ||x_i - v||) over the present rows, ``iters`` times from
+    ``v0`` (default 0: the previous round's aggregate, when kept, is the paper's choice). x [N, D] -> [D]."""
+    z = _present_values(x, present, 0.0)
+    w = present.astype(x.dtype)
+    v = jnp.zeros(x.shape[1], x.dtype) if v0 is None else v0
+
+    def step(v, _):
+        d = z - v
+        scale = jnp.minimum(1.0, tau / jnp.maximum(jnp.linalg.norm(d, axis=1), 1e-12))
+        return v + jnp.sum((w * scale)[:, None] * d, axis=0) / jnp.maximum(jnp.sum(w), 1.0), None
+    return jax.lax.scan(step, v, None, length=iters)[0]
+
+
+def tree_robust(rule, tree, present, *args, **kwargs):
+    """``rule`` (one of the functions above, returning [D] or ([D], extra)) applied to a pytree of stacked
+    leaves [N, ...] as one flattened update per row; -> a tree shaped like one row (and the extra, if any)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    n = leaves[0].shape[0]
+    flat = jnp.concatenate([leaf.reshape(n, -1) for leaf in leaves], axis=1)
+    out = rule(flat, present, *args, **kwargs)
+    vec, extra = (out if isinstance(out, tuple) else (out, None))
+    parts, start = [], 0
+    for leaf in leaves:
+        size = leaf[0].size
+        parts.append(vec[start:start + size].reshape(leaf.shape[1:]).astype(leaf.dtype))
+        start += size
+    result = jax.tree_util.tree_unflatten(treedef, parts)
+    return result if extra is None else (result, extra)
