@@ -34,10 +34,11 @@ class DeviceMemoryError(JaxflError, MemoryError):
 class Stopped(JaxflError):
     """The run stopped on SIGTERM/SIGINT after a complete round; the message says how to continue."""
 
-    def __init__(self, message: str, signum: int, round_done: int):
+    def __init__(self, message: str, signum: int, round_done: int | None, where: str | None = None):
         super().__init__(message)
         self.exit_code = 128 + signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
-        self.round_done = round_done  # the last complete (and checkpointed, with an --out) round
+        self.round_done = round_done  # the last complete (and checkpointed, with an --out) round; None: before any
+        self.where = where or message  # where it stopped, without the way to continue
 
 
 def first_line(e: BaseException, limit: int = 200) -> str:

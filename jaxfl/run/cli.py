@@ -352,6 +352,7 @@ def main(argv=None) -> int:
             say(note)
         diverged = []  # --seeds: a seed whose training turned NaN/Inf; the sweep goes on without it
         todo = [c for c in cfgs if c.seed not in skip]
+        between = False  # the sweep stopped between two seeds (not inside one seed's run)
         # a stop signal is recorded from here on and honoured where nothing is lost: before round 1, after a
         # round's checkpoint, between seeds; one arriving during a summary or plot lets it finish
         with cache_warnings(cache, say), stop_signals() as stop:
@@ -360,6 +361,7 @@ def main(argv=None) -> int:
                 if i:
                     failpoint("seed")
                 if stop:
+                    between = True
                     raise Stopped(f"stopped before seed {seed}, seed(s) {', '.join(str(c.seed) for c in todo[:i])} "
                                   f"done", stop[0], None)
                 try:
@@ -380,8 +382,8 @@ def main(argv=None) -> int:
         if root is None:
             say(str(e))
         else:
-            where = (str(e).split(";")[0] + f" of seed {seed}" if e.round_done is not None
-                     else ("" if "seed" in str(e) else f"seed {seed}: ") + str(e).split(";")[0])
+            where = (e.where if between else f"{e.where} of seed {seed}" if e.round_done is not None
+                     else f"seed {seed}: {e.where}")
             say(f"{where}; continue with jaxfl run --out {root} --seeds {seeds_flag} --resume")
         return e.exit_code
     except JaxflError as e:  # bad input: exit 2; a failed write (RunIOError): exit 1
@@ -474,7 +476,8 @@ def run_one(cfg: RunConfig, quiet: bool, cache: str | None, stop=()):
     exp = Experiment(cfg)
     if stop:
         again = f"continue with jaxfl run --out {cfg.out} --resume" if cfg.resume else "run the command again"
-        raise Stopped(f"stopped while loading, before round 1; nothing was written: {again}", stop[0], None)
+        where = "stopped while loading, before round 1"
+        raise Stopped(f"{where}; nothing was written: {again}", stop[0], None, where)
     if not quiet:
         population = population_note(exp.dataset.client_names, exp.dataset.train_counts())
         lanes = getattr(exp.backend, "lanes", None)

@@ -291,15 +291,20 @@ def client_names(folder: Path) -> list[str] | None:
         return None
 
 
+def check_key_and_tail(key: str, tail: int) -> None:
+    """ConfigError (one line) for an unknown ``--key`` or a ``--last-k`` below 1."""
+    if key not in KEYS:
+        raise ConfigError(f"unknown --key {key!r}; valid: {', '.join(KEYS)}")
+    if tail < 1:
+        raise ConfigError(f"--last-k {tail} must be at least 1")
+
+
 def compare(paths, key: str = "mean_accuracy", tail: int = 5, per_client: bool = False,
             notes: list | None = None) -> tuple[dict, str, str]:
     """(results, markdown, csv) of the runs under ``paths``, grouped by seed (``group_runs``). ``notes`` (a
     list) receives a line for each group whose runs evaluated different last rounds (it is compared at the
     last round all of them evaluated)."""
-    if key not in KEYS:
-        raise ConfigError(f"unknown --key {key!r}; valid: {', '.join(KEYS)}")
-    if tail < 1:
-        raise ConfigError(f"--last-k {tail} must be at least 1")
+    check_key_and_tail(key, tail)
     runs = []
     for folder in find_runs(paths):
         cfg, hist = load_run(folder)
@@ -325,9 +330,6 @@ def compare(paths, key: str = "mean_accuracy", tail: int = 5, per_client: bool =
 
 
 # ---- paired equivalence: the same seeds run two ways (official code against jaxfl, two versions, two options)
-
-VERDICTS = ("equivalent", "different", "inconclusive")
-
 
 def run_seed(folder: Path, cfg: dict) -> int | None:
     """A run's seed: its config's ``seed``, else the number of the nearest ``seed<S>`` folder on its path."""
@@ -392,10 +394,7 @@ def paired_equivalence(a: dict[int, list[dict]], b: dict[int, list[dict]], key: 
     ``equivalence_verdict`` against ``margin`` (points, stated before looking at the runs); and the per-round
     curve of differences at the rounds every pair evaluated. -> {"seeds", "a", "b", "diff" (per seed), "mean",
     "low", "high", "verdict", "margin", "level", "tail", "rounds", "curve" [S, R], "only_a", "only_b"}"""
-    if key not in KEYS:
-        raise ConfigError(f"unknown --key {key!r}; valid: {', '.join(KEYS)}")
-    if tail < 1:
-        raise ConfigError(f"--last-k {tail} must be at least 1")
+    check_key_and_tail(key, tail)
     if not (margin > 0 and np.isfinite(margin)) or not 0 < level < 1:
         raise ConfigError(f"--margin {margin:g} must be a positive number of points and --level {level:g} in (0, 1)")
     seeds = sorted(set(a) & set(b))

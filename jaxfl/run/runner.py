@@ -353,11 +353,12 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
     bar = _progress(None, progress, start, cfg.rounds)
     r = start
     failpoint("start")
+    if stop and r < cfg.rounds:  # the signal came while loading or restoring: stop before training
+        if bar is not None:
+            bar.close()
+        where = f"stopped before round {r + 1}"
+        raise Stopped(where + continue_note(cfg), stop[0], r, where)
     while r < cfg.rounds:
-        if stop and r == start:  # the signal came while loading or restoring: stop before training
-            if bar is not None:
-                bar.close()
-            raise Stopped(f"stopped before round {r + 1}{continue_note(cfg)}", stop[0], r)
         failpoint("round")
         t0, c0, p0 = time.perf_counter(), compile_seconds(), compiled_programs()
         n = rounds_until_boundary(cfg, r)
@@ -408,7 +409,7 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
         if stop and r < cfg.rounds:
             if bar is not None:
                 bar.close()
-            raise Stopped(f"stopped at round {r}{continue_note(cfg)}", stop[0], r)
+            raise Stopped(f"stopped at round {r}{continue_note(cfg)}", stop[0], r, f"stopped at round {r}")
     if bar is not None:
         bar.close()
     sample_x = exp.trainer.preprocess(exp.dataset.train[0][0][:1])
