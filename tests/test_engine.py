@@ -10,7 +10,7 @@ from jaxfl.algorithms._common import is_batchnorm
 from jaxfl.core.cohort import client_keys, map_clients, sample_cohort
 from jaxfl.core.evaluate import make_evaluate
 from jaxfl.core.step import cohort_train, init_state
-from jaxfl.core.trainer import epoch_permutation
+from jaxfl.core.trainer import epoch_permutation, permutation_lengths
 from jaxfl.core.trees import leaf_paths
 from jaxfl.data.clients import ClientData
 from jaxfl.models import small_cnn
@@ -168,6 +168,34 @@ def test_epoch_permutation_real_first_and_padding_invariant():
     assert sorted(p1[:10]) == list(range(10))
     np.testing.assert_array_equal(p1[:10], p2[:10])
     assert not np.array_equal(p1[:10], np.asarray(epoch_permutation(jax.random.key(4), 10, 16))[:10])
+
+
+@pytest.mark.parametrize("m", [16, 200, 1000])
+def test_epoch_permutation_with_a_bound_is_the_same_permutation(m):
+    # a bound >= every lane's count sorts the shortest of permutation_lengths(m) holding it and appends the
+    # positions past it in order: the same integers as sorting all m, jitted, under vmap with the bound shared
+    key = jax.random.key(5)
+    counts = sorted({min(c, m) for c in (0, 1, 7, 63, 64, 65, m // 3, m // 2, m - 1, m)})
+    full = np.asarray(jax.vmap(lambda c: epoch_permutation(key, c, m))(jnp.asarray(counts)))
+    for bound in counts:
+        lanes = [i for i, c in enumerate(counts) if c <= bound]
+        got = jax.jit(jax.vmap(lambda c: epoch_permutation(key, c, m, bound)))(jnp.asarray(counts)[np.asarray(lanes)])
+        np.testing.assert_array_equal(got, full[lanes])
+
+
+def test_epoch_permutation_bound_picks_one_sort_not_all():
+    # unbatched under vmap, the bound selects one branch (a cond); a batched one would compute every length
+    assert permutation_lengths(1000) == (125, 250, 500, 1000) and permutation_lengths(16) == (16,)
+    perm = lambda c: epoch_permutation(jax.random.key(0), c, 1000, jnp.int32(300))
+    assert "cond[" in str(jax.make_jaxpr(jax.vmap(perm))(jnp.arange(4)))
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "map", "chunked"])
+def test_map_clients_passes_the_largest_bound_of_the_clients_run_together(strategy):
+    counts = jnp.asarray([3, 9, 4, 1])
+    out = map_clients(lambda c, bound: jnp.stack([c, bound]), strategy, 2, bound_arg=0)(counts)
+    np.testing.assert_array_equal(out[:, 0], counts)
+    np.testing.assert_array_equal(out[:, 1], counts if strategy == "map" else 9)
 
 
 @pytest.mark.parametrize("strategy", ["map", "vmap"])

@@ -52,6 +52,20 @@ def test_apply_runs_each_chunk_to_its_own_longest_row():
     assert LanePlan(((3, 3),), rows=8, batch_size=1).work(np.asarray(n)) == 3 * (1 + 3 + 9)
 
 
+def test_apply_gives_each_chunk_its_largest_bound_unbatched():
+    # bound [k]: every lane of a chunk gets the chunk's largest value, a scalar (not batched under the vmap)
+    n = jnp.asarray([5, 1, 9, 2, 2, 7, 3, 1], jnp.int32)
+    plan = LanePlan(((4, 1), (2, 1), (2, 1)), rows=8, batch_size=1)
+
+    def fn(m, bound):
+        assert bound.shape == ()
+        return bound
+
+    got = jax.jit(lambda n: plan.apply(fn, n.astype(jnp.float32), n, bound=n))(n)
+    # sorted [1 1 2 2 | 3 5 | 7 9]: chunk maxima 2, 5, 9, back in the rows' order
+    np.testing.assert_array_equal(got, [5, 2, 9, 2, 2, 9, 5, 2])
+
+
 def _brute_force(e, segments_max, overhead, sizes):
     """The cheapest cost of the plan_lanes model by enumeration (small k only): every cut of ranks 0..k-1 into at
     most ``segments_max`` segments, every lane count of each; a segment above the first holds whole chunks, the

@@ -3,6 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import rounding_tolerance
+
 from jaxfl.core.trees import count_params
 from jaxfl.errors import ConfigError
 from jaxfl.models import BatchNorm, build_model, conv2d_matmul, digits_cnn, max_pool2
@@ -136,6 +138,8 @@ def test_parameter_counts(factory, shape, expected):
     ("mlp_2nn", jnp.zeros((2, 28, 28, 1)), 199_210, 10),           # McMahan et al.: 784-200-200-10
     ("femnist_cnn", jnp.zeros((2, 28, 28, 1)), 6_603_710, 62),     # LEAF: 832 + 51,264 + 6,424,576 + 127,038
     ("char_lstm", jnp.zeros((2, 80), jnp.int32), 817_872, 80),     # LEAF: 640 + 271,360 + 525,312 + 20,560
+    ("cnn_dropout", jnp.zeros((2, 28, 28, 1)), 1_206_590, 62),    # Reddi et al.: 320 + 18,496 + 1,179,776 + 7,998
+    ("cnn_dropout", jnp.zeros((2, 32, 32, 3)), 1_626_442, 10),    # pfl-research: 896 + 18,496 + 1,605,760 + 1,290
 ])
 def test_small_models_have_their_papers_sizes(name, x, expected, classes):
     model = build_model(name, classes)
@@ -231,3 +235,26 @@ def test_vit_external_qkv_replaces_its_own_projections():
     a = model.apply(v, x, train=True, rngs={"dropout": jax.random.key(1)})
     b = model.apply(v, x, train=True, rngs={"dropout": jax.random.key(2)})
     assert not np.allclose(a, b)
+
+
+def test_cnn_dropout_drops_in_training_only():
+    """Evaluation is the plain network relu(relu(conv(conv(x)))) -> pool -> fc -> head (no dropout); training
+    draws its masks from the ``dropout`` rng: two keys give different logits, one key the same."""
+    model = build_model("cnn_dropout", 10)
+    x = jax.random.uniform(jax.random.key(1), (4, 32, 32, 3))
+    v = model.init(jax.random.key(0), x)
+    p = v["params"]["encoder"]
+    relu = jax.nn.relu
+    conv = lambda h, c: jax.lax.conv_general_dilated(h, c["kernel"], (1, 1), "VALID",
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC")) + c["bias"]
+    h = relu(conv(relu(conv(x, p["conv1"])), p["conv2"]))
+    h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID").reshape(4, -1)
+    h = relu(h @ p["fc"]["linear"]["kernel"] + p["fc"]["linear"]["bias"])
+    head = v["params"]["head"]["fc1"]["linear"]
+    expected = h @ head["kernel"] + head["bias"]
+    evaluate = jax.jit(lambda x: model.apply(v, x))
+    np.testing.assert_allclose(evaluate(x), expected, rtol=0, atol=rounding_tolerance(evaluate, x))
+    features = lambda k: model.apply(v, x, train=True, rngs={"dropout": jax.random.key(k)}, method=model.features)
+    assert not np.array_equal(features(0) == 0, features(1) == 0)
+    # the same key drops the same units, eager or jitted (the kept values agree up to rounding)
+    np.testing.assert_array_equal(features(0) == 0, jax.jit(features, static_argnums=0)(0) == 0)

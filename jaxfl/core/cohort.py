@@ -27,34 +27,47 @@ def default_strategy(platform: str | None = None) -> str:
     return DEFAULT_STRATEGY.get(platform or jax.default_backend(), "vmap")
 
 
-def map_clients(fn: Callable, strategy: str | None = None, chunk_size: int = 8) -> Callable:
+def map_clients(fn: Callable, strategy: str | None = None, chunk_size: int = 8,
+                bound_arg: int | None = None) -> Callable:
     """Apply a one-client function over the leading client axis of all its arguments.
 
     vmap: all clients at once; map: one after another (``lax.map``) inside the same jit; chunked: vmap
     over chunks of ``chunk_size`` clients, chunks one after another (bounded memory). None: ``default_strategy()``.
+    bound_arg: the position of an int argument [k] (e.g. sample counts) whose largest value among the clients
+    run together (one client under map, all of them otherwise) ``fn`` gets as the keyword ``bound``: a scalar
+    not batched under vmap, so ``fn`` can pick a static size by it (``trainer.epoch_permutation``).
     """
     strategy = strategy or default_strategy()
-    if strategy == "vmap":
-        return jax.vmap(fn)
     if strategy not in STRATEGIES:
         raise ValueError(f"client strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if bound_arg is not None and strategy != "map":
+        bounded = lambda *args: map_clients(functools.partial(fn, bound=jnp.max(args[bound_arg])), strategy,
+                                            chunk_size)(*args)
+        return bounded
+    if strategy == "vmap":
+        return jax.vmap(fn)
     batch = None if strategy == "map" else chunk_size
+    if bound_arg is not None:  # map: each client alone, its own value
+        return lambda *args: jax.lax.map(lambda a: fn(*a, bound=a[bound_arg]), args)
     return lambda *args: jax.lax.map(lambda a: fn(*a), args, batch_size=batch)
 
 
-def over_clients(fn: Callable, strategy: str, chunk_size: int, mesh=None, lanes=None) -> Callable:
+def over_clients(fn: Callable, strategy: str, chunk_size: int, mesh=None, lanes=None,
+                 bound_arg: int | None = None) -> Callable:
     """fn(shared, *stacked) -> stacked outputs, one client per row. Without a mesh: ``map_clients``; with
     one, every device applies ``map_clients`` to its own block of clients (``jax.shard_map``) and
     ``shared`` (e.g. the server state) is replicated. The number of clients must divide evenly.
 
     lanes: a ``lanes.LanePlan`` instead of the strategy: the returned function then takes the rows' sort key
     first, ``(shared, key, *stacked)``, and every device runs its block as the plan says (sorted by the key,
-    chunks of ``vmap`` lanes one after another; ``LanePlan.apply``)."""
+    chunks of ``vmap`` lanes one after another; ``LanePlan.apply``). bound_arg: as in ``map_clients`` (an
+    index into ``stacked``; under a plan the largest value of each chunk of lanes)."""
     def local(shared, *stacked):
-        one = lambda *a: fn(shared, *a)  # noqa: E731
+        one = lambda *a, **kw: fn(shared, *a, **kw)  # noqa: E731
         if lanes is not None:
-            return lanes.apply(one, *stacked)
-        return map_clients(one, strategy, chunk_size)(*stacked)
+            key, rows = stacked[0], stacked[1:]
+            return lanes.apply(one, key, *rows, bound=None if bound_arg is None else rows[bound_arg])
+        return map_clients(one, strategy, chunk_size, bound_arg)(*stacked)
     if mesh is None:
         return local
     P = jax.sharding.PartitionSpec

@@ -17,6 +17,7 @@ sorted cohort (the mean order statistics of ``draws`` cohorts drawn from the pop
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -51,23 +52,26 @@ class LanePlan:
         steps = ((jnp.asarray(count, jnp.int32) + self.batch_size - 1) // self.batch_size).astype(jnp.float32)
         return steps if work is None else steps * jnp.asarray(work, jnp.float32)
 
-    def apply(self, fn: Callable, key, *stacked):
+    def apply(self, fn: Callable, key, *stacked, bound=None):
         """fn(*one_row_each) mapped over the rows [k] of ``stacked`` (k = ``rows``), run as the plan says.
 
         Rows are sorted by ``key`` [k] (ascending; stable), cut into the segments, each ``lax.map`` over chunks
-        of ``vmap``; the outputs are put back in the rows' order. -> stacked outputs [k]."""
+        of ``vmap``; the outputs are put back in the rows' order. bound: an int array [k]; each chunk's ``fn``
+        then gets its largest value among the chunk's lanes as the keyword ``bound`` (not batched under the
+        chunk's vmap). -> stacked outputs [k]."""
         k = jax.tree_util.tree_leaves(stacked)[0].shape[0]
         if k != self.rows:
             raise ValueError(f"a lane plan for {self.rows} rows applied to {k}")
         pad = self.size - k
         order = jnp.argsort(key, stable=True)
         order = jnp.concatenate([jnp.full((pad,), order[0], order.dtype), order]) if pad else order
-        ranked = jax.tree_util.tree_map(lambda a: a[order], stacked)
+        ranked = jax.tree_util.tree_map(lambda a: a[order], (stacked, bound))
         outs, start = [], 0
         for lanes, chunks in self.segments:
             part = jax.tree_util.tree_map(
                 lambda a: a[start:start + lanes * chunks].reshape((chunks, lanes) + a.shape[1:]), ranked)
-            out = jax.lax.map(lambda rows: jax.vmap(fn)(*rows), part)
+            out = jax.lax.map(lambda chunk: jax.vmap(fn if chunk[1] is None else functools.partial(
+                fn, bound=jnp.max(chunk[1])))(*chunk[0]), part)
             outs.append(jax.tree_util.tree_map(lambda o: o.reshape((lanes * chunks,) + o.shape[2:]), out))
             start += lanes * chunks
         out = jax.tree_util.tree_map(lambda *parts: jnp.concatenate(parts)[pad:], *outs)

@@ -63,10 +63,10 @@ def cohort_train(alg: Algorithm, *, strategy: str | None = None, chunk_size: int
         new, metrics = alg.local_update(server, client, data, key, info)
         return new, dict(metrics, finite=tree_all_finite(new) & jnp.isfinite(metrics["loss"]))
 
-    def one_rows(shared, client, rows, count, key, cid, work):
+    def one_rows(shared, client, rows, count, key, cid, work, bound=None):
         (server, round_idx, store_x, store_y) = shared
         return one((server, round_idx), client, None, None, count, key, cid, None,
-                   ClientRows(store_x, store_y, rows, count, work))
+                   ClientRows(store_x, store_y, rows, count, work, bound))
 
     def train(server, clients, data, ids, round_idx, root):
         ids = jnp.asarray(ids, jnp.int32)
@@ -75,7 +75,9 @@ def cohort_train(alg: Algorithm, *, strategy: str | None = None, chunk_size: int
         round_idx = jnp.asarray(round_idx, jnp.int32)
         order = () if lanes is None else (lanes.steps_key(data.count, work),)  # (the plan's sort key first)
         if isinstance(data, ClientRows):  # rows [k, M] into one flat store, shared by the clients
-            return over_clients(one_rows, strategy, chunk_size, mesh, lanes)(
+            # bound: the longest client among the lanes run together, so each epoch's shuffle sorts a length
+            # near it instead of the population's longest (``trainer.epoch_permutation``)
+            return over_clients(one_rows, strategy, chunk_size, mesh, lanes, bound_arg=2)(
                 (server, round_idx, data.store_x, data.store_y), *order, clients, data.rows, data.count, keys, ids,
                 work)
         return over_clients(one, strategy, chunk_size, mesh, lanes)((server, round_idx), *order, clients,
