@@ -76,6 +76,7 @@ def test_the_seed_axis_benchmark_compares_the_same_rounds():
 
 def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkeypatch):
     import backend_choice
+    import peer_settings
     import seed_axis
     import time_to_accuracy
 
@@ -88,6 +89,8 @@ def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkey
              (gpu_suite.main, ["--out", "x", "--rounds", "0"], "--rounds 0: give a number >= 1"),
              (backend_choice.main, ["--out", "x", "--only", "nosuch"], "--only 'nosuch' matches no workload"),
              (time_to_accuracy.main, ["--lrs", "-1"], "--lrs -1.0: give a number > 0"),
+             (peer_settings.main, ["--out", "x", "--settings", "nosuch"], "--settings 'nosuch': give comma-"),
+             (peer_settings.main, ["--out", "x", "--rounds", "0"], "--rounds 0: give a number >= 1"),
              (time_to_accuracy.main, ["--out", "/no/such/folder/x.json"], "--out '/no/such/folder/x.json': give a "
                                                                           "file in an existing folder")]
     for main, argv, message in cases:
@@ -95,3 +98,17 @@ def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkey
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"script.py: error: {message}"), err
     assert not Path("x").exists()
+
+
+def test_peer_settings_populations_have_the_settings_shapes_and_sizes():
+    import peer_settings
+
+    from jaxfl.run.cli import command_config
+    femnist = peer_settings.synthetic_population(dict(peer_settings.SETTINGS["flute_cnn_femnist"], clients=400))
+    assert femnist.num_clients == 400 and femnist.x.shape[1:] == (28, 28, 1)
+    assert abs(femnist.counts.mean() / 197.5 - 1) < 0.1 and femnist.y.max() < 62
+    cifar = peer_settings.synthetic_population(dict(peer_settings.SETTINGS["pfl_cifar10"], clients=20))
+    assert (cifar.counts == 50).all() and cifar.x.shape == (1000, 32, 32, 3)
+    # the LR-MNIST setting is a valid `jaxfl run` command with FLUTE's numbers
+    cfg = command_config(["run", *peer_settings.SETTINGS["flute_lr_mnist"]["cli"]])
+    assert (cfg.num_clients, cfg.clients_per_round, cfg.batch_size, cfg.lr, cfg.rounds) == (1000, 10, 10, 0.03, 100)
