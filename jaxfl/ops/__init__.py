@@ -27,6 +27,8 @@ clustering   (FPL) finch_partition, cluster_prototypes
 robust       Byzantine-robust aggregation over the client axis, masked: coordinate_median, trimmed_mean,
              pairwise_sq_distances, krum_scores, multi_krum, geometric_median, norm_bounded_mean, centered_clip,
              tree_robust
+robust_aggregation  one of them in place of an averaging algorithm's mean (``--aggregator``): parse_aggregator,
+             robust_rule, robust_params, with_robust_aggregate
 diagnostics  expected_calibration_error, auroc, sparsity_ratio, sparsity_per_sample, fisher_score,
              fisher_selection_probe, knn_predict, overlap_ratio, selection_ratio, layer_positions, masked_flops
 
@@ -34,3 +36,4 @@ The aggregation reductions over the client axis (weighted_mean, masked_mean, rec
 are the engine's: ``jaxfl.core.aggregation``.
 """
 from . import clustering, dense, diagnostics, evidential, gp, hypernet, losses, masks, qp, robust  # noqa: F401
+from . import robust_aggregation  # noqa: F401

@@ -62,6 +62,10 @@ HELP = {
     "server_beta1": "adagrad/adam/yogi: first-moment decay",
     "server_beta2": "adam/yogi: second-moment decay",
     "server_tau": "adagrad/adam/yogi: adaptivity tau (added to sqrt(v))",
+    "aggregator": "robust aggregation of the averaging algorithms' shared parameters, over the cohort's updates: "
+                  "mean (the algorithm's own) | median | trimmed_mean[:beta=0.1] | krum[:f=1] | "
+                  "multi_krum[:f=1,m=0 (k - f)] | geometric_median[:iters=8] | norm_bound[:bound=1.0] | "
+                  "centered_clip[:tau=1.0,iters=1]",
     "dp_clip": "user-level differential privacy (DP-FedAvg) of the averaging algorithms: clip each client's "
                "update of the shared parameters to this l2 norm C (needs --weighting uniform; default: off)",
     "dp_noise": "DP-FedAvg noise multiplier z: Gaussian noise of std z*C/k on the mean of the cohort's k "

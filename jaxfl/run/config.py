@@ -13,6 +13,7 @@ from ..core.cohort import SAMPLINGS, STRATEGIES, default_strategy
 from ..core.distributed import is_primary
 from ..core.options import accepts_none, check_int_size, coerce, field_type, plain
 from ..core.privacy import DEFAULT_CLIP_LR, DP_LEVELS
+from ..ops.robust_aggregation import parse_aggregator
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
@@ -49,6 +50,10 @@ class RunConfig:
     server_beta1: float = 0.9
     server_beta2: float = 0.99
     server_tau: float = 1e-3
+    # robust aggregation of the averaging algorithms (``jaxfl.ops.robust_aggregation``): mean (the algorithm's
+    # own) | NAME or NAME:key=value,... of median, trimmed_mean, krum, multi_krum, geometric_median, norm_bound,
+    # centered_clip
+    aggregator: str = "mean"
     # user-level differential privacy of the averaging algorithms (DP-FedAvg, ``jaxfl.core.privacy``); None: off
     dp_clip: float | None = None  # C: each client's update of the shared parameters is clipped to l2 norm C
     # user: DP-FedAvg (a client's update clipped); sample: DP-SGD in local training (each sample's gradient
@@ -322,6 +327,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_range("server_beta1", cfg.server_beta1, 0.0, 1.0)
     check_range("server_beta2", cfg.server_beta2, 0.0, 1.0)
     check_range("server_tau", cfg.server_tau, 0.0, float("inf"), lo_open=True)
+    check_aggregator(cfg)
     check_privacy(cfg)
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
@@ -408,6 +414,20 @@ def check_dp_ranges(cfg: RunConfig) -> None:
     check_range("dp_noise", cfg.dp_noise, 0.0, float("inf"))
     if cfg.dp_delta is not None and not 0 < cfg.dp_delta < 1:
         raise ConfigError(f"dp_delta={cfg.dp_delta!r} is outside (0, 1)")
+
+
+def check_aggregator(cfg: RunConfig) -> None:
+    """``aggregator``: a known rule with valid parameters, for an averaging algorithm (``Options.user_dp``: its
+    aggregate is a mean of shared parameters alone), not under user-level DP (whose noise is calibrated to the
+    mean's sensitivity)."""
+    name, _ = parse_aggregator(cfg.aggregator)
+    if name == "mean":
+        return
+    check_marked(cfg, "user_dp", f"--aggregator {cfg.aggregator}: {cfg.algorithm}'s aggregate is not a mean of "
+                                 f"shared parameters alone; a robust aggregator composes with")
+    if cfg.dp_clip is not None and cfg.dp_level == "user":
+        raise ConfigError(f"--aggregator {cfg.aggregator} with --dp-clip: DP-FedAvg's noise is calibrated to the "
+                          f"clipped mean; use one of the two")
 
 
 def check_marked(cfg: RunConfig, mark: str, message: str) -> None:

@@ -22,6 +22,7 @@ from ..core.dpsgd import SampleDP
 from ..core.privacy import (CLIP_KEY, Accountant, SampleAccountant, bn_stats_shared, calibrate_noise,
                             clients_keep_state, default_delta, has_batch_stats, noise_for_epsilon,
                             value_noise_multiplier, with_privacy)
+from ..ops.robust_aggregation import parse_aggregator, with_robust_aggregate
 from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer, client_optimizer, normalizer
 from ..core.trees import count_params
@@ -182,6 +183,9 @@ class Experiment:
                                           jax.random.fold_in(jax.random.key(cfg.seed), 4), **adaptive,
                                           expected_clients=self.rate * n if poisson else None)
             self.privacy = Accountant(self.rate, cfg.dp_noise, delta, cfg.cohort_sampling)
+        name, params = parse_aggregator(cfg.aggregator)
+        if name != "mean":  # a robust rule over the cohort's updates instead of their mean
+            self.algorithm = with_robust_aggregate(self.algorithm, name, **params)
         server_tx = cfg.server_optimizer()
         if server_tx is not None:  # FedOpt: the aggregate becomes a pseudo-gradient step
             self.algorithm = with_server_optimizer(self.algorithm, server_tx)
