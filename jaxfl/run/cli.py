@@ -66,6 +66,10 @@ HELP = {
                   "mean (the algorithm's own) | median | trimmed_mean[:beta=0.1] | krum[:f=1] | "
                   "multi_krum[:f=1,m=0 (k - f)] | geometric_median[:iters=8] | norm_bound[:bound=1.0] | "
                   "centered_clip[:tau=1.0,iters=1]",
+    "attack": "what the malicious clients do: none | sign_flip[:scale=1] | scale[:scale=10] (model replacement) | "
+              "gaussian[:std=1] | alie[:z=0 (from the cohort)] | ipm[:eps=0.5] (update attacks, averaging "
+              "algorithms) | label_flip (their training labels y -> C-1-y)",
+    "malicious": "the fraction of clients that are malicious, fixed for the run (drawn from --seed)",
     "dp_clip": "user-level differential privacy (DP-FedAvg) of the averaging algorithms: clip each client's "
                "update of the shared parameters to this l2 norm C (needs --weighting uniform; default: off)",
     "dp_noise": "DP-FedAvg noise multiplier z: Gaussian noise of std z*C/k on the mean of the cohort's k "

@@ -13,6 +13,7 @@ from ..core.cohort import SAMPLINGS, STRATEGIES, default_strategy
 from ..core.distributed import is_primary
 from ..core.options import accepts_none, check_int_size, coerce, field_type, plain
 from ..core.privacy import DEFAULT_CLIP_LR, DP_LEVELS
+from ..ops.attacks import ATTACKS, UPDATE_ATTACKS, parse_attack
 from ..ops.robust_aggregation import parse_aggregator
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
@@ -54,6 +55,10 @@ class RunConfig:
     # own) | NAME or NAME:key=value,... of median, trimmed_mean, krum, multi_krum, geometric_median, norm_bound,
     # centered_clip
     aggregator: str = "mean"
+    # malicious clients (``jaxfl.ops.attacks``): the attack (none | sign_flip | scale | gaussian | alie | ipm |
+    # label_flip, NAME:key=value,...) and the fraction of the population that runs it (fixed for the run)
+    attack: str = "none"
+    malicious: float = 0.0
     # user-level differential privacy of the averaging algorithms (DP-FedAvg, ``jaxfl.core.privacy``); None: off
     dp_clip: float | None = None  # C: each client's update of the shared parameters is clipped to l2 norm C
     # user: DP-FedAvg (a client's update clipped); sample: DP-SGD in local training (each sample's gradient
@@ -328,6 +333,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_range("server_beta2", cfg.server_beta2, 0.0, 1.0)
     check_range("server_tau", cfg.server_tau, 0.0, float("inf"), lo_open=True)
     check_aggregator(cfg)
+    check_attack(cfg)
     check_privacy(cfg)
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
@@ -428,6 +434,24 @@ def check_aggregator(cfg: RunConfig) -> None:
     if cfg.dp_clip is not None and cfg.dp_level == "user":
         raise ConfigError(f"--aggregator {cfg.aggregator} with --dp-clip: DP-FedAvg's noise is calibrated to the "
                           f"clipped mean; use one of the two")
+
+
+def check_attack(cfg: RunConfig) -> None:
+    """``attack`` and ``malicious``: a known attack with valid parameters and a fraction in (0, 1) together
+    (neither without the other); an update attack needs an averaging algorithm (``Options.user_dp``)."""
+    name, _ = parse_attack(cfg.attack)
+    if not (isinstance(cfg.malicious, (int, float)) and 0 <= cfg.malicious < 1):
+        raise ConfigError(f"malicious={cfg.malicious!r}: give the fraction of malicious clients, in [0, 1)")
+    if name == "none":
+        if cfg.malicious:
+            raise ConfigError(f"--malicious {cfg.malicious}: malicious clients need an --attack "
+                              f"({', '.join(a for a in ATTACKS if a != 'none')})")
+        return
+    if not cfg.malicious:
+        raise ConfigError(f"--attack {cfg.attack}: give the fraction of malicious clients, --malicious F in (0, 1)")
+    if name in UPDATE_ATTACKS:
+        check_marked(cfg, "user_dp", f"--attack {cfg.attack}: {cfg.algorithm}'s aggregate is not a mean of "
+                                     f"shared parameters alone; update attacks compose with")
 
 
 def check_marked(cfg: RunConfig, mark: str, message: str) -> None:

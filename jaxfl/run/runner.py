@@ -22,6 +22,7 @@ from ..core.dpsgd import SampleDP
 from ..core.privacy import (CLIP_KEY, Accountant, SampleAccountant, bn_stats_shared, calibrate_noise,
                             clients_keep_state, default_delta, has_batch_stats, noise_for_epsilon,
                             value_noise_multiplier, with_privacy)
+from ..ops.attacks import UPDATE_ATTACKS, flip_labels, malicious_clients, parse_attack, with_update_attack
 from ..ops.robust_aggregation import parse_aggregator, with_robust_aggregate
 from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer, client_optimizer, normalizer
@@ -186,6 +187,15 @@ class Experiment:
         name, params = parse_aggregator(cfg.aggregator)
         if name != "mean":  # a robust rule over the cohort's updates instead of their mean
             self.algorithm = with_robust_aggregate(self.algorithm, name, **params)
+        attack, attack_params = parse_attack(cfg.attack)
+        self.malicious = malicious_clients(n, cfg.malicious, cfg.seed) if attack != "none" else None
+        if attack in UPDATE_ATTACKS:  # outermost: the server (its clipping, its robust rule) sees the attack
+            self.algorithm = with_update_attack(self.algorithm, attack, self.malicious,
+                                                jax.random.fold_in(jax.random.key(cfg.seed), 7), **attack_params)
+        elif attack == "label_flip":  # the malicious clients' training labels, once
+            for i in np.flatnonzero(self.malicious):
+                rows = slice(self.train_data.offsets[i], self.train_data.offsets[i] + self.train_data.counts[i])
+                self.train_data.y[rows] = flip_labels(self.train_data.y[rows], ds.num_classes)
         server_tx = cfg.server_optimizer()
         if server_tx is not None:  # FedOpt: the aggregate becomes a pseudo-gradient step
             self.algorithm = with_server_optimizer(self.algorithm, server_tx)
@@ -422,6 +432,9 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
         failpoint("summary")
         with written(out / "summary.json", f"after round {r}", ckpt):
             summary = result.summary()
+            if exp.malicious is not None:  # who attacked, and how
+                summary["attack"] = {"attack": cfg.attack, "malicious_clients": [
+                    names[i] for i in np.flatnonzero(exp.malicious)]}
             if exp.privacy is not None:  # what the run spent: (epsilon, delta) after its last round
                 summary["privacy"] = dict(exp.privacy.report(r), **privacy_settings(cfg, exp.cohort, server))
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
