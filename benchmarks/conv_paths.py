@@ -1,4 +1,4 @@
-"""Convolutions on XLA:CPU (issue 34 item 5): which way of running the FedAvg CNN's local steps is fastest, against
+"""Convolutions on XLA:CPU: which way of running the FedAvg CNN's local steps is fastest, against
 PyTorch (oneDNN) doing the same steps.
 
 One client's local training as the engine runs it: S SGD steps of batch B of the FedAvg CNN (McMahan et al.:

@@ -16,15 +16,16 @@ spent are skipped and listed as such.
                                                               # the vectorized torch baseline
 
 A workload whose runner fails (e.g. out of GPU memory) keeps its other runners' figures; the failure is a row of
-the table. Sessions 18, 19 and 27 measured every workload on an H200 (``benchmarks/results/gpu_h200_*``), so
-``--skip-done benchmarks/results`` goes straight to the parts after them (``extra_parts``), skipping those an
-earlier session measured too: with the budget left and MNIST under ``$JAXFL_DATA_DIR/digits``,
-``benchmarks/backend_choice.py`` (into ``DIR/choice``: does ``jaxfl run`` pick the faster data backend on that
-device?), ``benchmarks/seed_axis.py`` (``DIR/seed_axis.json``: does a round over a seed axis beat one round per
-seed?), both measured in session 34, then ``benchmarks/time_to_accuracy.py`` with the torch loop on the GPU too
-(``DIR/time_to_accuracy_gpu.{json,md}``). The workloads' processes import jaxfl from this checkout.
+the table. Every workload has been measured on an H200 (2026-11-26 and 2026-11-27,
+``benchmarks/results/gpu_h200_*``), so ``--skip-done benchmarks/results`` goes straight to the parts after them
+(``extra_parts``), skipping those an earlier run measured too: with the budget left and MNIST under
+``$JAXFL_DATA_DIR/digits``, ``benchmarks/backend_choice.py`` (into ``DIR/choice``: does ``jaxfl run`` pick the
+faster data backend on that device?), ``benchmarks/seed_axis.py`` (``DIR/seed_axis.json``: does a round over a
+seed axis beat one round per seed?), both measured on the H200 on 2026-11-27, then
+``benchmarks/time_to_accuracy.py`` with the torch loop on the GPU too (``DIR/time_to_accuracy_gpu.{json,md}``).
+The workloads' processes import jaxfl from this checkout.
 
-The small-model workloads (``small:...``, issue 34) run the engine vmapped (one round per call and 10 rounds per
+The small-model workloads (``small:...``) run the engine vmapped (one round per call and 10 rounds per
 call, ``Stacked``), the ragged engine's vmap buckets and the two loops (``GPU_SMALL_RUNNERS``).
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ SUITE = [
     ("skewed:0.1:1000:100", 100), ("skewed:0.1:100:100", 100),
     ("xdev:10", 10), ("xdev:100", 100), ("xdev:1000", 1000),
 ]
-# small models (issue 34): LEAF-like log-normal clients (throughput.SMALL), the cohort sweep on logreg; first,
+# small models: LEAF-like log-normal clients (throughput.SMALL), the cohort sweep on logreg; first,
 # so that the budget never skips them
 SUITE = [("small:logreg:10000:10", 10), ("small:logreg:10000:100", 100), ("small:logreg:10000:1000", 1000),
           ("small:2nn:10000:1000", 1000), ("small:femnist_cnn:1000:100", 100), ("small:char_lstm:1000:100", 100)] + SUITE
@@ -117,7 +118,7 @@ def main(argv=None) -> None:
     for name, output, command in ([] if args.smoke or args.lanes else extra_parts(out)):
         left = budget - (time.perf_counter() - start)
         if skip_dir is not None and any(skip_dir.rglob(Path(output).name)):
-            continue  # an earlier GPU session measured it
+            continue  # an earlier GPU run measured it
         if left < 60 or (name != "seed_axis" and not mnist_available()):
             skipped.append(f"{name} (no budget left, or no MNIST under $JAXFL_DATA_DIR/digits)")
             continue
@@ -157,14 +158,14 @@ def extra_parts(out: Path) -> list[tuple[str, str, list[str]]]:
     ``--skip-done DIR`` skips a part whose output file's name is somewhere under DIR."""
     here = Path(__file__).parent
     return [
-        # does `jaxfl run` pick the faster backend here? (~6 min on an H200; measured in session 34)
+        # does `jaxfl run` pick the faster backend here? (~6 min on an H200; measured 2026-11-27)
         ("backend_choice", str(out / "choice" / "backend_choice.json"),
          [str(here / "backend_choice.py"), "--out", str(out / "choice")]),
-        # a lead for `jaxfl run --seeds`: one round over a seed axis against S rounds (measured in session 34)
+        # a lead for `jaxfl run --seeds`: one round over a seed axis against S rounds (measured on the H200, 2026-11-27)
         ("seed_axis", str(out / "seed_axis.json"),
          [str(here / "seed_axis.py"), "--workload", "logreg,2nn", "--seeds", "3,10", "--strategy", "vmap",
           "--rounds", "10", "--out", str(out / "seed_axis.json")]),
-        # time to accuracy with the torch loop on the GPU too (session 34 measured jaxfl alone there)
+        # time to accuracy with the torch loop on the GPU too (jaxfl alone was measured there on 2026-11-27)
         ("time_to_accuracy", str(out / "time_to_accuracy_gpu.json"),
          [str(here / "time_to_accuracy.py"), "--settings", "2nn_iid,cnn_iid,2nn_noniid", "--frameworks",
           "jaxfl,torch", "--lrs", "0.2", "--out", str(out / "time_to_accuracy_gpu.json"),

@@ -257,7 +257,7 @@ def population(algorithm: str, n_clients: int, rounds: int = 3) -> dict:
             "backend": jax.default_backend()}
 
 
-# Small-model / cross-device workloads (issue 34): FedAvg, plain SGD, one local epoch, batch 10, client sizes
+# Small-model / cross-device workloads: FedAvg, plain SGD, one local epoch, batch 10, client sizes
 # log-normal (median, sigma) like LEAF's statistics (LEAF, Caldas et al. 2018, Table 1):
 #   FEMNIST: 3,550 users, mean 226.83 samples, std 88.94 -> log-normal sigma = sqrt(ln(1 + (88.94/226.83)^2)) = 0.38,
 #            median = 226.83 / sqrt(1 + (88.94/226.83)^2) = 211;

@@ -1,4 +1,4 @@
-"""The twelve methods PFLlib and FL-bench both ship (issue 36) beside FedAvg and local training, on PFLlib's
+"""The twelve methods PFLlib and FL-bench both ship beside FedAvg and local training, on PFLlib's
 "practical" label skew: MNIST (one channel), 20 clients, Dirichlet(0.1) labels, every client every round, batch
 10, one local epoch, plain SGD, each client's test set following its training label mix.
 

@@ -1,4 +1,4 @@
-"""Where a round's time goes (issue 32, item 5): training (the jitted round: local steps and aggregation) and
+"""Where a round's time goes: training (the jitted round: local steps and aggregation) and
 evaluation, each timed after a first pass that compiles it, at an experiment's settings.
 
     JAXFL_DATA_DIR=../shared/data python experiments/profile_round.py --algorithm rfeddis --dataset digits \\

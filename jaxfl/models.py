@@ -46,8 +46,9 @@ def conv2d_matmul(x, kernel, stride: int = 1, padding: int = 0):
     8-22x slower than at top level (the pass that rewrites convolutions into the form its fast library takes
     visits only the entry computation, so autodiff's backward convolutions stay on naive loops; writing them
     canonically by hand removes that but does not beat this function: ``benchmarks/conv_paths.py``,
-    RESULTS.md session 25), and under vmap over per-client kernels it becomes a grouped convolution, which is
-    slow too. Slices and a matmul stay fast in loops and vmap to a batched matmul.
+    ``benchmarks/RESULTS.md``, "Why XLA's convolution is slow inside a loop"), and under vmap over per-client
+    kernels it becomes a grouped convolution, which is slow too. Slices and a matmul stay fast in loops and vmap
+    to a batched matmul.
     """
     kh, kw, ci, co = kernel.shape
     if padding:

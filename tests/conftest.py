@@ -6,10 +6,10 @@ from pathlib import Path
 # -n 2: 355 tests in 12.4 min, against 293 tests in 16.4 min before). Set before jax creates its CPU backend;
 # subprocess checks (sharding, multihost) inherit it. XLA:CPU's MLIR fusion emitters (the default) compile a
 # third slower than its older LLVM IR emitters: four of the slowest tests took 29.6 s with them, 20.1-21.0 s
-# without, the suite 11 min 40 s against 6 min 47 s (session 18). The older emitters round differently in
+# without, the suite 11 min 40 s against 6 min 47 s (2026-11-26). The older emitters round differently in
 # different programs, though: a test that claims two *different* programs agree bit for bit (a reduction run
 # as another algorithm, K rounds per call against one) compiles, through ``default_codegen``, with the default
-# emitters, the code generator users run (in the same process since session 28: ~20 s less than a pytest
+# emitters, the code generator users run (in the same process since commit 8c21520: ~20 s less than a pytest
 # subprocess per such test). JAXFL_TEST_DEFAULT_CODEGEN=1 runs the whole suite with the default emitters.
 DEFAULT_CODEGEN = os.environ.get("JAXFL_TEST_DEFAULT_CODEGEN") == "1"
 FAST_CODEGEN_FLAG = "--xla_cpu_use_fusion_emitters=false"

@@ -1,4 +1,4 @@
-"""Runs that survive faults (issue 35): one writer per run folder, damaged checkpoints, a full disk, SIGTERM.
+"""Runs that survive faults: one writer per run folder, damaged checkpoints, a full disk, SIGTERM.
 
 Each fault must end in one line (never a traceback), leave the log clean, and resume bit-identically."""
 import json

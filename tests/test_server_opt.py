@@ -105,7 +105,7 @@ def test_sgd_at_server_lr_one_is_the_algorithm_itself_bitwise():
 @pytest.mark.parametrize("name", ["fedala", "feddbe"])
 @bit_identity("server SGD at lr 1 without momentum returns the aggregate itself")
 def test_sgd_at_server_lr_one_leaves_the_newer_averaging_methods_bitwise_unchanged(name):
-    # two of issue 36's averaging methods whose server differs from FedAvg's (their first two rounds: FedDBE's
+    # two of the newer averaging methods whose server differs from FedAvg's (their first two rounds: FedDBE's
     # round 0 keeps the model, FedALA's server holds parameters only); the others' aggregate is FedAvg's mean
     data = make_data([12, 20, 7])
     alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(),

@@ -173,7 +173,7 @@ def pooled_std(std_a: float, std_b: float) -> float:
 
 
 def agreement_bound(std_a: float, std_b: float) -> float:
-    """Issue 32's criterion for two sides' mean accuracies (points): they agree when
+    """The agreement criterion for two sides' mean accuracies (points): they agree when
     |mean_a - mean_b| <= max(2 pooled_std(std_a, std_b), 1.5)."""
     return max(2 * pooled_std(std_a, std_b), 1.5)
 

@@ -45,7 +45,7 @@ What is replaced, and how it is matched:
   its ``local_eval`` measures it), and ``train_helpers``, each client's count of candidates with a positive
   weight this round (jaxfl logs the same count under that key), as extra columns.
 
-``--compare``: final and last-5 mean accuracy of both sides, the difference and issue 32's criterion
+``--compare``: final and last-5 mean accuracy of both sides, the difference and the agreement criterion
 (``pfl_setting.compare_methods``). See experiments/official/fedfomo.md.
 """
 from __future__ import annotations

@@ -182,7 +182,7 @@ def run(args) -> None:
 
 
 def compare(args) -> None:
-    """The comparison table (``pfl_setting.compare_methods``: final and last-5 mean accuracy, issue 32's
+    """The comparison table (``pfl_setting.compare_methods``: final and last-5 mean accuracy, the agreement
     criterion) and, with ``--figure``, the curves."""
     compare_and_write(args, "official", {"fedproto": True},
                       f"FedProto's official code ({REPO} {args.commit[:7]}) vs jaxfl on jaxfl's inputs (pfl_methods' "

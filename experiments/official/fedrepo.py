@@ -42,7 +42,7 @@ What is replaced, and how it is matched:
 Differences by design (``METHODS``): FedAvg and FedNova weight clients uniformly in FedRepo, by training samples in
 jaxfl (and in the official FedNova); 2 of the 20 clients hold fewer than 500 images (187 and 363 on seed 0).
 
-``--compare``: per method, final and last-5 mean accuracy of both sides, the difference and issue 32's criterion
+``--compare``: per method, final and last-5 mean accuracy of both sides, the difference and the agreement criterion
 (``pfl_setting.compare_methods``), as the PFLlib adapter reports it. See experiments/official/fedrepo.md.
 
 Stragglers (``experiments/fedprox_stragglers.py``'s setting; chosen when the jaxfl run's model is ``logreg``):

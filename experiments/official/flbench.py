@@ -41,7 +41,7 @@ What is replaced, and how it is matched:
 Differences by design: FL-bench weighs the uploads uniformly (weight 1), jaxfl's runs by training samples (18 of the
 20 clients hold 500 images).
 
-``--compare``: per variant, final and last-5 mean accuracy of both sides, the difference and issue 32's criterion
+``--compare``: per variant, final and last-5 mean accuracy of both sides, the difference and the agreement criterion
 (``pfl_setting.compare_methods``). See experiments/official/flbench.md.
 """
 from __future__ import annotations

@@ -89,7 +89,7 @@ def compare_methods(ec, label: str, official: dict[str, bool], official_logs: Pa
                     seeds: list[int]) -> tuple[str, dict]:
     """Per method of ``official`` ({variant: whether ``label``'s code is the method's official code}) that both
     sides logged for every seed (``official_logs/seed<s>/<variant>/``, ``jaxfl_runs(jaxfl_logs, s)``): final and
-    last-5 mean accuracy (mean ± std over seeds), the difference of the final means and issue 32's criterion
+    last-5 mean accuracy (mean ± std over seeds), the difference of the final means and the agreement criterion
     max(2 pooled seed-stds, 1.5 points). Returns the markdown table and {variant: {label: runs, "jaxfl": runs}}
     for ``plot_panels``."""
     load = lambda path: [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]

@@ -1,5 +1,6 @@
 """PFLlib's training loops (TsingZ0/PFLlib, HEAD d832e76) for the methods of ``experiments/pfl_methods.py``,
-on jaxfl's exact inputs: a result-level check of the issue-36 methods against a reference implementation.
+on jaxfl's exact inputs: a result-level check of the twelve PFLlib / FL-bench methods against a reference
+implementation.
 
     PFLLIB_OFFICIAL=/path/to/PFLlib JAXFL_DATA_DIR=../shared/data python experiments/official/pfllib.py \\
         --method fedala --jaxfl-run experiments/logs/pfl_methods/seed0/fedala_lr0.05 \\
