@@ -222,7 +222,7 @@ def test_help_lists_every_algorithms_options(capsys):
     assert "--fedselect.grow-every" in out and "r mod K = 0" in out and "fedpick options" in out
     # --dataset lists every preset and prefix the loader takes (generated from jaxfl.data.federated)
     assert ("default (embedded, offline) | digits | pacs | cifar10 | mnist | synthetic_text | tfds:NAME | "
-            "folder:PATH | text:PATH | leaf:PATH") in out
+            "folder:PATH | text:PATH | leaf:PATH | leaf_femnist:PATH") in out
 
 
 def test_labels_saved_as_a_column_are_read_as_one_class_per_sample(tmp_path):

@@ -237,3 +237,59 @@ def test_text_folder_and_leaf_json(tmp_path):
         (tmp_path / "leaf" / "train" / "all.json").write_text(json.dumps({"users": ["A"], "user_data": {"A": bad}}))
         with pytest.raises(DataError, match=message):
             load_dataset(DataConfig(f"leaf:{tmp_path / 'leaf'}"))
+
+
+def write_leaf_femnist(root, users_by_file, split_sizes=(("train", 5), ("test", 2)), seed=0):
+    """LEAF's FEMNIST json under root/{train,test}/: users_by_file [[user, ...], ...] (a file each), every
+    user with n images of 784 floats in [0, 1] and labels in [0, 62) per split."""
+    import json
+    rng = np.random.default_rng(seed)
+    for split, n in split_sizes:
+        (root / split).mkdir(parents=True, exist_ok=True)
+        for f, users in enumerate(users_by_file):
+            data = {u: {"x": rng.random((n, 784)).round(3).tolist(), "y": rng.integers(0, 62, n).tolist()}
+                    for u in users}
+            (root / split / f"part{f}.json").write_text(json.dumps(
+                {"users": users, "num_samples": [n] * len(users), "user_data": data}))
+
+
+def test_leaf_femnist_reads_writers_as_clients(tmp_path):
+    import json
+    write_leaf_femnist(tmp_path / "fem", [["f0001_01", "f0002_02"], ["f0003_03"]])
+    ds = load_dataset(DataConfig(f"leaf_femnist:{tmp_path / 'fem'}", channels=1))
+    assert ds.client_names == ["f0001_01", "f0002_02", "f0003_03"] and ds.num_classes == 62
+    assert [len(y) for _, y in ds.train] == [5, 5, 5] and [len(y) for _, y in ds.test] == [2, 2, 2]
+    x, y = ds.train[2]
+    assert x.shape == (5, 28, 28, 1) and x.dtype == np.uint8 and y.dtype == np.int32
+    raw = json.loads((tmp_path / "fem" / "train" / "part1.json").read_text())["user_data"]["f0003_03"]
+    np.testing.assert_array_equal(x.reshape(5, -1), np.round(np.asarray(raw["x"]) * 255).astype(np.uint8))
+    np.testing.assert_array_equal(y, raw["y"])
+    # a writer missing from the test split is dropped; bad values are named with the writer and the file
+    write_leaf_femnist(tmp_path / "part", [["a", "b"]], (("train", 3),))
+    write_leaf_femnist(tmp_path / "part", [["a"]], (("test", 1),))
+    assert load_dataset(DataConfig(f"leaf_femnist:{tmp_path / 'part'}")).client_names == ["a"]
+    for change, message in [(lambda d: d["x"][0].append(0.5), "has an image of 785 values; FEMNIST's have 784"),
+                            (lambda d: d["x"][0].__setitem__(0, 3.0), "pixel values outside \\[0, 1\\]"),
+                            (lambda d: d["y"].__setitem__(0, 62), "has a label 62 outside \\[0, 62\\)"),
+                            (lambda d: d["y"].pop(), "has 5 images \\(x\\) and 4 labels \\(y\\)")]:
+        bad = tmp_path / "bad"
+        write_leaf_femnist(bad, [["w"]])
+        blob = json.loads((bad / "train" / "part0.json").read_text())
+        change(blob["user_data"]["w"])
+        (bad / "train" / "part0.json").write_text(json.dumps(blob))
+        with pytest.raises(DataError, match=message):
+            load_dataset(DataConfig(f"leaf_femnist:{bad}"))
+    with pytest.raises(DataError, match="does not exist"):
+        load_dataset(DataConfig(f"leaf_femnist:{tmp_path / 'nowhere'}"))
+
+
+def test_leaf_femnist_runs_through_the_cli(tmp_path):
+    import json
+
+    from jaxfl.run.cli import main
+    write_leaf_femnist(tmp_path / "fem", [["w1", "w2"], ["w3", "w4"]], (("train", 12), ("test", 4)))
+    assert main(["run", "--quiet", "--algorithm", "fedavg", "--dataset", f"leaf_femnist:{tmp_path / 'fem'}",
+                 "--model", "femnist_cnn", "--channels", "1", "--rounds", "1", "--clients-per-round", "2",
+                 "--out", str(tmp_path / "r")]) == 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["clients"] == ["w1", "w2", "w3", "w4"] and summary["last"]["round"] == 1

@@ -201,6 +201,15 @@ def _leaf(cfg, rng, path):
     return FederatedDataset(Path(path).name, list(users), train, test, text.VOCAB)
 
 
+def _leaf_femnist(cfg, rng, path):
+    from .leaf import FEMNIST_CLASSES, load_leaf_femnist
+    users = load_leaf_femnist(path)
+    size = cfg.image_size or 28
+    train = [_cap(prepare(x, size, cfg.channels), y, cfg.samples_per_client, rng) for (x, y), _ in users.values()]
+    test = [_cap(prepare(x, size, cfg.channels), y, cfg.test_per_client, rng) for _, (x, y) in users.values()]
+    return FederatedDataset(Path(path).name, list(users), train, test, FEMNIST_CLASSES)
+
+
 PRESETS = {
     "default": _default,
     "digits": _digits,
@@ -209,16 +218,18 @@ PRESETS = {
     "mnist": _npz_label_skew("digits", "mnist", "test", 10, 28, "dirichlet"),
     "synthetic_text": _synthetic_text,
 }
-PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": _leaf}
+PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": _leaf, "leaf_femnist:": _leaf_femnist}
 TEXT_DATASETS = ("synthetic_text", "text:", "leaf:")  # token ids, for the char_lstm model
 TFDS_NAMES = ("mnist", "svhn_cropped", "cifar10", "cifar100", "domainnet")
-PREFIX_ARGUMENT = {"tfds:": "NAME", "folder:": "PATH", "text:": "PATH", "leaf:": "PATH"}  # what follows each prefix
+# what follows each prefix
+PREFIX_ARGUMENT = {"tfds:": "NAME", "folder:": "PATH", "text:": "PATH", "leaf:": "PATH", "leaf_femnist:": "PATH"}
 DATASET_NAMES = tuple(PRESETS) + tuple(p + PREFIX_ARGUMENT[p] for p in PREFIXES)
 
 
 def load_dataset(cfg: DataConfig) -> FederatedDataset:
     """Build a FederatedDataset from a preset name, ``tfds:NAME``, ``folder:PATH`` (images), ``text:PATH`` (a
-    folder of per-client .txt files) or ``leaf:PATH`` (LEAF's Shakespeare json), seeded by cfg.seed."""
+    folder of per-client .txt files), ``leaf:PATH`` (LEAF's Shakespeare json) or ``leaf_femnist:PATH`` (LEAF's
+    FEMNIST json, one client per writer: ``jaxfl.data.leaf``), seeded by cfg.seed."""
     rng = np.random.default_rng(cfg.seed)
     if cfg.channels not in (1, 3):
         raise DataError(f"channels={cfg.channels}; allowed: 1 or 3")

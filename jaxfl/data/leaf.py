@@ -1,0 +1,85 @@
+"""LEAF's image benchmarks in their own file format, with their natural clients (one client per writer).
+
+FEMNIST (Caldas et al., "LEAF: A Benchmark for Federated Settings", 2018): LEAF's preprocessing writes
+``train/*.json`` and ``test/*.json``, each ``{"users": [...], "num_samples": [...], "user_data": {user: {"x":
+[[784 floats in [0, 1]], ...], "y": [int in [0, 62)]}}}``; a writer's samples may be spread over several files.
+``load_leaf_femnist`` reads both splits, keeps the writers present in both, and returns 28x28x1 uint8 images
+(255 v, rounded; the values as LEAF stores them, background included) and int32 labels.
+
+Nothing is downloaded: produce the files with LEAF's ``preprocess.sh`` (e.g. ``./preprocess.sh -s niid --sf 0.05
+-k 0 -t sample`` in ``leaf/data/femnist``) and pass ``--dataset leaf_femnist:PATH`` with PATH holding ``train/``
+and ``test/``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError
+
+FEMNIST_CLASSES = 62
+FEMNIST_PIXELS = 28 * 28
+
+
+def _read_split(root: Path, split: str) -> dict[str, tuple[list, list]]:
+    files = sorted((root / split).glob("*.json"))
+    if not files:
+        raise DataError(f"no LEAF json files in {str(root / split)!r}; expected train/*.json and test/*.json")
+    data: dict[str, tuple[list, list]] = {}
+    for f in files:
+        try:
+            blob = json.loads(f.read_text())
+            for user in blob["users"]:
+                d = blob["user_data"][user]
+                if len(d["x"]) != len(d["y"]):
+                    raise DataError(f"{str(f)!r}: LEAF user {user!r} has {len(d['x'])} images (x) and "
+                                    f"{len(d['y'])} labels (y); they must pair up")
+                xs, ys = data.setdefault(user, ([], []))
+                xs.extend(d["x"])
+                ys.extend(d["y"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{str(f)!r} is not LEAF json (users, user_data[user].x / .y): {e}") from None
+    return data
+
+
+def _images(user: str, xs: list, ys: list, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """A writer's samples as uint8 [n, 28, 28, 1] and int32 [n]; DataError naming the writer and the split for
+    an image that is not 784 values in [0, 1] or a label outside [0, 62)."""
+    bad = [v for v in xs if not (isinstance(v, list) and len(v) == FEMNIST_PIXELS)]
+    if bad:
+        got = f"{len(bad[0])} values" if isinstance(bad[0], list) else f"a {type(bad[0]).__name__}"
+        raise DataError(f"{where}: LEAF user {user!r} has an image of {got}; FEMNIST's have {FEMNIST_PIXELS} "
+                        f"(28 x 28)")
+    try:
+        x = np.asarray(xs, np.float32).reshape(len(xs), -1) if xs else np.zeros((0, FEMNIST_PIXELS), np.float32)
+        y = np.asarray(ys, np.int64).reshape(-1) if ys else np.zeros((0,), np.int64)
+    except (ValueError, TypeError):
+        raise DataError(f"{where}: LEAF user {user!r} has an image that is not a list of {FEMNIST_PIXELS} numbers "
+                        f"or a label that is not an integer") from None
+    if not (np.isfinite(x).all() and (x >= 0).all() and (x <= 1).all()):
+        raise DataError(f"{where}: LEAF user {user!r} has pixel values outside [0, 1] (or NaN); FEMNIST stores "
+                        f"floats in [0, 1]")
+    if len(y) and not ((y >= 0).all() and (y < FEMNIST_CLASSES).all()):
+        raise DataError(f"{where}: LEAF user {user!r} has a label {int(y[(y < 0) | (y >= FEMNIST_CLASSES)][0])} "
+                        f"outside [0, {FEMNIST_CLASSES})")
+    images = np.round(x * 255).astype(np.uint8).reshape(-1, 28, 28, 1)
+    return images, y.astype(np.int32)
+
+
+Split = tuple[np.ndarray, np.ndarray]
+
+
+def load_leaf_femnist(path: str | Path) -> dict[str, tuple[Split, Split]]:
+    """{writer: ((x_train, y_train), (x_test, y_test))} from LEAF's FEMNIST json under ``path``
+    (``train/``, ``test/``), writers sorted, those missing from either split dropped."""
+    root = Path(path)
+    if not root.is_dir():
+        raise DataError(f"LEAF folder {str(root)!r} does not exist (it should hold train/*.json and test/*.json)")
+    train, test = _read_split(root, "train"), _read_split(root, "test")
+    users = sorted(set(train) & set(test))
+    if not users:
+        raise DataError(f"no LEAF user appears in both {str(root / 'train')!r} and {str(root / 'test')!r}")
+    return {u: (_images(u, *train[u], str(root / "train")), _images(u, *test[u], str(root / "test")))
+            for u in users}
