@@ -196,6 +196,19 @@ def test_summary_names_last_best_mean_and_per_client_best():
     s = summarize(hist, ["a", "b"])
     assert s["last"]["round"] == 3 and s["best_mean_round"]["round"] == 2
     assert s["best_per_client"]["accuracy"] == [0.8, 0.9]
+    assert s["last"]["spread"]["mean"] == pytest.approx(0.6) and s["last"]["spread"]["std"] == pytest.approx(0)
+
+
+def test_client_spread_by_its_definition():
+    from jaxfl.core.metrics import client_spread
+    values = [0.9, None, 0.1, 0.5, float("nan"), 0.3, 0.7, 0.2, 0.8, 0.4, 0.6, 1.0, 0.0]  # 11 real, 2 absent
+    s = client_spread(values)
+    real = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+    assert s["mean"] == pytest.approx(real.mean()) and s["std"] == pytest.approx(real.std())
+    # linear interpolation between order statistics: rank 0.1 * 10 = 1 -> 0.1; the median 0.5; 0.9
+    assert (s["p10"], s["p50"], s["p90"]) == pytest.approx((0.1, 0.5, 0.9))
+    assert s["worst10_mean"] == pytest.approx((0.0 + 0.1) / 2)  # ceil(1.1) = 2 worst clients
+    assert all(np.isnan(v) for v in client_spread([None, float("nan")]).values())
 
 
 @pytest.mark.parametrize("args,message", [

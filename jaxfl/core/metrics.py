@@ -43,3 +43,16 @@ def correct_count(logits, labels, weights):
     """Number of real samples whose argmax prediction equals the label: logits [B, C], labels int [B],
     weights [B] (1 real, 0 padding) -> [] (float)."""
     return jnp.sum(weights * (jnp.argmax(logits, -1) == labels))
+
+
+def client_spread(values) -> dict:
+    """How a per-client metric spreads over the clients (NaN: a client without a value, left out): the mean,
+    the population std, the 10th / 50th / 90th percentiles (linear interpolation) and the mean of the worst
+    10% (the ceil(0.1 n) smallest values). values [n] -> {name: float}; all NaN when no client has a value."""
+    v = np.asarray([np.nan if x is None else x for x in values], np.float64)
+    v = np.sort(v[np.isfinite(v)])
+    if not len(v):
+        return {k: float("nan") for k in ("mean", "std", "p10", "p50", "p90", "worst10_mean")}
+    p10, p50, p90 = np.percentile(v, [10, 50, 90])
+    return {"mean": float(v.mean()), "std": float(v.std()), "p10": float(p10), "p50": float(p50),
+            "p90": float(p90), "worst10_mean": float(v[:max(1, int(np.ceil(0.1 * len(v))))].mean())}

@@ -18,6 +18,7 @@ from ..core.cost import backend_seconds, train_flops_per_sample
 from ..core.cost import lane_overhead as cost_lane_overhead
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
 from ..core.evaluate import Evaluator
+from ..core.metrics import client_spread
 from ..core.dpsgd import SampleDP
 from ..core.privacy import (CLIP_KEY, Accountant, SampleAccountant, bn_stats_shared, calibrate_noise,
                             clients_keep_state, default_delta, has_batch_stats, noise_for_epsilon,
@@ -71,6 +72,8 @@ def summarize(history: list[dict], names: list[str]) -> dict:
     - ``last``: accuracies after the final round;
     - ``best_mean_round``: the single round whose unweighted mean over clients is highest;
     - ``best_per_client``: each client's own maximum over rounds (may come from different rounds).
+    ``last.spread``: how the final accuracies spread over the clients (``core.metrics.client_spread``: std,
+    10th/50th/90th percentiles, the worst 10%'s mean).
     """
     evals = [h for h in history if "test_accuracy" in h]
     if not evals:
@@ -81,7 +84,8 @@ def summarize(history: list[dict], names: list[str]) -> dict:
     return {
         "clients": names,
         "last": {"round": evals[-1]["round"], "accuracy": evals[-1]["test_accuracy"],
-                 "mean_accuracy": evals[-1]["mean_accuracy"], "weighted_accuracy": evals[-1]["weighted_accuracy"]},
+                 "mean_accuracy": evals[-1]["mean_accuracy"], "weighted_accuracy": evals[-1]["weighted_accuracy"],
+                 "spread": client_spread(evals[-1]["test_accuracy"])},
         "best_mean_round": {"round": evals[best]["round"], "accuracy": evals[best]["test_accuracy"],
                             "mean_accuracy": evals[best]["mean_accuracy"],
                             "weighted_accuracy": evals[best]["weighted_accuracy"]},
