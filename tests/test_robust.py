@@ -79,6 +79,34 @@ def test_krum_scores_and_multi_krum_select_the_central_rows():
     assert int(one.sum()) == 1
 
 
+def np_bulyan(x, f):
+    k = len(x)
+    theta, left, chosen = max(k - 2 * f, 1), list(range(k)), []
+    for _ in range(theta):
+        sub = x[left]
+        scores = np_krum_scores(sub, f)
+        best = left[int(np.argmin(scores))]
+        chosen.append(best)
+        left.remove(best)
+    sel = x[sorted(chosen)]
+    beta = max(theta - 2 * f, 1)
+    med = np.median(sel, axis=0)
+    order = np.argsort(np.abs(sel - med), axis=0, kind="stable")[:beta]
+    return np.take_along_axis(sel, order, axis=0).mean(0), sorted(chosen)
+
+
+@pytest.mark.parametrize("f", [0, 1])
+def test_bulyan_is_its_definition_on_the_present_rows(f):
+    x, present = problem(2)
+    real = x[:K].astype(np.float64)
+    agg, selected = jax.jit(robust.bulyan, static_argnums=2)(x, present, f)
+    want, chosen = np_bulyan(real, f)
+    np.testing.assert_array_equal(np.flatnonzero(selected), chosen)
+    np.testing.assert_allclose(agg, want, rtol=1e-5, atol=1e-6)
+    if f:  # one attacker assumed: the outlier row is left out and does not move the aggregate
+        assert not selected[K - 1] and abs(float(agg[0])) < 5
+
+
 def test_geometric_median_norm_bound_and_centered_clip():
     x, present = problem()
     real = x[:K].astype(np.float64)

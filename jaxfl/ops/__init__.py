@@ -25,7 +25,7 @@ dense        small networks beside the model (FedCP's policy, GPFL's valve): den
              layer_norm
 clustering   (FPL) finch_partition, cluster_prototypes
 robust       Byzantine-robust aggregation over the client axis, masked: coordinate_median, trimmed_mean,
-             pairwise_sq_distances, krum_scores, multi_krum, geometric_median, norm_bounded_mean, centered_clip,
+             pairwise_sq_distances, krum_scores, multi_krum, bulyan, geometric_median, norm_bounded_mean, centered_clip,
              tree_robust
 robust_aggregation  one of them in place of an averaging algorithm's mean (``--aggregator``): parse_aggregator,
              robust_rule, robust_params, with_robust_aggregate

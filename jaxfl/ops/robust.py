@@ -13,6 +13,8 @@ trimmed_mean        per coordinate, the mean of the present values without the b
 krum_scores         s_i = sum of ||x_i - x_j||^2 over the k - f - 2 present j != i closest to x_i (Blanchard et
                     al., NeurIPS 2017); absent rows score +inf
 multi_krum          the mean of the m present rows of smallest Krum score (m = 1: Krum)
+bulyan              theta = k - 2f rows chosen one at a time by Krum among those left, then per coordinate the
+                    mean of the beta = theta - 2f chosen values closest to their median (El Mhamdi et al., 2018)
 geometric_median    argmin_z sum_i w_i ||x_i - z||, by smoothed Weiszfeld iterations (Pillutla et al., RFA, 2022)
 norm_bounded_mean   the weighted mean of x_i min(1, M / ||x_i||) (Sun et al., 2019)
 centered_clip       v <- v + mean_i clip(x_i - v, tau), L times from v0 (Karimireddy et al., ICML 2021)
@@ -76,6 +78,30 @@ def multi_krum(x, present, f: int, m: int = 1):
     selected = present & (rank < m)
     w = selected.astype(x.dtype)
     return jnp.sum(w[:, None] * _present_values(x, present, 0.0), axis=0) / jnp.maximum(jnp.sum(w), 1.0), selected
+
+
+def bulyan(x, present, f: int):
+    """Bulyan over the present rows: theta = max(k - 2f, 1) rows selected one after another, each the Krum
+    choice (``krum_scores`` with f, ties by index) among the rows not yet selected; then per coordinate the mean
+    of the beta = max(theta - 2f, 1) selected values closest to the selected values' median (ties by row).
+    The paper asks for k >= 4f + 3. x [N, D], present [N] bool -> ([D], selected [N] bool)."""
+    k = jnp.sum(present)
+    theta = jnp.maximum(k - 2 * f, 1)
+
+    def pick(i, selected):
+        left = present & ~selected
+        # (a last row left has no neighbour: its score is inf, still below the rows not left)
+        scores = jnp.where(left, jnp.minimum(krum_scores(x, left, f), jnp.finfo(x.dtype).max), jnp.inf)
+        return jnp.where(i < theta, selected.at[jnp.argmin(scores)].set(True), selected)
+
+    selected = jax.lax.fori_loop(0, x.shape[0], pick, jnp.zeros(x.shape[0], bool))
+    beta = jnp.maximum(theta - 2 * f, 1)
+    med = coordinate_median(x, selected)
+    z = _present_values(x, selected, 0.0)
+    dist = jnp.where(selected[:, None], jnp.abs(z - med), jnp.inf)
+    rank = jnp.argsort(jnp.argsort(dist, axis=0, stable=True), axis=0, stable=True)
+    keep = (rank < beta) & selected[:, None]
+    return jnp.sum(jnp.where(keep, z, 0.0), axis=0) / beta.astype(x.dtype), selected
 
 
 def geometric_median(x, present, weights=None, iters: int = 8, nu: float = 1e-6):

@@ -13,6 +13,8 @@ so distance-based rules see whole updates):
     trimmed_mean      coordinate-wise mean without the floor(beta k) largest and smallest values (beta in [0, 1/2))
     krum              the update of smallest Krum score, f Byzantine rows assumed (Blanchard et al., NeurIPS 2017)
     multi_krum        the mean of the m updates of smallest Krum score (m default k - f)
+    bulyan            k - 2f updates chosen by repeated Krum, then per coordinate the mean of the k - 4f values
+                      closest to their median (El Mhamdi et al., ICML 2018)
     geometric_median  smoothed Weiszfeld iterations, weighted by the aggregation weights (Pillutla et al., RFA)
     norm_bound        the weighted mean of Δ_i min(1, bound / ||Δ_i||) (Sun et al., 2019)
     centered_clip     v <- v + mean_i clip(Δ_i - v, tau), ``iters`` times from v = 0 (Karimireddy et al., 2021)
@@ -24,7 +26,7 @@ aggregation weights (``--weighting``). The rules are translation-equivariant exc
 centered_clip, which is why they act on updates, not on models.
 
 Deviations: centered clipping starts from v = 0 each round (the paper's momentum variant starts from the
-previous round's aggregate); Bulyan is not among the rules yet.
+previous round's aggregate).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ RULES = {
     "trimmed_mean": {"beta": 0.1},
     "krum": {"f": 1},
     "multi_krum": {"f": 1, "m": 0},
+    "bulyan": {"f": 1},
     "geometric_median": {"iters": 8},
     "norm_bound": {"bound": 1.0},
     "centered_clip": {"tau": 1.0, "iters": 1},
@@ -94,6 +97,8 @@ def robust_rule(name: str, **params) -> Callable:
             m = 1 if name == "krum" else (params["m"] or jnp.maximum(jnp.sum(present) - f, 1))
             return robust.multi_krum(x, present, f, m)[0]
         return krum
+    if name == "bulyan":
+        return lambda x, present, w: robust.bulyan(x, present, params["f"])[0]
     if name == "geometric_median":
         return lambda x, present, w: robust.geometric_median(x, present, w, iters=params["iters"])
     if name == "norm_bound":

@@ -64,7 +64,7 @@ HELP = {
     "server_tau": "adagrad/adam/yogi: adaptivity tau (added to sqrt(v))",
     "aggregator": "robust aggregation of the averaging algorithms' shared parameters, over the cohort's updates: "
                   "mean (the algorithm's own) | median | trimmed_mean[:beta=0.1] | krum[:f=1] | "
-                  "multi_krum[:f=1,m=0 (k - f)] | geometric_median[:iters=8] | norm_bound[:bound=1.0] | "
+                  "multi_krum[:f=1,m=0 (k - f)] | bulyan[:f=1] | geometric_median[:iters=8] | norm_bound[:bound=1.0] | "
                   "centered_clip[:tau=1.0,iters=1]",
     "attack": "what the malicious clients do: none | sign_flip[:scale=1] | scale[:scale=10] (model replacement) | "
               "gaussian[:std=1] | alie[:z=0 (from the cohort)] | ipm[:eps=0.5] (update attacks, averaging "
