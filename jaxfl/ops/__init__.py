@@ -31,6 +31,8 @@ robust_aggregation  one of them in place of an averaging algorithm's mean (``--a
              robust_rule, robust_params, with_robust_aggregate
 attacks      malicious clients (``--attack``, ``--malicious``): parse_attack, malicious_clients, flip_labels,
              alie_z, attacked_updates (sign flip, scaling, Gaussian, ALIE, IPM), with_update_attack
+compression  update codecs (``--compression``): topk, randk, stochastic_quantize, qsgd, sign_compress,
+             walsh_hadamard, rotated, decode, message_bits, with_compression
 diagnostics  expected_calibration_error, auroc, sparsity_ratio, sparsity_per_sample, fisher_score,
              fisher_selection_probe, knn_predict, overlap_ratio, selection_ratio, layer_positions, masked_flops
 
@@ -38,4 +40,4 @@ The aggregation reductions over the client axis (weighted_mean, masked_mean, rec
 are the engine's: ``jaxfl.core.aggregation``.
 """
 from . import clustering, dense, diagnostics, evidential, gp, hypernet, losses, masks, qp, robust  # noqa: F401
-from . import attacks, robust_aggregation  # noqa: F401
+from . import attacks, compression, robust_aggregation  # noqa: F401

@@ -14,6 +14,7 @@ from ..core.distributed import is_primary
 from ..core.options import accepts_none, check_int_size, coerce, field_type, plain
 from ..core.privacy import DEFAULT_CLIP_LR, DP_LEVELS
 from ..ops.attacks import ATTACKS, UPDATE_ATTACKS, parse_attack
+from ..ops.compression import parse_compression
 from ..ops.robust_aggregation import parse_aggregator
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
@@ -59,6 +60,9 @@ class RunConfig:
     # label_flip, NAME:key=value,...) and the fraction of the population that runs it (fixed for the run)
     attack: str = "none"
     malicious: float = 0.0
+    # update compression of the averaging algorithms (``jaxfl.ops.compression``): none | topk | randk | quantize |
+    # qsgd | sign, NAME:key=value,...
+    compression: str = "none"
     # user-level differential privacy of the averaging algorithms (DP-FedAvg, ``jaxfl.core.privacy``); None: off
     dp_clip: float | None = None  # C: each client's update of the shared parameters is clipped to l2 norm C
     # user: DP-FedAvg (a client's update clipped); sample: DP-SGD in local training (each sample's gradient
@@ -335,6 +339,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_range("server_tau", cfg.server_tau, 0.0, float("inf"), lo_open=True)
     check_aggregator(cfg)
     check_attack(cfg)
+    check_compression(cfg)
     check_privacy(cfg)
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
@@ -453,6 +458,19 @@ def check_attack(cfg: RunConfig) -> None:
     if name in UPDATE_ATTACKS:
         check_marked(cfg, "user_dp", f"--attack {cfg.attack}: {cfg.algorithm}'s aggregate is not a mean of "
                                      f"shared parameters alone; update attacks compose with")
+
+
+def check_compression(cfg: RunConfig) -> None:
+    """``compression``: a known codec with valid parameters, for an averaging algorithm (``Options.user_dp``),
+    not under user-level DP (its noise is calibrated to the uncompressed clipped mean)."""
+    name, _ = parse_compression(cfg.compression)
+    if name == "none":
+        return
+    check_marked(cfg, "user_dp", f"--compression {cfg.compression}: {cfg.algorithm}'s aggregate is not a mean of "
+                                 f"shared parameters alone; update compression composes with")
+    if cfg.dp_clip is not None and cfg.dp_level == "user":
+        raise ConfigError(f"--compression {cfg.compression} with --dp-clip: DP-FedAvg's noise is calibrated to the "
+                          f"uncompressed clipped mean; use one of the two")
 
 
 def check_marked(cfg: RunConfig, mark: str, message: str) -> None:

@@ -23,6 +23,7 @@ from ..core.dpsgd import SampleDP
 from ..core.privacy import (CLIP_KEY, Accountant, SampleAccountant, bn_stats_shared, calibrate_noise,
                             clients_keep_state, default_delta, has_batch_stats, noise_for_epsilon,
                             value_noise_multiplier, with_privacy)
+from ..ops.compression import parse_compression, with_compression
 from ..ops.attacks import UPDATE_ATTACKS, flip_labels, malicious_clients, parse_attack, with_update_attack
 from ..ops.robust_aggregation import parse_aggregator, with_robust_aggregate
 from ..core.server_opt import with_server_optimizer
@@ -191,6 +192,10 @@ class Experiment:
         name, params = parse_aggregator(cfg.aggregator)
         if name != "mean":  # a robust rule over the cohort's updates instead of their mean
             self.algorithm = with_robust_aggregate(self.algorithm, name, **params)
+        codec, codec_params = parse_compression(cfg.compression)
+        if codec != "none":  # what the server receives: decoded updates (the robust rule reads them)
+            self.algorithm = with_compression(self.algorithm, codec, jax.random.fold_in(jax.random.key(cfg.seed), 8),
+                                              **codec_params)
         attack, attack_params = parse_attack(cfg.attack)
         self.malicious = malicious_clients(n, cfg.malicious, cfg.seed) if attack != "none" else None
         if attack in UPDATE_ATTACKS:  # outermost: the server (its clipping, its robust rule) sees the attack

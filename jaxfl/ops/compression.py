@@ -1,0 +1,217 @@
+"""Update compression (``--compression``): each client's update Δ_i = x_i - x of the shared parameters, flattened to
+one vector v [D], is encoded, sent, and decoded by the server before aggregation. Each codec is a pure function
+v -> v̂ (the decoded update) with the bits its message takes (``message_bits``); the randomised ones draw from the
+client's own key (``with_compression``), so results do not depend on the cohort's layout.
+
+    topk       v̂_j = v_j for the k = ceil(fraction D) coordinates of largest |v_j|, else 0
+               (bits: k (32 + ceil(log2 D)): values and indices)
+    randk      v̂_j = (D / k) v_j on k coordinates drawn uniformly without replacement, else 0: unbiased
+               (bits: 32 k; the coordinates follow from a seed the server knows)
+    quantize   stochastic uniform quantization to 2^b levels between min(v) and max(v): v̂ is unbiased,
+               E v̂ = v (bits: b D + 64); with ``rotate``, v is first rotated by H S / sqrt(D') (S random signs
+               from the round's shared key, H the Walsh-Hadamard matrix, D' the next power of two) and v̂ is
+               rotated back (Suresh et al., ICML 2017), which shrinks max - min
+    qsgd       v̂_j = ||v|| sign(v_j) ξ_j / s with ξ_j = l or l + 1 (l = floor(s |v_j| / ||v||)), unbiased
+               (Alistarh et al., NeurIPS 2017; bits: D (ceil(log2(s + 1)) + 1) + 32)
+    sign       v̂ = (||v||_1 / D) sign(v) (signSGD with the mean magnitude; bits: D + 32)
+
+Deviations: no error feedback yet (a client keeps no residual); the bit counts are those of the message's
+values and indices, without entropy coding.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ..core.privacy import all_shared
+from ..core.types import Algorithm
+from ..errors import ConfigError
+
+CODECS = {
+    "none": {},
+    "topk": {"fraction": 0.01},
+    "randk": {"fraction": 0.1},
+    "quantize": {"bits": 4, "rotate": 0},
+    "qsgd": {"levels": 16},
+    "sign": {},
+}
+_CHECKS = {"fraction": (float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+           "bits": (int, lambda v: 1 <= v <= 16, "an integer in [1, 16]"),
+           "rotate": (int, lambda v: v in (0, 1), "0 or 1"),
+           "levels": (int, lambda v: v >= 1, "an integer >= 1")}
+
+
+def parse_compression(spec: str) -> tuple[str, dict]:
+    """``"NAME"`` or ``"NAME:key=value,..."`` -> (name, parameters with defaults). ConfigError naming what is
+    wrong and what is allowed."""
+    name, _, rest = str(spec).partition(":")
+    if name not in CODECS:
+        raise ConfigError(f"compression={spec!r}: {name!r} is not one of {', '.join(CODECS)}")
+    params = dict(CODECS[name])
+    for item in filter(None, (t.strip() for t in rest.split(","))):
+        key, eq, value = (t.strip() for t in item.partition("="))
+        if not eq or key not in params:
+            raise ConfigError(f"compression={spec!r}: {item!r} is not a parameter of {name} (its parameters: "
+                              f"{', '.join(params) or 'none'}; give NAME:key=value,...)")
+        kind, ok, allowed = _CHECKS[key]
+        try:
+            v = kind(value)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise ConfigError(f"compression={spec!r}: {key}={value} must be {allowed}")
+        params[key] = v
+    return name, params
+
+
+def kept_count(size: int, fraction: float) -> int:
+    """k = ceil(fraction D), at least 1."""
+    return max(1, min(size, math.ceil(fraction * size)))
+
+
+def topk(v, fraction: float):
+    """The k = ceil(fraction D) entries of largest magnitude, the rest 0 (ties by index). v [D] -> [D]."""
+    k = kept_count(v.shape[0], fraction)
+    idx = jax.lax.top_k(jnp.abs(v), k)[1]
+    return jnp.zeros_like(v).at[idx].set(v[idx])
+
+
+def randk(v, fraction: float, key):
+    """k = ceil(fraction D) uniformly drawn entries scaled by D / k (unbiased), the rest 0. v [D] -> [D]."""
+    d = v.shape[0]
+    k = kept_count(d, fraction)
+    idx = jax.random.permutation(key, d)[:k]
+    return jnp.zeros_like(v).at[idx].set(v[idx] * (d / k))
+
+
+def stochastic_quantize(v, bits: int, key):
+    """Unbiased stochastic rounding of v to L = 2^bits - 1 equal steps between min(v) and max(v):
+    u = (v - lo) / (hi - lo) L, v̂ = lo + (floor(u) + Bernoulli(u - floor(u))) (hi - lo) / L. v [D] -> [D]."""
+    lo, hi = jnp.min(v), jnp.max(v)
+    levels = 2 ** bits - 1
+    span = jnp.maximum(hi - lo, jnp.finfo(v.dtype).tiny)
+    u = (v - lo) / span * levels
+    low = jnp.floor(u)
+    q = low + (jax.random.uniform(key, v.shape, v.dtype) < u - low)
+    return jnp.where(hi > lo, lo + q * span / levels, v)
+
+
+def qsgd(v, levels: int, key):
+    """QSGD: ||v|| sign(v_j) ξ_j / s, ξ_j = l + Bernoulli(s |v_j| / ||v|| - l), l = floor(s |v_j| / ||v||)
+    (s = ``levels``); unbiased. v [D] -> [D]."""
+    norm = jnp.linalg.norm(v)
+    r = levels * jnp.abs(v) / jnp.maximum(norm, jnp.finfo(v.dtype).tiny)
+    low = jnp.floor(r)
+    xi = low + (jax.random.uniform(key, v.shape, v.dtype) < r - low)
+    return norm * jnp.sign(v) * xi / levels
+
+
+def sign_compress(v):
+    """(||v||_1 / D) sign(v). v [D] -> [D]."""
+    return jnp.mean(jnp.abs(v)) * jnp.sign(v)
+
+
+def walsh_hadamard(v):
+    """The orthonormal Walsh-Hadamard transform H v / sqrt(n) of v [n], n a power of two (its own inverse)."""
+    n = v.shape[0]
+    if n & (n - 1):
+        raise ValueError(f"walsh_hadamard needs a power-of-two length, got {n}")
+    h = 1
+    x = v
+    while h < n:
+        x = x.reshape(-1, 2, h)
+        x = jnp.concatenate([x[:, 0] + x[:, 1], x[:, 0] - x[:, 1]], axis=1).reshape(n)
+        h *= 2
+    return x / jnp.sqrt(jnp.asarray(n, v.dtype))
+
+
+def rotated(codec, v, key, rotation_key):
+    """codec applied in a random rotation: w = H S [v, 0] / sqrt(D') (S: random signs of ``rotation_key``,
+    shared by clients and server; D' the next power of two), ŵ = codec(w, key), v̂ = (S H ŵ / sqrt(D'))[:D]."""
+    d = v.shape[0]
+    n = 1 << max(d - 1, 0).bit_length()
+    signs = jnp.where(jax.random.bernoulli(rotation_key, 0.5, (n,)), 1.0, -1.0).astype(v.dtype)
+    w = walsh_hadamard(signs * jnp.pad(v, (0, n - d)))
+    return (signs * walsh_hadamard(codec(w, key)))[:d]
+
+
+def decode(name: str, v, key, rotation_key, **params):
+    """The server's v̂ of codec ``name`` (``CODECS``) for the update v [D] -> [D]."""
+    if name == "topk":
+        return topk(v, params["fraction"])
+    if name == "randk":
+        return randk(v, params["fraction"], key)
+    if name == "quantize":
+        q = lambda w, k: stochastic_quantize(w, params["bits"], k)  # noqa: E731
+        return rotated(q, v, key, rotation_key) if params["rotate"] else q(v, key)
+    if name == "qsgd":
+        return qsgd(v, params["levels"], key)
+    if name == "sign":
+        return sign_compress(v)
+    raise ValueError(f"no codec {name!r}; the codecs: {', '.join(CODECS)}")
+
+
+def message_bits(name: str, size: int, **params) -> int:
+    """Bits of one client's message under codec ``name`` for an update of ``size`` floats (32 bits each
+    uncompressed): the module docstring's counts."""
+    if name == "none":
+        return 32 * size
+    if name == "topk":
+        k = kept_count(size, params["fraction"])
+        return k * (32 + max(1, math.ceil(math.log2(size))))
+    if name == "randk":
+        return 32 * kept_count(size, params["fraction"])
+    if name == "quantize":
+        n = 1 << max(size - 1, 0).bit_length() if params["rotate"] else size
+        return params["bits"] * n + 64
+    if name == "qsgd":
+        return size * (math.ceil(math.log2(params["levels"] + 1)) + 1) + 32
+    if name == "sign":
+        return size + 32
+    raise ValueError(f"no codec {name!r}; the codecs: {', '.join(CODECS)}")
+
+
+def with_compression(alg: Algorithm, name: str, key, **params) -> Algorithm:
+    """``alg`` whose aggregate sees each row's update of the shared parameters decoded from codec ``name``
+    (all shared leaves flattened per row); each client's metrics gain ``upload_bits``, its message's size.
+    Client i in round t draws from fold_in(fold_in(fold_in(key, 0), t), i); the rotation's signs from
+    fold_in(fold_in(key, 1), t) (one per round, known to all). ``alg`` must be an averaging algorithm
+    (``Options.user_dp``)."""
+    if name == "none":
+        return alg
+    params = {**CODECS[name], **params}
+
+    def shared_of(server, info):
+        return alg.share_mask(server, info) if alg.share_mask is not None else all_shared(server["params"])
+
+    def local_update(server, client, data, rng, info):
+        trained, metrics = alg.local_update(server, client, data, rng, info)
+        marks = jax.tree_util.tree_leaves(shared_of(server, info))
+        size = sum(x.size for x, s in zip(jax.tree_util.tree_leaves(server["params"]), marks) if s is not False)
+        return trained, dict(metrics, upload_bits=jnp.float32(message_bits(name, size, **params)))
+
+    def aggregate(server, trained, weights, info):
+        x, treedef = jax.tree_util.tree_flatten(server["params"])
+        rows = jax.tree_util.tree_leaves(trained["params"])
+        marks = jax.tree_util.tree_leaves(shared_of(server, info))
+        used = [i for i, s in enumerate(marks) if s is not False]
+        if not used:
+            return alg.aggregate(server, trained, weights, info)
+        k = rows[0].shape[0]
+        flat = jnp.concatenate([(rows[i] - x[i][None]).reshape(k, -1) for i in used], axis=1)
+        round_key = jax.random.fold_in(jax.random.fold_in(key, 0), info.round)
+        keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(jnp.asarray(info.client_id, jnp.int32))
+        rotation_key = jax.random.fold_in(jax.random.fold_in(key, 1), info.round)
+        decoded = jax.vmap(lambda v, kk: decode(name, v, kk, rotation_key, **params))(flat, keys)
+        out, start = list(rows), 0
+        for i in used:
+            size = x[i].size
+            new = x[i][None] + decoded[:, start:start + size].reshape(rows[i].shape).astype(rows[i].dtype)
+            out[i] = new if marks[i] is True else jnp.where(marks[i], new, rows[i])
+            start += size
+        return alg.aggregate(server, {**trained, "params": jax.tree_util.tree_unflatten(treedef, out)}, weights,
+                             info)
+
+    return alg._replace(local_update=local_update, aggregate=aggregate)

@@ -1,0 +1,120 @@
+"""``jaxfl.ops.compression``: each codec against its definition (exact where it is deterministic, unbiased over
+keys where it is random), the bit counts, the Walsh-Hadamard rotation, the composition into FedAvg and the CLI."""
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_cli_runs, info, setup_algorithm, trained_rows
+
+from jaxfl.errors import ConfigError
+from jaxfl.models import logreg
+from jaxfl.ops import compression as C
+
+D = 37
+
+
+def vector(seed=0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=D), jnp.float32)
+
+
+def test_parse_fills_defaults_and_names_what_is_wrong():
+    assert C.parse_compression("quantize") == ("quantize", {"bits": 4, "rotate": 0})
+    assert C.parse_compression("topk:fraction=0.05") == ("topk", {"fraction": 0.05})
+    for spec, message in [("zip", "'zip' is not one of none, topk"), ("topk:k=3", "'k=3' is not a parameter of topk"),
+                          ("topk:fraction=0", "fraction=0 must be a number in (0, 1]"),
+                          ("quantize:bits=0", "bits=0 must be an integer in [1, 16]"),
+                          ("quantize:rotate=2", "rotate=2 must be 0 or 1")]:
+        with pytest.raises(ConfigError) as err:
+            C.parse_compression(spec)
+        assert message in str(err.value), (spec, str(err.value))
+
+
+def test_deterministic_codecs_are_their_definitions():
+    v = np.asarray(vector())
+    got = np.asarray(jax.jit(lambda v: C.topk(v, 0.1))(v))
+    k = math.ceil(0.1 * D)
+    keep = np.argsort(-np.abs(v), kind="stable")[:k]
+    want = np.zeros(D, np.float32)
+    want[keep] = v[keep]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(C.sign_compress(v), np.abs(v).mean() * np.sign(v), rtol=1e-6)
+    # the orthonormal Walsh-Hadamard transform: H / sqrt(n) against the Sylvester matrix, and its own inverse
+    h = np.array([[1.0]])
+    while len(h) < 8:
+        h = np.block([[h, h], [h, -h]])
+    x = np.random.default_rng(1).normal(size=8).astype(np.float32)
+    np.testing.assert_allclose(C.walsh_hadamard(jnp.asarray(x)), h @ x / np.sqrt(8), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(C.walsh_hadamard(C.walsh_hadamard(jnp.asarray(x))), x, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,params", [("randk", {"fraction": 0.25}), ("quantize", {"bits": 2, "rotate": 0}),
+                                         ("quantize", {"bits": 2, "rotate": 1}), ("qsgd", {"levels": 2})])
+def test_random_codecs_are_unbiased_and_on_their_grid(name, params):
+    v = vector(2)
+    keys = jax.random.split(jax.random.key(0), 4000)
+    out = jax.jit(jax.vmap(lambda k: C.decode(name, v, k, jax.random.key(7), **params)))(keys)
+    # E v̂ = v: the mean of 4,000 draws within 5 standard errors of v, coordinate by coordinate
+    se = np.asarray(out.std(0)) / np.sqrt(len(keys))
+    assert np.all(np.abs(np.asarray(out.mean(0)) - np.asarray(v)) <= 5 * se + 1e-5)
+    one = np.asarray(out[0])
+    if name == "randk":  # k coordinates, each v_j D / k
+        nz = np.flatnonzero(one)
+        assert len(nz) == math.ceil(0.25 * D)
+        np.testing.assert_allclose(one[nz], np.asarray(v)[nz] * D / len(nz), rtol=1e-5)
+    elif name == "quantize" and not params["rotate"]:  # 2^b levels from min to max
+        lo, hi = float(v.min()), float(v.max())
+        steps = (one - lo) / (hi - lo) * 3
+        np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
+    elif name == "qsgd":  # ||v|| sign(v) xi / s, xi an integer <= s
+        xi = np.abs(one) * 2 / float(jnp.linalg.norm(v))
+        np.testing.assert_allclose(xi, np.round(xi), atol=1e-4)
+        assert np.all(np.sign(one[one != 0]) == np.sign(np.asarray(v)[one != 0]))
+
+
+def test_message_bits():
+    assert C.message_bits("none", 100) == 3200
+    assert C.message_bits("topk", 1000, fraction=0.01) == 10 * (32 + 10)
+    assert C.message_bits("randk", 1000, fraction=0.1) == 3200
+    assert C.message_bits("quantize", 1000, bits=4, rotate=0) == 4064
+    assert C.message_bits("quantize", 1000, bits=4, rotate=1) == 4 * 1024 + 64
+    assert C.message_bits("qsgd", 1000, levels=16) == 1000 * 6 + 32
+    assert C.message_bits("sign", 1000) == 1032
+
+
+def test_fedavg_aggregates_the_decoded_updates():
+    alg, data, server, clients = setup_algorithm("fedavg", logreg(4), [8, 8, 8, 8])
+    trained = trained_rows(alg, data, server, clients, jax.random.key(1))
+    weights, ids = jnp.ones(4), jnp.arange(4)
+    x = server["params"]
+    got = C.with_compression(alg, "topk", jax.random.key(0), fraction=0.2).aggregate(
+        server, trained, weights, info(0, ids))[0]["params"]
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    rows = jax.tree_util.tree_leaves(trained["params"])
+    flat = jnp.concatenate([(r - a[None]).reshape(4, -1) for r, a in zip(rows, leaves)], axis=1)
+    dec = jax.vmap(lambda v: C.topk(v, 0.2))(flat)
+    start, decoded = 0, []
+    for r, a in zip(rows, leaves):
+        decoded.append(a[None] + dec[:, start:start + a.size].reshape(r.shape))
+        start += a.size
+    want = alg.aggregate(server, {**trained, "params": jax.tree_util.tree_unflatten(treedef, decoded)}, weights,
+                         info(0, ids))[0]["params"]
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got, want)
+
+
+def test_the_cli_logs_upload_bits_and_refuses_what_does_not_compose(tmp_path, capsys):
+    from jaxfl.run.cli import main
+    assert_cli_runs("fedavg", tmp_path, "--compression", "qsgd:levels=4")
+    rec = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()][-1]
+    bits = rec["train_upload_bits"]
+    assert len(set(bits)) == 1 and bits[0] < 32 * 1e6
+    base = ["run", "--quiet", "--rounds", "1", "--out", str(tmp_path / "x")]
+    for extra, message in [(["--algorithm", "fedselect", "--compression", "sign"],
+                            "fedselect's aggregate is not a mean of shared parameters alone; update compression"),
+                           (["--compression", "topk", "--dp-clip", "1", "--weighting", "uniform"], "with --dp-clip")]:
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("jaxfl: error:") and message in err[0], err
+    assert not (tmp_path / "x").exists()
