@@ -35,6 +35,7 @@ import math
 import os
 import time
 import warnings
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -188,6 +189,10 @@ class _Backend:
             return np.flatnonzero(np.asarray(poisson_members(root, round_idx, self.num_clients, self.rate)))
         return np.asarray(sample_cohort(root, round_idx, self.num_clients, self.cohort_size))
 
+    def round(self, server, store: ClientStore, round_idx: int, root, before_aggregate=None):
+        """One round: (server, metrics). Each backend defines it."""
+        raise NotImplementedError
+
     def run_rounds(self, server, store, first: int, count: int, root):
         """``count`` rounds from round ``first``: (server, [metrics of each round]) (one call per round here;
         ``Stacked`` overrides it with one call for up to ``rounds_per_call`` rounds)."""
@@ -242,7 +247,7 @@ class Ragged(_Backend):
         self._train_shape = jax.jit(step.train)
         self._aggregate = jax.jit(step.aggregate)
         self._round_metrics = jax.jit(step.round_metrics)
-        self._make_buffer = {}  # rows -> a jitted function making the cohort's zero buffer
+        self._make_buffer: dict[int, Callable] = {}  # rows -> a jitted function making the cohort's zero buffer
         self.shapes: set[tuple[int, int]] = set()  # (lanes, samples) of every bucket compiled so far
         self.lane_cap: int | None = None  # set when a bucket ran out of device memory (``round``)
 
@@ -587,8 +592,10 @@ class Stacked(_Backend):
     def lane_work(self, ids) -> float:
         """Computed / real samples of an epoch of the cohort ``ids`` (members) under the lane plan: each device's
         block of rows (a Poisson cohort's padding rows last, 0 steps) run as the plan's chunks."""
+        plan = self.lanes
+        assert plan is not None, "lane_work needs a lane plan"
         steps = -(-self.train.counts[ids] // self.batch_size)
-        rows = self.lanes.rows * self.devices
+        rows = plan.rows * self.devices
         steps = np.concatenate([steps, np.zeros(rows - len(steps), steps.dtype)])
-        done = sum(self.lanes.work(block) for block in steps.reshape(self.devices, -1))
+        done = sum(int(plan.work(block)) for block in steps.reshape(self.devices, -1))
         return done * self.batch_size / max(int(self.train.counts[ids].sum()), 1)

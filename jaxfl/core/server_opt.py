@@ -105,5 +105,5 @@ def with_server_optimizer(alg: Algorithm, tx: optax.GradientTransformation) -> A
     return alg._replace(init=init, local_update=wrap(alg.local_update), aggregate=aggregate,
                         predict=wrap(alg.predict), predict_trained=wrap(alg.predict_trained),
                         prepare_predict=wrap(alg.prepare_predict), share_mask=wrap(alg.share_mask),
-                        round_metrics=None if alg.round_metrics is None else (
-                            lambda before, after: alg.round_metrics(inner(before), inner(after))))
+                        round_metrics=None if (own := alg.round_metrics) is None else (
+                            lambda before, after: own(inner(before), inner(after))))
