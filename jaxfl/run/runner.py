@@ -23,10 +23,6 @@ from ..core.dpsgd import SampleDP
 from ..core.privacy import (CLIP_KEY, Accountant, SampleAccountant, bn_stats_shared, calibrate_noise,
                             clients_keep_state, default_delta, has_batch_stats, noise_for_epsilon,
                             value_noise_multiplier, with_privacy)
-from ..ops.compression import parse_compression, with_compression
-from ..ops.attacks import UPDATE_ATTACKS, flip_labels, malicious_clients, parse_attack, with_update_attack
-from ..ops.robust_aggregation import parse_aggregator, with_robust_aggregate
-from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer, client_optimizer, normalizer
 from ..core.trees import count_params
 from ..core.types import RunContext
@@ -34,6 +30,7 @@ from ..data import load_dataset
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped, first_line
 from ..models import build_model
+from .build import malicious_of, poison_data, server_side
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
 from .lock import RunLock
 from .plots import plot_accuracy
@@ -189,25 +186,10 @@ class Experiment:
                                           jax.random.fold_in(jax.random.key(cfg.seed), 4), **adaptive,
                                           expected_clients=self.rate * n if poisson else None)
             self.privacy = Accountant(self.rate, cfg.dp_noise, delta, cfg.cohort_sampling)
-        name, params = parse_aggregator(cfg.aggregator)
-        if name != "mean":  # a robust rule over the cohort's updates instead of their mean
-            self.algorithm = with_robust_aggregate(self.algorithm, name, **params)
-        codec, codec_params = parse_compression(cfg.compression)
-        if codec != "none":  # what the server receives: decoded updates (the robust rule reads them)
-            self.algorithm = with_compression(self.algorithm, codec, jax.random.fold_in(jax.random.key(cfg.seed), 8),
-                                              **codec_params)
-        attack, attack_params = parse_attack(cfg.attack)
-        self.malicious = malicious_clients(n, cfg.malicious, cfg.seed) if attack != "none" else None
-        if attack in UPDATE_ATTACKS:  # outermost: the server (its clipping, its robust rule) sees the attack
-            self.algorithm = with_update_attack(self.algorithm, attack, self.malicious,
-                                                jax.random.fold_in(jax.random.key(cfg.seed), 7), **attack_params)
-        elif attack == "label_flip":  # the malicious clients' training labels, once
-            for i in np.flatnonzero(self.malicious):
-                rows = slice(self.train_data.offsets[i], self.train_data.offsets[i] + self.train_data.counts[i])
-                self.train_data.y[rows] = flip_labels(self.train_data.y[rows], ds.num_classes)
-        server_tx = cfg.server_optimizer()
-        if server_tx is not None:  # FedOpt: the aggregate becomes a pseudo-gradient step
-            self.algorithm = with_server_optimizer(self.algorithm, server_tx)
+        # the server's wrappers (robust rule, compression, attack, server optimizer) and the data attack
+        self.malicious = malicious_of(cfg, n)
+        self.algorithm = server_side(self.algorithm, cfg, self.malicious)
+        poison_data(cfg, self.train_data, self.malicious, ds.num_classes)
         self.strategy = strategy = cfg.strategy_or_default()
         if cfg.eval_point == "local":  # the models right after local training, before aggregation
             if self.algorithm.predict_trained is None:
