@@ -21,8 +21,8 @@ def vector(seed=0):
 
 
 def test_parse_fills_defaults_and_names_what_is_wrong():
-    assert C.parse_compression("quantize") == ("quantize", {"bits": 4, "rotate": 0})
-    assert C.parse_compression("topk:fraction=0.05") == ("topk", {"fraction": 0.05})
+    assert C.parse_compression("quantize") == ("quantize", {"bits": 4, "rotate": 0, "feedback": 0})
+    assert C.parse_compression("topk:fraction=0.05,feedback=1") == ("topk", {"fraction": 0.05, "feedback": 1})
     for spec, message in [("zip", "'zip' is not one of none, topk"), ("topk:k=3", "'k=3' is not a parameter of topk"),
                           ("topk:fraction=0", "fraction=0 must be a number in (0, 1]"),
                           ("quantize:bits=0", "bits=0 must be an integer in [1, 16]"),
@@ -118,3 +118,49 @@ def test_the_cli_logs_upload_bits_and_refuses_what_does_not_compose(tmp_path, ca
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("jaxfl: error:") and message in err[0], err
     assert not (tmp_path / "x").exists()
+
+
+def test_error_feedback_keeps_the_residual_of_each_present_client():
+    # sent_i = Δ_i + e_i, decoded C(sent_i); a present client keeps e_i <- sent_i - C(sent_i), an absent one
+    # (weight 0) its old residual; the aggregate is the algorithm's on x + C(sent_i)
+    from jaxfl.core.step import init_state
+    alg, data, server, _ = setup_algorithm("fedavg", logreg(4), [8, 8, 8, 8])
+    ef = C.with_compression(alg, "topk", jax.random.key(0), fraction=0.1, feedback=1)
+    server, clients = init_state(ef, jax.random.key(0), data.x[0], 4)
+    assert clients["residual"].shape == (4, sum(a.size for a in jax.tree_util.tree_leaves(server["params"])))
+    old = jnp.asarray(np.random.default_rng(3).normal(size=clients["residual"].shape), jnp.float32)
+    rows = trained_rows(alg, data, server, clients["inner"], jax.random.key(1))
+    trained = {**rows, "compression_residual": old}
+    weights, ids = jnp.asarray([1.0, 1.0, 0.0, 1.0]), jnp.arange(4)
+    new_server, kept = ef.aggregate(server, trained, weights, info(0, ids))
+    leaves = jax.tree_util.tree_leaves(server["params"])
+    flat = jnp.concatenate([(r - a[None]).reshape(4, -1) for r, a in
+                            zip(jax.tree_util.tree_leaves(rows["params"]), leaves)], axis=1)
+    sent = flat + old
+    dec = jax.vmap(lambda v: C.topk(v, 0.1))(sent)
+    np.testing.assert_allclose(kept["residual"][np.array([0, 1, 3])], (sent - dec)[np.array([0, 1, 3])], atol=1e-6)
+    np.testing.assert_array_equal(kept["residual"][2], old[2])
+    start, decoded = 0, []
+    for r, a in zip(jax.tree_util.tree_leaves(rows["params"]), leaves):
+        decoded.append(a[None] + dec[:, start:start + a.size].reshape(r.shape))
+        start += a.size
+    want = alg.aggregate(server, {**rows, "params": jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(server["params"]), decoded)}, weights, info(0, ids))[0]["params"]
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                           new_server["params"], want)
+
+
+@pytest.mark.parametrize("backend", ["stacked", "ragged"])
+def test_error_feedback_runs_on_both_backends_with_a_personal_state(backend):
+    # FedBN keeps its BatchNorm leaves; with feedback its state is {"inner": those, "residual": e}
+    from conftest import run_rounds
+    from jaxfl.core.step import init_state
+    from jaxfl.models import small_cnn
+    alg, data, _, _ = setup_algorithm("fedbn", small_cnn(4), [8, 12, 8, 10])
+    ef = C.with_compression(alg, "sign", jax.random.key(0), feedback=1)
+    server, clients = init_state(ef, jax.random.key(0), data.x[0], 4)
+    server, clients, metrics = run_rounds(ef, data, server, clients, jax.random.key(2), rounds=2, backend=backend)
+    assert np.all(np.isfinite(np.asarray(metrics["loss"])))
+    assert set(clients) == {"inner", "residual"} and float(jnp.abs(clients["residual"]).sum()) > 0
+    bn = jax.tree_util.tree_leaves(clients["inner"])
+    assert bn and all(np.all(np.isfinite(np.asarray(b))) for b in bn)

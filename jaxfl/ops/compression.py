@@ -15,8 +15,11 @@ client's own key (``with_compression``), so results do not depend on the cohort'
                (Alistarh et al., NeurIPS 2017; bits: D (ceil(log2(s + 1)) + 1) + 32)
     sign       v̂ = (||v||_1 / D) sign(v) (signSGD with the mean magnitude; bits: D + 32)
 
-Deviations: no error feedback yet (a client keeps no residual); the bit counts are those of the message's
-values and indices, without entropy coding.
+Error feedback (``feedback=1``; Seide et al. 2014, Karimireddy et al., ICML 2019): client i keeps the residual
+e_i (zero at first), sends C(Δ_i + e_i) and keeps e_i <- Δ_i + e_i - C(Δ_i + e_i); a client absent from a round
+keeps its residual. The residual is the client's persistent state beside the algorithm's own.
+
+Deviations: the bit counts are those of the message's values and indices, without entropy coding.
 """
 from __future__ import annotations
 
@@ -31,15 +34,16 @@ from ..errors import ConfigError
 
 CODECS = {
     "none": {},
-    "topk": {"fraction": 0.01},
-    "randk": {"fraction": 0.1},
-    "quantize": {"bits": 4, "rotate": 0},
-    "qsgd": {"levels": 16},
-    "sign": {},
+    "topk": {"fraction": 0.01, "feedback": 0},
+    "randk": {"fraction": 0.1, "feedback": 0},
+    "quantize": {"bits": 4, "rotate": 0, "feedback": 0},
+    "qsgd": {"levels": 16, "feedback": 0},
+    "sign": {"feedback": 0},
 }
 _CHECKS = {"fraction": (float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
            "bits": (int, lambda v: 1 <= v <= 16, "an integer in [1, 16]"),
            "rotate": (int, lambda v: v in (0, 1), "0 or 1"),
+           "feedback": (int, lambda v: v in (0, 1), "0 or 1"),
            "levels": (int, lambda v: v >= 1, "an integer >= 1")}
 
 
@@ -177,41 +181,78 @@ def with_compression(alg: Algorithm, name: str, key, **params) -> Algorithm:
     """``alg`` whose aggregate sees each row's update of the shared parameters decoded from codec ``name``
     (all shared leaves flattened per row); each client's metrics gain ``upload_bits``, its message's size.
     Client i in round t draws from fold_in(fold_in(fold_in(key, 0), t), i); the rotation's signs from
-    fold_in(fold_in(key, 1), t) (one per round, known to all). ``alg`` must be an averaging algorithm
-    (``Options.user_dp``)."""
+    fold_in(fold_in(key, 1), t) (one per round, known to all). ``feedback=1``: error feedback, the client's
+    state becomes {"inner": its state under ``alg``, "residual": e_i [D]}. ``alg`` must be an averaging
+    algorithm (``Options.user_dp``)."""
     if name == "none":
         return alg
     params = {**CODECS[name], **params}
+    feedback = bool(params.pop("feedback", 0))
+    residual_key = "compression_residual"  # the trained row's copy of the client's residual (feedback)
 
     def shared_of(server, info):
         return alg.share_mask(server, info) if alg.share_mask is not None else all_shared(server["params"])
 
-    def local_update(server, client, data, rng, info):
-        trained, metrics = alg.local_update(server, client, data, rng, info)
+    def shared_size(server, info):
         marks = jax.tree_util.tree_leaves(shared_of(server, info))
-        size = sum(x.size for x, s in zip(jax.tree_util.tree_leaves(server["params"]), marks) if s is not False)
-        return trained, dict(metrics, upload_bits=jnp.float32(message_bits(name, size, **params)))
+        return sum(x.size for x, s in zip(jax.tree_util.tree_leaves(server["params"]), marks) if s is not False)
+
+    def init(rng, sample_x):
+        server, client = alg.init(rng, sample_x)
+        if not feedback:
+            return server, client
+        from ..core.types import RoundInfo  # (the share mask of round 0 sizes the residual)
+        info = RoundInfo(jnp.int32(0), jnp.int32(0))
+        return server, {"inner": client, "residual": jnp.zeros(shared_size(server, info), jnp.float32)}
+
+    def local_update(server, client, data, rng, info):
+        trained, metrics = alg.local_update(server, client["inner"] if feedback else client, data, rng, info)
+        if feedback:
+            trained = {**trained, residual_key: client["residual"]}
+        return trained, dict(metrics, upload_bits=jnp.float32(message_bits(name, shared_size(server, info),
+                                                                           **params)))
 
     def aggregate(server, trained, weights, info):
+        residual = trained.get(residual_key) if feedback else None
+        inner = {k: v for k, v in trained.items() if k != residual_key}
         x, treedef = jax.tree_util.tree_flatten(server["params"])
-        rows = jax.tree_util.tree_leaves(trained["params"])
+        rows = jax.tree_util.tree_leaves(inner["params"])
         marks = jax.tree_util.tree_leaves(shared_of(server, info))
         used = [i for i, s in enumerate(marks) if s is not False]
-        if not used:
-            return alg.aggregate(server, trained, weights, info)
         k = rows[0].shape[0]
         flat = jnp.concatenate([(rows[i] - x[i][None]).reshape(k, -1) for i in used], axis=1)
+        sent = flat if residual is None else flat + residual
         round_key = jax.random.fold_in(jax.random.fold_in(key, 0), info.round)
         keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(jnp.asarray(info.client_id, jnp.int32))
         rotation_key = jax.random.fold_in(jax.random.fold_in(key, 1), info.round)
-        decoded = jax.vmap(lambda v, kk: decode(name, v, kk, rotation_key, **params))(flat, keys)
+        decoded = jax.vmap(lambda v, kk: decode(name, v, kk, rotation_key, **params))(sent, keys)
         out, start = list(rows), 0
         for i in used:
             size = x[i].size
             new = x[i][None] + decoded[:, start:start + size].reshape(rows[i].shape).astype(rows[i].dtype)
             out[i] = new if marks[i] is True else jnp.where(marks[i], new, rows[i])
             start += size
-        return alg.aggregate(server, {**trained, "params": jax.tree_util.tree_unflatten(treedef, out)}, weights,
-                             info)
+        new_server, kept = alg.aggregate(server, {**inner, "params": jax.tree_util.tree_unflatten(treedef, out)},
+                                         weights, info)
+        if residual is None:
+            return new_server, kept
+        present = (weights > 0)[:, None]
+        return new_server, {"inner": kept, "residual": jnp.where(present, sent - decoded, residual)}
 
-    return alg._replace(local_update=local_update, aggregate=aggregate)
+    def unwrap(fn):  # fn(server, client, ...) of ``alg``, given its own client state
+        if fn is None or not feedback:
+            return fn
+        return lambda server, client, *a, **kw: fn(server, client["inner"], *a, **kw)
+
+    def unwrap_trained(fn):
+        if fn is None or not feedback:
+            return fn
+        return lambda server, trained, *a, **kw: fn(server, {k: v for k, v in trained.items() if k != residual_key},
+                                                    *a, **kw)
+
+    prepare = alg.prepare_predict
+    return alg._replace(
+        init=init, local_update=local_update, aggregate=aggregate, predict=unwrap(alg.predict),
+        predict_trained=unwrap_trained(alg.predict_trained),
+        prepare_predict=None if prepare is None or not feedback else (
+            lambda server, client, *a, **kw: {**client, "inner": prepare(server, client["inner"], *a, **kw)}))
