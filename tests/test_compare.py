@@ -45,6 +45,14 @@ def test_compare_groups_seeds_and_reports_final_best_and_last_k(sweep, tmp_path,
     last = [np.array(runs[("fedavg", s)].history[-1]["test_accuracy"]) * 100 for s in (0, 1)]
     np.testing.assert_allclose(float(fedavg["client1_final_mean"]), np.mean([a[1] for a in last]), rtol=1e-9)
     assert float(rows["fedprox"]["final_std"]) == 0.0
+    # the spread over clients: each seed's 10th percentile and worst-10% mean of the final accuracies
+    from jaxfl.core.metrics import client_spread
+    np.testing.assert_allclose(float(fedavg["worst10_final_mean"]),
+                               np.mean([client_spread(a)["worst10_mean"] for a in last]), rtol=1e-9)
+    np.testing.assert_allclose(float(fedavg["p10_final_std"]), np.std([np.percentile(a, 10) for a in last]),
+                               rtol=1e-9, atol=1e-12)
+    assert main(["compare", str(root), "--spread"]) == 0
+    assert "worst 10% of clients" in capsys.readouterr().out.splitlines()[0]
     header = printed.splitlines()[0]
     names = json.loads((root / "seed0" / "fedavg" / "summary.json").read_text())["clients"]
     assert all(n in header for n in names)  # per-client columns carry the clients' names

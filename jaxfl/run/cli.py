@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="mean_accuracy (unweighted over clients) | weighted_accuracy (by test-set size)")
     cmp.add_argument("--last-k", type=int, default=5, help="the last-k column averages the last k evaluations")
     cmp.add_argument("--per-client", action="store_true", help="also each client's final accuracy")
+    cmp.add_argument("--spread", action="store_true", help="also how the final accuracy spreads over the "
+                                                           "clients: its 10th percentile and the worst 10%% mean")
     cmp.add_argument("--md", help="write the markdown table here")
     cmp.add_argument("--csv", help="write the table as CSV here")
     cmp.add_argument("--plot", help="write the figure (PNG) here: mean accuracy per round, ± std over seeds")
@@ -275,7 +277,8 @@ def compare_main(args: dict) -> int:
             if kind == "plot" and Path(path).suffix.lower().lstrip(".") not in IMAGE_FORMATS:
                 raise ConfigError(f"--plot {path!r}: give a file ending in one of "
                                   f"{', '.join('.' + f for f in IMAGE_FORMATS)}")
-        results, table, csv_text = compare(args["runs"], args["key"], args["last_k"], args["per_client"], notes)
+        results, table, csv_text = compare(args["runs"], args["key"], args["last_k"], args["per_client"], notes,
+                                           spread=args["spread"])
     except JaxflError as e:
         print(f"jaxfl: error: {e}", file=sys.stderr)
         return 2

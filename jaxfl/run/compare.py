@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.metrics import client_spread
 from ..errors import ConfigError
 
 # config fields that say how or where a run was executed, not what it computed
@@ -183,14 +184,18 @@ def seed_stats(hists: list[list[dict]], key: str = "mean_accuracy", tail: int = 
                   if rec.get("round") == last and "test_accuracy" in rec]
     same = per_client and len({len(c) for c in per_client}) == 1 and len(per_client) == len(hists)
     clients = [ms(col) for col in np.stack(per_client).T] if same else []
+    # how the final accuracy spreads over each run's clients (``core.metrics.client_spread``), over seeds
+    spreads = [client_spread(c) for c in per_client] if len(per_client) == len(hists) else []
+    spread = {k: ms([sp[k] for sp in spreads]) for k in ("p10", "worst10_mean")} if spreads else {}
     return {"final": ms(acc[:, -1]), "best": ms(acc.max(1)), "tail": ms(acc[:, -tail:].mean(1)),
-            "seeds": len(hists), "rounds": last, "clients": clients}
+            "seeds": len(hists), "rounds": last, "clients": clients, "spread": spread}
 
 
 def compare_rows(results: dict[str, list[list[dict]]], key: str = "mean_accuracy", tail: int = 5) -> list[dict]:
     """One flat row per group (CSV columns): label, seeds, rounds, ``dp_epsilon`` (DP runs: the epsilon their
-    last round had spent), and mean/std of final, best-mean, last-k (%), then ``client<j>_final_mean``/``_std``
-    when the runs record per-client accuracy."""
+    last round had spent), and mean/std of final, best-mean, last-k (%), then, when the runs record per-client
+    accuracy, ``p10_final`` and ``worst10_final`` (the 10th percentile and the worst 10% of clients' mean of the
+    final accuracies) and ``client<j>_final_mean``/``_std``."""
     rows = []
     for label, hists in results.items():
         st = seed_stats(hists, key, tail)
@@ -200,6 +205,9 @@ def compare_rows(results: dict[str, list[list[dict]]], key: str = "mean_accuracy
             row["dp_epsilon"] = max(s[-1] for s in spent)
         for name, col in (("final", "final"), ("best_mean", "best"), (f"last{tail}", "tail")):
             row[f"{name}_mean"], row[f"{name}_std"] = st[col]
+        for name, col in (("p10_final", "p10"), ("worst10_final", "worst10_mean")):
+            if col in st["spread"]:
+                row[f"{name}_mean"], row[f"{name}_std"] = st["spread"][col]
         for j, (m, s) in enumerate(st["clients"]):
             row[f"client{j}_final_mean"], row[f"client{j}_final_std"] = m, s
         rows.append(row)
@@ -208,8 +216,9 @@ def compare_rows(results: dict[str, list[list[dict]]], key: str = "mean_accuracy
 
 def seed_table(results: dict[str, list[list[dict]]], key: str = "mean_accuracy", tail: int = 5,
                paper: dict | None = None, paper_label: str = "paper", per_client: bool = False,
-               client_names: list[str] | dict | None = None) -> str:
+               client_names: list[str] | dict | None = None, spread: bool = False) -> str:
     """Markdown: per group, final, best-mean and last-``tail`` accuracy, mean ± std over seeds (%);
+    ``spread``: the final accuracy's 10th percentile over clients and the worst 10% of clients' mean too;
     ``per_client``: each client's final accuracy too (``client_names``: one list, or {label: list or None}):
     as columns when every group has the same clients, else as a second table (method, client, final);
     ``paper``: a last column, by label or algorithm name."""
@@ -224,6 +233,7 @@ def seed_table(results: dict[str, list[list[dict]]], key: str = "mean_accuracy",
     head = (["method", "seeds", "rounds"] + (["DP ε spent"] if dp else [])
             + ["final % (mean ± std)", "best-mean % (mean ± std)",
                f"mean of the last {tail} evaluations % (mean ± std)"]
+            + (["final, 10th percentile of clients %", "final, worst 10% of clients %"] if spread else [])
             + names[:n_clients] + ([paper_label] if paper is not None else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -232,6 +242,9 @@ def seed_table(results: dict[str, list[list[dict]]], key: str = "mean_accuracy",
         cells += [f"{r['final_mean']:.2f} ± {r['final_std']:.2f}",
                   f"{r['best_mean_mean']:.2f} ± {r['best_mean_std']:.2f}",
                   f"{r[f'last{tail}_mean']:.2f} ± {r[f'last{tail}_std']:.2f}"]
+        if spread:
+            cells += [f"{r[f'{c}_mean']:.2f} ± {r[f'{c}_std']:.2f}" if f"{c}_mean" in r else "-"
+                      for c in ("p10_final", "worst10_final")]
         cells += [f"{r[f'client{j}_final_mean']:.2f} ± {r[f'client{j}_final_std']:.2f}"
                   if f"client{j}_final_mean" in r else "-" for j in range(n_clients)]
         if paper is not None:
@@ -300,7 +313,7 @@ def check_key_and_tail(key: str, tail: int) -> None:
 
 
 def compare(paths, key: str = "mean_accuracy", tail: int = 5, per_client: bool = False,
-            notes: list | None = None) -> tuple[dict, str, str]:
+            notes: list | None = None, spread: bool = False) -> tuple[dict, str, str]:
     """(results, markdown, csv) of the runs under ``paths``, grouped by seed (``group_runs``). ``notes`` (a
     list) receives a line for each group whose runs evaluated different last rounds (it is compared at the
     last round all of them evaluated)."""
@@ -325,7 +338,7 @@ def compare(paths, key: str = "mean_accuracy", tail: int = 5, per_client: bool =
     if per_client:  # each group's client names (its first run's summary.json); one header if they agree
         names = {label: next((n for n in (client_names(f) for f, _, _ in members) if n), None)
                  for label, members in grouped.items()}
-    return results, seed_table(results, key, tail, per_client=per_client, client_names=names), \
+    return results, seed_table(results, key, tail, per_client=per_client, client_names=names, spread=spread), \
         to_csv(compare_rows(results, key, tail))
 
 
