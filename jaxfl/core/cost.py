@@ -15,8 +15,8 @@ and the cohort's longest client's steps; ragged is ``plan_buckets``' buckets, ea
 client. Under ``map`` every client runs its own steps in both, so stacked saves the transfers; ``chunked`` runs
 chunks of ``chunk_size`` lanes (in cohort order for stacked, by size for ragged).
 
-``H200`` holds one H200's constants (``benchmarks/RESULTS.md``, "2026-11-27: the last GPU-suite workloads, and the
-automatic backend choice checked on the GPU"; ``benchmarks/backend_model.py``):
+``H200`` holds one H200's constants (``benchmarks/RESULTS.md``, "The last GPU-suite workloads, and the automatic
+backend choice checked on the GPU"; ``benchmarks/backend_model.py``):
 W = 2 GB/s, measured apart (the ragged backend's host gathers and transfers: 178 MB in 0.089 s of host time,
 logreg at cohort 1,000); tau = 0.2 ms and P = 10 TFLOP/s, the point of a grid (tau 0-1 ms, P 5-40 TFLOP/s)
 that picks the faster backend on the most of the ten stacked/ragged pairs measured there (logreg, 2NN, FEMNIST
