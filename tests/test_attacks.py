@@ -122,3 +122,32 @@ def test_label_flipping_changes_only_the_malicious_clients_labels(tmp_path):
         want = flip_labels(clean.train_data.y[rows], clean.dataset.num_classes) if bad[i] else clean.train_data.y[rows]
         np.testing.assert_array_equal(flipped.train_data.y[rows], want)
     np.testing.assert_array_equal(flipped.test_data.y, clean.test_data.y)
+
+
+def test_backdoor_triggers_a_share_of_the_samples_and_its_test_set_excludes_the_target():
+    from jaxfl.ops.attacks import add_trigger, backdoor_samples, backdoor_test
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 200, (20, 8, 8, 1)).astype(np.uint8)
+    y = rng.integers(0, 4, 20).astype(np.int32)
+    trig = add_trigger(x, 3)
+    assert np.all(trig[:, -3:, -3:, :] == 255) and np.array_equal(trig[:, :5], x[:, :5]) and np.all(x < 255)
+    floats = np.asarray(add_trigger(jnp.asarray(x, jnp.float32) / 255, 2))
+    assert np.array_equal(floats[:, -2:, -2:], np.ones((20, 2, 2, 1)))
+    bx, by = backdoor_samples(x, y, 3, 0.5, 3, np.random.default_rng(1))
+    changed = np.flatnonzero(np.any(bx != x, axis=(1, 2, 3)))
+    assert len(changed) == 10 and np.all(by[changed] == 3)
+    np.testing.assert_array_equal(np.delete(by, changed), np.delete(y, changed))
+    tx, ty = backdoor_test(x, y, 3, 3)
+    assert len(ty) == int((y != 3).sum()) and np.all(ty == 3) and np.all(tx[:, -3:, -3:] == 255)
+    assert parse_attack("backdoor:target=7,size=4") == ("backdoor", {"target": 7, "fraction": 0.5, "size": 4})
+    with pytest.raises(ConfigError, match="size=0.5 must be an integer >= 1"):
+        parse_attack("backdoor:size=0.5")
+
+
+def test_a_backdoor_run_reports_its_success_rate(tmp_path):
+    from jaxfl.run.cli import main
+    assert main(["run", "--quiet", "--algorithm", "fedavg", "--rounds", "2", "--out", str(tmp_path / "r"),
+                 "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size", "16",
+                 "--test-per-client", "30", "--attack", "backdoor:target=1", "--malicious", "0.5"]) == 0
+    rec = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["backdoor_accuracy"] <= 1.0 for r in rec)

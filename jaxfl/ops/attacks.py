@@ -13,6 +13,10 @@ cohort (present and not malicious), μ and σ their per-coordinate mean and stan
                 z = Φ^-1((k - h) / k), h = floor(k / 2 + 1) - m, k rows, m of them malicious, or ``z``)
     ipm         Δ_i <- -ε μ                                     (inner-product manipulation, Xie et al. 2020)
     label_flip  y <- C - 1 - y on the malicious clients' training samples (data attack)
+    backdoor    a ``size`` x ``size`` white square in the bottom-right corner of a ``fraction`` of the malicious
+                clients' training images, relabelled ``target`` (data attack; Gu et al., BadNets, 2017);
+                the run reports ``backdoor_accuracy``: the share of triggered test images whose true label is
+                not ``target`` that the model classifies as ``target``, averaged over the clients
 
 alie and ipm are omniscient: they read the benign rows of the cohort (μ, σ over B); the others read only the
 attacker's own update. Every malicious row of a round gets the same alie / ipm update, as in the papers.
@@ -38,12 +42,17 @@ ATTACKS = {
     "alie": {"z": 0.0},  # 0: from the cohort (the paper's z_max)
     "ipm": {"eps": 0.5},
     "label_flip": {},
+    "backdoor": {"target": 0, "fraction": 0.5, "size": 3},
 }
 UPDATE_ATTACKS = ("sign_flip", "scale", "gaussian", "alie", "ipm")
 _CHECKS = {"scale": (lambda v: math.isfinite(v), "a finite number"),
            "std": (lambda v: 0 < v < math.inf, "a number > 0"),
            "z": (lambda v: v >= 0 and math.isfinite(v), "a number >= 0 (0: the paper's z from the cohort)"),
-           "eps": (lambda v: 0 < v < math.inf, "a number > 0")}
+           "eps": (lambda v: 0 < v < math.inf, "a number > 0"),
+           "target": (lambda v: v >= 0 and v == int(v), "a class index >= 0"),
+           "fraction": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+           "size": (lambda v: v >= 1 and v == int(v), "an integer >= 1 (pixels)")}
+_INTEGER = ("target", "size")
 
 
 def parse_attack(spec: str) -> tuple[str, dict]:
@@ -65,7 +74,7 @@ def parse_attack(spec: str) -> tuple[str, dict]:
             v = None
         if v is None or not ok(v):
             raise ConfigError(f"attack={spec!r}: {key}={value} must be {allowed}")
-        params[key] = v
+        params[key] = int(v) if key in _INTEGER else v
     return name, params
 
 
@@ -82,6 +91,34 @@ def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarra
 def flip_labels(y, num_classes: int):
     """y -> C - 1 - y (label flipping: every class mapped to another one for C >= 2, the same map for all)."""
     return num_classes - 1 - y
+
+
+def add_trigger(x, size: int):
+    """Images [n, H, W, C] with their bottom-right ``size`` x ``size`` pixels at the channel maximum (255 for
+    uint8, else 1). Pure numpy or jnp by the input's type."""
+    top = 255 if x.dtype == np.uint8 else 1
+    if isinstance(x, np.ndarray):
+        out = x.copy()
+        out[:, -size:, -size:, :] = top
+        return out
+    return x.at[:, -size:, -size:, :].set(top)
+
+
+def backdoor_samples(x, y, target: int, fraction: float, size: int, rng: np.random.Generator):
+    """(x, y) with round(fraction n) samples, drawn by ``rng``, triggered (``add_trigger``) and relabelled
+    ``target``. numpy."""
+    x, y = np.array(x, copy=True), np.array(y, copy=True)
+    chosen = rng.permutation(len(y))[:int(round(fraction * len(y)))]
+    x[chosen] = add_trigger(x[chosen], size)
+    y[chosen] = target
+    return x, y
+
+
+def backdoor_test(x, y, target: int, size: int):
+    """The backdoor's test set of one client: its test images whose label is not ``target``, triggered, all
+    labelled ``target`` (accuracy on it = the attack's success rate). numpy."""
+    keep = np.asarray(y) != target
+    return add_trigger(np.asarray(x)[keep], size), np.full(int(keep.sum()), target, np.int32)
 
 
 def alie_z(k, m):

@@ -22,7 +22,8 @@ import numpy as np
 from ..core.server_opt import with_server_optimizer
 from ..core.types import Algorithm
 from ..data.ragged import RaggedClients
-from ..ops.attacks import UPDATE_ATTACKS, flip_labels, malicious_clients, parse_attack, with_update_attack
+from ..ops.attacks import (UPDATE_ATTACKS, backdoor_samples, backdoor_test, flip_labels, malicious_clients,
+                           parse_attack, with_update_attack)
 from ..ops.compression import parse_compression, with_compression
 from ..ops.robust_aggregation import parse_aggregator, with_robust_aggregate
 from .config import RunConfig
@@ -55,10 +56,26 @@ def server_side(alg: Algorithm, cfg: RunConfig, malicious: np.ndarray | None) ->
 
 
 def poison_data(cfg: RunConfig, train: RaggedClients, malicious: np.ndarray | None, num_classes: int) -> None:
-    """A data attack on the malicious clients' training samples, in place (``label_flip``: y -> C - 1 - y)."""
-    attack, _ = parse_attack(cfg.attack)
-    if attack != "label_flip":
+    """A data attack on the malicious clients' training samples, in place: ``label_flip`` (y -> C - 1 - y) or
+    ``backdoor`` (a triggered share relabelled; its draw from numpy's generator of [seed, 7])."""
+    attack, params = parse_attack(cfg.attack)
+    if attack not in ("label_flip", "backdoor"):
         return
+    rng = np.random.default_rng([cfg.seed, ATTACK_STREAM])
     for i in np.flatnonzero(malicious):
         rows = slice(train.offsets[i], train.offsets[i] + train.counts[i])
-        train.y[rows] = flip_labels(train.y[rows], num_classes)
+        if attack == "label_flip":
+            train.y[rows] = flip_labels(train.y[rows], num_classes)
+        else:
+            train.x[rows], train.y[rows] = backdoor_samples(train.x[rows], train.y[rows], params["target"],
+                                                            params["fraction"], params["size"], rng)
+
+
+def backdoor_test_data(cfg: RunConfig, test: RaggedClients) -> RaggedClients | None:
+    """Every client's backdoor test set (``ops.attacks.backdoor_test``) under ``--attack backdoor``, else None."""
+    attack, params = parse_attack(cfg.attack)
+    if attack != "backdoor":
+        return None
+    return RaggedClients.from_clients([
+        backdoor_test(test.x[o:o + c], test.y[o:o + c], params["target"], params["size"])
+        for o, c in zip(test.offsets, test.counts)])

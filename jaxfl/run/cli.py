@@ -68,7 +68,9 @@ HELP = {
                   "centered_clip[:tau=1.0,iters=1]",
     "attack": "what the malicious clients do: none | sign_flip[:scale=1] | scale[:scale=10] (model replacement) | "
               "gaussian[:std=1] | alie[:z=0 (from the cohort)] | ipm[:eps=0.5] (update attacks, averaging "
-              "algorithms) | label_flip (their training labels y -> C-1-y)",
+              "algorithms) | label_flip (their training labels y -> C-1-y) | backdoor[:target=0,fraction=0.5,size=3] "
+              "(a white square on a share of their images, relabelled target; metrics.jsonl logs "
+              "backdoor_accuracy)",
     "compression": "how clients encode their update of the shared parameters (averaging algorithms): none | "
                    "topk[:fraction=0.01] | randk[:fraction=0.1] | quantize[:bits=4,rotate=0 (1: Walsh-Hadamard "
                    "rotation first)] | qsgd[:levels=16] | sign; each takes feedback=1 (error feedback: a client keeps "

@@ -30,7 +30,7 @@ from ..data import load_dataset
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped, first_line
 from ..models import build_model
-from .build import malicious_of, poison_data, server_side
+from .build import backdoor_test_data, malicious_of, poison_data, server_side
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
 from .lock import RunLock
 from .plots import plot_accuracy
@@ -210,6 +210,10 @@ class Experiment:
             stragglers=cfg.stragglers, sampling=cfg.cohort_sampling, rate=self.rate, **kw)
         self.evaluator = Evaluator(self.algorithm, self.test_data, eval_batch_size=eval_bs, preprocess=preprocess,
                                    strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh, train=self.train_data)
+        backdoor = backdoor_test_data(cfg, self.test_data)  # (--attack backdoor: the triggered test sets)
+        self.backdoor_evaluator = None if backdoor is None else Evaluator(
+            self.algorithm, backdoor, eval_batch_size=eval_bs, preprocess=preprocess, strategy=strategy,
+            chunk_size=cfg.chunk_size, mesh=self.mesh, train=self.train_data)
         self.root = jax.random.key(cfg.seed)
 
     def round_fn(self, server, store, round_idx, before_aggregate=None):
@@ -228,7 +232,11 @@ class Experiment:
     def evaluate(self, server, clients, predict: str = "aggregated") -> dict:
         """metrics.jsonl's test fields for every client: ``clients`` is a ClientStore or the persistent states
         stacked [N] (``predict="trained"``: the rows every client's local update just returned)."""
-        return eval_record(self.evaluator.metrics(server, clients, predict))
+        record = eval_record(self.evaluator.metrics(server, clients, predict))
+        if self.backdoor_evaluator is not None:  # the attack's success rate, mean over clients
+            record["backdoor_accuracy"] = eval_record(self.backdoor_evaluator.metrics(server, clients, predict))[
+                "mean_accuracy"]
+        return record
 
     def reliability(self, server, clients, key, **kw) -> dict:
         """``reliability.reliability_report`` of these states on this run's test sets (kw: noise_sigma, ...)."""
