@@ -61,6 +61,25 @@ def test_median_and_trimmed_mean_are_their_definitions_on_the_present_rows(seed)
     assert abs(real[:, 0].mean() - np.median(real[:, 0])) > 5 and abs(float(median[0])) < 2
 
 
+def test_kth_smallest_is_exact_and_ties_are_kept_whole():
+    # radix selection over the float order: negatives, zeros, infinities, every rank; absent rows ignored
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(12, 6)).astype(np.float32) * 10
+    x[0, 0], x[1, 1], x[2, 2], x[3, 3] = -np.inf, np.inf, -0.0, 0.0
+    x[10:] = np.nan  # absent
+    present = np.arange(12) < 10
+    real = np.sort(x[:10], axis=0)
+    for r in range(10):
+        np.testing.assert_array_equal(jax.jit(robust.kth_smallest)(x, present, r), real[r])
+    # many ties (small integers): median and trimmed mean still the definitions
+    ties = rng.integers(-3, 4, size=(11, 40)).astype(np.float32)
+    ones = np.ones(11, bool)
+    np.testing.assert_array_equal(robust.coordinate_median(ties, ones), np.median(ties, axis=0))
+    for beta in (0.1, 0.2, 0.45):
+        np.testing.assert_allclose(robust.trimmed_mean(ties, ones, beta), np_trimmed(ties.astype(np.float64), beta),
+                                   rtol=1e-6, atol=1e-6)
+
+
 def test_krum_scores_and_multi_krum_select_the_central_rows():
     x, present = problem()
     real = x[:K].astype(np.float64)
