@@ -99,11 +99,21 @@ def pairwise_sq_distances(x, present):
 def krum_scores(x, present, f: int):
     """s_i = sum of the k - f - 2 smallest ||x_i - x_j||^2 over present j != i (at least one neighbour);
     +inf for absent rows. x [N, D], present [N] bool -> [N]."""
+    return krum_scores_from_distances(pairwise_sq_distances(x, present), present, f)
+
+
+def krum_scores_from_distances(d, present, f: int):
+    """``krum_scores`` from the squared distances d [N, N] (``pairwise_sq_distances``; only the entries between
+    present rows are read): the rows of ``present`` alone count as neighbours. -> [N]."""
     k = jnp.sum(present)
     q = jnp.maximum(k - f - 2, 1)
-    d = jnp.sort(pairwise_sq_distances(x, present), axis=1)
-    near = jnp.arange(x.shape[0])[None, :] < q
-    scores = jnp.sum(jnp.where(near, d, 0.0), axis=1)
+    d = jnp.where(present[:, None] & present[None, :] & ~jnp.eye(d.shape[0], dtype=bool), d, jnp.inf)
+    # the sum of each row's q smallest: those below its q-th smallest t, plus t for the rest (ties), by radix
+    # selection (``kth_smallest`` over the rows' entries) rather than a sort
+    t = kth_smallest(d.T, jnp.ones(d.shape[0], bool), q - 1)
+    below = d < t[:, None]
+    rest = (q - jnp.sum(below, axis=1)).astype(d.dtype)
+    scores = jnp.sum(jnp.where(below, d, 0.0), axis=1) + jnp.where(rest > 0, rest * t, 0.0)
     return jnp.where(present, scores, jnp.inf)
 
 
@@ -124,11 +134,13 @@ def bulyan(x, present, f: int):
     The paper asks for k >= 4f + 3. x [N, D], present [N] bool -> ([D], selected [N] bool)."""
     k = jnp.sum(present)
     theta = jnp.maximum(k - 2 * f, 1)
+    d = pairwise_sq_distances(x, present)  # once: each selection reads the rows still left
 
     def pick(i, selected):
         left = present & ~selected
         # (a last row left has no neighbour: its score is inf, still below the rows not left)
-        scores = jnp.where(left, jnp.minimum(krum_scores(x, left, f), jnp.finfo(x.dtype).max), jnp.inf)
+        scores = krum_scores_from_distances(d, left, f)
+        scores = jnp.where(left, jnp.minimum(scores, jnp.finfo(x.dtype).max), jnp.inf)
         return jnp.where(i < theta, selected.at[jnp.argmin(scores)].set(True), selected)
 
     selected = jax.lax.fori_loop(0, x.shape[0], pick, jnp.zeros(x.shape[0], bool))
