@@ -271,7 +271,7 @@ def test_leaf_femnist_reads_writers_as_clients(tmp_path):
     for change, message in [(lambda d: d["x"][0].append(0.5), "has an image of 785 values; FEMNIST's have 784"),
                             (lambda d: d["x"][0].__setitem__(0, 3.0), "pixel values outside \\[0, 1\\]"),
                             (lambda d: d["y"].__setitem__(0, 62), "has a label 62 outside \\[0, 62\\)"),
-                            (lambda d: d["y"].pop(), "has 5 images \\(x\\) and 4 labels \\(y\\)")]:
+                            (lambda d: d["y"].pop(), "has 5 inputs \\(x\\) and 4 targets \\(y\\); they must pair up")]:
         bad = tmp_path / "bad"
         write_leaf_femnist(bad, [["w"]])
         blob = json.loads((bad / "train" / "part0.json").read_text())

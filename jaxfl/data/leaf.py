@@ -23,7 +23,10 @@ FEMNIST_CLASSES = 62
 FEMNIST_PIXELS = 28 * 28
 
 
-def _read_split(root: Path, split: str) -> dict[str, tuple[list, list]]:
+def read_leaf_split(root: Path, split: str, check=None) -> dict[str, tuple[list, list]]:
+    """{user: (xs, ys)} of LEAF's json files ``root/split/*.json``, a user's samples from every file joined;
+    ``check(file, user, data)`` (optional) may refuse a user's entry with a DataError. DataError naming the file
+    for one that is not LEAF json or pairs a user's inputs and targets badly."""
     files = sorted((root / split).glob("*.json"))
     if not files:
         raise DataError(f"no LEAF json files in {str(root / split)!r}; expected train/*.json and test/*.json")
@@ -34,11 +37,15 @@ def _read_split(root: Path, split: str) -> dict[str, tuple[list, list]]:
             for user in blob["users"]:
                 d = blob["user_data"][user]
                 if len(d["x"]) != len(d["y"]):
-                    raise DataError(f"{str(f)!r}: LEAF user {user!r} has {len(d['x'])} images (x) and "
-                                    f"{len(d['y'])} labels (y); they must pair up")
+                    raise DataError(f"{str(f)!r}: LEAF user {user!r} has {len(d['x'])} inputs (x) and "
+                                    f"{len(d['y'])} targets (y); they must pair up")
+                if check is not None:
+                    check(f, user, d)
                 xs, ys = data.setdefault(user, ([], []))
                 xs.extend(d["x"])
                 ys.extend(d["y"])
+        except DataError:
+            raise
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"{str(f)!r} is not LEAF json (users, user_data[user].x / .y): {e}") from None
     return data
@@ -77,7 +84,7 @@ def load_leaf_femnist(path: str | Path) -> dict[str, tuple[Split, Split]]:
     root = Path(path)
     if not root.is_dir():
         raise DataError(f"LEAF folder {str(root)!r} does not exist (it should hold train/*.json and test/*.json)")
-    train, test = _read_split(root, "train"), _read_split(root, "test")
+    train, test = read_leaf_split(root, "train"), read_leaf_split(root, "test")
     users = sorted(set(train) & set(test))
     if not users:
         raise DataError(f"no LEAF user appears in both {str(root / 'train')!r} and {str(root / 'test')!r}")

@@ -14,7 +14,6 @@ leak test text into training).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -92,30 +91,15 @@ def load_text_folder(path: str | Path) -> dict[str, str]:
 def load_leaf_json(path: str | Path, seq_len: int = 80):
     """LEAF's split Shakespeare data: {user: ((x_train, y_train), (x_test, y_test))} from ``path/train/*.json``
     and ``path/test/*.json``; users missing from either split are dropped."""
+    from .leaf import read_leaf_split
+
+    def strings(f, user, d):
+        if not all(isinstance(v, str) for v in (*d["x"], *d["y"])):
+            raise DataError(f"{str(f)!r}: LEAF user {user!r} has an input or target that is not a string "
+                            f"(Shakespeare's x are {seq_len}-character strings, y characters)")
+
     root = Path(path)
-    splits = {}
-    for split in ("train", "test"):
-        files = sorted((root / split).glob("*.json"))
-        if not files:
-            raise DataError(f"no LEAF json files in {str(root / split)!r}; expected train/*.json and test/*.json")
-        data = {}
-        for f in files:
-            try:
-                blob = json.loads(f.read_text())
-                for user in blob["users"]:
-                    d = blob["user_data"][user]
-                    if len(d["x"]) != len(d["y"]):
-                        raise DataError(f"{str(f)!r}: LEAF user {user!r} has {len(d['x'])} inputs (x) and "
-                                        f"{len(d['y'])} targets (y); they must pair up")
-                    if not all(isinstance(v, str) for v in (*d["x"], *d["y"])):
-                        raise DataError(f"{str(f)!r}: LEAF user {user!r} has an input or target that is not a "
-                                        f"string (Shakespeare's x are {seq_len}-character strings, y characters)")
-                    data.setdefault(user, ([], []))
-                    data[user][0].extend(d["x"])
-                    data[user][1].extend(d["y"])
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise DataError(f"{str(f)!r} is not LEAF json (users, user_data[user].x / .y): {e}") from None
-        splits[split] = data
+    splits = {split: read_leaf_split(root, split, strings) for split in ("train", "test")}
     out = {}
     for user in sorted(set(splits["train"]) & set(splits["test"])):
         pair = []

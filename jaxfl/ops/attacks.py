@@ -31,7 +31,8 @@ import numpy as np
 
 from ..core.privacy import all_shared
 from ..core.types import Algorithm
-from ..errors import ConfigError
+from .spec import parse_spec
+from .updates import shared_updates
 
 # each attack's parameters and their defaults (``--attack NAME:key=value,...``)
 ATTACKS = {
@@ -45,37 +46,29 @@ ATTACKS = {
     "backdoor": {"target": 0, "fraction": 0.5, "size": 3},
 }
 UPDATE_ATTACKS = ("sign_flip", "scale", "gaussian", "alie", "ipm")
-_CHECKS = {"scale": (lambda v: math.isfinite(v), "a finite number"),
-           "std": (lambda v: 0 < v < math.inf, "a number > 0"),
-           "z": (lambda v: v >= 0 and math.isfinite(v), "a number >= 0 (0: the paper's z from the cohort)"),
-           "eps": (lambda v: 0 < v < math.inf, "a number > 0"),
-           "target": (lambda v: v >= 0 and v == int(v), "a class index >= 0"),
-           "fraction": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
-           "size": (lambda v: v >= 1 and v == int(v), "an integer >= 1 (pixels)")}
-_INTEGER = ("target", "size")
+
+
+def _whole(text: str) -> int:
+    """A whole number given as text ("3" or "3.0"); ValueError otherwise."""
+    v = float(text)
+    if v != int(v):
+        raise ValueError(text)
+    return int(v)
+
+
+_CHECKS = {"scale": (float, lambda v: math.isfinite(v), "a finite number"),
+           "std": (float, lambda v: 0 < v < math.inf, "a number > 0"),
+           "z": (float, lambda v: v >= 0 and math.isfinite(v), "a number >= 0 (0: the paper's z from the cohort)"),
+           "eps": (float, lambda v: 0 < v < math.inf, "a number > 0"),
+           "target": (_whole, lambda v: v >= 0, "a class index >= 0"),
+           "fraction": (float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+           "size": (_whole, lambda v: v >= 1, "an integer >= 1 (pixels)")}
 
 
 def parse_attack(spec: str) -> tuple[str, dict]:
-    """``"NAME"`` or ``"NAME:key=value,..."`` -> (name, its parameters with defaults). ConfigError naming what
-    is wrong and what is allowed."""
-    name, _, rest = str(spec).partition(":")
-    if name not in ATTACKS:
-        raise ConfigError(f"attack={spec!r}: {name!r} is not one of {', '.join(ATTACKS)}")
-    params = dict(ATTACKS[name])
-    for item in filter(None, (t.strip() for t in rest.split(","))):
-        key, eq, value = (t.strip() for t in item.partition("="))
-        if not eq or key not in params:
-            raise ConfigError(f"attack={spec!r}: {item!r} is not a parameter of {name} (its parameters: "
-                              f"{', '.join(params) or 'none'}; give NAME:key=value,...)")
-        ok, allowed = _CHECKS[key]
-        try:
-            v = float(value)
-        except ValueError:
-            v = None
-        if v is None or not ok(v):
-            raise ConfigError(f"attack={spec!r}: {key}={value} must be {allowed}")
-        params[key] = int(v) if key in _INTEGER else v
-    return name, params
+    """``"NAME"`` or ``"NAME:key=value,..."`` -> (name, its parameters with defaults); ConfigError naming what
+    is wrong and what is allowed (``spec.parse_spec``)."""
+    return parse_spec(spec, "attack", ATTACKS, _CHECKS)
 
 
 def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarray:
@@ -168,22 +161,10 @@ def with_update_attack(alg: Algorithm, name: str, malicious, key, **params) -> A
 
     def aggregate(server, trained, weights, info):
         shared = alg.share_mask(server, info) if alg.share_mask is not None else all_shared(server["params"])
-        x, treedef = jax.tree_util.tree_flatten(server["params"])
-        rows = jax.tree_util.tree_leaves(trained["params"])
-        marks = jax.tree_util.tree_leaves(shared)
-        used = [i for i, s in enumerate(marks) if s is not False]
-        k = rows[0].shape[0]
+        flat, rebuild = shared_updates(server["params"], trained["params"], shared)
         ids = jnp.asarray(info.client_id, jnp.int32)
         bad = jnp.where(ids < n, bad_ids[jnp.clip(ids, 0, n - 1)], False)
-        flat = jnp.concatenate([(rows[i] - x[i][None]).reshape(k, -1) for i in used], axis=1)
         new = attacked_updates(name, flat, bad, weights > 0, jax.random.fold_in(key, info.round), **params)
-        out, start = list(rows), 0
-        for i in used:
-            size = x[i].size
-            attacked = x[i][None] + new[:, start:start + size].reshape(rows[i].shape).astype(rows[i].dtype)
-            out[i] = attacked if marks[i] is True else jnp.where(marks[i], attacked, rows[i])
-            start += size
-        params_tree = jax.tree_util.tree_unflatten(treedef, out)
-        return alg.aggregate(server, {**trained, "params": params_tree}, weights, info)
+        return alg.aggregate(server, {**trained, "params": rebuild(new)}, weights, info)
 
     return alg._replace(aggregate=aggregate)

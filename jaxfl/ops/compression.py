@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from ..core.privacy import all_shared
 from ..core.types import Algorithm
-from ..errors import ConfigError
+from .spec import parse_spec
+from .updates import shared_updates
 
 CODECS = {
     "none": {},
@@ -48,26 +49,9 @@ _CHECKS = {"fraction": (float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
 
 
 def parse_compression(spec: str) -> tuple[str, dict]:
-    """``"NAME"`` or ``"NAME:key=value,..."`` -> (name, parameters with defaults). ConfigError naming what is
-    wrong and what is allowed."""
-    name, _, rest = str(spec).partition(":")
-    if name not in CODECS:
-        raise ConfigError(f"compression={spec!r}: {name!r} is not one of {', '.join(CODECS)}")
-    params = dict(CODECS[name])
-    for item in filter(None, (t.strip() for t in rest.split(","))):
-        key, eq, value = (t.strip() for t in item.partition("="))
-        if not eq or key not in params:
-            raise ConfigError(f"compression={spec!r}: {item!r} is not a parameter of {name} (its parameters: "
-                              f"{', '.join(params) or 'none'}; give NAME:key=value,...)")
-        kind, ok, allowed = _CHECKS[key]
-        try:
-            v = kind(value)
-        except ValueError:
-            v = None
-        if v is None or not ok(v):
-            raise ConfigError(f"compression={spec!r}: {key}={value} must be {allowed}")
-        params[key] = v
-    return name, params
+    """``"NAME"`` or ``"NAME:key=value,..."`` -> (name, parameters with defaults); ConfigError naming what is
+    wrong and what is allowed (``spec.parse_spec``)."""
+    return parse_spec(spec, "compression", CODECS, _CHECKS)
 
 
 def kept_count(size: int, fraction: float) -> int:
@@ -215,25 +199,16 @@ def with_compression(alg: Algorithm, name: str, key, **params) -> Algorithm:
     def aggregate(server, trained, weights, info):
         residual = trained.get(residual_key) if feedback else None
         inner = {k: v for k, v in trained.items() if k != residual_key}
-        x, treedef = jax.tree_util.tree_flatten(server["params"])
-        rows = jax.tree_util.tree_leaves(inner["params"])
-        marks = jax.tree_util.tree_leaves(shared_of(server, info))
-        used = [i for i, s in enumerate(marks) if s is not False]
-        k = rows[0].shape[0]
-        flat = jnp.concatenate([(rows[i] - x[i][None]).reshape(k, -1) for i in used], axis=1)
+        flat, rebuild = shared_updates(server["params"], inner["params"], shared_of(server, info))
+        if flat.shape[1] == 0:  # nothing shared: nothing sent
+            new_server, kept = alg.aggregate(server, inner, weights, info)
+            return (new_server, kept) if residual is None else (new_server, {"inner": kept, "residual": residual})
         sent = flat if residual is None else flat + residual
         round_key = jax.random.fold_in(jax.random.fold_in(key, 0), info.round)
         keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(jnp.asarray(info.client_id, jnp.int32))
         rotation_key = jax.random.fold_in(jax.random.fold_in(key, 1), info.round)
         decoded = jax.vmap(lambda v, kk: decode(name, v, kk, rotation_key, **params))(sent, keys)
-        out, start = list(rows), 0
-        for i in used:
-            size = x[i].size
-            new = x[i][None] + decoded[:, start:start + size].reshape(rows[i].shape).astype(rows[i].dtype)
-            out[i] = new if marks[i] is True else jnp.where(marks[i], new, rows[i])
-            start += size
-        new_server, kept = alg.aggregate(server, {**inner, "params": jax.tree_util.tree_unflatten(treedef, out)},
-                                         weights, info)
+        new_server, kept = alg.aggregate(server, {**inner, "params": rebuild(decoded)}, weights, info)
         if residual is None:
             return new_server, kept
         present = (weights > 0)[:, None]

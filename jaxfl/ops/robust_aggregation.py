@@ -35,8 +35,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ..errors import ConfigError
 from . import robust
+from .spec import parse_spec
 from ..core.privacy import all_shared
 from ..core.types import Algorithm
 
@@ -62,26 +62,9 @@ _CHECKS = {"beta": (float, lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
 
 
 def parse_aggregator(spec: str) -> tuple[str, dict]:
-    """``"NAME"`` or ``"NAME:key=value,key=value"`` -> (name, its parameters with the defaults filled in).
-    ConfigError naming the bad name, key or value and what is allowed."""
-    name, _, rest = str(spec).partition(":")
-    if name not in AGGREGATORS:
-        raise ConfigError(f"aggregator={spec!r}: {name!r} is not one of {', '.join(AGGREGATORS)}")
-    params = dict(RULES.get(name, {}))
-    for item in filter(None, (t.strip() for t in rest.split(","))):
-        key, eq, value = (t.strip() for t in item.partition("="))
-        if not eq or key not in params:
-            raise ConfigError(f"aggregator={spec!r}: {item!r} is not a parameter of {name} (its parameters: "
-                              f"{', '.join(params) or 'none'}; give NAME:key=value,...)")
-        kind, ok, allowed = _CHECKS[key]
-        try:
-            v = kind(value)
-        except ValueError:
-            v = None
-        if v is None or not ok(v):
-            raise ConfigError(f"aggregator={spec!r}: {key}={value} must be {allowed}")
-        params[key] = v
-    return name, params
+    """``"NAME"`` or ``"NAME:key=value,key=value"`` -> (name, its parameters with the defaults filled in);
+    ConfigError naming the bad name, key or value and what is allowed (``spec.parse_spec``)."""
+    return parse_spec(spec, "aggregator", {"mean": {}, **RULES}, _CHECKS)
 
 
 def robust_rule(name: str, **params) -> Callable:

@@ -337,9 +337,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_range("server_beta1", cfg.server_beta1, 0.0, 1.0)
     check_range("server_beta2", cfg.server_beta2, 0.0, 1.0)
     check_range("server_tau", cfg.server_tau, 0.0, float("inf"), lo_open=True)
-    check_aggregator(cfg)
+    check_server_rule(cfg, "--aggregator", cfg.aggregator, parse_aggregator, "mean", "a robust aggregator")
     check_attack(cfg)
-    check_compression(cfg)
+    check_server_rule(cfg, "--compression", cfg.compression, parse_compression, "none", "update compression")
     check_privacy(cfg)
     if cfg.participation is not None:
         check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
@@ -428,18 +428,18 @@ def check_dp_ranges(cfg: RunConfig) -> None:
         raise ConfigError(f"dp_delta={cfg.dp_delta!r} is outside (0, 1)")
 
 
-def check_aggregator(cfg: RunConfig) -> None:
-    """``aggregator``: a known rule with valid parameters, for an averaging algorithm (``Options.user_dp``: its
-    aggregate is a mean of shared parameters alone), not under user-level DP (whose noise is calibrated to the
-    mean's sensitivity)."""
-    name, _ = parse_aggregator(cfg.aggregator)
-    if name == "mean":
+def check_server_rule(cfg: RunConfig, flag: str, spec: str, parse, off: str, what: str) -> None:
+    """A server-side rule's option (``--aggregator``, ``--compression``): a known name with valid parameters
+    (``parse``); unless it is ``off``, an averaging algorithm's (``Options.user_dp``: its aggregate is a mean of
+    shared parameters alone), and not under user-level DP (whose noise is calibrated to the clipped mean)."""
+    name, _ = parse(spec)
+    if name == off:
         return
-    check_marked(cfg, "user_dp", f"--aggregator {cfg.aggregator}: {cfg.algorithm}'s aggregate is not a mean of "
-                                 f"shared parameters alone; a robust aggregator composes with")
+    check_marked(cfg, "user_dp", f"{flag} {spec}: {cfg.algorithm}'s aggregate is not a mean of shared parameters "
+                                 f"alone; {what} composes with")
     if cfg.dp_clip is not None and cfg.dp_level == "user":
-        raise ConfigError(f"--aggregator {cfg.aggregator} with --dp-clip: DP-FedAvg's noise is calibrated to the "
-                          f"clipped mean; use one of the two")
+        raise ConfigError(f"{flag} {spec} with --dp-clip: DP-FedAvg's noise is calibrated to the clipped mean of "
+                          f"the updates as sent; use one of the two")
 
 
 def check_attack(cfg: RunConfig) -> None:
@@ -458,19 +458,6 @@ def check_attack(cfg: RunConfig) -> None:
     if name in UPDATE_ATTACKS:
         check_marked(cfg, "user_dp", f"--attack {cfg.attack}: {cfg.algorithm}'s aggregate is not a mean of "
                                      f"shared parameters alone; update attacks compose with")
-
-
-def check_compression(cfg: RunConfig) -> None:
-    """``compression``: a known codec with valid parameters, for an averaging algorithm (``Options.user_dp``),
-    not under user-level DP (its noise is calibrated to the uncompressed clipped mean)."""
-    name, _ = parse_compression(cfg.compression)
-    if name == "none":
-        return
-    check_marked(cfg, "user_dp", f"--compression {cfg.compression}: {cfg.algorithm}'s aggregate is not a mean of "
-                                 f"shared parameters alone; update compression composes with")
-    if cfg.dp_clip is not None and cfg.dp_level == "user":
-        raise ConfigError(f"--compression {cfg.compression} with --dp-clip: DP-FedAvg's noise is calibrated to the "
-                          f"uncompressed clipped mean; use one of the two")
 
 
 def check_marked(cfg: RunConfig, mark: str, message: str) -> None:
