@@ -78,11 +78,11 @@ def test_a_second_stop_signal_is_not_swallowed(tmp_path):
     # the first SIGINT is recorded, a second acts as it would have: here the fail point sends one at loading and
     # the test another at once; the process must end, not train on
     root = tmp_path / "sweep"
-    code = ("import os, signal, sys; from jaxfl.run import signals; from jaxfl.run.cli import main\n"
+    code = ("import os, signal, sys, threading; from jaxfl.run import signals; from jaxfl.run.cli import main\n"
             "real = signals.failpoint\n"
             "def twice(name):\n"
             "    real(name)\n"
-            "    if name == 'load': os.kill(os.getpid(), signal.SIGINT)\n"
+            "    if name == 'load': signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)\n"
             "signals.failpoint = twice\n"
             "sys.modules['jaxfl.run.cli'].failpoint = twice\n"
             f"sys.exit(main({SWEEP + ['--out', str(root)]!r}))\n")

@@ -75,4 +75,6 @@ def failpoint(name: str) -> None:
         return
     _reached[name] = _reached.get(name, 0) + 1
     if _reached[name] == (int(count[0]) if count else 1):
-        os.kill(os.getpid(), getattr(signal, "SIG" + sig))
+        # to the main thread, where Python runs signal handlers: a signal sent to the process may land on another
+        # thread (jax's), and two such signals arriving before the main thread looks are handled as one
+        signal.pthread_kill(threading.main_thread().ident, getattr(signal, "SIG" + sig))
