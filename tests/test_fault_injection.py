@@ -78,7 +78,10 @@ def test_a_second_stop_signal_is_not_swallowed(tmp_path):
     # the first SIGINT is recorded, a second acts as it would have: here the fail point sends one at loading and
     # the test another at once; the process must end, not train on
     root = tmp_path / "sweep"
+    # (SIGINT as a shell starts a process: a test earlier in the same pytest worker may leave it ignored, and a
+    # child inherits an ignored signal, so the second one would be ignored as the previous handler says)
     code = ("import os, signal, sys, threading; from jaxfl.run import signals; from jaxfl.run.cli import main\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "real = signals.failpoint\n"
             "def twice(name):\n"
             "    real(name)\n"
