@@ -83,10 +83,10 @@ def model_size(cfg: RunConfig) -> int:
     import jax
     import jax.numpy as jnp
 
+    from jaxfl.core.trees import count_params
     from jaxfl.models import build_model
     shape = (1, 28, 28, cfg.channels)  # MNIST at the run's channel count
-    params = jax.eval_shape(build_model(cfg.model, 10).init, jax.random.key(0), jnp.zeros(shape))["params"]
-    return sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
+    return count_params(jax.eval_shape(build_model(cfg.model, 10).init, jax.random.key(0), jnp.zeros(shape))["params"])
 
 
 def compression_table(results: dict, seeds, size: int) -> str:
@@ -139,11 +139,12 @@ def main(argv=None) -> None:
         # (the "none" codec is the clean mean's run, reused)
         found = {c: run_seeds(spec("mean", "none", 0.0) if c == "none" else f"fedavg:compression={c}", base,
                               args.out, seeds) for c in codecs}
-        text = compression_table(found, seeds, model_size(base))
+        size = model_size(base)
+        text = compression_table(found, seeds, size)
         (Path(args.out) / "compression.md").write_text(text)
         (Path(args.out) / "compression.json").write_text(json.dumps(
             {c: {"final_accuracy": [final_accuracy(h) for h in hs],
-                 "upload_bits": (hs[0][-1].get("train_upload_bits") or [32 * model_size(base)])[0]}
+                 "upload_bits": (hs[0][-1].get("train_upload_bits") or [32 * size])[0]}
              for c, hs in found.items()},
             indent=1))
         print(text)

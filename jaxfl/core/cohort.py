@@ -40,10 +40,9 @@ def map_clients(fn: Callable, strategy: str | None = None, chunk_size: int = 8,
     strategy = strategy or default_strategy()
     if strategy not in STRATEGIES:
         raise ValueError(f"client strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
-    if bound_arg is not None and strategy != "map":
-        bounded = lambda *args: map_clients(functools.partial(fn, bound=jnp.max(args[bound_arg])), strategy,
-                                            chunk_size)(*args)
-        return bounded
+    if bound_arg is not None and strategy != "map":  # all clients of the call share the largest value
+        return lambda *args: map_clients(functools.partial(fn, bound=jnp.max(args[bound_arg])), strategy,
+                                         chunk_size)(*args)
     if strategy == "vmap":
         return jax.vmap(fn)
     batch = None if strategy == "map" else chunk_size

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.privacy import all_shared
-from ..core.types import Algorithm
+from ..core.types import Algorithm, RoundInfo
 from .spec import parse_spec
 from .updates import shared_updates
 
@@ -185,8 +185,7 @@ def with_compression(alg: Algorithm, name: str, key, **params) -> Algorithm:
         server, client = alg.init(rng, sample_x)
         if not feedback:
             return server, client
-        from ..core.types import RoundInfo  # (the share mask of round 0 sizes the residual)
-        info = RoundInfo(jnp.int32(0), jnp.int32(0))
+        info = RoundInfo(jnp.int32(0), jnp.int32(0))  # (the share mask of round 0 sizes the residual)
         return server, {"inner": client, "residual": jnp.zeros(shared_size(server, info), jnp.float32)}
 
     def local_update(server, client, data, rng, info):

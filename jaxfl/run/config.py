@@ -53,11 +53,11 @@ class RunConfig:
     server_beta2: float = 0.99
     server_tau: float = 1e-3
     # robust aggregation of the averaging algorithms (``jaxfl.ops.robust_aggregation``): mean (the algorithm's
-    # own) | NAME or NAME:key=value,... of median, trimmed_mean, krum, multi_krum, geometric_median, norm_bound,
-    # centered_clip
+    # own) | NAME or NAME:key=value,... of median, trimmed_mean, krum, multi_krum, bulyan, geometric_median,
+    # norm_bound, centered_clip
     aggregator: str = "mean"
     # malicious clients (``jaxfl.ops.attacks``): the attack (none | sign_flip | scale | gaussian | alie | ipm |
-    # label_flip, NAME:key=value,...) and the fraction of the population that runs it (fixed for the run)
+    # label_flip | backdoor, NAME:key=value,...) and the fraction of the population that runs it (fixed per run)
     attack: str = "none"
     malicious: float = 0.0
     # update compression of the averaging algorithms (``jaxfl.ops.compression``): none | topk | randk | quantize |
