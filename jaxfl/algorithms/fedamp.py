@@ -47,6 +47,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedAMPOptions(Options):
     name = "fedamp"
+    server_client_rows = True  # (the server's table, one row per training client)
     sharing = ("its trained model, kept in the server's table of all N personal models; it receives u_i, an "
                "attention-weighted combination of them", "its BN statistics")
     alpha: float = option(1.0, "alpha: the attention step (xi_ij = alpha/sigma exp(-d^2/sigma)) and lam/alpha's",

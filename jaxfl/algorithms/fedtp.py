@@ -64,6 +64,7 @@ def qkv_hypernetwork(model, embed_dim: int, hidden: int, layers: int):
 @dataclasses.dataclass(frozen=True)
 class FedTPOptions(Options):
     name = "fedtp"
+    server_client_rows = True  # (the server's table, one row per training client)
     models = ("vit_small", "vit_tiny")  # personalized attention needs a ViT
     # the official run scripts (scripts/cifar10_run.sh: --lr=0.01 --batch-size=64 --rho=0.9; main.py --reg 1e-5)
     train_preset = {"lr": 0.01, "momentum": 0.9, "weight_decay": 1e-5, "batch_size": 64}

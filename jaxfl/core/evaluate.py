@@ -2,10 +2,11 @@
 
 - ``make_predict`` / ``make_evaluate``: pure functions over stacked clients (per-sample outputs; per-client
   means of CE, accuracy and the algorithm's diagnostics over the real samples).
-- ``Evaluator``: the one evaluation of a run. It walks the population in blocks of clients, gathers each
-  block's ragged test sets padded to the block's largest (rounded to the step grid, so few shapes compile)
-  and runs the jitted functions above: ``metrics`` (after the round, or of the models right after local
-  training: ``predict="trained"``) and ``predictions`` (per-sample outputs, for reliability reports).
+- ``Evaluator``: the one evaluation of a run. It walks the population (or the clients asked for) in blocks,
+  gathers each block's ragged test sets padded to the block's largest (rounded to the step grid, so few
+  shapes compile) and runs the jitted functions above: ``metrics`` (after the round, or of the models right
+  after local training: ``predict="trained"``; optionally after a local update the caller gives, ``tune``)
+  and ``predictions`` (per-sample outputs, for reliability reports).
 """
 from __future__ import annotations
 
@@ -120,17 +121,19 @@ class Evaluator:
 
     A block (a multiple of the device count) is padded to its largest test set rounded up to the step grid of
     ``eval_batch_size``. train: the clients' training sets, gathered the same way, for an algorithm that
-    predicts from them (``Algorithm.prepare_predict``).
+    predicts from them (``Algorithm.prepare_predict``) or for a local update before evaluating (``tune``).
+    first_id: the client id of row 0 (row i predicts as client ``first_id + i``: clients held out of training
+    have ids past the training population's).
     """
 
     def __init__(self, alg: Algorithm, test: RaggedClients, *, eval_batch_size: int, preprocess: Callable,
                  strategy: str | None = None, chunk_size: int = 8, mesh=None, block: int = 64,
-                 train: RaggedClients | None = None):
+                 train: RaggedClients | None = None, first_id: int = 0):
         if alg.prepare_predict is not None and train is None:
             raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
         if not isinstance(eval_batch_size, int) or eval_batch_size < 1:
             raise ConfigError(f"eval_batch_size={eval_batch_size!r} must be an integer >= 1")
-        self.alg, self.test, self.train, self.mesh = alg, test, train, mesh
+        self.alg, self.test, self.train, self.mesh, self.first_id = alg, test, train, mesh, first_id
         self.eval_batch_size = eval_batch_size
         devices = 1 if mesh is None else mesh.devices.size
         self.block = max(devices, -(-min(block, test.num_clients) // devices) * devices)
@@ -152,35 +155,45 @@ class Evaluator:
             self._fns[key] = jax.jit(make(alg, **self._kw, **extra))
         return self._fns[key]
 
-    def _blocks(self, inputs_shift: int = 0):
-        """(ids, real, data, train): each block's client ids (padded past N), which are real, the block's test
-        sets (of client (i + inputs_shift) mod N for row i) and training sets, as host arrays."""
+    def _blocks(self, inputs_shift: int = 0, rows=None, with_train: bool = False):
+        """(ids, real, data, train): each block's rows (padded past the last with row 0), which are real, the
+        block's test sets (of row (i + inputs_shift) mod N for row i) and training sets (for
+        ``prepare_predict`` or ``with_train``), as host arrays. rows: the rows to evaluate (default all N)."""
         test, n, bs = self.test, self.test.num_clients, self.eval_batch_size
-        for start in range(0, n, self.block):
-            ids = np.arange(start, start + self.block)
-            real = ids < n
+        rows = np.arange(n) if rows is None else np.asarray(rows, np.int64)
+        for start in range(0, len(rows), self.block):
+            which = rows[start:start + self.block]
+            real = np.arange(self.block) < len(which)
+            ids = np.where(real, np.pad(which, (0, self.block - len(which))), 0)
             src = np.where(real, (ids + inputs_shift) % n, -1)
 
-            def rows(ragged, which):  # padded to the block's largest, rounded to the step grid
+            def gather(ragged, which):  # padded to the block's largest, rounded to the step grid
                 length = bs * grid_ceil(-(-int(ragged.counts[which[which >= 0]].max()) // bs))
                 return ragged.gather(which, length)
-            train = None if self.alg.prepare_predict is None else rows(self.train, np.where(real, ids, -1))
-            yield ids, real, rows(test, src), train
+            needs_train = with_train or self.alg.prepare_predict is not None
+            train = gather(self.train, np.where(real, ids, -1)) if needs_train else None
+            yield ids, real, gather(test, src), train
 
-    def _run(self, fn, server, states, inputs_shift: int = 0, **kw):
-        for ids, real, data, train in self._blocks(inputs_shift):
-            safe = np.where(real, ids, 0).astype(np.int32)
-            extra = {} if train is None else {"train": place_rows(train, self.mesh)}
-            out = fn(server, place_rows(stacked_rows(states, safe), self.mesh), place_rows(data, self.mesh),
-                     ids=place_rows(safe, self.mesh), **kw, **extra)
+    def _run(self, fn, server, states, inputs_shift: int = 0, rows=None, tune: Callable | None = None, **kw):
+        for ids, real, data, train in self._blocks(inputs_shift, rows, with_train=tune is not None):
+            block_ids = place_rows((ids + self.first_id).astype(np.int32), self.mesh)
+            block_states = place_rows(stacked_rows(states, ids), self.mesh)
+            if tune is not None:  # every row's local update first (on its training set), then the evaluation
+                block_states = tune(server, block_states, place_rows(train, self.mesh), block_ids)
+            extra = {} if self.alg.prepare_predict is None else {"train": place_rows(train, self.mesh)}
+            out = fn(server, block_states, place_rows(data, self.mesh), ids=block_ids, **kw, **extra)
             yield real, data, fetch(out)
 
-    def metrics(self, server, states, predict: str = "aggregated") -> dict[str, np.ndarray]:
-        """{"loss", "accuracy", "count", diagnostics...} per client [N] (numpy). states: a ``ClientStore`` or
-        every client's state stacked [N]; predict: ``aggregated`` (``Algorithm.predict``) or ``trained``
-        (``predict_trained``: ``states`` are the rows ``local_update`` returned)."""
+    def metrics(self, server, states, predict: str = "aggregated", rows=None,
+                tune: Callable | None = None) -> dict[str, np.ndarray]:
+        """{"loss", "accuracy", "count", diagnostics...} per evaluated row (numpy; all N rows unless ``rows``, the
+        rows to evaluate, in that order). states: a ``ClientStore``, every client's state stacked [N], or an
+        object whose ``gather(ids)`` gives the rows' states; predict: ``aggregated`` (``Algorithm.predict``) or
+        ``trained`` (``predict_trained``: ``states`` are the rows ``local_update`` returned).
+        tune(server, states, train, ids) -> states: a local update of a block's rows on their training sets
+        (``ClientData``; ids: their client ids), run before the evaluation (then ``predict="trained"``)."""
         parts = [{k: np.asarray(v)[real] for k, v in m.items()}
-                 for real, _, m in self._run(self._fn("metrics", predict), server, states)]
+                 for real, _, m in self._run(self._fn("metrics", predict), server, states, rows=rows, tune=tune)]
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     def predictions(self, server, states, key=None, transform: Callable | None = None,

@@ -60,6 +60,10 @@ class Options:
     # client update's batched LAPACK calls would run on two devices at once, which deadlocks in jaxlib's CPU
     # kernels (they share one intra-op pool and block on it: ``jaxfl.ops.gp._lower_solve``)
     cpu_device_split: ClassVar[bool] = True
+    # the server state holds a row per client id of the population (a table of models or embeddings that predict
+    # and aggregate read by ``client_id``): a client held out of training (``--new-clients``) has none; checked
+    # for every algorithm (tests/test_evaluation.py: the server state's shapes follow N exactly when it is set)
+    server_client_rows: ClassVar[bool] = False
     # what a straggler (``--stragglers``) runs only part of: the run's local epochs, or the name of an option that
     # counts the method's own local work (FedSelect: la_epochs; pFedHN, pFedGP: inner_steps; 0 there: the local epochs)
     local_work: ClassVar[str] = "local_epochs"

@@ -32,7 +32,7 @@ from .config import RunConfig, holds_files, replace_text
 # rounds_per_call: K rounds per call are bit for bit K single rounds.)
 RESUMABLE_CHANGES = {"rounds", "resume", "overwrite", "out", "checkpoint_every", "eval_every", "strategy", "backend",
                      "chunk_size", "lane_segments", "lane_overhead", "devices", "client_store", "eval_batch_size",
-                     "eval_point", "lr", "dp_epsilon", "rounds_per_call"}
+                     "eval_point", "eval_model", "eval_clients", "lr", "dp_epsilon", "rounds_per_call"}
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -50,6 +50,14 @@ HELP = {
                   "before aggregation, as FedSelect's code evaluates; needs every client in every round) "
                   "(default: aggregated; local for fedselect when every client trains every round, its official "
                   "protocol)",
+    "eval_model": "which model each evaluation tests: personal (each client's own state) | global (the server's "
+                  "state with the initial client state: what a client that never trained gets) | both (personal "
+                  "in test_*/mean_accuracy, global in global_* fields)",
+    "eval_clients": "which clients each evaluation tests: all | cohort (those that trained in the evaluated "
+                    "round; the others are null in the per-client lists and out of the means)",
+    "new_clients": "hold K clients out of training (drawn from --seed) and evaluate them at every evaluation: "
+                   "with the global model (new_* fields) and, for methods that predict with a just-trained "
+                   "model, after one local update from it (new_tuned_* fields); 0: none",
     "weight_decay": "client weight decay, added to the gradient as torch does",
     "lr": "client learning rate",
     "momentum": "client SGD momentum",
@@ -164,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("runs", nargs="+", metavar="RUN_DIR",
                      help="run folders (holding metrics.jsonl), or folders searched for them")
     cmp.add_argument("--key", default="mean_accuracy",
-                     help="mean_accuracy (unweighted over clients) | weighted_accuracy (by test-set size)")
+                     help="mean_accuracy (unweighted over clients) | weighted_accuracy (by test-set size); "
+                          "either with the prefix global_ (runs with --eval-model both), new_ or new_tuned_ (the "
+                          "held-out clients of --new-clients, with the global model or after a local update)")
     cmp.add_argument("--last-k", type=int, default=5, help="the last-k column averages the last k evaluations")
     cmp.add_argument("--per-client", action="store_true", help="also each client's final accuracy")
     cmp.add_argument("--spread", action="store_true", help="also how the final accuracy spreads over the "
@@ -255,13 +265,19 @@ def format_table(summary: dict) -> str:
     rows = [head, "-" * len(head)]
     cols = [np.asarray(c["accuracy"], float) for c in (last, best, own)]
     listed = ([(f"{stat} of {len(names)}", [fn(c) for c in cols]) for stat, fn in
-               (("min", np.min), ("median", np.median), ("max", np.max))] if many else
+               (("min", np.nanmin), ("median", np.nanmedian), ("max", np.nanmax))] if many else
               [(n, [c[j] for c in cols]) for j, n in enumerate(names)])
+    num = lambda v, width: f"{'-':>{width}}" if v is None or v != v else f"{v:>{width}.4f}"  # noqa: E731
     for n, (a, b, c) in listed:
-        rows.append(f"{n:<{w}}{a:>14.4f}{b:>20.4f}{c:>12.4f}")
+        rows.append(f"{n:<{w}}{num(a, 14)}{num(b, 20)}{num(c, 12)}")
     rows.append("-" * len(head))
-    rows.append(f"{'mean':<{w}}{last['mean_accuracy']:>14.4f}{best['mean_accuracy']:>20.4f}{own['mean_accuracy']:>12.4f}")
-    rows.append(f"{'weighted':<{w}}{last['weighted_accuracy']:>14.4f}{best['weighted_accuracy']:>20.4f}{'':>12}")
+    rows.append(f"{'mean':<{w}}{num(last['mean_accuracy'], 14)}{num(best['mean_accuracy'], 20)}"
+                f"{num(own['mean_accuracy'], 12)}")
+    rows.append(f"{'weighted':<{w}}{num(last['weighted_accuracy'], 14)}{num(best['weighted_accuracy'], 20)}"
+                f"{'':>12}")
+    for key, label in (("global", "global model"), ("new", "new, global"), ("new_tuned", "new, tuned")):
+        if key in summary:  # the last evaluation's mean of the other models and clients
+            rows.append(f"{label:<{w}}{num(summary[key]['mean_accuracy'], 14)}")
     return "\n".join(rows)
 
 

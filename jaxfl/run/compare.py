@@ -27,7 +27,17 @@ from ..errors import ConfigError
 EXECUTION_FIELDS = {"seed", "out", "resume", "overwrite", "data_dir", "strategy", "backend", "chunk_size",
                     "lane_segments", "lane_overhead", "devices", "client_store", "eval_batch_size", "rounds_per_call",
                     "checkpoint_every"}
-KEYS = ("mean_accuracy", "weighted_accuracy")
+# the per-round accuracies compare reads: the evaluated model's, and under --eval-model both / --new-clients the
+# global model's (global_), the held-out clients' with the global model (new_) and after a local update (new_tuned_)
+KEYS = tuple(prefix + k for prefix in ("", "global_", "new_", "new_tuned_")
+             for k in ("mean_accuracy", "weighted_accuracy"))
+
+
+def client_field(key: str) -> str:
+    """The per-client list of metrics.jsonl behind a per-round accuracy ``key`` (new_mean_accuracy ->
+    new_test_accuracy)."""
+    return key.rsplit("mean_accuracy" if key.endswith("mean_accuracy") else "weighted_accuracy", 1)[0] + \
+        "test_accuracy"
 
 
 def find_runs(paths) -> list[Path]:
@@ -180,8 +190,9 @@ def seed_stats(hists: list[list[dict]], key: str = "mean_accuracy", tail: int = 
     acc = acc * 100
     ms = lambda xs: (float(np.mean(xs)), float(np.std(xs)))
     last = int(rounds[-1])
-    per_client = [np.asarray(rec["test_accuracy"], float) * 100 for hist in hists for rec in hist
-                  if rec.get("round") == last and "test_accuracy" in rec]
+    field = client_field(key)
+    per_client = [np.asarray([np.nan if a is None else a for a in rec[field]], float) * 100 for hist in hists
+                  for rec in hist if rec.get("round") == last and field in rec]
     same = per_client and len({len(c) for c in per_client}) == 1 and len(per_client) == len(hists)
     clients = [ms(col) for col in np.stack(per_client).T] if same else []
     # how the final accuracy spreads over each run's clients (``core.metrics.client_spread``), over seeds

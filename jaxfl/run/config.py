@@ -111,6 +111,11 @@ class RunConfig:
     eval_every: int = 1
     eval_point: str | None = None  # aggregated: after the round | local: each model right after local training
     eval_batch_size: int = 256
+    # evaluation protocols (``jaxfl.run.evaluation``): which model (personal | global | both), which clients
+    # (all | cohort: the evaluated round's), and K clients held out of training, evaluated as newcomers
+    eval_model: str = "personal"
+    eval_clients: str = "all"
+    new_clients: int = 0
     # output
     out: str | None = None
     checkpoint_every: int = 0
@@ -324,6 +329,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
     if cfg.eval_point is not None:
         check_choice("eval_point", cfg.eval_point, ("aggregated", "local"))
+    check_evaluation(cfg)
     check_range("weight_decay", cfg.weight_decay, 0.0, float("inf"))
     if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum <= 0):
         raise ConfigError("--nesterov needs --optimizer sgd with --momentum > 0")
@@ -458,6 +464,22 @@ def check_attack(cfg: RunConfig) -> None:
     if name in UPDATE_ATTACKS:
         check_marked(cfg, "user_dp", f"--attack {cfg.attack}: {cfg.algorithm}'s aggregate is not a mean of "
                                      f"shared parameters alone; update attacks compose with")
+
+
+def check_evaluation(cfg: RunConfig) -> None:
+    """The evaluation protocol's options (``jaxfl.run.evaluation``); ConfigError naming the bad one."""
+    from ..algorithms import REGISTRY, options_class
+    from .evaluation import EVAL_CLIENTS, EVAL_MODELS
+    check_choice("eval_model", cfg.eval_model, EVAL_MODELS)
+    check_choice("eval_clients", cfg.eval_clients, EVAL_CLIENTS)
+    if isinstance(cfg.new_clients, bool) or not isinstance(cfg.new_clients, int) or cfg.new_clients < 0:
+        raise ConfigError(f"new_clients={cfg.new_clients!r} must be an integer >= 0 (the clients held out of "
+                          f"training; 0: none)")
+    if cfg.new_clients and options_class(cfg.algorithm).server_client_rows:
+        able = ", ".join(n for n, r in REGISTRY.items() if not r.options.server_client_rows)
+        raise ConfigError(f"--new-clients {cfg.new_clients}: {cfg.algorithm}'s server keeps a row per training "
+                          f"client (read by client id), which a client held out of training does not have; "
+                          f"--new-clients applies to {able}")
 
 
 def check_marked(cfg: RunConfig, mark: str, message: str) -> None:

@@ -9,13 +9,15 @@ IMAGE_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "eps
 
 
 def plot_accuracy(history, names, path, title=""):
-    """PNG: each client's test accuracy per round (thin) and the unweighted mean (thick)."""
+    """PNG: each client's test accuracy per round (thin; a gap where it was not evaluated), the unweighted mean
+    (thick) and the global model's and the held-out clients' means where the run evaluated them (dashed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     evals = [h for h in history if "test_accuracy" in h]
     rounds = [h["round"] for h in evals]
-    acc = np.array([h["test_accuracy"] for h in evals])
+    value = lambda v: np.nan if v is None else v  # noqa: E731  (a client or round without a value)
+    acc = np.array([[value(a) for a in h["test_accuracy"]] for h in evals], float)
     from matplotlib.ticker import MaxNLocator
     fig, ax = plt.subplots(figsize=(7.5, 4))
     markers = "os^vD<>pXh"
@@ -23,7 +25,12 @@ def plot_accuracy(history, names, path, title=""):
     for j, name in enumerate(names):
         ax.plot(rounds, acc[:, j], lw=1 if few else 0.5, alpha=0.8 if few else 0.3,
                 marker=markers[j % len(markers)] if few else None, ms=3, label=name if few else None)
-    ax.plot(rounds, acc.mean(1), lw=2.5, color="k", marker="o", ms=4, label="mean over clients")
+    ax.plot(rounds, [value(h["mean_accuracy"]) for h in evals], lw=2.5, color="k", marker="o", ms=4,
+            label="mean over clients")
+    for key, label in (("global_mean_accuracy", "global model, mean"), ("new_mean_accuracy", "new clients, global"),
+                       ("new_tuned_mean_accuracy", "new clients, after a local update")):
+        if key in evals[-1]:
+            ax.plot(rounds, [value(h.get(key)) for h in evals], lw=2, ls="--", marker="s", ms=3, label=label)
     ax.set(xlabel="round", ylabel="test accuracy", title=title, ylim=(0, 1))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     ax.grid(alpha=0.3)

@@ -19,6 +19,7 @@ from ..core.cost import lane_overhead as cost_lane_overhead
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
 from ..core.evaluate import Evaluator
 from ..core.metrics import client_spread
+from ..core.step import cohort_train
 from ..core.dpsgd import SampleDP
 from ..core.privacy import (CLIP_KEY, Accountant, SampleAccountant, bn_stats_shared, calibrate_noise,
                             clients_keep_state, default_delta, has_batch_stats, noise_for_epsilon,
@@ -32,6 +33,7 @@ from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stoppe
 from ..models import build_model
 from .build import backdoor_test_data, malicious_of, poison_data, server_side
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
+from .evaluation import TUNE_STREAM, InitialStates, held_out, on_rows, prefixed, split_clients
 from .lock import RunLock
 from .plots import plot_accuracy
 from .signals import failpoint, stop_signals
@@ -51,35 +53,47 @@ ROUND_METRICS = ("padded_work", "buckets", "compiled_shapes", "host_share")
 
 @dataclasses.dataclass
 class RunResult:
-    """What a run returns: the config, client names, per-round history and the final states."""
+    """What a run returns: the config, client names, per-round history and the final states (``new_clients``:
+    the names of the clients held out of training, ``--new-clients``)."""
     config: RunConfig
     client_names: list[str]
     history: list[dict]
     server: object
     clients: object
     num_params: int
+    new_clients: list[str] = dataclasses.field(default_factory=list)
 
     def summary(self) -> dict:
-        return summarize(self.history, self.client_names)
+        return summarize(self.history, self.client_names, self.new_clients)
 
 
-def summarize(history: list[dict], names: list[str]) -> dict:
+# the evaluation protocol's other models and clients (``jaxfl.run.evaluation``): their fields' prefixes
+OTHER_EVALUATIONS = ("global_", "new_", "new_tuned_")
+
+
+def summarize(history: list[dict], names: list[str], new_names: list[str] = ()) -> dict:
     """Last round, round with the best unweighted mean accuracy, and each client's best round.
 
     FL papers mix these up; they are reported under plain names:
     - ``last``: accuracies after the final round;
     - ``best_mean_round``: the single round whose unweighted mean over clients is highest;
-    - ``best_per_client``: each client's own maximum over rounds (may come from different rounds).
+    - ``best_per_client``: each client's own maximum over rounds (may come from different rounds; null for a
+      client never evaluated).
     ``last.spread``: how the final accuracies spread over the clients (``core.metrics.client_spread``: std,
-    10th/50th/90th percentiles, the worst 10%'s mean).
+    10th/50th/90th percentiles, the worst 10%'s mean). A client not evaluated in a round (``--eval-clients
+    cohort``) is null there and out of that round's means. The global model's and the held-out clients' final
+    evaluations (``--eval-model both``, ``--new-clients``) are under ``global``, ``new`` and ``new_tuned``
+    (``new_clients``: the held-out clients' names).
     """
     evals = [h for h in history if "test_accuracy" in h]
     if not evals:
         return {}
-    acc = np.array([h["test_accuracy"] for h in evals])
-    best = int(np.argmax(acc.mean(1)))
-    per_client_best = acc.max(0)
-    return {
+    acc = np.array([[np.nan if a is None else a for a in h["test_accuracy"]] for h in evals], float)
+    means = [-np.inf if h["mean_accuracy"] is None else h["mean_accuracy"] for h in evals]
+    best = int(np.argmax(means))
+    per_client_best = np.where(np.isnan(acc), -np.inf, acc).max(0)
+    seen = np.isfinite(per_client_best)
+    out = {
         "clients": names,
         "last": {"round": evals[-1]["round"], "accuracy": evals[-1]["test_accuracy"],
                  "mean_accuracy": evals[-1]["mean_accuracy"], "weighted_accuracy": evals[-1]["weighted_accuracy"],
@@ -87,8 +101,18 @@ def summarize(history: list[dict], names: list[str]) -> dict:
         "best_mean_round": {"round": evals[best]["round"], "accuracy": evals[best]["test_accuracy"],
                             "mean_accuracy": evals[best]["mean_accuracy"],
                             "weighted_accuracy": evals[best]["weighted_accuracy"]},
-        "best_per_client": {"accuracy": per_client_best.tolist(), "mean_accuracy": float(per_client_best.mean())},
+        "best_per_client": {"accuracy": [float(a) if ok else None for a, ok in zip(per_client_best, seen)],
+                            "mean_accuracy": float(per_client_best[seen].mean()) if seen.any() else None},
     }
+    for prefix in OTHER_EVALUATIONS:
+        last = evals[-1]
+        if prefix + "mean_accuracy" in last:
+            out[prefix.rstrip("_")] = {"round": last["round"], "mean_accuracy": last[prefix + "mean_accuracy"],
+                                       "weighted_accuracy": last[prefix + "weighted_accuracy"],
+                                       "spread": client_spread(last[prefix + "test_accuracy"])}
+    if new_names:
+        out["new_clients"] = list(new_names)
+    return out
 
 
 class Experiment:
@@ -119,6 +143,13 @@ class Experiment:
             raise ConfigError(f"devices={cfg.devices}: this machine has {count} {jax.default_backend()} "
                               f"device(s); use --devices 0 (all) or at most {count}")
         self.dataset = ds = load_dataset(cfg.data_config())
+        self.new_dataset = None  # --new-clients: the held-out clients (``jaxfl.run.evaluation``)
+        if cfg.new_clients:
+            total = len(ds.client_names)
+            if cfg.new_clients >= total:
+                raise ConfigError(f"--new-clients {cfg.new_clients}: --dataset {cfg.dataset} has {total} clients, "
+                                  f"and at least one must train; hold out at most {total - 1}")
+            self.dataset, self.new_dataset = ds, _ = split_clients(ds, held_out(cfg.seed, total, cfg.new_clients))
         n = len(ds.client_names)
         self.model = build_model(model_name(cfg), ds.num_classes)
         # devices != 1: the client axis is split over a mesh of that many devices (0: all of them); a
@@ -214,6 +245,18 @@ class Experiment:
         self.backdoor_evaluator = None if backdoor is None else Evaluator(
             self.algorithm, backdoor, eval_batch_size=eval_bs, preprocess=preprocess, strategy=strategy,
             chunk_size=cfg.chunk_size, mesh=self.mesh, train=self.train_data)
+        self.new_evaluator, self._tune = None, None
+        if self.new_dataset is not None:  # ids n.. (after the training population's)
+            self.new_evaluator = Evaluator(
+                self.algorithm, RaggedClients.from_clients(self.new_dataset.test), eval_batch_size=eval_bs,
+                preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh,
+                train=RaggedClients.from_clients(self.new_dataset.train), first_id=n)
+            if self.algorithm.predict_trained is not None:  # one local update from the global model first
+                local = cohort_train(self.algorithm, strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh,
+                                     num_rounds=cfg.rounds)
+                self._tune = jax.jit(lambda server, clients, data, ids, r, root:
+                                     local(server, clients, data, ids, r, root)[0])
+        self._initial = None
         self.root = jax.random.key(cfg.seed)
 
     def round_fn(self, server, store, round_idx, before_aggregate=None):
@@ -229,14 +272,53 @@ class Experiment:
         # the init needs only an input's shape: the first client's first image (every process has it)
         return self.backend.init(jax.random.fold_in(self.root, 2), self.dataset.train[0][0][:1])
 
-    def evaluate(self, server, clients, predict: str = "aggregated") -> dict:
-        """metrics.jsonl's test fields for every client: ``clients`` is a ClientStore or the persistent states
-        stacked [N] (``predict="trained"``: the rows every client's local update just returned)."""
-        record = eval_record(self.evaluator.metrics(server, clients, predict))
+    def initial_states(self) -> InitialStates:
+        """Every client's state as a client that never trained holds it (the global model's evaluation)."""
+        if self._initial is None:
+            self._initial = InitialStates(self.algorithm.init(jax.random.fold_in(self.root, 2),
+                                                              self.dataset.train[0][0][:1])[1])
+        return self._initial
+
+    def _record(self, evaluator, server, states, predict: str = "aggregated", round_idx: int = 0,
+                **kw) -> dict:
+        """``eval_record`` of ``evaluator``'s metrics of these states, on the clients ``--eval-clients`` asks
+        for (of the training population) after round ``round_idx``."""
+        rows = None
+        if self.cfg.eval_clients == "cohort" and evaluator is not self.new_evaluator:
+            rows = self.backend.draw(round_idx, self.root)
+        m = evaluator.metrics(server, states, predict, rows=rows, **kw)
+        return eval_record(m if rows is None else on_rows(m, rows, evaluator.test.num_clients))
+
+    def model_record(self, server, clients, predict: str = "aggregated", round_idx: int = 0) -> dict:
+        """The plain test fields (test_accuracy, mean_accuracy, ...; backdoor_accuracy under a backdoor attack)
+        of the models ``--eval-model`` puts there: each client's own (``clients``: a ClientStore or the
+        persistent states stacked [N]; ``predict="trained"``: the rows every client's local update just
+        returned), or the global model (``--eval-model global``: ``clients`` unused)."""
+        if self.cfg.eval_model == "global":
+            clients, predict = self.initial_states(), "aggregated"
+        out = self._record(self.evaluator, server, clients, predict, round_idx)
         if self.backdoor_evaluator is not None:  # the attack's success rate, mean over clients
-            record["backdoor_accuracy"] = eval_record(self.backdoor_evaluator.metrics(server, clients, predict))[
-                "mean_accuracy"]
-        return record
+            out["backdoor_accuracy"] = self._record(self.backdoor_evaluator, server, clients, predict,
+                                                    round_idx)["mean_accuracy"]
+        return out
+
+    def evaluate(self, server, clients, predict: str = "aggregated", round_idx: int = 0,
+                 plain: dict | None = None) -> dict:
+        """metrics.jsonl's test fields after round ``round_idx`` (0-based), as the evaluation protocol asks
+        (``jaxfl.run.evaluation``): ``model_record``'s (or ``plain``, those already computed: right after local
+        training), the global model's under ``--eval-model both`` and the held-out clients' (``--new-clients``)."""
+        out = dict(plain) if plain is not None else self.model_record(server, clients, predict, round_idx)
+        if self.cfg.eval_model == "both":
+            out.update(prefixed(self._record(self.evaluator, server, self.initial_states(), round_idx=round_idx),
+                                "global_"))
+        if self.new_evaluator is not None:
+            out.update(prefixed(self._record(self.new_evaluator, server, self.initial_states()), "new_"))
+            if self._tune is not None:
+                root = jax.random.fold_in(jax.random.key(self.cfg.seed), TUNE_STREAM)
+                tune = lambda s, c, d, ids: self._tune(s, c, d, ids, round_idx, root)  # noqa: E731
+                out.update(prefixed(self._record(self.new_evaluator, server, self.initial_states(), "trained",
+                                                 tune=tune), "new_tuned_"))
+        return out
 
     def reliability(self, server, clients, key, **kw) -> dict:
         """``reliability.reliability_report`` of these states on this run's test sets (kw: noise_sigma, ...)."""
@@ -376,8 +458,9 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
         t0, c0, p0 = time.perf_counter(), compile_seconds(), compiled_programs()
         n = rounds_until_boundary(cfg, r)
         local = {}
-        if cfg.eval_point == "local" and evaluates(cfg, r):  # the models right after local training
-            hook = lambda s, trained, ids: local.update(exp.evaluate(s, trained, predict="trained"))
+        if cfg.eval_point == "local" and cfg.eval_model != "global" and evaluates(cfg, r):
+            # the personal models right after local training (the global model and new clients after the round)
+            hook = lambda s, trained, ids: local.update(exp.model_record(s, trained, "trained", r))  # noqa: E731
             server, m = exp.round_fn(server, store, r, before_aggregate=hook)
             ms = [m]
         else:
@@ -393,7 +476,7 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
             t_eval, c_eval, p_eval = time.perf_counter(), compile_seconds(), compiled_programs()
             if j == n - 1 and evaluates(cfg, r + j):
                 failpoint("evaluate")
-                rec.update(local or exp.evaluate(server, store))
+                rec.update(exp.evaluate(server, store, round_idx=r + j, plain=local or None))
             # compile_s: tracing and compiling new shapes, part of time_s (the call's, on its first round);
             # compiled_programs: the XLA programs compiled for it
             rec["compile_s"] = (compiling if j == 0 else 0.0) + compile_seconds() - c_eval
@@ -426,7 +509,8 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
     if bar is not None:
         bar.close()
     sample_x = exp.trainer.preprocess(exp.dataset.train[0][0][:1])
-    result = RunResult(cfg, names, history, server, store.state, model_size(server, exp.model, sample_x))
+    result = RunResult(cfg, names, history, server, store.state, model_size(server, exp.model, sample_x),
+                       [] if exp.new_dataset is None else exp.new_dataset.client_names)
     if write:
         failpoint("summary")
         with written(out / "summary.json", f"after round {r}", ckpt):
