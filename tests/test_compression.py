@@ -164,3 +164,43 @@ def test_error_feedback_runs_on_both_backends_with_a_personal_state(backend):
     assert set(clients) == {"inner", "residual"} and float(jnp.abs(clients["residual"]).sum()) > 0
     bn = jax.tree_util.tree_leaves(clients["inner"])
     assert bn and all(np.all(np.isfinite(np.asarray(b))) for b in bn)
+
+
+@pytest.mark.parametrize("name,params", [("randk", {"fraction": 0.1}), ("qsgd", {"levels": 4}),
+                                         ("qsgd", {"levels": 16})])
+def test_an_unbiased_codec_scaled_by_one_over_one_plus_its_variance_is_contractive(name, params):
+    # E||C(v) - v||^2 <= ω ||v||^2 (unbiased_variance), and C / (1 + ω) satisfies error feedback's
+    # E||C'(v) - v||^2 <= (1 - 1 / (1 + ω)) ||v||^2; randk's variance is exactly ω ||v||^2
+    d = 200
+    v = jnp.asarray(np.random.default_rng(0).standard_t(3, size=d), jnp.float32)  # heavy-tailed entries
+    omega = C.unbiased_variance(name, d, **params)
+    out = jax.vmap(lambda k: C.decode(name, v, k, None, **params))(jax.random.split(jax.random.key(1), 4000))
+    norm2 = float(jnp.sum(v ** 2))
+    err = float(jnp.mean(jnp.sum((out - v) ** 2, axis=1)))
+    # Monte Carlo over 4000 draws: a relative standard error of a few percent
+    assert err <= 1.1 * omega * norm2, (err / norm2, omega)
+    if name == "randk":
+        assert err == pytest.approx(omega * norm2, rel=0.1)
+    scaled = float(jnp.mean(jnp.sum((out / (1 + omega) - v) ** 2, axis=1)))
+    assert scaled <= 1.02 * (1 - 1 / (1 + omega)) * norm2
+    assert C.unbiased_variance("topk", d, fraction=0.1) is None and C.unbiased_variance("quantize", d, bits=4,
+                                                                                          rotate=0) is None
+
+
+def test_error_feedback_sends_randk_unscaled_and_its_residual_stays_bounded():
+    # under feedback randk's decoded update is the kept coordinates of Δ + e as they are (C / (1 + ω) with
+    # ω = D/k - 1); unscaled by D/k, the residual on them would be (1 - D/k)(Δ + e) and grow round after round
+    from jaxfl.core.step import init_state
+    alg, data, server, _ = setup_algorithm("fedavg", logreg(4), [8, 8, 8, 8])
+    ef = C.with_compression(alg, "randk", jax.random.key(0), fraction=0.25, feedback=1)
+    server, clients = init_state(ef, jax.random.key(0), data.x[0], 4)
+    rows = trained_rows(alg, data, server, clients["inner"], jax.random.key(1))
+    weights, ids = jnp.ones(4), jnp.arange(4)
+    _, kept = ef.aggregate(server, {**rows, "compression_residual": clients["residual"]}, weights, info(0, ids))
+    leaves = jax.tree_util.tree_leaves(server["params"])
+    flat = jnp.concatenate([(r - a[None]).reshape(4, -1) for r, a in
+                            zip(jax.tree_util.tree_leaves(rows["params"]), leaves)], axis=1)
+    res = np.asarray(kept["residual"])
+    # each coordinate is either sent whole (residual 0) or kept whole (residual = Δ_j)
+    whole = np.isclose(res, 0, atol=1e-7) | np.isclose(res, np.asarray(flat), rtol=1e-6, atol=1e-7)
+    assert whole.all() and np.isclose(res, 0, atol=1e-7).mean() == pytest.approx(0.25, abs=0.02)
