@@ -14,6 +14,8 @@ table (``--compressions``) runs the clean setting with each codec at its default
 
     JAXFL_DATA_DIR=../shared/data python experiments/robustness.py --seeds 0,1,2 --out runs/robustness
     python experiments/robustness.py --seeds 0 --aggregators mean,median --attacks none,alie --rounds 5 --out /tmp/r
+    python experiments/robustness.py --seeds 0,1,2 --aggregators mean --attacks none --out runs/robustness \
+        --compressions none topk topk:feedback=1 sign sign:feedback=1 quantize:bits=2,rotate=1
 
 Outputs in --out: one run folder per (seed, aggregator, attack) (reused when finished, resumed when not) and
 ``table.md`` (and ``compression.md``).
@@ -89,6 +91,11 @@ def model_size(cfg: RunConfig) -> int:
     return count_params(jax.eval_shape(build_model(cfg.model, 10).init, jax.random.key(0), jnp.zeros(shape))["params"])
 
 
+def codec_dir(codec: str) -> str:
+    """The folder name of a codec's runs ("quantize:bits=2,rotate=1" -> "quantize_bits2_rotate1")."""
+    return codec.replace(":", "_").replace(",", "_").replace("=", "")
+
+
 def compression_table(results: dict, seeds, size: int) -> str:
     plain = 32 * size
     rows = ["| codec (default parameters) | final accuracy % (mean ± std) | bits a client message | "
@@ -109,8 +116,10 @@ def main(argv=None) -> None:
     p.add_argument("--aggregators", default=",".join(AGGREGATORS))
     p.add_argument("--attacks", default=",".join(ATTACKS))
     p.add_argument("--malicious", type=float, default=0.2)
-    p.add_argument("--compressions", default="", help=f"codecs to run clean (of {', '.join(CODECS)}; none: the "
-                                                      f"plain mean); empty: no codec table")
+    p.add_argument("--compressions", nargs="*", default=[], metavar="CODEC",
+                   help=f"codecs to run clean, each a --compression value (NAME[:key=value,...], NAME of "
+                        f"{', '.join(CODECS)}; none: the plain mean; e.g. topk:feedback=1); none given: no codec "
+                        f"table")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--out", default="runs/robustness")
     args = p.parse_args(argv)
@@ -122,6 +131,9 @@ def main(argv=None) -> None:
                      rounds=args.rounds, batch_size=10, lr=0.01, momentum=0.0, eval_every=args.rounds)
     specs = {(a, t): spec(a, t, args.malicious) for a in aggregators for t in attacks}
     check_variants(specs.values(), base)
+    codecs = list(dict.fromkeys(args.compressions))
+    for c in codecs:  # each codec checked before the first run (a ConfigError: one line, exit 2)
+        check_variants(["fedavg"], base.replace(compression=c))
     results = {}
     for key, s in specs.items():
         results[key] = run_seeds(s, base, args.out, seeds)
@@ -134,11 +146,11 @@ def main(argv=None) -> None:
                       "backdoor_accuracy": [backdoor_accuracy(h) for h in hs]} for (a, t), hs in results.items()},
         indent=1))
     print(text)
-    if args.compressions:
-        codecs = parse_list(args.compressions, "--compressions", choices=tuple(CODECS))
-        # (the "none" codec is the clean mean's run, reused)
-        found = {c: run_seeds(spec("mean", "none", 0.0) if c == "none" else f"fedavg:compression={c}", base,
-                              args.out, seeds) for c in codecs}
+    if codecs:
+        # (the "none" codec is the clean mean's run, reused; a codec's runs live in codecs/<its spec>)
+        found = {c: run_seeds(spec("mean", "none", 0.0), base, args.out, seeds) if c == "none" else
+                 run_seeds("fedavg", base.replace(compression=c), Path(args.out) / "codecs" / codec_dir(c), seeds)
+                 for c in codecs}
         size = model_size(base)
         text = compression_table(found, seeds, size)
         (Path(args.out) / "compression.md").write_text(text)

@@ -82,7 +82,8 @@ HELP = {
     "compression": "how clients encode their update of the shared parameters (averaging algorithms): none | "
                    "topk[:fraction=0.01] | randk[:fraction=0.1] | quantize[:bits=4,rotate=0 (1: Walsh-Hadamard "
                    "rotation first)] | qsgd[:levels=16] | sign; each takes feedback=1 (error feedback: a client keeps "
-                   "its residual); metrics.jsonl logs each client's upload_bits",
+                   "its residual; randk and qsgd are then scaled by 1/(1+variance) to be contractive); "
+                   "metrics.jsonl logs each client's upload_bits",
     "malicious": "the fraction of clients that are malicious, fixed for the run (drawn from --seed)",
     "dp_clip": "user-level differential privacy (DP-FedAvg) of the averaging algorithms: clip each client's "
                "update of the shared parameters to this l2 norm C (needs --weighting uniform; default: off)",
