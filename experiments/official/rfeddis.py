@@ -404,7 +404,7 @@ def load_runs(root: Path, variant: str, seeds) -> list[list[dict]]:
 def compare(argv=None) -> None:
     """Official vs jaxfl: final and last-5 mean accuracy (mean over clients), mean +- std over seeds, the
     criterion |difference of final means| <= max(2 pooled seed-stds, 1.5 points), per-client finals, and the
-    figure. Uses experiments/common.py's ``seed_table`` / ``plot_mean_accuracy`` (needs /work/main's jaxfl
+    figure. Uses experiments/common.py's ``seed_table`` / ``plot_mean_accuracy`` (needs this repository's jaxfl
     importable, which experiments/common.py imports)."""
     p = argparse.ArgumentParser(description=compare.__doc__)
     p.add_argument("--official", default=str(EXPERIMENTS / "logs" / "official" / "rfeddis"))
