@@ -256,12 +256,12 @@ BACKENDS = ("stacked", "ragged")
 
 def make_backend(alg, data, backend="stacked", *, strategy="vmap", chunk_size=8, cohort_size=None,
                  weighting="samples", mesh=None, num_rounds=None, batch_size=8, **kw):
-    """A ``Stacked`` or ``Ragged`` backend of ``alg`` over the real samples of padded ``data`` (the runner's
-    engine); ``batch_size`` only sets the padding grid (use the trainer's); ``kw`` go to the backend (e.g.
-    ``stragglers``)."""
-    from jaxfl.core.backends import Ragged, Stacked
-    cls = {"stacked": Stacked, "ragged": Ragged}[backend]
-    if backend == "ragged":
+    """A ``Stacked``, ``Streamed`` or ``Ragged`` backend of ``alg`` over the real samples of padded ``data`` (the
+    runner's engine); ``batch_size`` only sets the padding grid (use the trainer's); ``kw`` go to the backend
+    (e.g. ``stragglers``)."""
+    from jaxfl.core.backends import Ragged, Stacked, Streamed
+    cls = {"stacked": Stacked, "streamed": Streamed, "ragged": Ragged}[backend]
+    if backend in ("ragged", "streamed"):
         kw = {"client_store": "device", **kw}
     return cls(alg, ragged(data), batch_size=batch_size, strategy=strategy, chunk_size=chunk_size,
                cohort_size=cohort_size, weighting=weighting, mesh=mesh, num_rounds=num_rounds, **kw)

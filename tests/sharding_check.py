@@ -35,9 +35,10 @@ def run(name, strategy, mesh=None, rounds=2, cohort=None, backend="stacked", epo
 
 failed = False
 # (FedBN: personal state (BatchNorm) on both backends against one reference; each case compiles its own programs,
-# so the list is what the mesh changes: vmap and map, both backends, 2 and 4 devices, kept states)
-for name, strategy, meshes, backends in (("fedavg", "vmap", (2,), ("stacked",)), ("fedavg", "map", (2, 4), ("ragged",)),
-                                         ("fedbn", "map", (2,), ("stacked", "ragged"))):
+# so the list is what the mesh changes: vmap and map, the three backends, 2 and 4 devices, kept states)
+for name, strategy, meshes, backends in (("fedavg", "vmap", (2,), ("stacked", "streamed")),
+                                         ("fedavg", "map", (2, 4), ("ragged",)),
+                                         ("fedbn", "map", (2,), ("stacked", "streamed", "ragged"))):
     ref = run(name, strategy)
     for n in meshes:
         for backend in backends:

@@ -12,6 +12,7 @@ from jaxfl.algorithms import build_algorithm
 from jaxfl.core import cost
 from jaxfl.core.trainer import LocalTrainer, normalizer
 from jaxfl.core.types import RunContext
+from jaxfl.errors import ConfigError
 from jaxfl.data.ragged import RaggedClients
 from jaxfl.models import build_model
 from jaxfl.run import runner
@@ -113,6 +114,26 @@ def test_choose_backend_on_uneven_clients(monkeypatch, model_name, on_accelerato
     alg = build_algorithm(cfg.algorithm_options(), model, trainer, RunContext(num_clients=40, num_rounds=1))
     choice = runner.choose_backend(cfg, train, alg, train.x[:1], model, normalizer(), cohort=20)
     assert choice == expected
+
+
+@pytest.mark.parametrize("segments, store, expected", [
+    (3, "auto", "streamed"),   # a lane plan runs the cohort in one call: the cohort streamed, one program a size
+    (0, "auto", "ragged"),     # one vmap over uneven clients: buckets of similar clients instead
+    (3, "host", "streamed"),   # the states on the host, asked for, although the population would fit
+])
+def test_choose_backend_for_a_population_on_the_host(monkeypatch, segments, store, expected):
+    train = uneven_population()
+    fits = store == "host"
+    monkeypatch.setattr(runner, "platform", lambda: "cpu")
+    monkeypatch.setattr(runner, "device_memory_bytes", lambda: 1 << 40 if fits else 4 * train.nbytes // 2)
+    cfg = validate(RunConfig(algorithm="fedavg", batch_size=10, strategy="vmap", lane_segments=segments,
+                             client_store=store))
+    model = build_model("logreg", 10)
+    alg = build_algorithm(cfg.algorithm_options(), model, LocalTrainer(optax.sgd(0.1), 10, 1, normalizer()),
+                          RunContext(num_clients=40, num_rounds=1))
+    assert runner.choose_backend(cfg, train, alg, train.x[:1], model, normalizer(), cohort=20) == expected
+    with pytest.raises(ConfigError, match="rounds_per_call=2 needs the population on the device"):
+        runner.choose_backend(cfg.replace(rounds_per_call=2), train, alg, train.x[:1], model, normalizer(), cohort=20)
 
 
 @pytest.mark.parametrize("model_name", ["vit_tiny", "resnet10_slim"])

@@ -272,3 +272,23 @@ def test_stub_unimportable_stands_in_only_for_modules_that_do_not_import(officia
     assert Dataset() is not None
     assert official.stub_unimportable("json") is False
     assert sys.modules["json"] is json  # (monkeypatch removes the stubs again: the names were absent)
+
+
+def test_the_codec_table_checks_every_codec_before_any_run_and_files_each_under_its_spec(tmp_path):
+    import robustness
+    assert robustness.codec_dir("quantize:bits=2,rotate=1") == "quantize_bits2_rotate1"
+    with pytest.raises(ConfigError, match=r"fraction=2 must be a number in \(0, 1\]"):
+        robustness.main(["--aggregators", "mean", "--attacks", "none", "--out", str(tmp_path / "r"),
+                         "--compressions", "topk", "topk:fraction=2"])
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_new_clients_table_reads_the_four_evaluations_of_each_run():
+    import new_clients
+    hist = [{"round": 1, "train_loss": [1.0]},
+            {"round": 2, "mean_accuracy": 0.9, "global_mean_accuracy": 0.5, "new_mean_accuracy": 0.4,
+             "new_tuned_mean_accuracy": 0.8}]
+    text = new_clients.table({"fedper": [hist, hist]}, [0, 1], 2)
+    assert "| fedper | 90.0 ± 0.0 | 50.0 ± 0.0 | 40.0 ± 0.0 | 80.0 ± 0.0 |" in text
+    untuned = [hist[0], {**hist[1], "new_tuned_mean_accuracy": None}]
+    assert "| 40.0 ± 0.0 | - |" in new_clients.table({"pfedgp": [untuned]}, [0], 2)

@@ -370,12 +370,16 @@ def test_rounds_kept_on_the_device_give_the_same_run_for_any_rounds_per_call_and
 
 def test_the_backends_agree_through_the_runner_and_rounds_per_call_needs_the_stacked_one():
     runs = [Experiment(RunConfig(algorithm="fedbn", rounds=3, backend=b, clients_per_round=2, **TINY)).run()
-            for b in ("stacked", "ragged")]
-    assert [h["clients_trained"] for h in runs[0].history] == [h["clients_trained"] for h in runs[1].history]
-    np.testing.assert_allclose(runs[0].history[-1]["test_accuracy"], runs[1].history[-1]["test_accuracy"], atol=0.05)
-    assert_trees_close(runs[0].clients, runs[1].clients, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ConfigError, match="rounds_per_call=4 keeps rounds on the device: it needs --backend stacked"):
-        Experiment(RunConfig(rounds_per_call=4, backend="ragged", **TINY))
+            for b in ("stacked", "streamed", "ragged")]
+    for other in runs[1:]:
+        assert [h["clients_trained"] for h in runs[0].history] == [h["clients_trained"] for h in other.history]
+        np.testing.assert_allclose(runs[0].history[-1]["test_accuracy"], other.history[-1]["test_accuracy"],
+                                   atol=0.05)
+        assert_trees_close(runs[0].clients, other.clients, atol=1e-4, rtol=1e-4)
+    for backend in ("ragged", "streamed"):
+        with pytest.raises(ConfigError, match="rounds_per_call=4 keeps rounds on the device: it needs --backend "
+                                              "stacked"):
+            Experiment(RunConfig(rounds_per_call=4, backend=backend, **TINY))
 
 
 def test_protocol_fields_come_from_the_algorithms_official_protocol_unless_given():

@@ -18,7 +18,7 @@ def test_sharded_rounds_equal_single_device_rounds():
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 10 and all(line.endswith("equal") for line in lines), out.stdout
+    assert len(lines) == 12 and all(line.endswith("equal") for line in lines), out.stdout
 
 
 def test_mesh_asks_for_available_devices():
@@ -61,8 +61,10 @@ def test_stacked_backend_is_one_process_only(monkeypatch):
     from jaxfl.run.config import RunConfig
     from jaxfl.run.runner import choose_backend
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ConfigError, match="backend=stacked keeps the whole population.*--backend ragged"):
-        choose_backend(RunConfig(backend="stacked"), None, None, None)
+    for backend in ("stacked", "streamed"):
+        with pytest.raises(ConfigError, match=f"backend={backend} runs within one process; a run over 2 processes "
+                                              f"needs --backend ragged"):
+            choose_backend(RunConfig(backend=backend), None, None, None)
     assert choose_backend(RunConfig(), None, None, None) == "ragged"
 
 

@@ -1,7 +1,7 @@
-"""The engine: the algorithm contract, local training, the cohort step, the two data backends, evaluation,
+"""The engine: the algorithm contract, local training, the cohort step, the data backends, evaluation,
 aggregation reductions, bucket planning, pytree helpers and the device mesh. Depends on ``jaxfl.data`` and
 ``jaxfl.errors`` only."""
-from .backends import ClientStore, Ragged, Stacked
+from .backends import ClientStore, Ragged, Stacked, Streamed
 from .evaluate import Evaluator, make_evaluate, make_predict
 from .step import Step, init_state, make_step
 from .trainer import LocalTrainer, client_optimizer, normalizer
@@ -9,4 +9,5 @@ from .types import Algorithm, RoundInfo, RunContext
 
 
 __all__ = ["Algorithm", "ClientStore", "Evaluator", "LocalTrainer", "Ragged", "RoundInfo", "RunContext", "Stacked",
-           "Step", "client_optimizer", "init_state", "make_evaluate", "make_predict", "make_step", "normalizer"]
+           "Streamed", "Step", "client_optimizer", "init_state", "make_evaluate", "make_predict", "make_step",
+           "normalizer"]

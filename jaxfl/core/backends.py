@@ -56,7 +56,7 @@ from .types import Algorithm
 
 
 PLACEMENTS = ("auto", "device", "host")
-BACKENDS = ("stacked", "ragged")
+BACKENDS = ("stacked", "streamed", "ragged")
 
 
 # The fixed cost of one sequential local step, in lane-steps, that ``plan_lanes`` weighs against padded lanes
@@ -599,3 +599,119 @@ class Stacked(_Backend):
         steps = np.concatenate([steps, np.zeros(rows - len(steps), steps.dtype)])
         done = sum(int(plan.work(block)) for block in steps.reshape(self.devices, -1))
         return done * self.batch_size / max(int(self.train.counts[ids].sum()), 1)
+
+
+def cohort_sample_index(train: RaggedClients, ids) -> np.ndarray:
+    """The flat positions of the samples of clients ``ids`` in ``train``, client after client (int [sum of
+    their counts]): the cohort's own flat store is ``train.x[index]``."""
+    counts = train.counts[ids].astype(np.int64)
+    starts = np.cumsum(counts) - counts  # each client's first position in the cohort's store
+    return (np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+            + np.repeat(train.offsets[ids].astype(np.int64), counts))
+
+
+class Streamed(Stacked):
+    """Rounds over a population kept on the host, each cohort sent to the device as one flat store of its own
+    samples and trained in one jitted call: ``Stacked``'s round (the lane plan, every client its own step
+    count, one program) without the population on the device, and ``Ragged``'s memory (only the cohort's
+    samples and states move) without its buckets.
+
+    The call's shapes are fixed but for the cohort's sample count, rounded up to {2^k, 3 2^k}
+    (``buckets.grid_ceil``): the rows (the cohort, or a Poisson cohort's size class as ``Stacked`` sets it) and
+    the population's longest client rounded to the step grid are set up front, so a run compiles one program
+    per distinct rounded sample count (``compiled_shapes``), one or two for fixed cohorts of a few hundred
+    clients. The persistent states live in a ``ClientStore`` (``client_store``: device or host), gathered and
+    scattered around the call. One round per call (the host streams each round's samples); within one process.
+    """
+
+    def __init__(self, alg: Algorithm, train: RaggedClients, *, client_store: str = "auto", **kw):
+        check_choice("client_store", client_store, PLACEMENTS)
+        if kw.pop("rounds_per_call", 1) != 1:
+            raise ConfigError("the streamed backend runs one round per call (the host sends each round's samples); "
+                              "rounds_per_call > 1 needs --backend stacked")
+        self.placement = client_store
+        self.shapes: set[tuple[int, int]] = set()  # (rows, cohort samples) of every call compiled so far
+        super().__init__(alg, train, **kw)
+
+    def _place(self, train: RaggedClients):
+        return None  # the population stays on the host
+
+    def _build(self):
+        self.lanes = self.lane_plan()
+        self.step = step = self.make_step(self.lanes)
+        length = self.length
+
+        def cohort_rows(x, y, counts) -> ClientRows:  # the cohort's rows [rows, length] into its own store
+            counts = counts.astype(jnp.int32)
+            return client_rows((x, y, jnp.cumsum(counts) - counts, counts), jnp.arange(counts.shape[0]), length)
+
+        def round_fn(server, clients, x, y, counts, ids, round_idx, root):
+            new, kept, metrics = step(server, clients, cohort_rows(x, y, counts), ids, round_idx, root)
+            return new, kept, with_round_metrics(dict(metrics, client_id=ids), step.round_metrics(server, new))
+
+        def train_fn(server, clients, x, y, counts, ids, round_idx, root):
+            trained, metrics = step.train(server, clients, cohort_rows(x, y, counts), ids, round_idx, root)
+            return trained, dict(metrics, client_id=ids)
+
+        def finish_fn(server, trained, counts, ids, round_idx):
+            new, kept = step.aggregate(server, trained, counts, ids, round_idx)
+            return new, kept, step.round_metrics(server, new)
+
+        self._round = jax.jit(round_fn)
+        self._train = jax.jit(train_fn)
+        self._finish = jax.jit(finish_fn)
+
+    def init(self, key, sample_x):
+        """(server, store): the server state and every client's initial persistent state (``client_store``)."""
+        server, clients = self.init_states(key, sample_x)
+        return server, ClientStore(clients, self.placement, sharded=self.mesh is not None)
+
+    def cohort_args(self, store: ClientStore, ids):
+        """(clients, x, y, counts, row ids) of cohort ``ids`` on the device: its rows (a Poisson cohort's padded
+        with rows of count 0 and id N) and its samples, padded to the sample grid."""
+        k = len(ids)
+        rows = self.rows if self.sampling == "poisson" else k
+        index = cohort_sample_index(self.train, ids)
+        size = grid_ceil(max(len(index), 1))
+        index = np.concatenate([index, np.zeros(size - len(index), np.int64)])
+        counts = np.concatenate([self.train.counts[ids], np.zeros(rows - k, np.int64)]).astype(np.int32)
+        row_ids = np.concatenate([ids, np.full(rows - k, self.num_clients)]).astype(np.int32)
+        clients = store.gather(np.concatenate([ids, np.zeros(rows - k, ids.dtype)]))
+        self.shapes.add((rows, size))
+        x, y = jax.device_put((self.train.x[index], self.train.y[index]), self.replicated)
+        return (place_rows(clients, self.mesh), x, y, place_rows(counts, self.mesh), place_rows(row_ids, self.mesh))
+
+    def round(self, server, store: ClientStore, round_idx: int, root, before_aggregate=None):
+        """One round in one jitted call (two around ``before_aggregate``, which sees the trained rows);
+        returns (server, metrics) as ``Ragged.round``."""
+        self.check_rounds(round_idx)
+        t0, d0 = time.perf_counter(), self.device_s
+        ids = self.draw(round_idx, root)
+        k = len(ids)
+        if self.sampling == "poisson" and k > self.rows:  # a cohort past the size class: more rows
+            self.rows = poisson_rows(k, self.row_multiple)
+            self._build()
+        clients, x, y, counts, row_ids = self.cohort_args(store, ids)
+        if before_aggregate is None:
+            server, kept, metrics = self.timed(self._round, server, clients, x, y, counts, row_ids, round_idx, root)
+        else:
+            trained, metrics = self.timed(self._train, server, clients, x, y, counts, row_ids, round_idx, root)
+            t = time.perf_counter()
+            before_aggregate(server, jax.tree_util.tree_map(lambda a: a[:k], trained), ids)
+            t0 += time.perf_counter() - t  # evaluation is not part of the round
+            server, kept, own = self.timed(self._finish, server, trained, counts, row_ids, round_idx)
+            metrics = with_round_metrics(metrics, own)
+        store.scatter(ids, jax.tree_util.tree_map(lambda a: a[:k], kept))
+        report = self._report(fetch(metrics), t0, d0)
+        return server, dict(report, compiled_shapes=len(self.shapes))
+
+    def run_rounds(self, server, store, first: int, count: int, root):
+        """Rounds ``first`` .. ``first + count - 1``, one call each: (server, [metrics of each round])."""
+        self.check_rounds(first, count)
+        return _Backend.run_rounds(self, server, store, first, count, root)
+
+    def load(self, train: RaggedClients) -> None:
+        """Replace the population's samples by ``train`` with the same client counts."""
+        if not np.array_equal(train.counts, self.train.counts) or train.x.shape != self.train.x.shape:
+            raise ValueError("load() needs the same clients with the same sample counts")
+        self.train = train

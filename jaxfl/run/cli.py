@@ -19,15 +19,18 @@ HELP = {
     "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
     "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU); on the stacked backend vmap and "
                 "chunked sort the cohort by local steps and run chunks of lanes (--lane-segments)",
-    "backend": "stacked (the whole population on the device, one jitted call per round) | ragged (samples on "
-               "the host, the cohort trained in buckets of similar clients) (default: stacked when the population "
-               "fits in a quarter of each device's memory and its clients are even, or a lane plan runs them "
-               "(--lane-segments > 0), or, on an accelerator, one call per round is modelled to be faster "
-               "(jaxfl.core.cost), else ragged; the start-up line names "
-               "the choice)",
-    "lane_segments": "stacked backend under vmap/chunked: the cohort is sorted by local steps inside the round and "
-                     "run as chunks of lanes, each to its own longest client, in at most this many segments of "
-                     "equal chunks (jaxfl.core.lanes; 0: one vmap over the cohort, every lane to its longest client)",
+    "backend": "stacked (the whole population on the device, one jitted call per round) | streamed (samples "
+               "and states on the host, each cohort sent to the device and trained in one call; a program per "
+               "rounded cohort sample count) | ragged (samples on the host, the cohort trained in buckets of "
+               "similar clients) (default: stacked when the population fits in a quarter of each device's memory "
+               "and its clients are even, or a lane plan runs them (--lane-segments > 0), or, on an accelerator, "
+               "one call per round is modelled to be faster (jaxfl.core.cost); else streamed where one call "
+               "wastes little, ragged where it would or over several processes; the start-up line names the "
+               "choice)",
+    "lane_segments": "stacked and streamed backends under vmap/chunked: the cohort is sorted by local steps inside "
+                     "the round and run as chunks of lanes, each to its own longest client, in at most this many "
+                     "segments of equal chunks (jaxfl.core.lanes; 0: one vmap over the cohort, every lane to its "
+                     "longest client)",
     "lane_overhead": "the cost of one sequential local step in lane-steps that the lane plan weighs against padded "
                      "lanes (default: 0 on CPU; on an accelerator derived from jaxfl.core.cost, tau P / (B f))",
     "devices": "split the clients over this many devices (0: all; clients per round must divide evenly); on a "

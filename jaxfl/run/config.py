@@ -99,7 +99,7 @@ class RunConfig:
     stragglers: float = 0.0  # systems heterogeneity: the chance a client runs only part of its local work
     weighting: str = "samples"
     strategy: str | None = None
-    backend: str | None = None  # stacked (population on the device, one jit per round) | ragged (buckets)
+    backend: str | None = None  # stacked (population on the device) | streamed (cohort sent per round) | ragged
     rounds_per_call: int = 1  # stacked: rounds run in one jitted call (the host acts between calls)
     chunk_size: int = 8
     # stacked backend, vmap/chunked: the cohort sorted by local steps, in at most this many segments of chunks of
@@ -303,7 +303,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         check_choice("strategy", cfg.strategy, STRATEGIES)
     if cfg.backend is not None:
         check_choice("backend", cfg.backend, BACKENDS)
-    if cfg.rounds_per_call > 1 and cfg.backend == "ragged":
+    if cfg.rounds_per_call > 1 and cfg.backend in ("ragged", "streamed"):
         raise ConfigError(f"rounds_per_call={cfg.rounds_per_call} keeps rounds on the device: it needs --backend "
                           f"stacked (or the default, which picks stacked when the population fits)")
     check_choice("weighting", cfg.weighting, WEIGHTINGS)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from ..algorithms import REGISTRY, build_algorithm
-from ..core.backends import Ragged, Stacked, device_memory_bytes
+from ..core.backends import Ragged, Stacked, Streamed, device_memory_bytes
 from ..core.cost import backend_seconds, train_flops_per_sample
 from ..core.cost import lane_overhead as cost_lane_overhead
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
@@ -232,10 +232,12 @@ class Experiment:
                             self.mesh.devices.size if self.mesh is not None else 1)
         self.backend_name = choose_backend(cfg, self.train_data, self.algorithm, self.dataset.train[0][0][:1],
                                            self.model, preprocess, self.cohort, self.devices)
-        kw = {"rounds_per_call": cfg.rounds_per_call, "lane_segments": cfg.lane_segments,
-              "lane_overhead": lane_overhead(cfg, self.model, self.dataset.train[0][0][:1], preprocess)} \
-            if self.backend_name == "stacked" else {"client_store": cfg.client_store}
-        self.backend = {"stacked": Stacked, "ragged": Ragged}[self.backend_name](
+        lanes = {"lane_segments": cfg.lane_segments,
+                 "lane_overhead": lane_overhead(cfg, self.model, self.dataset.train[0][0][:1], preprocess)}
+        kw = {"stacked": dict(lanes, rounds_per_call=cfg.rounds_per_call),
+              "streamed": dict(lanes, client_store=cfg.client_store),
+              "ragged": {"client_store": cfg.client_store}}[self.backend_name]
+        self.backend = {"stacked": Stacked, "streamed": Streamed, "ragged": Ragged}[self.backend_name](
             self.algorithm, self.train_data, batch_size=cfg.batch_size, strategy=strategy, chunk_size=cfg.chunk_size,
             cohort_size=self.cohort, weighting=cfg.weighting, mesh=self.mesh, num_rounds=cfg.rounds,
             stragglers=cfg.stragglers, sampling=cfg.cohort_sampling, rate=self.rate, **kw)
@@ -618,24 +620,28 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=No
     """``--backend``, else ``stacked`` when the population fits (its samples and every client's persistent
     state in a quarter of the device's memory, on each device of the mesh; one process, no host store asked
     for) and one call over the whole cohort wastes little (``map``: every client its own steps;
-    ``vmap``/``chunked``: clients within 25% of the mean step count) or, on an accelerator, its modelled round
-    time is no longer than the ragged backend's (``core.cost.backend_seconds``: padded lanes against the
-    ragged backend's extra sequential steps and host transfers); else ``ragged``. A ConfigError if
-    rounds_per_call > 1 cannot be honoured or ``stacked`` is asked for in a multi-process run."""
-    if cfg.backend == "stacked" and jax.process_count() > 1:
-        raise ConfigError(f"backend=stacked keeps the whole population on every device of one process; a run "
-                          f"over {jax.process_count()} processes needs --backend ragged")
+    ``vmap``/``chunked`` with a lane plan; or clients within 25% of the mean step count) or, on an
+    accelerator, its modelled round time is no longer than the ragged backend's (``core.cost.backend_seconds``:
+    padded lanes against the ragged backend's extra sequential steps and host transfers); else, in one process,
+    ``streamed`` (the population on the host, each cohort in one call of one of a few shapes) where one call
+    wastes little, and ``ragged`` (buckets of similar clients) where it would not, or over several processes.
+    A ConfigError if rounds_per_call > 1 cannot be honoured or a backend is asked for where it cannot run."""
+    if cfg.backend in ("stacked", "streamed") and jax.process_count() > 1:
+        raise ConfigError(f"backend={cfg.backend} runs within one process; a run over {jax.process_count()} "
+                          f"processes needs --backend ragged")
     if cfg.backend:
         return cfg.backend
-    if jax.process_count() > 1 or cfg.client_store == "host":
-        return _ragged_unless_rounds_per_call(cfg, "the run spans processes or keeps states on the host")
-    states = jax.eval_shape(alg.init, jax.random.key(0), sample_x)[1]
-    per_client = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree_util.tree_leaves(states))
-    state_bytes = train.num_clients * per_client
+    if jax.process_count() > 1:
+        return _on_the_host(cfg, "ragged", "the run spans processes")
     steps = -(-train.counts // cfg.batch_size)
     # map: every client runs its own steps; vmap/chunked with a lane plan: sorted chunks, each to its own longest
     # client (``core.lanes``); one vmap over the cohort: every lane to the cohort's longest client
     even = cfg.strategy_or_default() == "map" or cfg.lane_segments > 0 or steps.max() <= 1.25 * steps.mean()
+    if cfg.client_store == "host":
+        return _on_the_host(cfg, "streamed" if even else "ragged", "the run keeps states on the host")
+    states = jax.eval_shape(alg.init, jax.random.key(0), sample_x)[1]
+    per_client = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree_util.tree_leaves(states))
+    state_bytes = train.num_clients * per_client
     # every device of the mesh holds the whole population; CPU devices share the host's memory
     devices = cfg.devices if devices is None else devices  # (the run's resolved count, ``resolve_devices``)
     copies = (devices or jax.device_count()) if platform() == "cpu" else 1
@@ -645,8 +651,10 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=No
     if fits and model is not None and platform() != "cpu":
         if stacked_is_faster(cfg, train, model, sample_x, preprocess, cohort or train.num_clients):
             return "stacked"
-    return _ragged_unless_rounds_per_call(cfg, "the population does not fit on the device or its client sizes "
-                                               "are too uneven for one call")
+    if not fits and even:
+        return _on_the_host(cfg, "streamed", "the population does not fit on the device")
+    return _on_the_host(cfg, "ragged", "the population does not fit on the device or its client sizes are too "
+                                       "uneven for one call")
 
 
 def check_cohort_memory(cfg: RunConfig, alg, sample_x, cohort: int, num_clients: int, devices: int = 1) -> None:
@@ -700,11 +708,13 @@ def stacked_is_faster(cfg: RunConfig, train: RaggedClients, model, sample_x, pre
     return stacked <= ragged
 
 
-def _ragged_unless_rounds_per_call(cfg: RunConfig, why: str) -> str:
+def _on_the_host(cfg: RunConfig, backend: str, why: str) -> str:
+    """``backend`` (streamed or ragged: the population on the host), unless rounds_per_call > 1 asks to keep
+    rounds on the device (a ConfigError saying ``why`` it cannot)."""
     if cfg.rounds_per_call > 1:
         raise ConfigError(f"rounds_per_call={cfg.rounds_per_call} needs the population on the device (--backend "
                           f"stacked), but {why}; use --rounds-per-call 1")
-    return "ragged"
+    return backend
 
 
 def evaluates(cfg: RunConfig, r: int) -> bool:

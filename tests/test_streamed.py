@@ -1,0 +1,100 @@
+"""The streamed backend: the population on the host, each cohort's samples sent as one flat store and trained in
+one jitted call. It gives the stacked backend's numbers (up to float reassociation), compiles one program per
+rounded cohort sample count, and keeps the states in a device or host store."""
+import jax
+import numpy as np
+import pytest
+from conftest import assert_trees_close, make_trainer, traces
+
+from jaxfl.algorithms import build_algorithm
+from jaxfl.core.backends import Stacked, Streamed, cohort_sample_index
+from jaxfl.core.buckets import grid_ceil
+from jaxfl.data.ragged import RaggedClients
+from jaxfl.errors import ConfigError
+from jaxfl.models import small_cnn
+
+ROOT = jax.random.key(5)
+
+
+def population(counts, seed=0):
+    rng = np.random.default_rng(seed)
+    return RaggedClients.from_clients([(rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8),
+                                        rng.integers(0, 4, n).astype(np.int32)) for n in counts])
+
+
+def algorithm(name):
+    return build_algorithm(name, small_cnn(num_classes=4, width=4), make_trainer())
+
+
+def run(cls, alg, data, rounds, **kw):
+    engine = cls(alg, data, batch_size=8, num_rounds=rounds, **kw)
+    server, store = engine.init(jax.random.key(0), data.x[:1])
+    ms = []
+    for r in range(rounds):
+        server, m = engine.round(server, store, r, ROOT)
+        ms.append(m)
+    return server, store, ms, engine
+
+
+def test_the_cohorts_samples_are_gathered_client_after_client():
+    data = population([3, 0, 5, 2])
+    idx = cohort_sample_index(data, np.array([2, 0, 1, 3]))
+    np.testing.assert_array_equal(idx, [3, 4, 5, 6, 7, 0, 1, 2, 8, 9])
+    assert len(cohort_sample_index(data, np.array([1]))) == 0
+
+
+@pytest.mark.parametrize("name,strategy,kw", [("fedbn", "vmap", {}), ("fedbn", "map", {}),
+                                              ("fedavg", "chunked", {"chunk_size": 2}),
+                                              ("fedbn", "vmap", {"client_store": "host"}),
+                                              ("fedavg", "vmap", {"sampling": "poisson"})])
+def test_streamed_rounds_equal_the_stacked_rounds(name, strategy, kw):
+    alg, data = algorithm(name), population([24, 3, 17, 9, 40, 1, 30, 12])
+    stacked_kw = {k: v for k, v in kw.items() if k != "client_store"}
+    s_ref, c_ref, m_ref, _ = run(Stacked, alg, data, 3, strategy=strategy, cohort_size=4, **stacked_kw)
+    s, c, m, engine = run(Streamed, alg, data, 3, strategy=strategy, cohort_size=4, **kw)
+    for a, b in zip(m, m_ref):
+        np.testing.assert_array_equal(a["client_id"], b["client_id"])
+        np.testing.assert_array_equal(a["steps"], b["steps"])
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-4)
+        assert a["padded_work"] == pytest.approx(b["padded_work"])
+    # the same per-client programs on other array layouts: equal up to float reassociation (the tolerance of the
+    # stacked and ragged backends' agreement, tests/test_simulation.py)
+    assert_trees_close(s, s_ref, atol=2e-5, rtol=1e-4)
+    assert_trees_close(jax.device_get(c.state), jax.device_get(c_ref.state), atol=2e-5, rtol=1e-4)
+    assert c.placement == kw.get("client_store", "device")  # (auto: a small store stays on the device)
+
+
+def test_a_run_compiles_one_program_per_rounded_cohort_sample_count():
+    # 40 clients of 5..60 samples, 8 a round for 12 rounds: the cohorts' sample counts vary (~90..330) but
+    # round up to a few values of {2^k, 3 2^k}; one program each
+    counts = np.random.default_rng(1).integers(5, 61, 40)
+    alg, data = algorithm("fedavg"), population(counts)
+    engine = Streamed(alg, data, batch_size=8, num_rounds=12, strategy="vmap", cohort_size=8)
+    server, store = engine.init(jax.random.key(0), data.x[:1])
+    traced, sizes = 0, set()
+    for r in range(12):
+        sizes.add(grid_ceil(int(counts[engine.draw(r, ROOT)].sum())))
+        with traces() as new:
+            server, m = engine.round(server, store, r, ROOT)
+        traced += len(new)
+        assert m["compiled_shapes"] == len(sizes)
+    assert traced == len(sizes) <= 3, (traced, sizes)
+
+
+def test_the_streamed_backend_runs_one_round_per_call():
+    alg, data = algorithm("fedavg"), population([8, 8])
+    with pytest.raises(ConfigError, match="one round per call"):
+        Streamed(alg, data, batch_size=8, rounds_per_call=2)
+
+
+def test_the_evaluation_hook_sees_the_trained_rows_of_the_cohort():
+    alg, data = algorithm("fedbn"), population([24, 3, 17, 9, 40, 1])
+    engine = Streamed(alg, data, batch_size=8, num_rounds=2, strategy="vmap", cohort_size=3)
+    server, store = engine.init(jax.random.key(0), data.x[:1])
+    seen = {}
+    server_a, m = engine.round(server, store, 0, ROOT, before_aggregate=lambda s, t, ids: seen.update(ids=ids, t=t))
+    np.testing.assert_array_equal(seen["ids"], m["client_id"])
+    assert jax.tree_util.tree_leaves(seen["t"])[0].shape[0] == 3
+    server_b, _ = Streamed(alg, data, batch_size=8, num_rounds=2, strategy="vmap", cohort_size=3).round(
+        server, engine.init(jax.random.key(0), data.x[:1])[1], 0, ROOT)
+    assert_trees_close(server_a, server_b, atol=2e-6, rtol=1e-5)  # one call or two around the hook
