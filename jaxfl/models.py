@@ -466,6 +466,49 @@ class ResNetEncoder(nn.Module):
         return jnp.mean(x, axis=(1, 2))
 
 
+class PreActGNBlock(nn.Module):
+    """The FedOpt ResNet's basic block (ResNet v2, pre-activation, GroupNorm): y = conv3x3(GN-ReLU(conv3x3(
+    GN-ReLU(x)))) (``first``: the first conv reads x itself), plus x, or conv1x1-GN(x) when the width changes.
+    Stride 1 throughout, as the FedOpt code builds it."""
+    features: int
+    first: bool = False
+    groups: int = 32
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None):
+        gn_relu = lambda name, v: nn.relu(nn.GroupNorm(self.groups, epsilon=1e-3, name=name)(v))  # noqa: E731
+        y = x if self.first else gn_relu("gn1", x)
+        y = Conv(self.features, 3, 1, 1, use_bias=False, name="conv1")(y)
+        y = Conv(self.features, 3, 1, 1, use_bias=False, name="conv2")(gn_relu("gn2", y))
+        if x.shape[-1] != self.features:
+            x = Conv(self.features, 1, 1, 0, use_bias=False, name="conv_shortcut")(x)
+            x = nn.GroupNorm(self.groups, epsilon=1e-3, name="gn_shortcut")(x)
+        return x + y
+
+
+class ResNetGNEncoder(nn.Module):
+    """The ResNet-18 of Reddi et al.'s FedOpt CIFAR-100 task (google-research/federated,
+    ``utils/models/resnet_models.py``: ResNet v2 with GroupNorm, 32 groups): conv7x7(64, s2)-GN-ReLU -
+    maxpool3/s2 - stages of 2 pre-activation blocks of widths 64/128/256/512, all at stride 1 (the code never
+    passes a stage stride) - GN-ReLU - global average pooling (z in R^512). Deviations: PyTorch's symmetric
+    padding (3 and 1) where Keras pads 'same' (2 before, 3 after at stride 2), PyTorch's default
+    initialisation, no L2 kernel regulariser."""
+    blocks: Sequence[int] = (2, 2, 2, 2)
+    widths: Sequence[int] = (64, 128, 256, 512)
+    groups: int = 32
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None):
+        x = Conv(self.widths[0], 7, 2, 3, use_bias=False, name="conv_stem")(x)
+        x = nn.relu(nn.GroupNorm(self.groups, epsilon=1e-3, name="gn_stem")(x))
+        x = max_pool(x, 3, 2, 1)
+        for s, (n, w) in enumerate(zip(self.blocks, self.widths)):
+            for b in range(n):
+                x = PreActGNBlock(w, first=s == 0 and b == 0, groups=self.groups, name=f"layer{s + 1}_{b}")(x)
+        x = nn.relu(nn.GroupNorm(self.groups, epsilon=1e-3, name="gn_final")(x))
+        return jnp.mean(x, axis=(1, 2))
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a bias-free fused projection W_qkv [D, 3 * heads * dim_head].
 
@@ -616,6 +659,11 @@ def resnet18(num_classes: int = 10, stem: str = "cifar") -> Classifier:
     return Classifier(encoder=ResNetEncoder((2, 2, 2, 2), stem), head=MLPHead((), num_classes))
 
 
+def resnet18_gn(num_classes: int = 100) -> Classifier:
+    """The FedOpt CIFAR-100 ResNet-18 with GroupNorm (``ResNetGNEncoder``) + Dense(C)."""
+    return Classifier(encoder=ResNetGNEncoder(), head=MLPHead((), num_classes))
+
+
 def resnet18_imagenet(num_classes: int = 10) -> Classifier:
     """torchvision's ResNet-18 as FedSelect's code runs it on 32x32 inputs: ``resnet18(stem="imagenet")``."""
     return resnet18(num_classes, stem="imagenet")
@@ -633,7 +681,7 @@ def vit_tiny(num_classes: int = 10) -> Classifier:
 
 MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg_cnn, "pfl_cnn": pfl_cnn,
           "cnn_dropout": cnn_dropout, "alexnet_bn": alexnet_bn, "resnet10": resnet10, "resnet10_slim": resnet10_slim,
-          "resnet18": resnet18, "resnet18_imagenet": resnet18_imagenet, "vit_small": vit_small, "vit_tiny": vit_tiny,
+          "resnet18": resnet18, "resnet18_gn": resnet18_gn, "resnet18_imagenet": resnet18_imagenet, "vit_small": vit_small, "vit_tiny": vit_tiny,
           "logreg": logreg, "mlp_2nn": mlp_2nn, "femnist_cnn": femnist_cnn, "char_lstm": char_lstm}
 
 

@@ -258,3 +258,28 @@ def test_cnn_dropout_drops_in_training_only():
     assert not np.array_equal(features(0) == 0, features(1) == 0)
     # the same key drops the same units, eager or jitted (the kept values agree up to rounding)
     np.testing.assert_array_equal(features(0) == 0, jax.jit(features, static_argnums=0)(0) == 0)
+
+
+def test_resnet18_gn_is_the_fedopt_resnet_v2_with_group_norm():
+    # the FedOpt CIFAR-100 network: conv7x7 stem, 4 stages of 2 pre-activation blocks at stride 1, GroupNorm;
+    # its parameters counted by hand, and GroupNorm makes each sample's logits independent of the batch
+    from jaxfl.models import build_model
+    model = build_model("resnet18_gn", 100)
+    x = jax.random.uniform(jax.random.key(1), (3, 24, 24, 3))
+    v = model.init(jax.random.key(0), x, train=False)
+    gn = lambda c: 2 * c  # noqa: E731  (scale and bias)
+    count, width = 7 * 7 * 3 * 64 + gn(64), 64
+    for w in (64, 128, 256, 512):
+        for b in range(2):
+            first = w == 64 and b == 0
+            count += (0 if first else gn(width)) + 9 * width * w + gn(w) + 9 * w * w
+            if width != w:
+                count += width * w + gn(w)
+            width = w
+    count += gn(512) + 512 * 100 + 100
+    assert sum(a.size for a in jax.tree_util.tree_leaves(v["params"])) == count
+    assert "batch_stats" not in v
+    out = model.apply(v, x, train=True)
+    alone = model.apply(v, x[:1], train=True)
+    np.testing.assert_allclose(out[:1], alone, rtol=1e-5, atol=1e-5)
+    assert model.apply(v, jnp.zeros((2, 32, 32, 3)), train=False).shape == (2, 100)
