@@ -681,7 +681,8 @@ def vit_tiny(num_classes: int = 10) -> Classifier:
 
 MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg_cnn, "pfl_cnn": pfl_cnn,
           "cnn_dropout": cnn_dropout, "alexnet_bn": alexnet_bn, "resnet10": resnet10, "resnet10_slim": resnet10_slim,
-          "resnet18": resnet18, "resnet18_gn": resnet18_gn, "resnet18_imagenet": resnet18_imagenet, "vit_small": vit_small, "vit_tiny": vit_tiny,
+          "resnet18": resnet18, "resnet18_gn": resnet18_gn, "resnet18_imagenet": resnet18_imagenet,
+          "vit_small": vit_small, "vit_tiny": vit_tiny,
           "logreg": logreg, "mlp_2nn": mlp_2nn, "femnist_cnn": femnist_cnn, "char_lstm": char_lstm}
 
 

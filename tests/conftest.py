@@ -405,3 +405,31 @@ def pytest_collection_modifyitems(config, items):
         if left_out:
             config.hook.pytest_deselected(items=left_out)
             items[:] = [item for item in items if item.nodeid not in slow]
+
+
+# -- TFF's HDF5 files, written small in their exact layout (tests/test_tff_data.py, the FedOpt settings)
+def write_tff(path, clients: dict):
+    """A TFF HDF5 file: examples/<client>/<field> = array (h5py, which the test extra installs)."""
+    import h5py
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with h5py.File(path, "w") as f:
+        for cid, fields in clients.items():
+            g = f.create_group(f"examples/{cid}")
+            for k, v in fields.items():
+                g.create_dataset(k, data=v)
+
+
+def emnist_files(folder, writers=("f0000_14", "f0001_41", "f0002_33"), n=(12, 7, 9), only_test=(), seed=0):
+    """TFF's EMNIST pair (fed_emnist_train.h5, fed_emnist_test.h5) in ``folder``: random 28x28 pixels in [0, 1] and
+    labels in [0, 62) for each writer (a third as many test images); ``only_test`` writers have no training file
+    entry."""
+    rng = np.random.default_rng(seed)
+    for split in ("train", "test"):
+        clients = {}
+        for w, k in zip(writers, n):
+            if split == "train" and w in only_test:
+                continue
+            k = k if split == "train" else max(2, k // 3)
+            clients[w] = {"pixels": rng.uniform(0, 1, (k, 28, 28)).astype(np.float32),
+                          "label": rng.integers(0, 62, k).astype(np.int32)}
+        write_tff(folder / f"fed_emnist_{split}.h5", clients)

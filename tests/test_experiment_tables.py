@@ -1,4 +1,5 @@
 """The experiment scripts' seed statistics (experiments/common.py): mean ± std over seeds, by hand."""
+import json
 import sys
 from pathlib import Path
 
@@ -292,3 +293,37 @@ def test_the_new_clients_table_reads_the_four_evaluations_of_each_run():
     assert "| fedper | 90.0 ± 0.0 | 50.0 ± 0.0 | 40.0 ± 0.0 | 80.0 ± 0.0 |" in text
     untuned = [hist[0], {**hist[1], "new_tuned_mean_accuracy": None}]
     assert "| 40.0 ± 0.0 | - |" in new_clients.table({"pfedgp": [untuned]}, [0], 2)
+
+
+def test_the_committed_fedopt_configs_are_the_scripts_and_valid():
+    import fedopt
+
+    from jaxfl.run.config import RunConfig, load_config_file, validate
+    folder = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "fedopt"
+    assert sorted(p.name for p in folder.glob("*.toml")) == sorted(
+        f"{t}_{m}.toml" for t in fedopt.TASKS for m in fedopt.METHODS)
+    for task in fedopt.TASKS:
+        for method in fedopt.METHODS:
+            path = folder / f"{task}_{method}.toml"
+            assert path.read_text() == fedopt.toml_text(task, method), f"{path} is stale: rerun fedopt.py --write"
+            cfg = validate(RunConfig.from_dict(dict(load_config_file(path),
+                                                    dataset=f"{fedopt.TASKS[task]['prefix']}:DATA")))
+            assert cfg.lr == pytest.approx(10 ** fedopt.TASKS[task]["client_lr"][method], rel=1e-4)
+    # FedAdam on EMNIST: client lr 10^-1.5, server lr 10^-2.5, tau 10^-4 (the source's table)
+    s = fedopt.settings("emnist_cr", "fedadam")
+    assert (s["server_opt"], s["server_lr"], s["server_tau"]) == ("adam", 0.003162, 1e-4)
+
+
+def test_the_fedopt_settings_run_end_to_end_on_fabricated_tff_files(tmp_path, capsys):
+    pytest.importorskip("h5py")
+    import fedopt
+    from conftest import emnist_files
+    emnist_files(tmp_path / "data", writers=tuple(f"w{i:02d}" for i in range(10)), n=(6,) * 10)  # (cohort 10)
+    fedopt.main(["--data", str(tmp_path / "data"), "--tasks", "emnist_cr,shakespeare", "--methods", "fedyogi",
+                 "--rounds", "1", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "shakespeare: skipped, missing" in out and "shakespeare_train.h5" in out
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "| emnist_cr | fedyogi | 1 |" in table
+    cfg = json.loads((tmp_path / "out" / "emnist_cr" / "fedyogi" / "fedavg" / "config.json").read_text())
+    assert cfg["server_opt"] == "yogi" and cfg["model"] == "cnn_dropout" and cfg["batch_size"] == 20

@@ -3,36 +3,14 @@ import json
 
 import numpy as np
 import pytest
+from conftest import emnist_files, write_tff
 
-from jaxfl.data import DataConfig, load_dataset
-from jaxfl.data import text
+from jaxfl.data import DataConfig, load_dataset, text
 from jaxfl.data.tff import load_tff_cifar100, load_tff_emnist, load_tff_shakespeare, read_examples
 from jaxfl.errors import DataError
 from jaxfl.run.cli import main
 
 h5py = pytest.importorskip("h5py")  # (the test extra installs it; CI runs these)
-
-
-def write_tff(path, clients: dict):
-    """A TFF HDF5 file: examples/<client>/<field> = array."""
-    with h5py.File(path, "w") as f:
-        for cid, fields in clients.items():
-            g = f.create_group(f"examples/{cid}")
-            for k, v in fields.items():
-                g.create_dataset(k, data=v)
-
-
-def emnist_files(folder, writers=("f0000_14", "f0001_41", "f0002_33"), n=(12, 7, 9), only_test=(), seed=0):
-    rng = np.random.default_rng(seed)
-    for split in ("train", "test"):
-        clients = {}
-        for w, k in zip(writers, n):
-            if split == "train" and w in only_test:
-                continue
-            k = k if split == "train" else max(2, k // 3)
-            clients[w] = {"pixels": rng.uniform(0, 1, (k, 28, 28)).astype(np.float32),
-                          "label": rng.integers(0, 62, k).astype(np.int32)}
-        write_tff(folder / f"fed_emnist_{split}.h5", clients)
 
 
 def test_emnist_writers_become_clients_with_mnist_polarity(tmp_path):
