@@ -399,6 +399,22 @@ class CharLSTMEncoder(nn.Module):
         return h[:, -1]
 
 
+class WordLSTMEncoder(nn.Module):
+    """The FedOpt Stack Overflow next-word model's body (google-research/federated, ``utils/models/
+    stackoverflow_models.py``): token ids x [B, T] -> Embedding(vocab, 96) -> LSTM(670) -> the last time step's
+    hidden state -> Dense(96) (the projection its output layer reads), z [B, 96]."""
+    vocab: int = 10004
+    embed: int = 96
+    hidden: int = 670
+    unroll: int = 4
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None):
+        h = nn.Embed(self.vocab, self.embed, name="embed")(x.astype(jnp.int32))
+        h = LSTMLayer(self.hidden, self.unroll, name="lstm")(h)
+        return nn.Dense(self.embed, name="project")(h[:, -1])
+
+
 class AlexNetEncoder(nn.Module):
     """FedBN's AlexNet with BatchNorm after every conv and dense layer, up to the 4096-d feature (d = 4096).
 
@@ -637,6 +653,12 @@ def char_lstm(num_classes: int = 80) -> Classifier:
     return Classifier(encoder=CharLSTMEncoder(vocab=max(num_classes, 80)), head=MLPHead((), num_classes))
 
 
+def word_lstm(num_classes: int = 10004) -> Classifier:
+    """The FedOpt Stack Overflow next-word model: Embedding(V, 96) - LSTM(670) - Dense(96) - Dense(C), V = C
+    (the vocabulary, ``jaxfl.data.tff``'s 10,000 words and 4 special tokens). Inputs are token ids [B, T]."""
+    return Classifier(encoder=WordLSTMEncoder(vocab=num_classes), head=MLPHead((), num_classes))
+
+
 def alexnet_bn(num_classes: int = 10) -> Classifier:
     """FedBN's AlexNet-BN: AlexNetEncoder (d = 4096) + Dense(C). 57,063,498 parameters at C = 10."""
     return Classifier(encoder=AlexNetEncoder(), head=MLPHead((), num_classes))
@@ -683,10 +705,11 @@ MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg
           "cnn_dropout": cnn_dropout, "alexnet_bn": alexnet_bn, "resnet10": resnet10, "resnet10_slim": resnet10_slim,
           "resnet18": resnet18, "resnet18_gn": resnet18_gn, "resnet18_imagenet": resnet18_imagenet,
           "vit_small": vit_small, "vit_tiny": vit_tiny,
-          "logreg": logreg, "mlp_2nn": mlp_2nn, "femnist_cnn": femnist_cnn, "char_lstm": char_lstm}
+          "logreg": logreg, "mlp_2nn": mlp_2nn, "femnist_cnn": femnist_cnn, "char_lstm": char_lstm,
+          "word_lstm": word_lstm}
 
 
-TEXT_MODELS = ("char_lstm",)  # the models whose inputs are token ids [B, T]; every other one reads images
+TEXT_MODELS = ("char_lstm", "word_lstm")  # the models whose inputs are token ids [B, T]; every other one reads images
 
 
 def build_model(name: str, num_classes: int) -> Classifier:

@@ -283,3 +283,11 @@ def test_resnet18_gn_is_the_fedopt_resnet_v2_with_group_norm():
     alone = model.apply(v, x[:1], train=True)
     np.testing.assert_allclose(out[:1], alone, rtol=1e-5, atol=1e-5)
     assert model.apply(v, jnp.zeros((2, 32, 32, 3)), train=False).shape == (2, 100)
+
+
+def test_word_lstm_is_the_fedopt_stack_overflow_network():
+    # Embedding(V, 96) - LSTM(670) - Dense(96) - Dense(V): its parameters counted by hand
+    from jaxfl.models import build_model
+    v = build_model("word_lstm", 10004).init(jax.random.key(0), jnp.zeros((2, 20), jnp.int32), train=False)
+    lstm = 4 * (96 * 670 + 670 * 670 + 670)  # four gates: input and recurrent kernels, one bias
+    assert count_params(v["params"]) == 10004 * 96 + lstm + 670 * 96 + 96 + 96 * 10004 + 10004

@@ -117,3 +117,47 @@ def test_the_cli_trains_on_tff_emnist_and_names_a_missing_file(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxfl: error: TFF path") and "does not exist" in err[0]
     assert not (tmp_path / "r2").exists()
+
+
+def stackoverflow_files(folder):
+    posts = {"00001": [b"how do i sort a list in python " * 3, b"sort the list"],  # (over 20 tokens a user)
+             "00002": [b"what is a list " * 4, b"python list sort key"],
+             "00003": [b"java stream sort"]}
+    write_tff(folder / "stackoverflow_train.h5",
+              {u: {"tokens": np.array(p, dtype=object), "tags": np.array([b"python"] * len(p), dtype=object)}
+               for u, p in posts.items()})
+    test = np.array([b"sort a python list fast " * 5], dtype=object)
+    write_tff(folder / "stackoverflow_test.h5", {u: {"tokens": test} for u in ("00001", "00002")})
+    return posts
+
+
+def test_stackoverflow_users_become_next_word_clients_with_fedopts_ids(tmp_path):
+    from jaxfl.data.tff import load_tff_stackoverflow, stackoverflow_ids, stackoverflow_vocab
+    posts = stackoverflow_files(tmp_path)
+    vocab = stackoverflow_vocab(["b a a", "c b a"], 2)
+    assert vocab == {"a": 1, "b": 2}  # the most frequent first, ties by the word; "c" left out
+    np.testing.assert_array_equal(stackoverflow_ids("a c b", vocab), [4, 1, 3, 2, 5])  # bos, a, OOV, b, eos
+    users, classes = load_tff_stackoverflow(tmp_path, vocab_size=6, seq_len=4)
+    assert classes == 10 and list(users) == ["00001", "00002"]  # users in both splits
+    (x, y), (vx, vy) = users["00001"]
+    words = [s.decode() for u in ("00001", "00002") for s in posts[u]]  # the selected users' training words
+    vocab = stackoverflow_vocab(words, 6)
+    stream = np.concatenate([stackoverflow_ids(s.decode(), vocab) for s in posts["00001"]])
+    assert x.shape == (len(stream) - 4, 4) and x.max() < classes
+    np.testing.assert_array_equal(x[2], stream[2:6])
+    assert y[2] == stream[6]
+    assert len(load_tff_stackoverflow(tmp_path, vocab_size=6, max_clients=1)[0]) == 1  # --num-clients 1
+
+
+def test_the_cli_trains_the_word_lstm_on_stack_overflow(tmp_path, capsys):
+    stackoverflow_files(tmp_path)
+    out = tmp_path / "run"
+    assert main(["run", "--dataset", f"tff_stackoverflow:{tmp_path}", "--model", "word_lstm", "--algorithm",
+                 "fedavg", "--rounds", "1", "--batch-size", "4", "--num-clients", "2", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["clients"] == ["00001", "00002"]
+    capsys.readouterr()
+    assert main(["run", "--dataset", f"tff_stackoverflow:{tmp_path}", "--model", "femnist_cnn",
+                 "--out", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err
+    assert "holds text (token ids) and --model femnist_cnn reads images" in err and "word_lstm" in err
+    assert not (tmp_path / "r2").exists()

@@ -18,7 +18,7 @@ class DataConfig:
     """What to load and how to split it. ``None`` means the preset's default."""
     dataset: str = "default"
     data_dir: str | None = None
-    num_clients: int | None = None          # label-skew presets (cifar10, mnist, tfds:*)
+    num_clients: int | None = None          # label-skew presets (cifar10, mnist, tfds:*); tff_*: the first N
     clients_per_domain: int = 1             # domain presets (default, digits, pacs, folder:*)
     partition: str | None = None            # iid | dirichlet | shards | dirichlet_quantity
     dirichlet_alpha: float = 0.5
@@ -212,7 +212,7 @@ def _leaf_femnist(cfg, rng, path):
 
 def _tff_emnist(cfg, rng, path):
     from .tff import load_tff_emnist
-    users, classes = load_tff_emnist(path)
+    users, classes = load_tff_emnist(path, max_clients=cfg.num_clients)
     size = cfg.image_size or 28
     train = [_cap(prepare(x, size, cfg.channels), y, cfg.samples_per_client, rng) for (x, y), _ in users.values()]
     test = [_cap(prepare(x, size, cfg.channels), y, cfg.test_per_client, rng) for _, (x, y) in users.values()]
@@ -222,7 +222,7 @@ def _tff_emnist(cfg, rng, path):
 def _tff_shakespeare(cfg, rng, path):
     from . import text
     from .tff import load_tff_shakespeare
-    roles = load_tff_shakespeare(path)
+    roles = load_tff_shakespeare(path, max_clients=cfg.num_clients)
     train = [_cap(*tr, cfg.samples_per_client, rng) for tr, _ in roles.values()]
     test = [_cap(*te, cfg.test_per_client, rng) for _, te in roles.values()]
     return FederatedDataset(Path(path).name, list(roles), train, test, text.VOCAB)
@@ -230,11 +230,19 @@ def _tff_shakespeare(cfg, rng, path):
 
 def _tff_cifar100(cfg, rng, path):
     from .tff import load_tff_cifar100
-    clients = load_tff_cifar100(path, rng)
+    clients = load_tff_cifar100(path, rng, max_clients=cfg.num_clients)
     size = cfg.image_size or 32
     train = [_cap(prepare(x, size, cfg.channels), y, cfg.samples_per_client, rng) for (x, y), _ in clients.values()]
     test = [_cap(prepare(x, size, cfg.channels), y, cfg.test_per_client, rng) for _, (x, y) in clients.values()]
     return FederatedDataset(Path(path).name, list(clients), train, test, 100)
+
+
+def _tff_stackoverflow(cfg, rng, path):
+    from .tff import load_tff_stackoverflow
+    users, classes = load_tff_stackoverflow(path, max_clients=cfg.num_clients)
+    train = [_cap(*tr, cfg.samples_per_client, rng) for tr, _ in users.values()]
+    test = [_cap(*te, cfg.test_per_client, rng) for _, te in users.values()]
+    return FederatedDataset(Path(path).name, list(users), train, test, classes)
 
 
 PRESETS = {
@@ -246,12 +254,15 @@ PRESETS = {
     "synthetic_text": _synthetic_text,
 }
 PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": _leaf, "leaf_femnist:": _leaf_femnist,
-            "tff_emnist:": _tff_emnist, "tff_shakespeare:": _tff_shakespeare, "tff_cifar100:": _tff_cifar100}
-TEXT_DATASETS = ("synthetic_text", "text:", "leaf:", "tff_shakespeare:")  # token ids, for the char_lstm model
+            "tff_emnist:": _tff_emnist, "tff_shakespeare:": _tff_shakespeare, "tff_cifar100:": _tff_cifar100,
+            "tff_stackoverflow:": _tff_stackoverflow}
+# token ids, for the char_lstm and word_lstm models
+TEXT_DATASETS = ("synthetic_text", "text:", "leaf:", "tff_shakespeare:", "tff_stackoverflow:")
 TFDS_NAMES = ("mnist", "svhn_cropped", "cifar10", "cifar100", "domainnet")
 # what follows each prefix
 PREFIX_ARGUMENT = {"tfds:": "NAME", "folder:": "PATH", "text:": "PATH", "leaf:": "PATH", "leaf_femnist:": "PATH",
-                   "tff_emnist:": "PATH", "tff_shakespeare:": "PATH", "tff_cifar100:": "PATH"}
+                   "tff_emnist:": "PATH", "tff_shakespeare:": "PATH", "tff_cifar100:": "PATH",
+                   "tff_stackoverflow:": "PATH"}
 DATASET_NAMES = tuple(PRESETS) + tuple(p + PREFIX_ARGUMENT[p] for p in PREFIXES)
 
 
@@ -259,7 +270,8 @@ def load_dataset(cfg: DataConfig) -> FederatedDataset:
     """Build a FederatedDataset from a preset name, ``tfds:NAME``, ``folder:PATH`` (images), ``text:PATH`` (a
     folder of per-client .txt files), ``leaf:PATH`` (LEAF's Shakespeare json), ``leaf_femnist:PATH`` (LEAF's
     FEMNIST json, one client per writer: ``jaxfl.data.leaf``) or ``tff_emnist:PATH``, ``tff_shakespeare:PATH``,
-    ``tff_cifar100:PATH`` (TFF's HDF5 files, natural clients: ``jaxfl.data.tff``), seeded by cfg.seed."""
+    ``tff_cifar100:PATH``, ``tff_stackoverflow:PATH`` (TFF's HDF5 files, natural clients: ``jaxfl.data.tff``),
+    seeded by cfg.seed."""
     rng = np.random.default_rng(cfg.seed)
     if cfg.channels not in (1, 3):
         raise DataError(f"channels={cfg.channels}; allowed: 1 or 3")

@@ -11,8 +11,12 @@ group per client id, holding that client's arrays, one row per example:
     CIFAR-100 (Reddi et al.'s Pachinko split)       fed_cifar100_train.h5 / fed_cifar100_test.h5: ``image`` uint8
         [n, 32, 32, 3], ``label`` int [n] in [0, 100) (``coarse_label`` unused); 500 training clients of 100
         images and 100 test clients, different ids.
+    Stack Overflow                                  stackoverflow_train.h5 / stackoverflow_test.h5: ``tokens``,
+        each post's sentence as space-separated words (bytes) [n] (``title``, ``tags``, ... unused); one
+        client per user.
 
-What jaxfl makes of them (``--dataset tff_emnist:PATH``, ``tff_shakespeare:PATH``, ``tff_cifar100:PATH``; PATH is the
+What jaxfl makes of them (``--dataset tff_emnist:PATH``, ``tff_shakespeare:PATH``, ``tff_cifar100:PATH``,
+``tff_stackoverflow:PATH``; PATH is the
 folder holding both files, or the training file itself, whose test file is the same name with ``train`` ->
 ``test``):
 
@@ -25,8 +29,16 @@ folder holding both files, or the training file itself, whose test file is the s
   position of each snippet's 80-character chunks.
 - CIFAR-100: one client per training client; a client's test split is a seeded 20% of its own images, since
   the test file's clients are other clients (TFF evaluates centrally on them); the test file is not read.
+- Stack Overflow (``tff_stackoverflow:PATH``): next-word prediction as FedOpt's task numbers words (pad 0, the
+  10,000 most frequent words 1..10,000, one OOV id, beginning and end of sentence; ``word_lstm``): a user's
+  first 1,000 sentences of each split as one stream, every 20-token window and the token after it. The
+  vocabulary comes from the selected users' training sentences (FedOpt reads TFF's word counts of the whole
+  training split), and every target counts in the accuracy (FedOpt leaves out pad, OOV and the sentence
+  marks) and each window has one target (FedOpt predicts every position).
 
-Deviations: the whole file is read into memory (EMNIST-62 is about 0.5 GB as uint8); nothing is read lazily.
+``--num-clients N`` keeps the first N clients by id (all by default), and only those are read from the files.
+
+Deviations: the chosen clients are read into memory whole (EMNIST-62 is about 0.5 GB as uint8).
 Nothing is downloaded: TFF's ``tff.simulation.datasets.*.load_data`` caches these files (or FedML's download
 scripts fetch them); h5py reads them (``pip install h5py``).
 """
@@ -39,7 +51,8 @@ import numpy as np
 from ..errors import DataError
 from . import text
 
-FILES = {"emnist": "fed_emnist_train.h5", "shakespeare": "shakespeare_train.h5", "cifar100": "fed_cifar100_train.h5"}
+FILES = {"emnist": "fed_emnist_train.h5", "shakespeare": "shakespeare_train.h5", "cifar100": "fed_cifar100_train.h5",
+         "stackoverflow": "stackoverflow_train.h5"}
 Split = tuple[np.ndarray, np.ndarray]
 
 
@@ -62,19 +75,38 @@ def split_files(path: str | Path, kind: str) -> tuple[Path, Path]:
     return train, test
 
 
-def read_examples(path: Path, fields: tuple[str, ...]) -> dict[str, dict[str, np.ndarray]]:
-    """{client id: {field: its array}} of a TFF HDF5 file (``examples/<client>/<field>``), clients sorted.
-    DataError naming the file for one that is not HDF5, has no ``examples`` group, or lacks a field."""
+def _h5py():
     try:
         import h5py
     except ImportError:
-        raise DataError(f"reading {str(path)!r} needs h5py: pip install h5py") from None
+        raise DataError("reading TFF's HDF5 files needs h5py: pip install h5py (or 'jaxfl[data]')") from None
+    return h5py
+
+
+def client_ids(path: Path) -> list[str]:
+    """The client ids of a TFF HDF5 file, sorted. DataError naming the file if it is not one."""
+    h5py = _h5py()
     try:
         with h5py.File(path, "r") as f:
             if "examples" not in f:
                 raise DataError(f"{str(path)!r} has no 'examples' group; TFF's files hold examples/<client>/<field>")
+            return sorted(f["examples"])
+    except DataError:
+        raise
+    except (OSError, KeyError, TypeError) as e:
+        raise DataError(f"{str(path)!r} is not a TFF HDF5 file ({e})") from None
+
+
+def read_examples(path: Path, fields: tuple[str, ...], ids=None) -> dict[str, dict[str, np.ndarray]]:
+    """{client id: {field: its array}} of a TFF HDF5 file (``examples/<client>/<field>``), clients sorted; only
+    the clients ``ids`` (default all) are read. DataError naming the file for one that is not HDF5, has no
+    ``examples`` group, or lacks a field."""
+    h5py = _h5py()
+    wanted = client_ids(path) if ids is None else sorted(ids)
+    try:
+        with h5py.File(path, "r") as f:
             out = {}
-            for cid in sorted(f["examples"]):
+            for cid in wanted:
                 group = f["examples"][cid]
                 missing = [k for k in fields if k not in group]
                 if missing:
@@ -86,6 +118,14 @@ def read_examples(path: Path, fields: tuple[str, ...]) -> dict[str, dict[str, np
         raise
     except (OSError, KeyError, TypeError) as e:
         raise DataError(f"{str(path)!r} is not a TFF HDF5 file ({e})") from None
+
+
+def shared_clients(train: Path, test: Path, max_clients: int | None = None) -> list[str]:
+    """The client ids in both files, sorted; the first ``max_clients`` of them (None: all). DataError if none."""
+    ids = sorted(set(client_ids(train)) & set(client_ids(test)))
+    if not ids:
+        raise DataError(f"no client appears in both {str(train)!r} and {str(test)!r}")
+    return ids[:max_clients] if max_clients else ids
 
 
 def _labels(y, classes: int, where: str, cid: str) -> np.ndarray:
@@ -111,47 +151,50 @@ def _emnist_images(pixels, where: str, cid: str) -> np.ndarray:
     return np.round(255 * (1 - x)).astype(np.uint8)[..., None]
 
 
-def load_tff_emnist(path: str | Path) -> tuple[dict[str, tuple[Split, Split]], int]:
+def load_tff_emnist(path: str | Path, max_clients: int | None = None) -> tuple[dict[str, tuple[Split, Split]], int]:
     """({writer: ((x_train, y_train), (x_test, y_test))}, classes) of TFF's EMNIST: uint8 [n, 28, 28, 1] images
-    (ink high), int32 labels; writers in both splits, sorted."""
+    (ink high), int32 labels; writers in both splits, sorted (the first ``max_clients`` of them)."""
     train_file, test_file = split_files(path, "emnist")
     classes = 10 if "digitsonly" in train_file.name else 62
-    splits = [read_examples(f, ("pixels", "label")) for f in (train_file, test_file)]
-    users = sorted(set(splits[0]) & set(splits[1]))
-    if not users:
-        raise DataError(f"no client appears in both {str(train_file)!r} and {str(test_file)!r}")
+    users = shared_clients(train_file, test_file, max_clients)
+    splits = [read_examples(f, ("pixels", "label"), users) for f in (train_file, test_file)]
     return {u: tuple((_emnist_images(s[u]["pixels"], str(f), u), _labels(s[u]["label"], classes, str(f), u))
                      for s, f in zip(splits, (train_file, test_file))) for u in users}, classes
 
 
-def load_tff_shakespeare(path: str | Path, seq_len: int = 80) -> dict[str, tuple[Split, Split]]:
+def _strings(values, where: str, cid: str, field: str) -> list[str]:
+    """A client's byte strings [n] as str (UTF-8, bad bytes replaced); DataError if they are not strings."""
+    try:
+        return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+                for v in np.asarray(values, object).reshape(-1)]
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: client {cid!r} has {field} that are not strings") from None
+
+
+def load_tff_shakespeare(path: str | Path, seq_len: int = 80,
+                         max_clients: int | None = None) -> dict[str, tuple[Split, Split]]:
     """{role: ((x_train, y_train), (x_test, y_test))}: each split's snippets joined by newlines, cut into every
     ``seq_len``-character window and the next character (token ids of ``text.LEAF_CHARS``); roles in both
-    splits, sorted."""
+    splits, sorted (the first ``max_clients``)."""
     train_file, test_file = split_files(path, "shakespeare")
-    splits = [read_examples(f, ("snippets",)) for f in (train_file, test_file)]
+    roles = shared_clients(train_file, test_file, max_clients)
+    splits = [read_examples(f, ("snippets",), roles) for f in (train_file, test_file)]
 
     def windows(snippets, where, cid):
-        try:
-            lines = [s.decode("utf-8", errors="replace") if isinstance(s, bytes) else str(s)
-                     for s in np.asarray(snippets, object).reshape(-1)]
-        except (TypeError, ValueError):
-            raise DataError(f"{where}: client {cid!r} has snippets that are not strings") from None
-        return text.windows(text.encode("\n".join(lines)), seq_len)
-    roles = sorted(set(splits[0]) & set(splits[1]))
-    if not roles:
-        raise DataError(f"no client appears in both {str(train_file)!r} and {str(test_file)!r}")
+        return text.windows(text.encode("\n".join(_strings(snippets, where, cid, "snippets"))), seq_len)
     return {r: tuple(windows(s[r]["snippets"], str(f), r) for s, f in zip(splits, (train_file, test_file)))
             for r in roles}
 
 
-def load_tff_cifar100(path: str | Path, rng: np.random.Generator,
-                      test_fraction: float = 0.2) -> dict[str, tuple[Split, Split]]:
-    """{client: ((x_train, y_train), (x_test, y_test))} of TFF's CIFAR-100 training clients: uint8 [n, 32, 32, 3]
-    images, int32 fine labels; each client's test split a ``test_fraction`` of its images drawn from ``rng``."""
+def load_tff_cifar100(path: str | Path, rng: np.random.Generator, test_fraction: float = 0.2,
+                      max_clients: int | None = None) -> dict[str, tuple[Split, Split]]:
+    """{client: ((x_train, y_train), (x_test, y_test))} of TFF's CIFAR-100 training clients (the first
+    ``max_clients``, sorted): uint8 [n, 32, 32, 3] images, int32 fine labels; each client's test split a
+    ``test_fraction`` of its images drawn from ``rng``."""
     train_file, _ = split_files(path, "cifar100")
     out = {}
-    for cid, d in read_examples(train_file, ("image", "label")).items():
+    ids = client_ids(train_file)[:max_clients] if max_clients else None
+    for cid, d in read_examples(train_file, ("image", "label"), ids).items():
         x = np.asarray(d["image"])
         if x.ndim != 4 or x.shape[1:] != (32, 32, 3) or x.dtype != np.uint8:
             raise DataError(f"{str(train_file)!r}: client {cid!r} has images of shape {x.shape} and type {x.dtype}; "
@@ -162,3 +205,42 @@ def load_tff_cifar100(path: str | Path, rng: np.random.Generator,
         tr, te = np.sort(order[:cut]), np.sort(order[cut:])
         out[cid] = ((x[tr], y[tr]), (x[te], y[te]))
     return out
+
+
+# Stack Overflow next-word prediction: the token ids FedOpt's task uses (pad 0, the V words 1..V, one OOV id,
+# beginning and end of a sentence)
+def stackoverflow_vocab(sentences, size: int = 10000) -> dict[str, int]:
+    """{word: id in 1..size}: the ``size`` most frequent space-separated words of ``sentences`` (ties by the word),
+    in that order."""
+    from collections import Counter
+    counts = Counter(w for s in sentences for w in s.split())
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
+    return {w: i + 1 for i, (w, _) in enumerate(ranked)}
+
+
+def stackoverflow_ids(sentence: str, vocab: dict[str, int]) -> np.ndarray:
+    """[bos] + each word's id (OOV: V + 1) + [eos], V = len(vocab), bos = V + 2, eos = V + 3: int32."""
+    v = len(vocab)
+    return np.array([v + 2] + [vocab.get(w, v + 1) for w in sentence.split()] + [v + 3], np.int32)
+
+
+def load_tff_stackoverflow(path: str | Path, vocab_size: int = 10000, seq_len: int = 20, max_sentences: int = 1000,
+                           max_clients: int | None = None) -> tuple[dict[str, tuple[Split, Split]], int]:
+    """({user: ((x_train, y_train), (x_test, y_test))}, classes) of TFF's Stack Overflow for next-word
+    prediction: each user's first ``max_sentences`` sentences (``tokens``, FedOpt's max elements per user) of
+    each split as one stream of ``stackoverflow_ids``, cut into every ``seq_len``-token window and the token
+    after it; the vocabulary of the ``vocab_size`` most frequent words of the selected users' training
+    sentences; classes = vocab_size + 4 (pad, OOV, bos, eos). Users in both splits, sorted (the first
+    ``max_clients``)."""
+    train_file, test_file = split_files(path, "stackoverflow")
+    users = shared_clients(train_file, test_file, max_clients)
+    splits = [{u: _strings(d["tokens"], str(f), u, "tokens")[:max_sentences]
+               for u, d in read_examples(f, ("tokens",), users).items()} for f in (train_file, test_file)]
+    vocab = stackoverflow_vocab((s for sents in splits[0].values() for s in sents), vocab_size)
+    classes = vocab_size + 4
+
+    def windows(sentences):
+        stream = np.concatenate([stackoverflow_ids(s, vocab) for s in sentences]) if sentences else \
+            np.zeros(0, np.int32)
+        return text.windows(stream, seq_len)
+    return {u: (windows(splits[0][u]), windows(splits[1][u])) for u in users}, classes
