@@ -1,6 +1,7 @@
 """The FedOpt paper's settings (Reddi et al., "Adaptive Federated Optimization", ICLR 2021) on TFF's files:
 FedAvg, FedAvgM, FedAdagrad, FedAdam and FedYogi (client SGD, a server optimizer: ``jaxfl.core.server_opt``) on
-EMNIST character recognition, Shakespeare next-character prediction and CIFAR-100.
+EMNIST character recognition, Shakespeare next-character prediction, Stack Overflow next-word prediction and
+CIFAR-100.
 
 Source of every number below: google-research/federated, ``optimization/docs/hyperparameters.md`` (commit
 0f29cad, "Best hyperparameters", base-10 logarithms) and ``optimization/README.md`` (the tasks' models): one
@@ -13,6 +14,7 @@ not results.
     task         data (TFF's HDF5, ``jaxfl.data.tff``)      model          cohort  batch  rounds
     emnist_cr    fed_emnist_{train,test}.h5 (62 classes)     cnn_dropout    10      20     1500
     shakespeare  shakespeare_{train,test}.h5                 char_lstm      10      4      1200
+    stackoverflow_nwp  stackoverflow_{train,test}.h5         word_lstm      50      16     1500
     cifar100     fed_cifar100_{train,test}.h5                resnet18_gn    10      20     4000
 
 Deviations: jaxfl's server optimizers follow the paper's Algorithm 2 (no bias correction, v_-1 = tau^2) where the
@@ -20,8 +22,9 @@ code ran Keras' Adam, Adagrad and Yogi; the learning rates were tuned there. Eac
 test split (``weighted_accuracy``, the sample-weighted mean over clients, is the pooled test accuracy TFF
 reports for EMNIST and Shakespeare); CIFAR-100's test clients are other clients, so each training client's test
 split is a fifth of its own images (``jaxfl.data.tff``), and its images are not cropped to 24 x 24. Shakespeare
-predicts the character after each 80-character window, where the FedOpt task predicts every position of a
-snippet's chunks.
+and Stack Overflow predict the token after each window (80 characters, 20 words), where the FedOpt tasks
+predict every position; Stack Overflow's vocabulary comes from the users read (``--num-clients``, all by
+default) and its accuracy counts every target (``jaxfl.data.tff``).
 
     python experiments/fedopt.py --write experiments/configs/fedopt      # one TOML per (task, method)
     jaxfl run --config experiments/configs/fedopt/emnist_cr_fedadam.toml --dataset tff_emnist:DATA --out runs/x
@@ -60,6 +63,11 @@ TASKS = {
                     "client_lr": {"fedadagrad": 0, "fedadam": 0, "fedyogi": 0, "fedavgm": 0, "fedavg": 0},
                     "server_lr": {"fedadagrad": -0.5, "fedadam": -2, "fedyogi": -2, "fedavgm": -0.5, "fedavg": 0},
                     "epsilon": {"fedadagrad": -1, "fedadam": -3, "fedyogi": -3}},
+    "stackoverflow_nwp": {"prefix": "tff_stackoverflow", "file": "stackoverflow_train.h5",
+                          "run": {"model": "word_lstm", "clients_per_round": 50, "batch_size": 16, "rounds": 1500},
+                          "client_lr": {m: -0.5 for m in ("fedadagrad", "fedadam", "fedyogi", "fedavgm", "fedavg")},
+                          "server_lr": {"fedadagrad": -1.5, "fedadam": -2, "fedyogi": -2, "fedavgm": 0, "fedavg": 0},
+                          "epsilon": {"fedadagrad": -4, "fedadam": -5, "fedyogi": -5}},
     "cifar100": {"prefix": "tff_cifar100", "file": "fed_cifar100_train.h5",
                  "run": {"model": "resnet18_gn", "clients_per_round": 10, "batch_size": 20, "rounds": 4000},
                  "client_lr": {"fedadagrad": -1, "fedadam": -1.5, "fedyogi": -1.5, "fedavgm": -1.5, "fedavg": -1},
