@@ -459,3 +459,28 @@ def test_a_config_built_in_python_is_checked_for_its_types():
         with pytest.raises(ConfigError, match=message):
             validate(RunConfig(**kw))
     assert validate(RunConfig(lr=1)).lr == 1  # an int where a float is asked is a number
+
+
+def test_every_config_field_is_in_exactly_one_group():
+    import dataclasses
+
+    from jaxfl.run.config import CONFIG_GROUPS
+    placed = [name for names in CONFIG_GROUPS.values() for name in names]
+    assert len(placed) == len(set(placed)), "a field in two groups"
+    assert set(placed) == {f.name for f in dataclasses.fields(RunConfig)} - {"options"}
+
+
+def test_print_config_writes_the_whole_resolved_config_that_config_reads_back(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["run", "--algorithm", "fedprox", "--rounds", "3", "--lr", "0.05", "--fedprox.mu", "0.3",
+            "--eval-model", "both", "--out", str(tmp_path / "never")] + CLI_TINY
+    assert main(args + ["--print-config"]) == 0
+    text = capsys.readouterr().out
+    assert "# -- client training\n" in text and "lr = 0.05\n" in text and "eval_model = \"both\"\n" in text
+    assert "[fedprox]" in text and "mu = 0.3\n" in text
+    assert "# model = (default" not in text and 'model = "small_cnn"' in text
+    assert not (tmp_path / "never").exists() and not (tmp_path / "runs").exists()  # nothing written
+    (tmp_path / "cfg.toml").write_text(text)
+    assert main(["run", "--config", str(tmp_path / "cfg.toml"), "--print-config"]) == 0
+    assert capsys.readouterr().out == text  # the file gives the same run
+    assert main(["run", "--lr", "-1", "--print-config"]) == 2  # checked like a run

@@ -10,7 +10,8 @@ from pathlib import Path
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped
 from .signals import failpoint, signal_name, stop_signals
 from .compile_cache import cache_warnings, resolve_compile_cache, use_compile_cache
-from .config import TRAINING_DEFAULTS, RunConfig, check_output, holds_files, load_config_file, validate
+from .config import (TRAINING_DEFAULTS, RunConfig, check_output, config_toml, holds_files, load_config_file,
+                     validate)
 from .checkpoint import saved_settings
 from .script import check_output_file
 
@@ -200,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                          argument_default=argparse.SUPPRESS)
     run.add_argument("--config", help="TOML or JSON file of options; flags override it")
     run.add_argument("--quiet", action="store_true", help="no progress bar or table")
+    run.add_argument("--print-config", action="store_true",
+                     help="print the run's whole configuration as a TOML file (--config reads it back: every value, "
+                          "presets and the algorithm's options filled in, grouped) and exit; nothing is loaded or "
+                          "written")
     run.add_argument("--seeds", metavar="S,S,...",
                      help="one run per seed, one after another, into OUT/seed<S> (OUT: --out or a new runs/... "
                           "folder), then the table of `jaxfl compare` (mean ± std over the seeds) on stdout and in "
@@ -364,6 +369,7 @@ def main(argv=None) -> int:
     if args.pop("command") == "compare":
         return compare_main(args)
     quiet = args.pop("quiet", False)
+    print_config = args.pop("print_config", False)
     cache_flag = args.pop("compile_cache", None)
     seeds_flag = args.pop("seeds", None)
     launch = {k: args.pop(k) for k in LAUNCH_OPTIONS if k in args}
@@ -374,6 +380,9 @@ def main(argv=None) -> int:
         processes = launch.get("num_processes") or 1
         # bad input is refused before joining the other processes (which would wait for a peer that has left)
         root, cfgs, skip = (None, [run_config(args)], ()) if seeds_flag is None else seed_configs(args, seeds_flag)
+        if print_config:  # (a sweep's seeds differ in the seed and the folder only: the first one's)
+            print(config_toml(validate(cfgs[0]).resolved()), end="")
+            return 0
         if processes > 1:
             for c in cfgs:
                 validate(c)  # Experiment validates too, but after joining, a refusal would leave a peer waiting

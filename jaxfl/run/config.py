@@ -590,6 +590,52 @@ def replace_text(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+# Every RunConfig field in the one group that a reader looks for it in (``config_toml``; a new field must be
+# placed: tests/test_runner.py checks that each field is in exactly one group)
+CONFIG_GROUPS = {
+    "run": ("algorithm", "model", "rounds", "seed"),
+    "data": ("dataset", "data_dir", "num_clients", "clients_per_domain", "partition", "dirichlet_alpha",
+             "client_sizes", "size_sigma", "classes_per_client", "samples_per_client", "test_per_client",
+             "image_size", "channels"),
+    "client training": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "batch_size", "local_epochs"),
+    "cohort": ("clients_per_round", "participation", "cohort_sampling", "stragglers", "weighting"),
+    "server": ("server_opt", "server_lr", "server_momentum", "server_beta1", "server_beta2", "server_tau",
+               "aggregator", "compression", "attack", "malicious"),
+    "privacy": ("dp_clip", "dp_level", "dp_noise", "dp_delta", "dp_epsilon", "dp_quantile", "dp_clip_lr",
+                "dp_count_noise"),
+    "evaluation": ("eval_every", "eval_point", "eval_batch_size", "eval_model", "eval_clients", "new_clients"),
+    "engine": ("strategy", "backend", "rounds_per_call", "chunk_size", "lane_segments", "lane_overhead", "devices",
+               "client_store"),
+    "output": ("out", "checkpoint_every", "resume", "overwrite"),
+}
+
+
+def config_toml(cfg: RunConfig) -> str:
+    """``cfg`` as a TOML config file (``--config``), its fields under a comment per ``CONFIG_GROUPS`` group and
+    the algorithm's options as its table; a field left None (the preset's or backend's choice) is a comment."""
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return repr(v)
+    d = cfg.to_dict()
+    lines = []
+    for group, names in CONFIG_GROUPS.items():
+        lines.append(f"# -- {group}")
+        for name in names:
+            if d[name] is not None:
+                lines.append(f"{name} = {value(d[name])}")
+            else:  # (the model a dataset defaults to is known here; the rest follow the data or the platform)
+                lines.append(f"# {name} = (default{': ' + model_name(cfg) if name == 'model' else ''})")
+    for algorithm, table in cfg.options.items():
+        lines.append(f"\n[{algorithm}]  # its options (jaxfl run --help: --{algorithm}.OPTION)")
+        lines += [f"{k} = {value(v)}" for k, v in plain(table).items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
 def unique_keys(pairs) -> dict:
     """``json.loads``' object hook that refuses a key given twice (as TOML does; JSON would keep the last)."""
     out = {}
