@@ -4,7 +4,7 @@ rounded cohort sample count, and keeps the states in a device or host store."""
 import jax
 import numpy as np
 import pytest
-from conftest import assert_trees_close, make_trainer, traces
+from conftest import assert_trees_close, bit_identity, make_trainer, traces
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.core.backends import Stacked, Streamed, cohort_sample_index
@@ -98,3 +98,19 @@ def test_the_evaluation_hook_sees_the_trained_rows_of_the_cohort():
     server_b, _ = Streamed(alg, data, batch_size=8, num_rounds=2, strategy="vmap", cohort_size=3).round(
         server, engine.init(jax.random.key(0), data.x[:1])[1], 0, ROOT)
     assert_trees_close(server_a, server_b, atol=2e-6, rtol=1e-5)  # one call or two around the hook
+
+
+@bit_identity("a resumed run runs the same round programs on the same inputs as the uninterrupted one")
+def test_a_streamed_run_resumes_bit_for_bit(tmp_path):
+    """Checkpoint after round 2, resume to 4: the same states as 4 rounds at once (the host store's states are
+    saved and restored as they are)."""
+    from jaxfl.run.config import RunConfig
+    from jaxfl.run.runner import Experiment
+    tiny = dict(algorithm="fedbn", backend="streamed", client_store="host", clients_per_round=2,
+                model="small_cnn", image_size=12, samples_per_client=40, test_per_client=30, batch_size=16,
+                eval_batch_size=32, lr=0.05)
+    full = Experiment(RunConfig(rounds=4, **tiny)).run()
+    Experiment(RunConfig(rounds=2, out=str(tmp_path), checkpoint_every=1, **tiny)).run()
+    resumed = Experiment(RunConfig(rounds=4, out=str(tmp_path), checkpoint_every=1, resume=True, **tiny)).run()
+    assert_trees_close(full.server, resumed.server, atol=0, rtol=0)
+    assert_trees_close(jax.device_get(full.clients), jax.device_get(resumed.clients), atol=0, rtol=0)
