@@ -264,3 +264,21 @@ def test_compare_paired_through_the_cli(sweep, tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_compare_reads_logs_compacted_by_the_tool_as_the_plain_ones(sweep, tmp_path, capsys):
+    import shutil
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import compact_logs
+    root, _ = sweep
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    assert main(["compare", str(root), "--per-client", "--spread"]) == 0
+    plain = capsys.readouterr().out
+    assert compact_logs.main([str(copy)]) == 0
+    assert "3 logs: " in capsys.readouterr().out
+    assert not list(copy.rglob("metrics.jsonl")) and len(list(copy.rglob("metrics.jsonl.gz"))) == 3
+    assert main(["compare", str(copy), "--per-client", "--spread"]) == 0
+    assert capsys.readouterr().out == plain

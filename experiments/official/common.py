@@ -52,6 +52,25 @@ class _StubModule(types.ModuleType):
         return _any_attribute(name)
 
 
+def read_log(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl in jaxfl's format, or of its gzipped twin ``metrics.jsonl.gz`` where only that
+    exists (committed logs are compacted: ``tools/compact_logs.py``); blank lines skipped. Without jaxfl, so that
+    the official code's environment can read them too."""
+    import gzip
+    path = Path(path)
+    packed = path.with_name(path.name + ".gz")
+    if not path.is_file() and packed.is_file():
+        path = packed
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def log_exists(path: Path) -> bool:
+    """Whether a metrics.jsonl (or its gzipped twin) exists at ``path``."""
+    path = Path(path)
+    return path.is_file() or path.with_name(path.name + ".gz").is_file()
+
+
 def stub_unimportable(name: str, submodules: tuple[str, ...] = ()) -> bool:
     """Stand-ins for a module the official code imports but an adapter's run never uses, when it does not import
     (absent, or built for another torch, as PyPI's torchvision is for the CPU torch): ``name`` and

@@ -75,7 +75,7 @@ import numpy as np
 sys.dont_write_bytecode = True  # importing the official modules must not write __pycache__ into the checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (MetricsLog, agreement_bound, common_rounds, experiments_common, jaxfl_inputs,  # noqa: E402
-                    official_repo, stub_unimportable, to_nchw_float)
+                    log_exists, official_repo, read_log, stub_unimportable, to_nchw_float)
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # the official local loop wraps its epochs in tqdm
 PKG = "fedml_api.standalone.domain_generalization"
@@ -526,7 +526,7 @@ JAXFL_RUNS = {"dapperfl": "jaxfl dapperfl (spec preset)",
 
 
 def read_history(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return read_log(path)
 
 
 def compare(official_root: Path, jaxfl_root: Path, seeds: list[int], official_variants: list[str],
@@ -541,7 +541,7 @@ def compare(official_root: Path, jaxfl_root: Path, seeds: list[int], official_va
     for v, name in JAXFL_RUNS.items():
         # the experiment scripts' layout: jaxfl_root/seed<s>/ for several seeds, jaxfl_root itself for one
         paths = [ec.seed_root(jaxfl_root, s, seeds) / v / "metrics.jsonl" for s in seeds]
-        if all(p.is_file() for p in paths):  # a variant not run for every seed is left out
+        if all(log_exists(p) for p in paths):  # a variant not run for every seed is left out
             results[name] = [read_history(p) for p in paths]
     curves, results = results, common_rounds(results)  # "final" and "last 5" at rounds both sides evaluated
     text = ec.seed_table(results) + "\n\n"

@@ -88,7 +88,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from common import MetricsLog, jaxfl_inputs, to_nchw_float
+from common import MetricsLog, jaxfl_inputs, read_log, to_nchw_float
 from pfl_setting import LOGREG_LAYERS, Library, check_setting, load_jaxfl_init, two_nn
 
 REPO = "lxcnju/FedRepo"
@@ -310,7 +310,7 @@ def run_stragglers(args, cfg) -> None:
 
     check_stragglers_setting(cfg, args.jaxfl_run, args.method)
     method = METHODS[args.method]
-    jaxfl_log = [json.loads(line) for line in (Path(args.jaxfl_run) / "metrics.jsonl").read_text().splitlines()]
+    jaxfl_log = read_log(Path(args.jaxfl_run) / "metrics.jsonl")
     jaxfl_steps = {rec["round"]: dict(zip(rec["clients_trained"], rec["train_steps"])) for rec in jaxfl_log
                    if "train_steps" in rec}
     inputs = jaxfl_inputs(cfg)
@@ -449,7 +449,7 @@ def stragglers_main(argv) -> None:
             print(f"FedRepo {method}, s {s:g}, seed {seed} ({run.name})", flush=True)
             subprocess.run([sys.executable, __file__, "--method", method, "--jaxfl-run", str(run), "--out", str(out),
                             "--commit", args.commit], check=True)
-    load = lambda path: [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    load = lambda path: read_log(path / "metrics.jsonl")
     from common import experiments_common
     ec = experiments_common()
     rows = ["| s | FedRepo method | jaxfl run | lr | FedRepo final | jaxfl final | difference | bound | verdict | "

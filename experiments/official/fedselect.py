@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from common import (JaxflInputs, MetricsLog, agreement_bound, experiments_common, jaxfl_inputs, official_repo,
-                    pooled_std, stub_unimportable, to_nchw_float)
+                    pooled_std, read_log, stub_unimportable, to_nchw_float)
 
 REPO = "lapisrocks/fedselect"
 
@@ -313,7 +313,7 @@ def self_check(repo: Path) -> None:
 
 def load_histories(root: Path, seeds: list[int], variant: str = "fedselect") -> list[list[dict]]:
     """metrics.jsonl of ``root/seed<s>/<variant>/`` for each seed (the logs/ layout of both sides)."""
-    return [[json.loads(line) for line in (root / f"seed{s}" / variant / "metrics.jsonl").read_text().splitlines()]
+    return [read_log(root / f"seed{s}" / variant / "metrics.jsonl")
             for s in seeds]
 
 

@@ -72,8 +72,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
-from common import (MetricsLog, agreement_bound, jaxfl_inputs, official_repo, stub_unimportable,  # noqa: E402
-                    to_nchw_float)
+from common import (MetricsLog, agreement_bound, jaxfl_inputs, log_exists, official_repo, read_log,  # noqa: E402
+                    stub_unimportable, to_nchw_float)
 
 ALGS = {"hypernet": "FedTP", "vanilla": "Personalized-T", "fedavg": "fedavg"}
 # module names of the official checkout that would shadow (or be shadowed by) others of the same name
@@ -307,9 +307,7 @@ OFFICIAL_NAMES = {"hypernet": "fedtp", "vanilla": "vanilla", "fedavg": "fedavg"}
 
 
 def _curve(path: Path, key: str = "weighted_accuracy"):
-    import json
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    ev = [r for r in recs if key in r]
+    ev = [r for r in read_log(path) if key in r]
     return np.array([r["round"] for r in ev]), np.array([r[key] for r in ev], float) * 100
 
 
@@ -335,7 +333,7 @@ def compare(argv=None) -> None:
         stats = {}
         for side, root, name in (("official", args.official, OFFICIAL_NAMES[v]), ("jaxfl", args.jaxfl, JAXFL_NAMES[v])):
             paths = [Path(root) / f"seed{s}" / name / "metrics.jsonl" for s in seeds]
-            paths = [q for q in paths if q.exists()]
+            paths = [q for q in paths if log_exists(q)]
             if not paths:
                 continue
             cs = [_curve(q) for q in paths]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import agreement_bound, official_repo
+from common import agreement_bound, log_exists, official_repo, read_log
 
 SETTING = dict(model="mlp_2nn", batch_size=10, local_epochs=1, momentum=0.0, weight_decay=0.0,
                clients_per_round=None)  # None: every client every round
@@ -82,7 +82,7 @@ def finished(out: Path, rounds: int) -> bool:
 def jaxfl_runs(root: Path, seed: int) -> dict[str, Path]:
     """{variant: run folder} of ``pfl_methods.py``'s logs for ``seed`` (folders ``<variant>_lr<lr>``)."""
     return {d.name.rsplit("_lr", 1)[0]: d for d in sorted((root / f"seed{seed}").iterdir())
-            if (d / "metrics.jsonl").exists()}
+            if log_exists(d / "metrics.jsonl")}
 
 
 def compare_methods(ec, label: str, official: dict[str, bool], official_logs: Path, jaxfl_logs: Path,
@@ -92,7 +92,7 @@ def compare_methods(ec, label: str, official: dict[str, bool], official_logs: Pa
     last-5 mean accuracy (mean ± std over seeds), the difference of the final means and the agreement criterion
     max(2 pooled seed-stds, 1.5 points). Returns the markdown table and {variant: {label: runs, "jaxfl": runs}}
     for ``plot_panels``."""
-    load = lambda path: [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    load = lambda path: read_log(path / "metrics.jsonl")
     runs = {s: jaxfl_runs(jaxfl_logs, s) for s in seeds}
     pairs = {}
     for variant in official:

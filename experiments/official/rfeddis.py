@@ -67,7 +67,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import json
 import os
 import sys
 import types
@@ -76,7 +75,7 @@ from pathlib import Path
 import numpy as np
 
 from common import (JaxflInputs, MetricsLog, agreement_bound, common_rounds, experiments_common, jaxfl_inputs,
-                    official_repo, pooled_std, stub_unimportable, to_nchw_float)
+                    official_repo, pooled_std, read_log, stub_unimportable, to_nchw_float)
 
 REPO = "LooKing9218/RFedDis"
 HERE = Path(__file__).resolve().parent
@@ -398,7 +397,7 @@ def load_runs(root: Path, variant: str, seeds) -> list[list[dict]]:
     def folder(s):
         d = root / f"seed{s}" / variant
         return d if d.is_dir() or len(seeds) > 1 else root / variant
-    return [[json.loads(line) for line in (folder(s) / "metrics.jsonl").read_text().splitlines()] for s in seeds]
+    return [read_log(folder(s) / "metrics.jsonl") for s in seeds]
 
 
 def compare(argv=None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
 import hashlib
 import json
 import os
@@ -36,9 +37,18 @@ RESUMABLE_CHANGES = {"rounds", "resume", "overwrite", "out", "checkpoint_every",
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl; a torn last line (a write cut off) is dropped, a bad line before the
-    last is an error."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    """The records of a metrics.jsonl (or a gzipped one, ``.gz``, also read when ``path`` names the plain file
+    and only its gzipped twin exists: committed logs, ``tools/compact_logs.py``); a torn last line (a write cut
+    off) is dropped, a bad line before the last is an error."""
+    path = Path(path)
+    packed = path.with_name(path.name + ".gz")
+    if not path.is_file() and path.suffix != ".gz" and packed.is_file():
+        path = packed
+    if not path.is_file():
+        lines = []
+    else:
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        lines = [line for line in text.splitlines() if line.strip()]
     records = []
     for i, line in enumerate(lines):
         try:

@@ -40,14 +40,23 @@ def client_field(key: str) -> str:
         "test_accuracy"
 
 
+# a run's log: as the run writes it, or gzipped (committed logs, ``tools/compact_logs.py``)
+METRICS_FILES = ("metrics.jsonl", "metrics.jsonl.gz")
+
+
+def metrics_file(folder: Path) -> Path | None:
+    """The run log of ``folder`` (``METRICS_FILES``, the plain one first), or None."""
+    return next((Path(folder) / n for n in METRICS_FILES if (Path(folder) / n).is_file()), None)
+
+
 def find_runs(paths) -> list[Path]:
-    """Run folders under ``paths``: a folder with metrics.jsonl is a run, any other folder is searched
-    recursively. ConfigError (one line) for a path that does not exist or holds no run."""
+    """Run folders under ``paths``: a folder with metrics.jsonl (or metrics.jsonl.gz) is a run, any other folder
+    is searched recursively. ConfigError (one line) for a path that does not exist or holds no run."""
     runs = []
     for p in map(Path, paths):
         if not p.is_dir():
             raise ConfigError(f"{str(p)!r} is not a folder; give jaxfl run folders (holding metrics.jsonl)")
-        found = [p] if (p / "metrics.jsonl").is_file() else sorted(m.parent for m in p.rglob("metrics.jsonl"))
+        found = [p] if metrics_file(p) else sorted({m.parent for n in METRICS_FILES for m in p.rglob(n)})
         if not found:
             raise ConfigError(f"{str(p)!r} holds no run (no metrics.jsonl in it or below it)")
         seen = {r.resolve() for r in runs}
@@ -59,13 +68,14 @@ def load_run(folder: Path) -> tuple[dict, list[dict]]:
     """(config, history) of a run folder; a torn last line of metrics.jsonl is dropped."""
     from .checkpoint import read_metrics
     cfg_path = Path(folder) / "config.json"
-    if not (Path(folder) / "metrics.jsonl").is_file():
+    log = metrics_file(folder)
+    if log is None:
         raise ConfigError(f"{str(folder)!r} holds no run (no metrics.jsonl)")
     try:
         config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     except ValueError as e:
         raise ConfigError(f"{str(cfg_path)!r} is not valid JSON ({e})") from None
-    return config, read_metrics(Path(folder) / "metrics.jsonl")
+    return config, read_metrics(log)
 
 
 def group_by_seed(runs: list[tuple[Path, dict, list[dict]]]) -> dict[str, list[list[dict]]]:
