@@ -54,13 +54,13 @@ SUITE = [("small:logreg:10000:10", 10), ("small:logreg:10000:100", 100), ("small
           ("small:2nn:10000:1000", 1000), ("small:femnist_cnn:1000:100", 100), ("small:char_lstm:1000:100", 100)] + SUITE
 SMOKE = [("skewed:0.3:40:4:1000", 4), ("skewed:0.3:40:8:1000", 8), ("xdev:8", 8), ("small:logreg:40:8", 8)]
 # the runners of the small workloads on a GPU: the engine vmapped (one call per round, and 10 rounds per call),
-# the ragged engine's vmap buckets, the per-client loops
-GPU_SMALL_RUNNERS = "stacked/vmap/K1,stacked/vmap/K10,ragged/vmap,jax_loop,torch_loop"
+# the streamed and ragged engines (the cohort sent each round: one call; buckets), the per-client loops
+GPU_SMALL_RUNNERS = "stacked/vmap/K1,stacked/vmap/K10,streamed/vmap,ragged/vmap,jax_loop,torch_loop"
 # --lanes: the padding table (log-normal clients, median 60, sigma 0.8): one vmap over the cohort (/S0) against
 # the lane plan (one and 10 rounds per call), the ragged buckets, the vectorized torch baseline and the torch loop
 LANES_SUITE = [("small:logreg:1000:100", 100), ("small:logreg:1000:1000", 1000), ("small:2nn:1000:100", 100),
                ("small:2nn:1000:1000", 1000), ("small:femnist_cnn:1000:100", 100)]
-LANES_RUNNERS = "stacked/vmap/K1/S0,stacked/vmap/K1,stacked/vmap/K10,ragged/vmap,torch_vmap,torch_loop"
+LANES_RUNNERS = "stacked/vmap/K1/S0,stacked/vmap/K1,stacked/vmap/K10,streamed/vmap,ragged/vmap,torch_vmap,torch_loop"
 
 
 def main(argv=None) -> None:

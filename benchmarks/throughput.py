@@ -386,7 +386,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     import optax
 
     from jaxfl.algorithms import build_algorithm
-    from jaxfl.core.backends import Ragged, Stacked
+    from jaxfl.core.backends import Ragged, Stacked, Streamed
     from jaxfl.core.cohort import sample_cohort
     from jaxfl.core.distributed import client_mesh
     from jaxfl.core.trainer import LocalTrainer
@@ -457,8 +457,9 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
                                     "host_share": float(np.mean([m["host_share"] for m in ms])),
                                     "lanes": None if sim.lanes is None else [list(g) for g in sim.lanes.segments]})
             del sim, store
-        elif kind == "ragged":
-            sim = Ragged(alg, data, batch_size=batch, strategy=opt[0], cohort_size=cohort, mesh=mesh)
+        elif kind in ("ragged", "streamed"):
+            sim = (Ragged if kind == "ragged" else Streamed)(alg, data, batch_size=batch, strategy=opt[0],
+                                                             cohort_size=cohort, mesh=mesh)
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             for r in range(rounds):  # compile every bucket shape of these cohorts
@@ -471,7 +472,9 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
             record(runner, sec, rounds, {"compile_s": first - sec, "padded_work": float(np.mean([m["padded_work"] for m in ms])),
                                          "host_share": float(np.mean([m["host_share"] for m in ms])),
                                          "buckets": int(ms[-1]["buckets"]),
-                                         "compiled_shapes": int(ms[-1]["compiled_shapes"])})
+                                         "compiled_shapes": int(ms[-1]["compiled_shapes"]),
+                                         **({} if kind == "ragged" or sim.lanes is None else
+                                            {"lanes": [list(g) for g in sim.lanes.segments]})})
             del sim, store
         elif kind == "jax_loop":
             sec = small_jax_loop(alg, data, batch, cohorts[:rounds], root)
@@ -795,7 +798,7 @@ def subprocess_run(spec: str, strategies: str, rounds: int, env=None, timeout=No
 
 
 RUNNER = re.compile(r"stacked/(map|vmap|chunked)/K[1-9][0-9]*(/D[1-9][0-9]*)?(/S[0-9]+)?(/O[0-9]+(\.[0-9]+)?)?"
-                    r"|ragged/(map|vmap|chunked)(/D[1-9][0-9]*)?|jax_loop|torch_loop|torch_vmap")
+                    r"|(ragged|streamed)/(map|vmap|chunked)(/D[1-9][0-9]*)?|jax_loop|torch_loop|torch_vmap")
 
 
 def check_args(args) -> None:
@@ -814,7 +817,7 @@ def check_args(args) -> None:
     bad = [r for r in args.runners.split(",") if not RUNNER.fullmatch(r)]
     if bad:
         raise ConfigError(f"--runners: {', '.join(map(repr, bad))} is not stacked/STRATEGY/K<k>[/D<d>][/S<n>][/O<x>], "
-                          f"ragged/STRATEGY[/D<d>], jax_loop, torch_loop or torch_vmap")
+                          f"ragged/STRATEGY[/D<d>], streamed/STRATEGY[/D<d>], jax_loop, torch_loop or torch_vmap")
     for item in (args.plan.split(",") if args.plan else []):
         name, *sizes = item.split(":")
         if name not in SMALL or len(sizes) != 2 or not all(s.isdigit() and int(s) > 0 for s in sizes):
