@@ -190,3 +190,28 @@ def test_a_run_with_new_clients_resumes_to_the_same_evaluations(tmp_path):
     resumed = Experiment(cfg.replace(out=str(tmp_path), checkpoint_every=1, resume=True)).run().history
     for key in ("new_tuned_test_accuracy", "new_test_accuracy", "global_test_accuracy", "test_accuracy"):
         assert resumed[-1][key] == full[-1][key], key  # the same programs on the same states: bit for bit
+
+
+@pytest.mark.parametrize("name, holds", [("fedavg", True), ("ditto", True), ("fedper", True), ("fedbn", True),
+                                         ("fedproto", False), ("pfedhn", False)])
+def test_holds_model_tells_a_server_that_keeps_a_whole_model(name, holds):
+    from jaxfl.core.trainer import normalizer
+    from jaxfl.run.evaluation import holds_model
+    model = small_cnn(num_classes=4, width=4, hidden=(8,))
+    alg = build_algorithm(name, model, make_trainer(), RunContext(num_clients=3, num_rounds=4))
+    x = jnp.zeros((1, 12, 12, 3), jnp.uint8)
+    assert holds_model(jax.eval_shape(alg.init, jax.random.key(0), x)[0], model, normalizer()(x)) == holds
+
+
+def test_the_global_model_is_the_servers_whatever_the_clients_hold():
+    """Ditto keeps a whole personal model per client; its global model is the server's FedAvg model (not a
+    client's initial personal model), so it learns; FedAvg's global and personal models are one."""
+    ditto = Experiment(RunConfig(algorithm="ditto", clients_per_domain=2, rounds=4, eval_model="both", **TINY))
+    last = ditto.run().history[-1]
+    initial = Experiment(RunConfig(algorithm="ditto", clients_per_domain=2, rounds=1, eval_model="both",
+                                   **TINY)).run().history[0]
+    assert last["global_mean_accuracy"] > initial["global_mean_accuracy"] + 0.1
+    fedavg = Experiment(RunConfig(algorithm="fedavg", rounds=2, eval_model="both", **TINY)).run().history[-1]
+    np.testing.assert_allclose(fedavg["global_test_accuracy"], fedavg["test_accuracy"], atol=1e-6)
+    with pytest.raises(ConfigError, match="--eval-model global: fedproto's server holds no whole small_cnn"):
+        Experiment(RunConfig(algorithm="fedproto", eval_model="global", **TINY))

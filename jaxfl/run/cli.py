@@ -55,13 +55,14 @@ HELP = {
                   "(default: aggregated; local for fedselect when every client trains every round, its official "
                   "protocol)",
     "eval_model": "which model each evaluation tests: personal (each client's own state) | global (the server's "
-                  "state with the initial client state: what a client that never trained gets) | both (personal "
-                  "in test_*/mean_accuracy, global in global_* fields)",
+                  "own model, for methods whose server holds one) | both (personal in test_*/mean_accuracy, "
+                  "global in global_* fields)",
     "eval_clients": "which clients each evaluation tests: all | cohort (those that trained in the evaluated "
                     "round; the others are null in the per-client lists and out of the means)",
     "new_clients": "hold K clients out of training (drawn from --seed) and evaluate them at every evaluation: "
-                   "with the global model (new_* fields) and, for methods that predict with a just-trained "
-                   "model, after one local update from it (new_tuned_* fields); 0: none",
+                   "with the global model (new_* fields, where the server holds one) and, for methods that "
+                   "predict with a just-trained model, after one local update from where a new client starts "
+                   "(new_tuned_* fields); 0: none",
     "weight_decay": "client weight decay, added to the gradient as torch does",
     "lr": "client learning rate",
     "momentum": "client SGD momentum",

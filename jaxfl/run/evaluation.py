@@ -2,15 +2,18 @@
 ``core.evaluate.Evaluator``.
 
 - Which model (``eval_model``): ``personal``, each client's own state (what the method gives the client);
-  ``global``, the server's state with the initial client state, the one a client that never trained holds
-  (what the method gives a newcomer; for a method that keeps part of the model per client, that part is
-  untrained); ``both``, the personal model in the plain fields and the global one in ``global_`` fields.
+  ``global``, the server's own model (``server_predict``: its ``params`` and BatchNorm statistics applied as
+  the model, whatever the client holds; for a method that keeps part of the model per client, the server's
+  copy of that part, e.g. FedPer's initial head); ``both``, the personal model in the plain fields and the
+  global one in ``global_`` fields. A method whose server holds no whole model (``holds_model``: pFedHN's
+  hypernetwork, FedProto's prototypes) has no global model here.
 - Which clients (``eval_clients``): ``all``, or ``cohort``, the clients that trained in the evaluated round
   (the others are null in the per-client lists and left out of the means, as a client without test samples).
 - New clients (``new_clients`` = K): K clients of the population, a uniform K-subset drawn from the seed
   (``held_out``), never train. The run's training population is the other N - K clients, ids 0..N-K-1 in
   their order; the held-out clients get ids N-K..N-1 in theirs. At every evaluation they are evaluated with
-  the global model (``new_`` fields) and, for an algorithm that predicts with a model just trained
+  the global model where the server holds one (``new_`` fields) and, for an algorithm that predicts with a
+  model just trained
   (``Algorithm.predict_trained``), after one local update from the global model on their training split
   (``new_tuned_`` fields: the method's own personalization step, its local epochs; client j's key is
   ``client_keys(fold_in(key(seed), TUNE_STREAM), round, id_j)``).
@@ -60,6 +63,34 @@ class InitialStates:
 
     def gather(self, ids):
         return jax.tree_util.tree_map(jnp.array, broadcast_clients(self.client, len(ids)))
+
+
+def server_variables(server) -> dict:
+    """The model variables a server state holds: its ``params`` and ``batch_stats`` ({} if none)."""
+    return {"params": server["params"], "batch_stats": server.get("batch_stats", {})}
+
+
+def holds_model(server_shapes, model, sample_x) -> bool:
+    """Whether a server state (its shapes: ``jax.eval_shape`` of ``Algorithm.init``'s server) holds a whole
+    ``model``: ``params`` and ``batch_stats`` of exactly the model's tree structure and shapes."""
+    if not isinstance(server_shapes, dict) or "params" not in server_shapes:
+        return False
+    want = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), sample_x)
+    want = {"params": want["params"], "batch_stats": want.get("batch_stats", {})}
+    have = server_variables(server_shapes)
+    shapes = lambda tree: jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), tree)  # noqa: E731
+    try:
+        return shapes(have) == shapes(want)
+    except (TypeError, ValueError):
+        return False
+
+
+def server_predict(model):
+    """predict(server, client, x, client_id) with the server's own model (``server_variables``) in evaluation
+    mode; the client's state is not read."""
+    def predict(server, client, x, client_id=None):
+        return model.apply(server_variables(server), x, train=False)
+    return predict
 
 
 def on_rows(metrics: dict, rows: np.ndarray, num_clients: int) -> dict:

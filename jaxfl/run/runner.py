@@ -33,7 +33,8 @@ from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stoppe
 from ..models import build_model
 from .build import backdoor_test_data, malicious_of, poison_data, server_side
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
-from .evaluation import TUNE_STREAM, InitialStates, held_out, on_rows, prefixed, split_clients
+from .evaluation import (TUNE_STREAM, InitialStates, held_out, holds_model, on_rows, prefixed, server_predict,
+                         split_clients)
 from .lock import RunLock
 from .plots import plot_accuracy
 from .signals import failpoint, stop_signals
@@ -247,17 +248,36 @@ class Experiment:
         self.backdoor_evaluator = None if backdoor is None else Evaluator(
             self.algorithm, backdoor, eval_batch_size=eval_bs, preprocess=preprocess, strategy=strategy,
             chunk_size=cfg.chunk_size, mesh=self.mesh, train=self.train_data)
-        self.new_evaluator, self._tune = None, None
+        # the evaluation protocol's other models and clients (``jaxfl.run.evaluation``)
+        sample = preprocess(self.dataset.train[0][0][:1])
+        server_shapes = jax.eval_shape(self.algorithm.init, jax.random.key(0), self.dataset.train[0][0][:1])[0]
+        self.server_model = holds_model(server_shapes, self.model, sample)
+        if cfg.eval_model != "personal" and not self.server_model:
+            raise ConfigError(f"--eval-model {cfg.eval_model}: {cfg.algorithm}'s server holds no whole "
+                              f"{model_name(cfg)} (params and BatchNorm statistics of the model), so it has no "
+                              f"global model to evaluate; use --eval-model personal")
+        global_alg = self.algorithm._replace(predict=server_predict(self.model), predict_trained=None,
+                                             prepare_predict=None)
+        evaluator = lambda alg, test, **kw: Evaluator(  # noqa: E731
+            alg, test, eval_batch_size=eval_bs, preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size,
+            mesh=self.mesh, **kw)
+        self.global_evaluator = evaluator(global_alg, self.test_data) if self.server_model else None
+        self.new_evaluator, self.new_global_evaluator, self._tune = None, None, None
         if self.new_dataset is not None:  # ids n.. (after the training population's)
-            self.new_evaluator = Evaluator(
-                self.algorithm, RaggedClients.from_clients(self.new_dataset.test), eval_batch_size=eval_bs,
-                preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh,
-                train=RaggedClients.from_clients(self.new_dataset.train), first_id=n)
+            new_test = RaggedClients.from_clients(self.new_dataset.test)
+            if self.server_model:
+                self.new_global_evaluator = evaluator(global_alg, new_test, first_id=n)
             if self.algorithm.predict_trained is not None:  # one local update from the global model first
+                self.new_evaluator = evaluator(self.algorithm, new_test, first_id=n,
+                                               train=RaggedClients.from_clients(self.new_dataset.train))
                 local = cohort_train(self.algorithm, strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh,
                                      num_rounds=cfg.rounds)
                 self._tune = jax.jit(lambda server, clients, data, ids, r, root:
                                      local(server, clients, data, ids, r, root)[0])
+            if self.new_global_evaluator is None and self.new_evaluator is None:
+                raise ConfigError(f"--new-clients {cfg.new_clients}: {cfg.algorithm}'s server holds no whole "
+                                  f"{model_name(cfg)} and its clients have no prediction right after local "
+                                  f"training, so a client held out of training has nothing to be evaluated with")
         self._initial = None
         self.root = jax.random.key(cfg.seed)
 
@@ -275,7 +295,7 @@ class Experiment:
         return self.backend.init(jax.random.fold_in(self.root, 2), self.dataset.train[0][0][:1])
 
     def initial_states(self) -> InitialStates:
-        """Every client's state as a client that never trained holds it (the global model's evaluation)."""
+        """Every client's state as a client that never trained holds it (where a new client starts from)."""
         if self._initial is None:
             self._initial = InitialStates(self.algorithm.init(jax.random.fold_in(self.root, 2),
                                                               self.dataset.train[0][0][:1])[1])
@@ -286,7 +306,7 @@ class Experiment:
         """``eval_record`` of ``evaluator``'s metrics of these states, on the clients ``--eval-clients`` asks
         for (of the training population) after round ``round_idx``."""
         rows = None
-        if self.cfg.eval_clients == "cohort" and evaluator is not self.new_evaluator:
+        if self.cfg.eval_clients == "cohort" and evaluator not in (self.new_evaluator, self.new_global_evaluator):
             rows = self.backend.draw(round_idx, self.root)
         m = evaluator.metrics(server, states, predict, rows=rows, **kw)
         return eval_record(m if rows is None else on_rows(m, rows, evaluator.test.num_clients))
@@ -295,11 +315,12 @@ class Experiment:
         """The plain test fields (test_accuracy, mean_accuracy, ...; backdoor_accuracy under a backdoor attack)
         of the models ``--eval-model`` puts there: each client's own (``clients``: a ClientStore or the
         persistent states stacked [N]; ``predict="trained"``: the rows every client's local update just
-        returned), or the global model (``--eval-model global``: ``clients`` unused)."""
+        returned), or the server's model (``--eval-model global``: ``clients`` unused)."""
         if self.cfg.eval_model == "global":
-            clients, predict = self.initial_states(), "aggregated"
-        out = self._record(self.evaluator, server, clients, predict, round_idx)
-        if self.backdoor_evaluator is not None:  # the attack's success rate, mean over clients
+            out = self._record(self.global_evaluator, server, self.initial_states(), round_idx=round_idx)
+        else:
+            out = self._record(self.evaluator, server, clients, predict, round_idx)
+        if self.backdoor_evaluator is not None:  # the attack's success rate (the personal models), mean over clients
             out["backdoor_accuracy"] = self._record(self.backdoor_evaluator, server, clients, predict,
                                                     round_idx)["mean_accuracy"]
         return out
@@ -311,15 +332,15 @@ class Experiment:
         training), the global model's under ``--eval-model both`` and the held-out clients' (``--new-clients``)."""
         out = dict(plain) if plain is not None else self.model_record(server, clients, predict, round_idx)
         if self.cfg.eval_model == "both":
-            out.update(prefixed(self._record(self.evaluator, server, self.initial_states(), round_idx=round_idx),
-                                "global_"))
-        if self.new_evaluator is not None:
-            out.update(prefixed(self._record(self.new_evaluator, server, self.initial_states()), "new_"))
-            if self._tune is not None:
-                root = jax.random.fold_in(jax.random.key(self.cfg.seed), TUNE_STREAM)
-                tune = lambda s, c, d, ids: self._tune(s, c, d, ids, round_idx, root)  # noqa: E731
-                out.update(prefixed(self._record(self.new_evaluator, server, self.initial_states(), "trained",
-                                                 tune=tune), "new_tuned_"))
+            out.update(prefixed(self._record(self.global_evaluator, server, self.initial_states(),
+                                             round_idx=round_idx), "global_"))
+        if self.new_global_evaluator is not None:
+            out.update(prefixed(self._record(self.new_global_evaluator, server, self.initial_states()), "new_"))
+        if self._tune is not None:  # (the held-out clients after one local update from the global model)
+            root = jax.random.fold_in(jax.random.key(self.cfg.seed), TUNE_STREAM)
+            tune = lambda s, c, d, ids: self._tune(s, c, d, ids, round_idx, root)  # noqa: E731
+            out.update(prefixed(self._record(self.new_evaluator, server, self.initial_states(), "trained",
+                                             tune=tune), "new_tuned_"))
         return out
 
     def reliability(self, server, clients, key, **kw) -> dict:
