@@ -215,3 +215,24 @@ def test_the_global_model_is_the_servers_whatever_the_clients_hold():
     np.testing.assert_allclose(fedavg["global_test_accuracy"], fedavg["test_accuracy"], atol=1e-6)
     with pytest.raises(ConfigError, match="--eval-model global: fedproto's server holds no whole small_cnn"):
         Experiment(RunConfig(algorithm="fedproto", eval_model="global", **TINY))
+
+
+def test_new_client_steps_caps_the_held_out_clients_update(capsys):
+    from jaxfl.core.types import RoundInfo
+    from jaxfl.data.clients import ClientData
+    cfg = RunConfig(algorithm="fedavg", clients_per_domain=2, rounds=1, new_clients=2, new_client_steps=3,
+                    local_epochs=2, **TINY)
+    exp = Experiment(cfg)
+    assert exp.tuner.local_update is not exp.algorithm.local_update
+    server, _ = exp.init()
+    x, y = exp.new_dataset.train[0]
+    data = ClientData(jnp.asarray(x), jnp.asarray(y), jnp.int32(len(y)))  # 40 samples, batch 16: 3 steps an epoch
+    _, m = exp.tuner.local_update(server, exp._tune_start.client, data, jax.random.key(0),
+                                  RoundInfo(jnp.int32(0), jnp.int32(6), 1))
+    assert float(m["steps"]) == 3  # (2 epochs would be 6)
+    with pytest.raises(ConfigError, match="--new-client-steps 3: no client is held out"):
+        validate(RunConfig(new_client_steps=3))
+    with pytest.raises(ConfigError, match="new_client_steps=0 must be an integer >= 1"):
+        validate(RunConfig(new_clients=1, new_client_steps=0))
+    last = exp.run().history[-1]
+    assert len(last["new_tuned_test_accuracy"]) == 2

@@ -184,3 +184,28 @@ def test_the_evaluation_fine_tune_runs_all_its_epochs_for_a_straggler():
     whole, straggler = _update(alg, data, server, clients, None), _update(alg, data, server, clients, 0.0)
     assert float(straggler[1]["steps"]) == 3 and float(whole[1]["steps"]) == 9  # the training is shortened
     assert_trees_close(straggler[0]["tuned"], whole[0]["tuned"], atol=1e-6, rtol=1e-6)  # the fine-tune is not
+
+
+def test_a_step_budget_runs_the_first_steps_of_the_full_run():
+    """``LocalTrainer.max_steps`` = K: the first K optimizer steps of the same epochs (same keys, same batches),
+    the last epoch cut short; a budget past the run's steps changes nothing."""
+    import dataclasses
+
+    from jaxfl.algorithms._common import ce_loss
+    model = small_cnn(num_classes=4, width=4, hidden=(8,))
+    _, data, server, _ = setup_algorithm("fedavg", model, (24, 17, 9))
+    loss, p, stats, key = ce_loss(model), server["params"], server["batch_stats"], jax.random.key(2)
+    one = ClientData(data.x[0], data.y[0], data.count[0])  # 24 samples, batch 8: 3 steps an epoch
+
+    def run(epochs, max_steps=None):
+        trainer = dataclasses.replace(make_trainer(epochs=epochs), max_steps=max_steps)
+        return jax.jit(lambda d: trainer.run(loss, p, stats, trainer.tx.init(p), d, key))(one)
+
+    cut, whole = run(4, 6), run(2)  # 6 steps of a 4-epoch run = its first 2 epochs
+    assert float(cut[3]["steps"]) == 6 == float(whole[3]["steps"])
+    assert_trees_close(cut[0], whole[0], atol=1e-6, rtol=1e-6)
+    partial = run(4, 4)  # 2 epochs' worth would be 6: the second epoch stops after its first step
+    assert float(partial[3]["steps"]) == 4 and float(partial[3]["seen"]) == 24 + 8
+    assert not np.allclose(jax.tree_util.tree_leaves(partial[0])[0], jax.tree_util.tree_leaves(whole[0])[0])
+    assert float(run(2, 100)[3]["steps"]) == 6
+    assert_trees_close(run(2, 100)[0], whole[0], atol=1e-6, rtol=1e-6)

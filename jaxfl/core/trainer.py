@@ -167,12 +167,15 @@ class LocalTrainer:
     (``data.work`` given) runs ``local_epochs(work, epochs)`` of the epochs.
     With ``dp`` (``jaxfl.core.dpsgd``) every step is a DP-SGD step: a Poisson-sampled batch, per-sample
     gradients clipped, summed and noised; the steps per epoch stay ceil(n / batch_size).
+    ``max_steps``: at most this many optimizer steps in all (the epochs run in order, the last one cut short):
+    a fine-tuning budget in steps (None: every step of every epoch).
     """
     tx: optax.GradientTransformation
     batch_size: int
     epochs: int
     preprocess: Callable = normalizer()
     dp: SampleDP | None = None
+    max_steps: int | None = None
 
     def run(self, loss_fn, params, state, opt_state, data: ClientData, key, epochs=None):
         """Train one client.
@@ -188,6 +191,11 @@ class LocalTrainer:
         epochs = client_epochs(data, self.epochs) if epochs is None else epochs
         slots = -(-m // b) * b  # the permutation padded to whole batches (indices past m are never real)
         n_steps = (data.count + b - 1) // b
+        steps_in = lambda e: n_steps  # noqa: E731  (epoch e's steps)
+        if self.max_steps is not None:  # the budget: the epochs it reaches, the last one cut short
+            per = jnp.maximum(n_steps, 1)
+            epochs = jnp.minimum(epochs, (self.max_steps + per - 1) // per)
+            steps_in = lambda e: jnp.clip(self.max_steps - e * n_steps, 0, n_steps)  # noqa: E731
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def private_epoch(e, carry):  # DP-SGD: each step its own Poisson draw (no epoch permutation)
@@ -203,7 +211,7 @@ class LocalTrainer:
                 updates, opt_state = self.tx.update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), state, opt_state, sums + step_sums
 
-            return jax.lax.fori_loop(0, n_steps, step, carry)
+            return jax.lax.fori_loop(0, steps_in(e), step, carry)
 
         def epoch(e, carry):
             ekey = jax.random.fold_in(key, e)
@@ -226,7 +234,7 @@ class LocalTrainer:
                 sums = sums + jnp.stack([loss * n, correct_count(logits, y, w), n, 1.0]).astype(sums.dtype)
                 return params, state, opt_state, sums
 
-            return jax.lax.fori_loop(0, n_steps, step, carry)
+            return jax.lax.fori_loop(0, steps_in(e), step, carry)
 
         init = (params, state, opt_state, jnp.zeros(4, jnp.float32))
         params, state, opt_state, sums = jax.lax.fori_loop(0, epochs, epoch if self.dp is None else private_epoch,

@@ -63,6 +63,9 @@ HELP = {
                    "with the global model (new_* fields, where the server holds one) and, for methods that "
                    "predict with a just-trained model, after one local update from where a new client starts "
                    "(new_tuned_* fields); 0: none",
+    "new_client_steps": "--new-clients: the held-out clients' local update runs at most this many local steps "
+                        "(minibatches; methods with their own local loop, FedSelect, pFedHN, pFedGP, keep it) "
+                        "(default: the run's --local-epochs)",
     "weight_decay": "client weight decay, added to the gradient as torch does",
     "lr": "client learning rate",
     "momentum": "client SGD momentum",

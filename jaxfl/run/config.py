@@ -116,6 +116,7 @@ class RunConfig:
     eval_model: str = "personal"
     eval_clients: str = "all"
     new_clients: int = 0
+    new_client_steps: int | None = None  # the held-out clients' update: at most this many local steps
     # output
     out: str | None = None
     checkpoint_every: int = 0
@@ -477,6 +478,14 @@ def check_evaluation(cfg: RunConfig) -> None:
     if isinstance(cfg.new_clients, bool) or not isinstance(cfg.new_clients, int) or cfg.new_clients < 0:
         raise ConfigError(f"new_clients={cfg.new_clients!r} must be an integer >= 0 (the clients held out of "
                           f"training; 0: none)")
+    if cfg.new_client_steps is not None:
+        if isinstance(cfg.new_client_steps, bool) or not isinstance(cfg.new_client_steps, int) or \
+                cfg.new_client_steps < 1:
+            raise ConfigError(f"new_client_steps={cfg.new_client_steps!r} must be an integer >= 1 (the local steps "
+                              f"of a held-out client's update; unset: the run's local epochs)")
+        if not cfg.new_clients:
+            raise ConfigError(f"--new-client-steps {cfg.new_client_steps}: no client is held out (give "
+                              f"--new-clients K), so it would be ignored")
     if cfg.new_clients and options_class(cfg.algorithm).server_client_rows:
         able = ", ".join(n for n, r in REGISTRY.items() if not r.options.server_client_rows)
         raise ConfigError(f"--new-clients {cfg.new_clients}: {cfg.algorithm}'s server keeps a row per training "
@@ -603,7 +612,8 @@ CONFIG_GROUPS = {
                "aggregator", "compression", "attack", "malicious"),
     "privacy": ("dp_clip", "dp_level", "dp_noise", "dp_delta", "dp_epsilon", "dp_quantile", "dp_clip_lr",
                 "dp_count_noise"),
-    "evaluation": ("eval_every", "eval_point", "eval_batch_size", "eval_model", "eval_clients", "new_clients"),
+    "evaluation": ("eval_every", "eval_point", "eval_batch_size", "eval_model", "eval_clients", "new_clients",
+                   "new_client_steps"),
     "engine": ("strategy", "backend", "rounds_per_call", "chunk_size", "lane_segments", "lane_overhead", "devices",
                "client_store"),
     "output": ("out", "checkpoint_every", "resume", "overwrite"),

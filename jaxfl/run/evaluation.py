@@ -13,9 +13,10 @@
   (``held_out``), never train. The run's training population is the other N - K clients, ids 0..N-K-1 in
   their order; the held-out clients get ids N-K..N-1 in theirs. At every evaluation they are evaluated with
   the global model where the server holds one (``new_`` fields) and, for an algorithm that predicts with a
-  model just trained
-  (``Algorithm.predict_trained``), after one local update from the global model on their training split
-  (``new_tuned_`` fields: the method's own personalization step, its local epochs; client j's key is
+  model just trained (``Algorithm.predict_trained``), after one local update of the method itself (without the
+  run's server-side or DP-FedAvg wrappers: nothing is sent) from the server's state and the initial client
+  state, on their training split (``new_tuned_`` fields: the method's own personalization step, its local
+  epochs, or at most ``new_client_steps`` local steps, ``LocalTrainer.max_steps``; client j's key is
   ``client_keys(fold_in(key(seed), TUNE_STREAM), round, id_j)``).
 """
 from __future__ import annotations

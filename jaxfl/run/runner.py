@@ -267,10 +267,17 @@ class Experiment:
             new_test = RaggedClients.from_clients(self.new_dataset.test)
             if self.server_model:
                 self.new_global_evaluator = evaluator(global_alg, new_test, first_id=n)
-            if self.algorithm.predict_trained is not None:  # one local update from the global model first
-                self.new_evaluator = evaluator(self.algorithm, new_test, first_id=n,
+            # one local update of the method itself (no server-side or DP-FedAvg wrapper: nothing is sent), its
+            # local epochs or a budget of --new-client-steps steps, from where a client starts
+            trainer = self.trainer if cfg.new_client_steps is None else dataclasses.replace(
+                self.trainer, epochs=cfg.new_client_steps, max_steps=cfg.new_client_steps)
+            self.tuner = tuner = build_algorithm(self.options, self.model, trainer, self.context)
+            self._tune_start = InitialStates(tuner.init(jax.random.fold_in(jax.random.key(cfg.seed), 2),
+                                                        self.dataset.train[0][0][:1])[1])
+            if tuner.predict_trained is not None:
+                self.new_evaluator = evaluator(tuner, new_test, first_id=n,
                                                train=RaggedClients.from_clients(self.new_dataset.train))
-                local = cohort_train(self.algorithm, strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh,
+                local = cohort_train(tuner, strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh,
                                      num_rounds=cfg.rounds)
                 self._tune = jax.jit(lambda server, clients, data, ids, r, root:
                                      local(server, clients, data, ids, r, root)[0])
@@ -339,8 +346,8 @@ class Experiment:
         if self._tune is not None:  # (the held-out clients after one local update from the global model)
             root = jax.random.fold_in(jax.random.key(self.cfg.seed), TUNE_STREAM)
             tune = lambda s, c, d, ids: self._tune(s, c, d, ids, round_idx, root)  # noqa: E731
-            out.update(prefixed(self._record(self.new_evaluator, server, self.initial_states(), "trained",
-                                             tune=tune), "new_tuned_"))
+            out.update(prefixed(self._record(self.new_evaluator, server, self._tune_start, "trained", tune=tune),
+                                "new_tuned_"))
         return out
 
     def reliability(self, server, clients, key, **kw) -> dict:
