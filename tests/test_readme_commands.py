@@ -17,14 +17,14 @@ DOCUMENTS = [README] + sorted((ROOT / "docs").rglob("*.md"))  # the README and t
 
 def readme_run_commands(text: str) -> list[str]:
     """`jaxfl run ...` commands of the ```bash blocks: continuation lines joined, `;`-separated commands split,
-    comments dropped, schematic lines (with `...`) left out."""
+    comments and an output redirection (`> FILE`) dropped, schematic lines (with `...`) left out."""
     cmds = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
             for part in line.split(";"):
                 m = re.search(r"(?:^|\s)(jaxfl run\b.*)$", part.split("#", 1)[0].strip())
                 if m and "..." not in m.group(1):
-                    cmds.append(m.group(1))
+                    cmds.append(re.sub(r"\s*>\s*\S+$", "", m.group(1)))
     return cmds
 
 
@@ -36,6 +36,8 @@ def test_the_readme_has_run_examples_and_the_extractor_finds_continued_lines():
     assert any("--samples-per-client 50" in c and "--model char_lstm" in c for c in COMMANDS)
     assert readme_run_commands("```bash\njaxfl run --rounds 2 \\\n  --lr 0.1  # x\nls\n```\n") == [
         "jaxfl run --rounds 2    --lr 0.1"]
+    assert readme_run_commands("```bash\njaxfl run --rounds 2 --print-config > my.toml  # x\n```\n") == [
+        "jaxfl run --rounds 2 --print-config"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

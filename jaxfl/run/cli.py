@@ -155,7 +155,7 @@ def generated_help() -> dict[str, str]:
 
 
 LAUNCH_OPTIONS = ("coordinator_address", "num_processes", "process_id")
-PROCESS_OPTIONS = ("quiet", "compile_cache", "seeds") + LAUNCH_OPTIONS  # flags of the process, not of a run
+PROCESS_OPTIONS = ("quiet", "print_config", "compile_cache", "seeds") + LAUNCH_OPTIONS  # the process's, not a run's
 
 
 class UsageError(Exception):
