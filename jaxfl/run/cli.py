@@ -10,8 +10,8 @@ from pathlib import Path
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped
 from .signals import failpoint, signal_name, stop_signals
 from .compile_cache import cache_warnings, resolve_compile_cache, use_compile_cache
-from .config import (TRAINING_DEFAULTS, RunConfig, check_output, config_toml, holds_files, load_config_file,
-                     validate)
+from .config import (CONFIG_GROUPS, TRAINING_DEFAULTS, RunConfig, check_output, config_toml, holds_files,
+                     load_config_file, validate)
 from .checkpoint import saved_settings
 from .script import check_output_file
 
@@ -225,12 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     from ..algorithms import REGISTRY
     from ..core.options import field_type
     help_text = dict(HELP, **generated_help())
-    for f in dataclasses.fields(RunConfig):
-        if f.name == "options":
-            continue
-        default = f"default: {f.default}" if f.default is not None else ""
-        text = "; ".join(s for s in (help_text.get(f.name, ""), default) if s)
-        _add_flag(run, "--" + f.name.replace("_", "-"), f.name, field_type(RunConfig, f), text)
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    for group, names in CONFIG_GROUPS.items():  # --help lists the options by what they set
+        section = run.add_argument_group(f"{group} options")
+        for name in names:
+            f = fields[name]
+            default = f"default: {f.default}" if f.default is not None else ""
+            text = "; ".join(s for s in (help_text.get(f.name, ""), default) if s)
+            _add_flag(section, "--" + f.name.replace("_", "-"), f.name, field_type(RunConfig, f), text)
     for name, reg in REGISTRY.items():  # --NAME.OPTION, e.g. --fedselect.alpha 0.5
         cls = reg.options
         if not cls.fields():
