@@ -293,3 +293,37 @@ def test_leaf_femnist_runs_through_the_cli(tmp_path):
                  "--out", str(tmp_path / "r")]) == 0
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["clients"] == ["w1", "w2", "w3", "w4"] and summary["last"]["round"] == 1
+
+
+def test_leaf_celeba_reads_each_celebritys_named_images_and_smiling_labels(tmp_path):
+    import json as _json
+
+    from PIL import Image
+
+    from jaxfl.data.leaf import load_leaf_celeba
+    rng = np.random.default_rng(0)
+    raw = tmp_path / "raw" / "img_align_celeba"
+    raw.mkdir(parents=True)
+    pixels = {}
+    for i in range(8):
+        a = rng.integers(0, 256, (20, 16, 3), dtype=np.uint8)
+        Image.fromarray(a).save(raw / f"{i:06d}.png")
+        pixels[f"{i:06d}.png"] = a
+    split = {"train": {"7": ([0, 1, 2], [1.0, 0.0, 1.0]), "3": ([3, 4], [0.0, 0.0]), "9": ([5], [1.0])},
+             "test": {"7": ([6], [0.0]), "3": ([7], [1.0])}}
+    for name, users in split.items():
+        (tmp_path / name).mkdir()
+        blob = {"users": list(users), "num_samples": [len(x) for x, _ in users.values()],
+                "user_data": {u: {"x": [f"{i:06d}.png" for i in x], "y": y} for u, (x, y) in users.items()}}
+        (tmp_path / name / "data.json").write_text(_json.dumps(blob))
+    users = load_leaf_celeba(tmp_path, size=8)
+    assert list(users) == ["3", "7"]  # in both splits, sorted
+    (x, y), (vx, vy) = users["7"]
+    assert x.shape == (3, 8, 8, 3) and x.dtype == np.uint8 and list(y) == [1, 0, 1] and list(vy) == [0]
+    want = np.asarray(Image.fromarray(pixels["000001.png"]).resize((8, 8)).convert("RGB"))
+    np.testing.assert_array_equal(x[1], want)
+    ds = load_dataset(DataConfig(f"leaf_celeba:{tmp_path}", image_size=8))
+    assert ds.num_classes == 2 and ds.client_names == ["3", "7"]
+    (raw / "000006.png").unlink()
+    with pytest.raises(DataError, match="LEAF user '7'.s image .*000006.png' cannot be read"):
+        load_leaf_celeba(tmp_path, size=8)

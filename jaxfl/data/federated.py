@@ -210,6 +210,15 @@ def _leaf_femnist(cfg, rng, path):
     return FederatedDataset(Path(path).name, list(users), train, test, FEMNIST_CLASSES)
 
 
+def _leaf_celeba(cfg, rng, path):
+    from .leaf import load_leaf_celeba
+    size = cfg.image_size or 84
+    users = load_leaf_celeba(path, size)
+    train = [_cap(prepare(x, size, cfg.channels), y, cfg.samples_per_client, rng) for (x, y), _ in users.values()]
+    test = [_cap(prepare(x, size, cfg.channels), y, cfg.test_per_client, rng) for _, (x, y) in users.values()]
+    return FederatedDataset(Path(path).name, list(users), train, test, 2)
+
+
 def _tff_emnist(cfg, rng, path):
     from .tff import load_tff_emnist
     users, classes = load_tff_emnist(path, max_clients=cfg.num_clients)
@@ -254,6 +263,7 @@ PRESETS = {
     "synthetic_text": _synthetic_text,
 }
 PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": _leaf, "leaf_femnist:": _leaf_femnist,
+            "leaf_celeba:": _leaf_celeba,
             "tff_emnist:": _tff_emnist, "tff_shakespeare:": _tff_shakespeare, "tff_cifar100:": _tff_cifar100,
             "tff_stackoverflow:": _tff_stackoverflow}
 # token ids, for the char_lstm and word_lstm models
@@ -261,6 +271,7 @@ TEXT_DATASETS = ("synthetic_text", "text:", "leaf:", "tff_shakespeare:", "tff_st
 TFDS_NAMES = ("mnist", "svhn_cropped", "cifar10", "cifar100", "domainnet")
 # what follows each prefix
 PREFIX_ARGUMENT = {"tfds:": "NAME", "folder:": "PATH", "text:": "PATH", "leaf:": "PATH", "leaf_femnist:": "PATH",
+                   "leaf_celeba:": "PATH",
                    "tff_emnist:": "PATH", "tff_shakespeare:": "PATH", "tff_cifar100:": "PATH",
                    "tff_stackoverflow:": "PATH"}
 DATASET_NAMES = tuple(PRESETS) + tuple(p + PREFIX_ARGUMENT[p] for p in PREFIXES)

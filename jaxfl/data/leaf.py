@@ -1,4 +1,5 @@
-"""LEAF's image benchmarks in their own file format, with their natural clients (one client per writer).
+"""LEAF's image benchmarks in their own file format, with their natural clients (one client per writer or
+celebrity).
 
 FEMNIST (Caldas et al., "LEAF: A Benchmark for Federated Settings", 2018): LEAF's preprocessing writes
 ``train/*.json`` and ``test/*.json``, each ``{"users": [...], "num_samples": [...], "user_data": {user: {"x":
@@ -9,6 +10,11 @@ FEMNIST (Caldas et al., "LEAF: A Benchmark for Federated Settings", 2018): LEAF'
 Nothing is downloaded: produce the files with LEAF's ``preprocess.sh`` (e.g. ``./preprocess.sh -s niid --sf 0.05
 -k 0 -t sample`` in ``leaf/data/femnist``) and pass ``--dataset leaf_femnist:PATH`` with PATH holding ``train/``
 and ``test/``.
+
+CelebA (``--dataset leaf_celeba:PATH``): LEAF's json inputs name images (``"000001.jpg"``) and its labels are 0/1
+(smiling); PATH is LEAF's ``data/celeba/data`` (``train/``, ``test/`` and ``raw/img_align_celeba/`` with the
+CelebA images, which LEAF's README says where to get); ``load_leaf_celeba`` returns each celebrity's images
+resized as LEAF's model reads them (84 x 84 RGB by default, ``--image-size``).
 """
 from __future__ import annotations
 
@@ -90,3 +96,49 @@ def load_leaf_femnist(path: str | Path) -> dict[str, tuple[Split, Split]]:
         raise DataError(f"no LEAF user appears in both {str(root / 'train')!r} and {str(root / 'test')!r}")
     return {u: (_images(u, *train[u], str(root / "train")), _images(u, *test[u], str(root / "test")))
             for u in users}
+
+
+def _celeba_images(root: Path, names: list, where: str, user: str, size: int) -> np.ndarray:
+    """The named CelebA images of ``root/raw/img_align_celeba`` as uint8 [n, size, size, 3], each resized as LEAF's
+    CelebA model reads it (``Image.resize((size, size))``, RGB). DataError naming a missing or unreadable file."""
+    from PIL import Image, UnidentifiedImageError
+    folder = root / "raw" / "img_align_celeba"
+    out = np.zeros((len(names), size, size, 3), np.uint8)
+    for i, name in enumerate(names):
+        if not isinstance(name, str):
+            raise DataError(f"{where}: LEAF user {user!r} has an input {name!r}; CelebA's are image file names")
+        try:
+            with Image.open(folder / name) as img:
+                out[i] = np.asarray(img.resize((size, size)).convert("RGB"), np.uint8)
+        except (OSError, UnidentifiedImageError) as e:
+            raise DataError(f"{where}: LEAF user {user!r}'s image {str(folder / name)!r} cannot be read ({e}); "
+                            f"CelebA's images belong in {str(folder)!r}") from None
+    return out
+
+
+def _celeba_labels(ys: list, where: str, user: str) -> np.ndarray:
+    y = np.asarray(ys, np.float64).reshape(-1) if ys else np.zeros(0)
+    if not np.isin(y, (0, 1)).all():
+        raise DataError(f"{where}: LEAF user {user!r} has a label {y[~np.isin(y, (0, 1))][0]}; CelebA's are 0 or 1 "
+                        f"(smiling)")
+    return y.astype(np.int32)
+
+
+def load_leaf_celeba(path: str | Path, size: int = 84) -> dict[str, tuple[Split, Split]]:
+    """{celebrity: ((x_train, y_train), (x_test, y_test))} from LEAF's CelebA under ``path`` (LEAF's
+    ``data/celeba/data``: ``train/*.json`` and ``test/*.json``, whose inputs name images in
+    ``raw/img_align_celeba/``, labels 0/1: smiling): uint8 [n, size, size, 3] images (LEAF's model reads them at
+    84 x 84), int32 labels; celebrities in both splits, sorted."""
+    root = Path(path)
+    if not root.is_dir():
+        raise DataError(f"LEAF folder {str(root)!r} does not exist (it should hold train/*.json, test/*.json and "
+                        f"raw/img_align_celeba/)")
+    train, test = read_leaf_split(root, "train"), read_leaf_split(root, "test")
+    users = sorted(set(train) & set(test))
+    if not users:
+        raise DataError(f"no LEAF user appears in both {str(root / 'train')!r} and {str(root / 'test')!r}")
+    out = {}
+    for u in users:
+        out[u] = tuple((_celeba_images(root, xs, str(root / split), u, size), _celeba_labels(ys, str(root / split), u))
+                       for split, (xs, ys) in (("train", train[u]), ("test", test[u])))
+    return out
