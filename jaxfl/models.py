@@ -400,19 +400,23 @@ class CharLSTMEncoder(nn.Module):
 
 
 class WordLSTMEncoder(nn.Module):
-    """The FedOpt Stack Overflow next-word model's body (google-research/federated, ``utils/models/
-    stackoverflow_models.py``): token ids x [B, T] -> Embedding(vocab, 96) -> LSTM(670) -> the last time step's
-    hidden state -> Dense(96) (the projection its output layer reads), z [B, 96]."""
+    """A word-level LSTM body: token ids x [B, T] -> Embedding(vocab, embed) -> ``layers`` stacked LSTMs of
+    ``hidden`` units -> the last time step's hidden state -> Dense(project) (no activation), z [B, project].
+    The defaults are the FedOpt Stack Overflow next-word model's (google-research/federated, ``utils/models/
+    stackoverflow_models.py``: Embedding 96, LSTM 670, Dense 96)."""
     vocab: int = 10004
     embed: int = 96
     hidden: int = 670
+    layers: int = 1
+    project: int = 96
     unroll: int = 4
 
     @nn.compact
     def __call__(self, x, train: bool = False, mask=None):
         h = nn.Embed(self.vocab, self.embed, name="embed")(x.astype(jnp.int32))
-        h = LSTMLayer(self.hidden, self.unroll, name="lstm")(h)
-        return nn.Dense(self.embed, name="project")(h[:, -1])
+        for i in range(self.layers):
+            h = LSTMLayer(self.hidden, self.unroll, name="lstm" if i == 0 else f"lstm{i + 1}")(h)
+        return nn.Dense(self.project, name="project")(h[:, -1])
 
 
 class AlexNetEncoder(nn.Module):
@@ -659,6 +663,15 @@ def word_lstm(num_classes: int = 10004) -> Classifier:
     return Classifier(encoder=WordLSTMEncoder(vocab=num_classes), head=MLPHead((), num_classes))
 
 
+def sent_lstm(num_classes: int = 2) -> Classifier:
+    """LEAF's Sent140 model: Embedding(10,001, 100) - 2 x LSTM(100) - Dense(128) - Dense(C) over 25 word ids
+    (``SENT140_VOCAB`` words and one id for unknown words and padding). Deviation: LEAF feeds 300-d GloVe
+    vectors (n_hidden 100 sizes its trained embedding); here the embedding is trained from scratch."""
+    from .data.leaf import SENT140_VOCAB
+    return Classifier(encoder=WordLSTMEncoder(vocab=SENT140_VOCAB + 1, embed=100, hidden=100, layers=2,
+                                              project=128), head=MLPHead((), num_classes))
+
+
 def alexnet_bn(num_classes: int = 10) -> Classifier:
     """FedBN's AlexNet-BN: AlexNetEncoder (d = 4096) + Dense(C). 57,063,498 parameters at C = 10."""
     return Classifier(encoder=AlexNetEncoder(), head=MLPHead((), num_classes))
@@ -706,10 +719,11 @@ MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg
           "resnet18": resnet18, "resnet18_gn": resnet18_gn, "resnet18_imagenet": resnet18_imagenet,
           "vit_small": vit_small, "vit_tiny": vit_tiny,
           "logreg": logreg, "mlp_2nn": mlp_2nn, "femnist_cnn": femnist_cnn, "char_lstm": char_lstm,
-          "word_lstm": word_lstm}
+          "word_lstm": word_lstm, "sent_lstm": sent_lstm}
 
 
-TEXT_MODELS = ("char_lstm", "word_lstm")  # the models whose inputs are token ids [B, T]; every other one reads images
+# the models whose inputs are token ids [B, T]; every other one reads images
+TEXT_MODELS = ("char_lstm", "word_lstm", "sent_lstm")
 
 
 def build_model(name: str, num_classes: int) -> Classifier:

@@ -327,3 +327,26 @@ def test_leaf_celeba_reads_each_celebritys_named_images_and_smiling_labels(tmp_p
     (raw / "000006.png").unlink()
     with pytest.raises(DataError, match="LEAF user '7'.s image .*000006.png' cannot be read"):
         load_leaf_celeba(tmp_path, size=8)
+
+
+def test_leaf_sent140_numbers_the_frequent_training_words_and_pads_as_leaf(tmp_path):
+    import json as _json
+
+    from jaxfl.data.leaf import load_leaf_sent140, sent140_words
+    assert sent140_words("I can't go, sadly!") == ["I", "can't", "go", ",", "sadly", "!"]
+    tweet = lambda text: ["1467810369", "Mon Apr 06", "NO_QUERY", "someone", text]  # noqa: E731  (LEAF's record)
+    split = {"train": {"u1": (["good good day", "bad day"], [1, 0]), "u2": (["good night", "x"], ["1", "0"])},
+             "test": {"u1": (["good unseen day"], [1]), "u2": (["night"], [0])}}
+    for name, users in split.items():
+        (tmp_path / name).mkdir()
+        blob = {"users": list(users), "num_samples": [len(x) for x, _ in users.values()],
+                "user_data": {u: {"x": [tweet(t) for t in x], "y": y} for u, (x, y) in users.items()}}
+        (tmp_path / name / "d.json").write_text(_json.dumps(blob))
+    users = load_leaf_sent140(tmp_path, vocab_size=3, length=4)
+    # training words: good 3, day 2, then bad/night/x 1 each (ties by the word): good 0, day 1, bad 2; others 3
+    (x, y), (vx, vy) = users["u1"]
+    np.testing.assert_array_equal(x, [[0, 0, 1, 3], [2, 1, 3, 3]])
+    np.testing.assert_array_equal(vx, [[0, 3, 1, 3]])
+    assert list(y) == [1, 0] and list(users["u2"][0][1]) == [1, 0] and x.dtype == np.int32
+    ds = load_dataset(DataConfig(f"leaf_sent140:{tmp_path}"))
+    assert ds.num_classes == 2 and ds.train[0][0].shape == (2, 25)

@@ -291,3 +291,11 @@ def test_word_lstm_is_the_fedopt_stack_overflow_network():
     v = build_model("word_lstm", 10004).init(jax.random.key(0), jnp.zeros((2, 20), jnp.int32), train=False)
     lstm = 4 * (96 * 670 + 670 * 670 + 670)  # four gates: input and recurrent kernels, one bias
     assert count_params(v["params"]) == 10004 * 96 + lstm + 670 * 96 + 96 + 96 * 10004 + 10004
+
+
+def test_sent_lstm_is_leafs_sent140_network():
+    # Embedding(10,001, 100) - 2 x LSTM(100) - Dense(128) - Dense(2): its parameters counted by hand
+    from jaxfl.models import build_model
+    v = build_model("sent_lstm", 2).init(jax.random.key(0), jnp.zeros((2, 25), jnp.int32), train=False)
+    lstm = lambda i: 4 * (i * 100 + 100 * 100 + 100)  # noqa: E731
+    assert count_params(v["params"]) == 10001 * 100 + lstm(100) + lstm(100) + 100 * 128 + 128 + 128 * 2 + 2

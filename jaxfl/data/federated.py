@@ -219,6 +219,14 @@ def _leaf_celeba(cfg, rng, path):
     return FederatedDataset(Path(path).name, list(users), train, test, 2)
 
 
+def _leaf_sent140(cfg, rng, path):
+    from .leaf import SENT140_VOCAB, load_leaf_sent140
+    users = load_leaf_sent140(path, SENT140_VOCAB)
+    train = [_cap(*tr, cfg.samples_per_client, rng) for tr, _ in users.values()]
+    test = [_cap(*te, cfg.test_per_client, rng) for _, te in users.values()]
+    return FederatedDataset(Path(path).name, list(users), train, test, 2)
+
+
 def _tff_emnist(cfg, rng, path):
     from .tff import load_tff_emnist
     users, classes = load_tff_emnist(path, max_clients=cfg.num_clients)
@@ -263,15 +271,16 @@ PRESETS = {
     "synthetic_text": _synthetic_text,
 }
 PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": _leaf, "leaf_femnist:": _leaf_femnist,
-            "leaf_celeba:": _leaf_celeba,
+            "leaf_celeba:": _leaf_celeba, "leaf_sent140:": _leaf_sent140,
             "tff_emnist:": _tff_emnist, "tff_shakespeare:": _tff_shakespeare, "tff_cifar100:": _tff_cifar100,
             "tff_stackoverflow:": _tff_stackoverflow}
-# token ids, for the char_lstm and word_lstm models
-TEXT_DATASETS = ("synthetic_text", "text:", "leaf:", "tff_shakespeare:", "tff_stackoverflow:")
+# token ids, for the char_lstm, word_lstm and sent_lstm models
+TEXT_DATASETS = ("synthetic_text", "text:", "leaf:", "leaf_sent140:", "tff_shakespeare:",
+                 "tff_stackoverflow:")
 TFDS_NAMES = ("mnist", "svhn_cropped", "cifar10", "cifar100", "domainnet")
 # what follows each prefix
 PREFIX_ARGUMENT = {"tfds:": "NAME", "folder:": "PATH", "text:": "PATH", "leaf:": "PATH", "leaf_femnist:": "PATH",
-                   "leaf_celeba:": "PATH",
+                   "leaf_celeba:": "PATH", "leaf_sent140:": "PATH",
                    "tff_emnist:": "PATH", "tff_shakespeare:": "PATH", "tff_cifar100:": "PATH",
                    "tff_stackoverflow:": "PATH"}
 DATASET_NAMES = tuple(PRESETS) + tuple(p + PREFIX_ARGUMENT[p] for p in PREFIXES)

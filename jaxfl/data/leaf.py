@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import DataError
 
 FEMNIST_CLASSES = 62
+SENT140_VOCAB = 10000  # the words ``load_leaf_sent140`` numbers for ``models.sent_lstm`` (one more id: the rest)
 FEMNIST_PIXELS = 28 * 28
 
 
@@ -142,3 +143,50 @@ def load_leaf_celeba(path: str | Path, size: int = 84) -> dict[str, tuple[Split,
         out[u] = tuple((_celeba_images(root, xs, str(root / split), u, size), _celeba_labels(ys, str(root / split), u))
                        for split, (xs, ys) in (("train", train[u]), ("test", test[u])))
     return out
+
+
+def sent140_words(text: str) -> list[str]:
+    """LEAF's Sent140 tokenizer (``language_utils.split_line``): runs of word characters and apostrophes, and
+    the marks . , ! ? ; each a token; case kept."""
+    import re
+    return re.findall(r"[\w']+|[.,!?;]", text)
+
+
+def sent140_ids(text: str, vocab: dict[str, int], length: int = 25) -> np.ndarray:
+    """The first ``length`` tokens' ids (``vocab``; an unknown word: len(vocab)), padded with len(vocab) as LEAF
+    pads: int32 [length]."""
+    unknown = len(vocab)
+    ids = [vocab.get(w, unknown) for w in sent140_words(text)[:length]]
+    return np.array(ids + [unknown] * (length - len(ids)), np.int32)
+
+
+def load_leaf_sent140(path: str | Path, vocab_size: int = 10000,
+                      length: int = 25) -> dict[str, tuple[Split, Split]]:
+    """{user: ((x_train, y_train), (x_test, y_test))} from LEAF's Sent140 json under ``path`` (``train/``,
+    ``test/``; each input LEAF's tweet record, its text at index 4; labels 0/1): each tweet's first ``length``
+    tokens as ids of the ``vocab_size`` most frequent training words (ties by the word; ``sent140_ids``), int32
+    labels; users in both splits, sorted. Deviation: LEAF numbers words by its GloVe vocabulary."""
+    root = Path(path)
+    if not root.is_dir():
+        raise DataError(f"LEAF folder {str(root)!r} does not exist (it should hold train/*.json and test/*.json)")
+
+    def tweets(f, user, d):
+        if not all(isinstance(e, list) and len(e) > 4 and isinstance(e[4], str) for e in d["x"]):
+            raise DataError(f"{str(f)!r}: LEAF user {user!r} has an input that is not a tweet record (a list with "
+                            f"its text at index 4)")
+    train, test = read_leaf_split(root, "train", tweets), read_leaf_split(root, "test", tweets)
+    users = sorted(set(train) & set(test))
+    if not users:
+        raise DataError(f"no LEAF user appears in both {str(root / 'train')!r} and {str(root / 'test')!r}")
+    from collections import Counter
+    counts = Counter(w for u in train for e in train[u][0] for w in sent140_words(e[4]))
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:vocab_size]
+    vocab = {w: i for i, (w, _) in enumerate(ranked)}
+
+    def split(xs, ys, where, user):
+        y = np.asarray([int(float(v)) for v in ys], np.int32) if ys else np.zeros(0, np.int32)
+        if len(y) and not np.isin(y, (0, 1)).all():
+            raise DataError(f"{where}: LEAF user {user!r} has a label outside 0/1 (Sent140's sentiment)")
+        x = np.stack([sent140_ids(e[4], vocab, length) for e in xs]) if xs else np.zeros((0, length), np.int32)
+        return x, y
+    return {u: (split(*train[u], str(root / "train"), u), split(*test[u], str(root / "test"), u)) for u in users}

@@ -248,8 +248,8 @@ DATASET_KINDS = {
     "domain": ("has one client per domain (--clients-per-domain k splits each into k)",
                ("default", "digits", "pacs", "folder:"), ("clients_per_domain",)),
     "writers": ("has --num-clients synthetic writers", ("synthetic_text",), ("num_clients", "size_sigma")),
-    "files": ("has one client per file (text:) or user (leaf:, leaf_femnist:, leaf_celeba:)",
-              ("text:", "leaf:", "leaf_femnist:", "leaf_celeba:"), ()),
+    "files": ("has one client per file (text:) or user (leaf:, leaf_femnist:, leaf_celeba:, leaf_sent140:)",
+              ("text:", "leaf:", "leaf_femnist:", "leaf_celeba:", "leaf_sent140:"), ()),
     "natural": ("has its natural clients (--num-clients N keeps the first N by id)",
                 ("tff_emnist:", "tff_shakespeare:", "tff_cifar100:", "tff_stackoverflow:"), ("num_clients",)),
 }
