@@ -236,3 +236,14 @@ def test_new_client_steps_caps_the_held_out_clients_update(capsys):
         validate(RunConfig(new_clients=1, new_client_steps=0))
     last = exp.run().history[-1]
     assert len(last["new_tuned_test_accuracy"]) == 2
+
+
+def test_compare_names_the_held_out_clients_for_their_columns(tmp_path, capsys):
+    cfg = RunConfig(algorithm="fedavg", clients_per_domain=2, rounds=1, new_clients=2, out=str(tmp_path / "r"),
+                    **TINY)
+    result = Experiment(cfg).run()
+    held = json.loads((tmp_path / "r" / "summary.json").read_text())["new_clients"]
+    assert held == result.new_clients and len(held) == 2
+    assert main(["compare", str(tmp_path / "r"), "--key", "new_mean_accuracy", "--per-client"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert all(name in head for name in held) and not any(name in head for name in result.client_names)

@@ -317,12 +317,14 @@ def plot_mean_accuracy(results: dict[str, list[list[dict]]], path: Path, title: 
     plt.close(fig)
 
 
-def client_names(folder: Path) -> list[str] | None:
-    """The client names a run's summary.json lists (None without one)."""
+def client_names(folder: Path, key: str = "mean_accuracy") -> list[str] | None:
+    """The names of the clients behind ``key`` that a run's summary.json lists: the held-out clients
+    (``new_clients``) for a ``new_`` key, else the training clients (None without a summary)."""
     try:
-        return json.loads((Path(folder) / "summary.json").read_text()).get("clients")
+        summary = json.loads((Path(folder) / "summary.json").read_text())
     except (OSError, ValueError):
         return None
+    return summary.get("new_clients" if key.startswith("new_") else "clients")
 
 
 def check_key_and_tail(key: str, tail: int) -> None:
@@ -357,7 +359,7 @@ def compare(paths, key: str = "mean_accuracy", tail: int = 5, per_client: bool =
                          f"compared at round {at}, the last all of them evaluated")
     names = None
     if per_client:  # each group's client names (its first run's summary.json); one header if they agree
-        names = {label: next((n for n in (client_names(f) for f, _, _ in members) if n), None)
+        names = {label: next((n for n in (client_names(f, key) for f, _, _ in members) if n), None)
                  for label, members in grouped.items()}
     return results, seed_table(results, key, tail, per_client=per_client, client_names=names, spread=spread), \
         to_csv(compare_rows(results, key, tail))
