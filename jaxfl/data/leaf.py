@@ -85,16 +85,24 @@ def _images(user: str, xs: list, ys: list, where: str) -> tuple[np.ndarray, np.n
 Split = tuple[np.ndarray, np.ndarray]
 
 
+def read_leaf_users(root: Path, check=None, holds: str = "train/*.json and test/*.json"):
+    """(train, test, users) of LEAF's json under ``root``: ``read_leaf_split`` of each split (``check`` as there)
+    and the users in both, sorted. DataError for a folder that does not exist (``holds``: what it should hold)
+    or no user in both splits."""
+    if not root.is_dir():
+        raise DataError(f"LEAF folder {str(root)!r} does not exist (it should hold {holds})")
+    train, test = read_leaf_split(root, "train", check), read_leaf_split(root, "test", check)
+    users = sorted(set(train) & set(test))
+    if not users:
+        raise DataError(f"no LEAF user appears in both {str(root / 'train')!r} and {str(root / 'test')!r}")
+    return train, test, users
+
+
 def load_leaf_femnist(path: str | Path) -> dict[str, tuple[Split, Split]]:
     """{writer: ((x_train, y_train), (x_test, y_test))} from LEAF's FEMNIST json under ``path``
     (``train/``, ``test/``), writers sorted, those missing from either split dropped."""
     root = Path(path)
-    if not root.is_dir():
-        raise DataError(f"LEAF folder {str(root)!r} does not exist (it should hold train/*.json and test/*.json)")
-    train, test = read_leaf_split(root, "train"), read_leaf_split(root, "test")
-    users = sorted(set(train) & set(test))
-    if not users:
-        raise DataError(f"no LEAF user appears in both {str(root / 'train')!r} and {str(root / 'test')!r}")
+    train, test, users = read_leaf_users(root)
     return {u: (_images(u, *train[u], str(root / "train")), _images(u, *test[u], str(root / "test")))
             for u in users}
 
@@ -131,13 +139,7 @@ def load_leaf_celeba(path: str | Path, size: int = 84) -> dict[str, tuple[Split,
     ``raw/img_align_celeba/``, labels 0/1: smiling): uint8 [n, size, size, 3] images (LEAF's model reads them at
     84 x 84), int32 labels; celebrities in both splits, sorted."""
     root = Path(path)
-    if not root.is_dir():
-        raise DataError(f"LEAF folder {str(root)!r} does not exist (it should hold train/*.json, test/*.json and "
-                        f"raw/img_align_celeba/)")
-    train, test = read_leaf_split(root, "train"), read_leaf_split(root, "test")
-    users = sorted(set(train) & set(test))
-    if not users:
-        raise DataError(f"no LEAF user appears in both {str(root / 'train')!r} and {str(root / 'test')!r}")
+    train, test, users = read_leaf_users(root, holds="train/*.json, test/*.json and raw/img_align_celeba/")
     out = {}
     for u in users:
         out[u] = tuple((_celeba_images(root, xs, str(root / split), u, size), _celeba_labels(ys, str(root / split), u))
@@ -166,22 +168,16 @@ def load_leaf_sent140(path: str | Path, vocab_size: int = 10000,
     ``test/``; each input LEAF's tweet record, its text at index 4; labels 0/1): each tweet's first ``length``
     tokens as ids of the ``vocab_size`` most frequent training words (ties by the word; ``sent140_ids``), int32
     labels; users in both splits, sorted. Deviation: LEAF numbers words by its GloVe vocabulary."""
+    from .text import frequent_words
     root = Path(path)
-    if not root.is_dir():
-        raise DataError(f"LEAF folder {str(root)!r} does not exist (it should hold train/*.json and test/*.json)")
 
     def tweets(f, user, d):
         if not all(isinstance(e, list) and len(e) > 4 and isinstance(e[4], str) for e in d["x"]):
             raise DataError(f"{str(f)!r}: LEAF user {user!r} has an input that is not a tweet record (a list with "
                             f"its text at index 4)")
-    train, test = read_leaf_split(root, "train", tweets), read_leaf_split(root, "test", tweets)
-    users = sorted(set(train) & set(test))
-    if not users:
-        raise DataError(f"no LEAF user appears in both {str(root / 'train')!r} and {str(root / 'test')!r}")
-    from collections import Counter
-    counts = Counter(w for u in train for e in train[u][0] for w in sent140_words(e[4]))
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:vocab_size]
-    vocab = {w: i for i, (w, _) in enumerate(ranked)}
+    train, test, users = read_leaf_users(root, tweets)
+    words = (w for u in train for e in train[u][0] for w in sent140_words(e[4]))
+    vocab = {w: i for i, w in enumerate(frequent_words(words, vocab_size))}
 
     def split(xs, ys, where, user):
         y = np.asarray([int(float(v)) for v in ys], np.int32) if ys else np.zeros(0, np.int32)

@@ -34,6 +34,13 @@ def encode(text: str) -> np.ndarray:
     return np.fromiter((_INDEX.get(c, _SPACE) for c in text), np.int32, len(text))
 
 
+def frequent_words(words, size: int) -> list[str]:
+    """The ``size`` most frequent of ``words`` (an iterable of tokens), the most frequent first, ties by the
+    word: a word-level vocabulary's order."""
+    from collections import Counter
+    return [w for w, _ in sorted(Counter(words).items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
+
+
 def windows(ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Every window of ``seq_len`` ids and the id after it: x [n, seq_len], y [n], n = len(ids) - seq_len."""
     n = max(len(ids) - seq_len, 0)

@@ -212,10 +212,7 @@ def load_tff_cifar100(path: str | Path, rng: np.random.Generator, test_fraction:
 def stackoverflow_vocab(sentences, size: int = 10000) -> dict[str, int]:
     """{word: id in 1..size}: the ``size`` most frequent space-separated words of ``sentences`` (ties by the word),
     in that order."""
-    from collections import Counter
-    counts = Counter(w for s in sentences for w in s.split())
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
-    return {w: i + 1 for i, (w, _) in enumerate(ranked)}
+    return {w: i + 1 for i, w in enumerate(text.frequent_words((w for s in sentences for w in s.split()), size))}
 
 
 def stackoverflow_ids(sentence: str, vocab: dict[str, int]) -> np.ndarray:
