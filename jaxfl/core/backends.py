@@ -709,9 +709,3 @@ class Streamed(Stacked):
         """Rounds ``first`` .. ``first + count - 1``, one call each: (server, [metrics of each round])."""
         self.check_rounds(first, count)
         return _Backend.run_rounds(self, server, store, first, count, root)
-
-    def load(self, train: RaggedClients) -> None:
-        """Replace the population's samples by ``train`` with the same client counts."""
-        if not np.array_equal(train.counts, self.train.counts) or train.x.shape != self.train.x.shape:
-            raise ValueError("load() needs the same clients with the same sample counts")
-        self.train = train
