@@ -242,26 +242,26 @@ class Experiment:
             self.algorithm, self.train_data, batch_size=cfg.batch_size, strategy=strategy, chunk_size=cfg.chunk_size,
             cohort_size=self.cohort, weighting=cfg.weighting, mesh=self.mesh, num_rounds=cfg.rounds,
             stragglers=cfg.stragglers, sampling=cfg.cohort_sampling, rate=self.rate, **kw)
-        self.evaluator = Evaluator(self.algorithm, self.test_data, eval_batch_size=eval_bs, preprocess=preprocess,
-                                   strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh, train=self.train_data)
+        self.root = jax.random.key(cfg.seed)
+        evaluator = lambda alg, test, **kw: Evaluator(  # noqa: E731  (every evaluation of the run: these settings)
+            alg, test, eval_batch_size=eval_bs, preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size,
+            mesh=self.mesh, **kw)
+        self.evaluator = evaluator(self.algorithm, self.test_data, train=self.train_data)
         backdoor = backdoor_test_data(cfg, self.test_data)  # (--attack backdoor: the triggered test sets)
-        self.backdoor_evaluator = None if backdoor is None else Evaluator(
-            self.algorithm, backdoor, eval_batch_size=eval_bs, preprocess=preprocess, strategy=strategy,
-            chunk_size=cfg.chunk_size, mesh=self.mesh, train=self.train_data)
-        # the evaluation protocol's other models and clients (``jaxfl.run.evaluation``)
-        sample = preprocess(self.dataset.train[0][0][:1])
-        server_shapes = jax.eval_shape(self.algorithm.init, jax.random.key(0), self.dataset.train[0][0][:1])[0]
-        self.server_model = holds_model(server_shapes, self.model, sample)
+        self.backdoor_evaluator = None if backdoor is None else evaluator(self.algorithm, backdoor,
+                                                                          train=self.train_data)
+        # the evaluation protocol's other models and clients (``jaxfl.run.evaluation``), where it asks for them
+        self.server_model = False
+        if cfg.eval_model != "personal" or cfg.new_clients:
+            server_shapes = jax.eval_shape(self.algorithm.init, jax.random.key(0), self.dataset.train[0][0][:1])[0]
+            self.server_model = holds_model(server_shapes, self.model, preprocess(self.dataset.train[0][0][:1]))
         if cfg.eval_model != "personal" and not self.server_model:
             raise ConfigError(f"--eval-model {cfg.eval_model}: {cfg.algorithm}'s server holds no whole "
                               f"{model_name(cfg)} (params and BatchNorm statistics of the model), so it has no "
                               f"global model to evaluate; use --eval-model personal")
         global_alg = self.algorithm._replace(predict=server_predict(self.model), predict_trained=None,
                                              prepare_predict=None)
-        evaluator = lambda alg, test, **kw: Evaluator(  # noqa: E731
-            alg, test, eval_batch_size=eval_bs, preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size,
-            mesh=self.mesh, **kw)
-        self.global_evaluator = evaluator(global_alg, self.test_data) if self.server_model else None
+        self.global_evaluator = evaluator(global_alg, self.test_data) if cfg.eval_model != "personal" else None
         self.new_evaluator, self.new_global_evaluator, self._tune = None, None, None
         if self.new_dataset is not None:  # ids n.. (after the training population's)
             new_test = RaggedClients.from_clients(self.new_dataset.test)
@@ -272,7 +272,7 @@ class Experiment:
             trainer = self.trainer if cfg.new_client_steps is None else dataclasses.replace(
                 self.trainer, epochs=cfg.new_client_steps, max_steps=cfg.new_client_steps)
             self.tuner = tuner = build_algorithm(self.options, self.model, trainer, self.context)
-            self._tune_start = InitialStates(tuner.init(jax.random.fold_in(jax.random.key(cfg.seed), 2),
+            self._tune_start = InitialStates(tuner.init(jax.random.fold_in(self.root, 2),
                                                         self.dataset.train[0][0][:1])[1])
             if tuner.predict_trained is not None:
                 self.new_evaluator = evaluator(tuner, new_test, first_id=n,
@@ -286,7 +286,6 @@ class Experiment:
                                   f"{model_name(cfg)} and its clients have no prediction right after local "
                                   f"training, so a client held out of training has nothing to be evaluated with")
         self._initial = None
-        self.root = jax.random.key(cfg.seed)
 
     def round_fn(self, server, store, round_idx, before_aggregate=None):
         """One training round (the backend's ``round``): (server, per-client and per-round metrics)."""
