@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jaxfl.run.script import parse_list, run_script
+
 BACKENDS = ("stacked", "streamed", "ragged")
 
 
@@ -51,10 +53,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--out", required=True)
     args, extra = p.parse_known_args(argv)
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [b for b in backends if b not in BACKENDS]
-    if bad:
-        raise SystemExit(f"compile_count: error: --backends {','.join(bad)}: give some of {', '.join(BACKENDS)}")
+    backends = parse_list(args.backends, "--backends", choices=BACKENDS)  # (a ConfigError: one line, exit 2)
     rows = []
     for b in backends:
         rows.append(run_backend(b, args.rounds, extra))
@@ -66,4 +65,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

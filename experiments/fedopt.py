@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 from common import check_at_least, parse_list, parse_seeds, run_script, run_seeds
 
+from jaxfl.errors import ConfigError
 from jaxfl.run.config import RunConfig
 
 SOURCE = "google-research/federated optimization/docs/hyperparameters.md (commit 0f29cad)"
@@ -128,7 +129,7 @@ def main(argv=None) -> None:
     if args.rounds is not None:
         check_at_least("--rounds", args.rounds, 1)
     if not args.data:
-        raise SystemExit("fedopt: error: --data DIR (the folder holding TFF's HDF5 files) or --write DIR is needed")
+        raise ConfigError("--data DIR (the folder holding TFF's HDF5 files) or --write DIR is needed")
     rows = ["| task | method | rounds | weighted accuracy % (pooled test; mean ± std over seeds) | "
             "mean accuracy % over clients |", "|---|---|---|---|---|"]
     for task in tasks:
