@@ -1,6 +1,7 @@
 """The streamed backend: the population on the host, each cohort's samples sent as one flat store and trained in
 one jitted call. It gives the stacked backend's numbers (up to float reassociation), compiles one program per
-rounded cohort sample count, and keeps the states in a device or host store."""
+store size chosen up front (and one more for each rare cohort past it), and keeps the states in a device or
+host store."""
 import jax
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ from conftest import assert_trees_close, bit_identity, make_trainer, traces
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.core.backends import Stacked, Streamed, cohort_sample_index
-from jaxfl.core.buckets import grid_ceil
+from jaxfl.core.buckets import cohort_samples_bound, grid_ceil
 from jaxfl.data.ragged import RaggedClients
 from jaxfl.errors import ConfigError
 from jaxfl.models import small_cnn
@@ -64,21 +65,59 @@ def test_streamed_rounds_equal_the_stacked_rounds(name, strategy, kw):
     assert c.placement == kw.get("client_store", "device")  # (auto: a small store stays on the device)
 
 
-def test_a_run_compiles_one_program_per_rounded_cohort_sample_count():
-    # 40 clients of 5..60 samples, 8 a round for 12 rounds: the cohorts' sample counts vary (~90..330) but
-    # round up to a few values of {2^k, 3 2^k}; one program each
+def test_a_run_compiles_one_program_when_its_cohorts_fit_the_store_sized_up_front():
+    # 40 clients of 5..60 samples, 8 a round for 12 rounds: the cohorts' sample counts vary (~90..330); the
+    # store is sized once (mean + 4 std of a cohort's samples), so every round runs the same program
     counts = np.random.default_rng(1).integers(5, 61, 40)
     alg, data = algorithm("fedavg"), population(counts)
     engine = Streamed(alg, data, batch_size=8, num_rounds=12, strategy="vmap", cohort_size=8)
+    assert engine.store_samples == cohort_samples_bound(counts, cohort=8)
     server, store = engine.init(jax.random.key(0), data.x[:1])
-    traced, sizes = 0, set()
+    traced, sums = 0, set()
     for r in range(12):
-        sizes.add(grid_ceil(int(counts[engine.draw(r, ROOT)].sum())))
+        sums.add(int(counts[engine.draw(r, ROOT)].sum()))
         with traces() as new:
             server, m = engine.round(server, store, r, ROOT)
         traced += len(new)
+        assert m["compiled_shapes"] == 1
+    assert traced == 1 and len(sums) > 3 and max(sums) <= engine.store_samples, (traced, sums)
+
+
+def test_a_cohort_past_the_store_runs_with_its_rounded_count_and_the_same_numbers():
+    # a store too small for most cohorts: each such round runs with its sample count rounded up to the grid,
+    # one program per rounded count; the numbers are the stacked backend's
+    counts = np.random.default_rng(1).integers(5, 61, 40)
+    alg, data = algorithm("fedavg"), population(counts)
+    _, _, m_ref, _ = run(Stacked, alg, data, 6, strategy="vmap", cohort_size=8)
+    engine = Streamed(alg, data, batch_size=8, num_rounds=6, strategy="vmap", cohort_size=8, store_samples=150)
+    server, store = engine.init(jax.random.key(0), data.x[:1])
+    sizes = set()
+    for r in range(6):
+        n = int(counts[engine.draw(r, ROOT)].sum())
+        sizes.add(150 if n <= 150 else grid_ceil(n))
+        server, m = engine.round(server, store, r, ROOT)
         assert m["compiled_shapes"] == len(sizes)
-    assert traced == len(sizes) <= 3, (traced, sizes)
+        np.testing.assert_allclose(m["loss"], m_ref[r]["loss"], rtol=1e-4)
+    assert len(sizes) > 1
+    with pytest.raises(ConfigError, match="store_samples=0"):
+        Streamed(alg, data, batch_size=8, store_samples=0)
+
+
+def test_the_store_bound_is_the_cohort_sums_mean_plus_4_std_capped_at_the_largest_sum():
+    counts = np.array([10, 20, 30, 40, 100])
+    # fixed cohorts of 2 of 5: mean 2 * 40, variance 2 * 1000 * 3 / 4 = 1500
+    assert cohort_samples_bound(counts, cohort=2, sigmas=1) == int(np.ceil(80 + np.sqrt(1500)))
+    assert cohort_samples_bound(counts, cohort=2) == 140  # capped: the two largest
+    assert cohort_samples_bound(counts, cohort=5) == 200  # every client: no spread
+    # Poisson, q = 0.4: mean 0.4 * 200, variance 0.4 * 0.6 * 13000
+    assert cohort_samples_bound(counts, rate=0.4, sigmas=1) == int(np.ceil(80 + np.sqrt(0.24 * 13000)))
+    assert cohort_samples_bound(counts, rate=0.4) == 200  # capped: every sample
+    # the sample mean and variance of many draws agree with the formulas
+    rng = np.random.default_rng(0)
+    sums = np.array([counts[rng.choice(5, 2, replace=False)].sum() for _ in range(20000)])
+    assert abs(sums.mean() - 80) < 4 * np.sqrt(1500 / 20000) and abs(sums.var() / 1500 - 1) < 0.05
+    with pytest.raises(ValueError, match="exactly one"):
+        cohort_samples_bound(counts)
 
 
 def test_the_streamed_backend_runs_one_round_per_call():

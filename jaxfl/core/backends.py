@@ -1,4 +1,4 @@
-"""Two data backends for one round function (``step.make_step``): where the population lives, how a round's
+"""Three data backends for one round function (``step.make_step``): where the population lives, how a round's
 cohort reaches the step.
 
 - ``Stacked``: everything on the device. Every client's samples (flat, the ``RaggedClients`` layout) and
@@ -7,6 +7,9 @@ cohort reaches the step.
 - ``Ragged``: the samples on the host (``RaggedClients``), the persistent states in a ``ClientStore`` (device
   or host); a round gathers only its cohort, sorts it by local steps and trains it in buckets of similar
   clients (``buckets.plan_buckets``), each bucket one compiled call, then aggregates. For any population size.
+- ``Streamed``: the samples on the host, the states in a ``ClientStore``; a round sends its cohort's samples as
+  one flat store of a size set up front and runs ``Stacked``'s round on it in one call. For populations that
+  do not fit, in one process.
 
 ``Stacked`` can run K rounds per call (``rounds_per_call``): a loop over rounds inside the jitted function, the
 per-round metrics stacked and fetched once; the run's results do not depend on K (tested bit for bit).
@@ -44,7 +47,7 @@ import numpy as np
 from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, DeviceMemoryError, check_choice, first_line
-from .buckets import grid_ceil, padded_work, plan_buckets
+from .buckets import cohort_samples_bound, grid_ceil, padded_work, plan_buckets
 from .cohort import (SAMPLINGS, STRATEGIES, default_strategy, poisson_cohort, poisson_members, poisson_rows,
                      sample_cohort)
 from .distributed import client_sharding, fetch, place_rows
@@ -616,22 +619,33 @@ class Streamed(Stacked):
     count, one program) without the population on the device, and ``Ragged``'s memory (only the cohort's
     samples and states move) without its buckets.
 
-    The call's shapes are fixed but for the cohort's sample count, rounded up to {2^k, 3 2^k}
-    (``buckets.grid_ceil``): the rows (the cohort, or a Poisson cohort's size class as ``Stacked`` sets it) and
-    the population's longest client rounded to the step grid are set up front, so a run compiles one program
-    per distinct rounded sample count (``compiled_shapes``), one or two for fixed cohorts of a few hundred
-    clients. The persistent states live in a ``ClientStore`` (``client_store``: device or host), gathered and
-    scattered around the call. One round per call (the host streams each round's samples); within one process.
+    The call's shapes are set up front: the rows (the cohort, or a Poisson cohort's size class as ``Stacked``
+    sets it), the population's longest client rounded to the step grid, and the store's samples,
+    ``store_samples`` (default ``buckets.cohort_samples_bound``: the cohort sample count's mean plus 4 standard
+    deviations, capped at the largest possible). A cohort with more samples than that (rare: beyond 4 standard
+    deviations) runs with its count rounded up to {2^k, 3 2^k} (``buckets.grid_ceil``), so a run compiles one
+    program, and one more per such rounded count (``compiled_shapes``). A round's store size depends only on its
+    cohort, so a resumed run runs the same programs. The persistent states live in a ``ClientStore``
+    (``client_store``: device or host), gathered and scattered around the call. One round per call (the host
+    streams each round's samples); within one process.
     """
 
-    def __init__(self, alg: Algorithm, train: RaggedClients, *, client_store: str = "auto", **kw):
+    def __init__(self, alg: Algorithm, train: RaggedClients, *, client_store: str = "auto",
+                 store_samples: int | None = None, **kw):
         check_choice("client_store", client_store, PLACEMENTS)
         if kw.pop("rounds_per_call", 1) != 1:
             raise ConfigError("the streamed backend runs one round per call (the host sends each round's samples); "
                               "rounds_per_call > 1 needs --backend stacked")
+        if store_samples is not None and (not isinstance(store_samples, int) or store_samples < 1):
+            raise ConfigError(f"store_samples={store_samples!r} must be an integer >= 1 (None: sized from the "
+                              f"population)")
         self.placement = client_store
         self.shapes: set[tuple[int, int]] = set()  # (rows, cohort samples) of every call compiled so far
         super().__init__(alg, train, **kw)
+        if store_samples is None:
+            store_samples = (cohort_samples_bound(train.counts, rate=self.rate) if self.sampling == "poisson"
+                             else cohort_samples_bound(train.counts, cohort=self.cohort_size))
+        self.store_samples = store_samples
 
     def _place(self, train: RaggedClients):
         return None  # the population stays on the host
@@ -672,7 +686,7 @@ class Streamed(Stacked):
         k = len(ids)
         rows = self.rows if self.sampling == "poisson" else k
         index = cohort_sample_index(self.train, ids)
-        size = grid_ceil(max(len(index), 1))
+        size = self.store_samples if len(index) <= self.store_samples else grid_ceil(len(index))
         index = np.concatenate([index, np.zeros(size - len(index), np.int64)])
         counts = np.concatenate([self.train.counts[ids], np.zeros(rows - k, np.int64)]).astype(np.int32)
         row_ids = np.concatenate([ids, np.full(rows - k, self.num_clients)]).astype(np.int32)

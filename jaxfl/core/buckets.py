@@ -14,6 +14,7 @@ Padding the data to the grid length costs memory only: a client's step loop stop
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -23,6 +24,31 @@ def grid_ceil(n: int) -> int:
     n = max(int(n), 1)
     p = 1 << (n - 1).bit_length()  # the power of two >= n
     return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
+
+
+def cohort_samples_bound(counts, *, cohort: int | None = None, rate: float | None = None,
+                         sigmas: float = 4.0) -> int:
+    """An up-front bound on the samples of one round's cohort: their sum's mean plus ``sigmas`` standard
+    deviations, capped at the largest sum a cohort can have (at least 1).
+
+    ``counts`` [N]: every client's samples. Fixed cohorts (``cohort`` = C clients drawn without replacement):
+    mean C mu, variance C s^2 (N - C) / (N - 1) (mu, s^2: the counts' mean and population variance), cap the
+    C largest counts' sum. Poisson cohorts (``rate`` = q, each client on its own): mean q sum(c), variance
+    q (1 - q) sum(c^2), cap sum(c). Sized once, a round's inputs keep one shape in almost every round.
+    """
+    c = np.asarray(counts, np.float64)
+    n = len(c)
+    if (cohort is None) == (rate is None):
+        raise ValueError("give exactly one of cohort (fixed cohorts) and rate (Poisson cohorts)")
+    if rate is None:
+        k = min(int(cohort or 0), n)
+        mean = k * c.mean() if n else 0.0
+        var = k * c.var() * (n - k) / (n - 1) if n > 1 else 0.0
+        cap = float(np.sort(c)[n - k:].sum())
+    else:
+        q = float(rate)
+        mean, var, cap = q * c.sum(), q * (1 - q) * np.square(c).sum(), float(c.sum())
+    return max(int(math.ceil(min(mean + sigmas * math.sqrt(var), cap))), 1)
 
 
 def lane_sizes(max_lanes: int, lane_multiple: int = 1) -> list[int]:

@@ -21,8 +21,8 @@ HELP = {
     "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU); on the stacked backend vmap and "
                 "chunked sort the cohort by local steps and run chunks of lanes (--lane-segments)",
     "backend": "stacked (the whole population on the device, one jitted call per round) | streamed (samples "
-               "and states on the host, each cohort sent to the device and trained in one call; a program per "
-               "rounded cohort sample count) | ragged (samples on the host, the cohort trained in buckets of "
+               "and states on the host, each cohort sent to the device as a store sized up front and trained in "
+               "one call: one program) | ragged (samples on the host, the cohort trained in buckets of "
                "similar clients) (default: stacked when the population fits in a quarter of each device's memory "
                "and its clients are even, or a lane plan runs them (--lane-segments > 0), or, on an accelerator, "
                "one call per round is modelled to be faster (jaxfl.core.cost); else streamed where one call "
