@@ -38,14 +38,14 @@ class Comparison:
     jaxfl: str
     key: str
     note: str
-    old: str
+    unpaired: str
     doc: str
 
 
 def _pfllib() -> list[Comparison]:
     """PFLlib's thirteen methods and the FedLC diagnostic (``pfllib.md``: mean over clients, final and last 5 of
     50 rounds, the jaxfl run of ``pfl_methods`` that each official config names as ``jaxfl_run``)."""
-    rows = [  # (method, PFLlib folder, jaxfl run, old verdict as official - jaxfl, note)
+    rows = [  # (method, PFLlib folder, jaxfl run, unpaired verdict as official - jaxfl, note)
         ("FedAvg", "fedavg", "fedavg_lr0.05", "agree (final +0.25, bound 1.50)", "PFLlib is a reference"),
         ("local", "local", "local_lr0.05", "agree (final -0.07, bound 1.61)", "PFLlib is a reference"),
         ("FedALA", "fedala", "fedala_lr0.05", "agree (final +0.04, bound 1.50)", "PFLlib is the official code"),
@@ -67,7 +67,7 @@ def _pfllib() -> list[Comparison]:
          "by design: PFLlib calibrates with the label counts of all clients, jaxfl with each client's own"),
     ]
     out = [Comparison(f"PFLlib {name}", f"{OFFICIAL}/pfllib/seed*/{folder}", f"{LOGS}/pfl_methods/seed*/{run}",
-                      "mean_accuracy", note, old, "pfllib.md") for name, folder, run, old, note in rows]
+                      "mean_accuracy", note, unpaired, "pfllib.md") for name, folder, run, unpaired, note in rows]
     out.append(Comparison("PFLlib FedLC with jaxfl's per-client counts (diagnostic)",
                           f"{OFFICIAL}/pfllib_fedlc_client_counts/seed*/fedlc",
                           f"{LOGS}/pfl_methods/seed*/fedlc_lr0.05",
@@ -79,7 +79,7 @@ def _pfllib() -> list[Comparison]:
 def _fedrepo_stragglers() -> list[Comparison]:
     """FedRepo's FedNova and FedAvg on ``fedprox_stragglers``' inputs (``fedrepo.md``: pooled test accuracy,
     evaluated every 5th round, final and last 5 of 100 rounds; FedAvg against jaxfl's ``fedprox mu=0``)."""
-    rows = [  # (straggler share, run folder, FedRepo method, lr, old verdict as official - jaxfl)
+    rows = [  # (straggler share, run folder, FedRepo method, lr, unpaired verdict as official - jaxfl)
         ("0", "fednova", "FedNova", "0.03", "agree (final +0.30, bound 1.73)"),
         ("0", "fednova_lr0.01", "FedNova", "0.01", "agree (final +0.00, bound 1.59)"),
         ("0", "fedprox_mu0", "FedAvg", "0.03", "agree (final +0.36, bound 1.69)"),
@@ -91,13 +91,13 @@ def _fedrepo_stragglers() -> list[Comparison]:
         ("0.9", "fedprox_mu0_stragglers0.9", "FedAvg", "0.03", "agree (final +0.68, bound 2.45)"),
     ]
     out = []
-    for s, run, method, lr, old in rows:
+    for s, run, method, lr, unpaired in rows:
         vs = "jaxfl fedprox mu=0" if method == "FedAvg" else "jaxfl fednova"
         out.append(Comparison(f"FedRepo {method} vs {vs}, stragglers {s}, lr {lr}",
                               f"{OFFICIAL}/fedrepo_stragglers/s{s}/seed*/{run}",
                               f"{LOGS}/fedprox_stragglers/s{s}/seed*/{run}", "weighted_accuracy",
                               "same cohorts, straggler draws and initial weights on both sides; FedRepo weighs clients "
-                              "uniformly, jaxfl by samples", old, "fedrepo.md"))
+                              "uniformly, jaxfl by samples", unpaired, "fedrepo.md"))
     return out
 
 
@@ -269,12 +269,12 @@ def sign_line(r: dict) -> str:
 def summary_table(paired: list[tuple[Comparison, dict]]) -> list[str]:
     """The summary table, a row per paired comparison."""
     lines = ["| comparison | key | seeds | last-k window (rounds) | official % (mean) | jaxfl % (mean) | "
-             "mean diff (points) | 90% interval | verdict | old criterion (official - jaxfl) |",
+             "mean diff (points) | 90% interval | verdict | unpaired criterion (official - jaxfl) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c, r in paired:
         lines.append(f"| {c.name} | {c.key} | {','.join(map(str, r['seeds']))} | {r['window']} | "
                      f"{np.mean(r['a']):.2f} | {np.mean(r['b']):.2f} | {r['mean']:+.2f} | "
-                     f"[{r['low']:+.2f}, {r['high']:+.2f}] | **{r['verdict']}** | {c.old or '-'} |")
+                     f"[{r['low']:+.2f}, {r['high']:+.2f}] | **{r['verdict']}** | {c.unpaired or '-'} |")
     return lines
 
 
@@ -355,7 +355,7 @@ def report(args) -> str:
               "| comparison | official | jaxfl | key |", "|---|---|---|---|"]
     lines += [f"| {c.name} | `{c.official}` | `{c.jaxfl}` | {c.key} |" for c, _ in paired]
     lines += ["", "## Not paired", ""]
-    lines += [f"- **{c.name}** (`{c.doc}`; old criterion: {c.old}): {r['error']}. {sentence(c.note)}"
+    lines += [f"- **{c.name}** (`{c.doc}`; unpaired criterion: {c.unpaired}): {r['error']}. {sentence(c.note)}"
               for c, r in unpaired]
     lines += [f"- **{name}** (`{doc}`): {reason}." for name, doc, reason in NOT_RUNS]
     return "\n".join(lines) + "\n"
