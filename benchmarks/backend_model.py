@@ -67,7 +67,8 @@ def measured_pairs() -> list[dict]:
 
 
 def modelled(pair: dict, rates) -> tuple[float, float]:
-    """(stacked, ragged) modelled round seconds of a measured pair (vmap, as measured) at ``rates``."""
+    """(stacked, ragged) modelled round seconds of a measured pair (vmap, as measured: the ragged backend's
+    buckets planned per cohort) at ``rates``."""
     from jaxfl.core import cost
     if "flops" not in pair:
         from jaxfl.models import build_model
@@ -75,7 +76,7 @@ def modelled(pair: dict, rates) -> tuple[float, float]:
                                                     pair["batch"], pair["preprocess"])
     b = pair["sample_x"][0].nbytes + 4  # the input and its int32 label
     return cost.backend_seconds(pair["counts"], pair["batch"], pair["cohort"], pair["flops"], b, strategy="vmap",
-                                chunk_size=8, rates=rates)
+                                chunk_size=8, rates=rates, per_cohort=True)
 
 
 def faster(pair: dict) -> str:

@@ -6,7 +6,8 @@ cohort reaches the step.
   the population's longest client, runs the step and writes the kept states back. For populations that fit.
 - ``Ragged``: the samples on the host (``RaggedClients``), the persistent states in a ``ClientStore`` (device
   or host); a round gathers only its cohort, sorts it by local steps and trains it in buckets of similar
-  clients (``buckets.plan_buckets``), each bucket one compiled call, then aggregates. For any population size.
+  clients, each bucket one compiled call of a shape from a grid fixed for the run (``buckets.bucket_grid``),
+  then aggregates. For any population size and over several processes.
 - ``Streamed``: the samples on the host, the states in a ``ClientStore``; a round sends its cohort's samples as
   one flat store of a size set up front and runs ``Stacked``'s round on it in one call. For populations that
   do not fit, in one process.
@@ -47,7 +48,7 @@ import numpy as np
 from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, DeviceMemoryError, check_choice, first_line
-from .buckets import cohort_samples_bound, grid_ceil, padded_work, plan_buckets
+from .buckets import BucketGrid, bucket_grid, cohort_samples_bound, grid_ceil, padded_work, plan_buckets
 from .cohort import (SAMPLINGS, STRATEGIES, default_strategy, poisson_cohort, poisson_members, poisson_rows,
                      sample_cohort)
 from .distributed import client_sharding, fetch, place_rows
@@ -227,8 +228,8 @@ class _Backend:
 class Ragged(_Backend):
     """Rounds over a ragged population of any size (see the module docstring).
 
-    strategy: ``map`` (one call, every client its own step count), ``vmap`` (buckets of similar clients, any
-    number of lanes) or ``chunked`` (buckets of at most ``chunk_size`` lanes). ``mesh`` splits every call's
+    strategy: ``map`` (one call, every client its own step count), ``vmap`` (buckets of similar clients, the
+    classes of a ``BucketGrid``) or ``chunked`` (the same, at most ``chunk_size`` lanes a bucket). ``mesh`` splits every call's
     lanes over devices (lanes are then multiples of the device count; the cohort must be one too).
     client_store: where the persistent states live (``ClientStore``).
     A bucket that runs out of device memory (``vmap`` / ``chunked``) is not fatal: the round is retrained in
@@ -253,6 +254,7 @@ class Ragged(_Backend):
         self._make_buffer: dict[int, Callable] = {}  # rows -> a jitted function making the cohort's zero buffer
         self.shapes: set[tuple[int, int]] = set()  # (lanes, samples) of every bucket compiled so far
         self.lane_cap: int | None = None  # set when a bucket ran out of device memory (``round``)
+        self.grid: BucketGrid | None = None  # the bucket shapes, fixed when the first cohort is planned
 
     def init(self, key, sample_x):
         """(server, store): the server state and every client's initial persistent state."""
@@ -260,12 +262,21 @@ class Ragged(_Backend):
         return server, ClientStore(clients, self.placement, sharded=self.mesh is not None)
 
     def plan(self, ids):
-        """The buckets of cohort ``ids`` (``buckets.plan_buckets`` with this strategy's lane limits)."""
+        """The buckets of cohort ``ids``: under ``map`` one bucket of the whole cohort (``buckets.plan_buckets``);
+        under ``vmap`` and ``chunked`` the classes of ``bucket_grid``, fixed for the run from the population's step
+        counts and the expected cohort (at most ``chunk_size`` lanes a call under ``chunked``, ``lane_cap``
+        after running out of memory), so a run compiles at most ``max_classes`` bucket shapes."""
         steps = -(-self.train.counts[ids] // self.batch_size)
-        max_lanes = self.chunk_size * self.devices if self.strategy == "chunked" else len(ids)
-        if self.lane_cap is not None:
-            max_lanes = min(max_lanes, self.lane_cap)
-        return plan_buckets(steps, max_lanes=max_lanes, lane_multiple=self.devices, single=self.strategy == "map")
+        if self.strategy == "map":
+            return plan_buckets(steps, max_lanes=len(ids), lane_multiple=self.devices, single=True)
+        if self.grid is None:
+            cohort = self.cohort_size if self.sampling == "fixed" else max(round(self.rate * self.num_clients), 1)
+            max_lanes = self.chunk_size * self.devices if self.strategy == "chunked" else cohort
+            if self.lane_cap is not None:
+                max_lanes = min(max_lanes, self.lane_cap)
+            self.grid = bucket_grid(-(-self.train.counts // self.batch_size), cohort, max_lanes=max_lanes,
+                                    lane_multiple=self.devices)
+        return self.grid.plan(steps)
 
     def round(self, server, store: ClientStore, round_idx: int, root, before_aggregate=None):
         """One round: sample the cohort, train it bucket by bucket, aggregate, write back the kept states.
@@ -293,6 +304,7 @@ class Ragged(_Backend):
                 # a bucket's activations did not fit: retrain the cohort (its keys depend on client ids only,
                 # so the results do not change) in buckets of at most half as many lanes, from now on
                 self.lane_cap = max(self.devices, lanes // 2 // self.devices * self.devices)
+                self.grid = None  # planned again with the cap
                 warnings.warn(f"out of device memory training {lanes} clients in one call; buckets are capped "
                               f"at {self.lane_cap} clients from now on", stacklevel=2)
         trained, metrics = buffer

@@ -1,9 +1,10 @@
 """Scheduling a cohort by size: which clients train together, padded to what length (pure numpy, host side).
 
 Under ``vmap`` a group of clients runs until its longest client is done, so clients of similar step counts
-should share a group. ``plan_buckets`` sorts the cohort by local steps and cuts it into buckets; each bucket
-is one compiled call of shape (lanes, length). Both come from small fixed sets, so a long run compiles a
-bounded number of shapes:
+should share a group. Each bucket is one compiled call of shape (lanes, length). ``bucket_grid`` fixes a
+run's shapes up front (``BucketGrid``: at most 8 classes of (length, lanes) from the population's step counts;
+the ragged backend's plan); ``plan_buckets`` plans each cohort's buckets greedily, from shapes that come from
+small fixed sets:
 
 - length (in steps): the grid {1, 2, 3, 4, 6, 8, 12, 16, 24, ...} = {2^k} u {3 * 2^k}, rounded up;
 - lanes (clients per call): powers of two times ``lane_multiple`` (the device count), capped at
@@ -24,6 +25,15 @@ def grid_ceil(n: int) -> int:
     n = max(int(n), 1)
     p = 1 << (n - 1).bit_length()  # the power of two >= n
     return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
+
+
+def grid_ceil_array(n) -> np.ndarray:
+    """``grid_ceil`` of each element of an int array."""
+    n = np.maximum(np.asarray(n, np.int64), 1)
+    p = np.left_shift(1, np.ceil(np.log2(n)).astype(np.int64))  # the power of two >= n (exact for n < 2^52)
+    p = np.where(p < n, p * 2, p)
+    three = 3 * p // 4
+    return np.where((p >= 4) & (three >= n), three, p)
 
 
 def cohort_samples_bound(counts, *, cohort: int | None = None, rate: float | None = None,
@@ -117,3 +127,61 @@ def padded_work(buckets: list[Bucket], counts, batch_size: int, *, per_client_tr
         present = b.positions[b.positions >= 0]
         done += b.lanes * int(steps[present].max(initial=0))
     return done * batch_size, int(counts.sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketGrid:
+    """Bucket shapes fixed up front, so a run compiles one program per class: ``classes`` ((length, lanes),
+    ...) by increasing length (local steps per epoch, lanes per call); each client of a cohort goes to the
+    shortest class that holds its steps, and a class with more clients than its lanes runs several calls of
+    the same shape (its last one padded with empty lanes)."""
+    classes: tuple[tuple[int, int], ...]
+
+    def plan(self, steps) -> list[Bucket]:
+        """The buckets of a cohort with per-client step counts ``steps`` [C]: from the shortest class up, a class
+        takes the clients its length holds that no shorter class took, shortest first, in as many full calls of
+        its lanes as they fill (at least one call); the rest move on to the next class; the longest class runs
+        every client left. A call's empty lanes are -1. Buckets are returned longest class first."""
+        steps = np.asarray(steps, np.int64)
+        order = np.argsort(steps, kind="stable")  # shortest first
+        top = self.classes[-1][0]
+        if len(steps) and steps.max() > top:
+            raise ValueError(f"a client of {int(steps.max())} steps exceeds the grid's longest class ({top} steps)")
+        buckets, i = [], 0
+        for j, (length, lanes) in enumerate(self.classes):
+            fits = int(np.searchsorted(steps[order], length, side="right"))  # clients of at most `length` steps
+            take = fits - i if j == len(self.classes) - 1 else min(fits - i, lanes * max((fits - i) // lanes, 1))
+            members = order[i:i + take]
+            buckets += [Bucket(_pad(members[k:k + lanes], lanes), length) for k in range(0, len(members), lanes)]
+            i += take
+        return buckets[::-1]
+
+
+def bucket_grid(steps, cohort: int, *, max_lanes: int, lane_multiple: int = 1, max_classes: int = 8) -> BucketGrid:
+    """A ``BucketGrid`` for cohorts of ``cohort`` clients of a population with per-client step counts ``steps``
+    [N] (at most ``max_lanes`` lanes a call, lanes a multiple of ``lane_multiple``).
+
+    Start from one class per grid length the population has (``grid_ceil`` of its steps), each expected to hold
+    e = cohort x (its share of the population) clients and to cost max(e, 1) x length lane-steps (its clients
+    padded to the class length, at least one lane); merge the adjacent pair whose merge adds the least cost
+    until at most ``max_classes`` remain. A class's lanes: e rounded up to ``lane_multiple``, at most
+    ``max_lanes``."""
+    steps = np.asarray(steps, np.int64)
+    grid = grid_ceil_array(steps) if len(steps) else np.ones(1, np.int64)
+    unique, counts = np.unique(grid, return_counts=True)
+    members = [float(c) * min(cohort, len(steps) or 1) / max(len(steps), 1) for c in counts]  # expected clients
+    lengths = [int(g) for g in unique]
+
+    def cost(e, length):
+        return max(e, 1.0) * length
+
+    while len(lengths) > max(max_classes, 1):
+        added = [cost(members[j] + members[j + 1], lengths[j + 1]) - cost(members[j], lengths[j])
+                 - cost(members[j + 1], lengths[j + 1]) for j in range(len(lengths) - 1)]
+        j = int(np.argmin(added))
+        members[j + 1] += members[j]
+        members.pop(j)
+        lengths.pop(j)
+    cap = -(-max(max_lanes, 1) // lane_multiple) * lane_multiple
+    return BucketGrid(tuple((int(length), min(cap, -(-max(math.ceil(e - 1e-9), 1) // lane_multiple) * lane_multiple))
+                            for length, e in zip(lengths, members)))

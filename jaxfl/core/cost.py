@@ -11,9 +11,12 @@ with E local epochs, B the batch size, f the model's training FLOPs per sample (
 P the device's achieved FLOP/s, tau the fixed cost of one sequential local step (its kernel launches: a step of
 few lanes cannot fill the device), and M the bytes the ragged backend sends per round (each bucket's inputs,
 padded to its step grid) over W, the host path's bytes/s (M = 0 for stacked). Stacked is one call of C lanes
-and the cohort's longest client's steps; ragged is ``plan_buckets``' buckets, each running to its own longest
-client. Under ``map`` every client runs its own steps in both, so stacked saves the transfers; ``chunked`` runs
-chunks of ``chunk_size`` lanes (in cohort order for stacked, by size for ragged).
+and the cohort's longest client's steps; ragged is its ``bucket_grid``'s buckets, each running to its own
+longest client. Under ``map`` every client runs its own steps in both, so stacked saves the transfers;
+``chunked`` runs chunks of ``chunk_size`` lanes (in cohort order for stacked, by size for ragged). The
+constants below were fitted on rounds whose buckets were planned per cohort (``plan_buckets``: one shape per
+lanes x grid length; ``per_cohort=True`` models them), which make about as many calls a round as the fixed
+grid (simulated, log-normal sizes with sigma 0.8-1, cohorts of 100-1,000: 9.6-14.2 calls against 8.7-13.1).
 
 ``H200`` holds one H200's constants (``benchmarks/RESULTS.md``, "The last GPU-suite workloads, and the automatic
 backend choice checked on the GPU"; ``benchmarks/backend_model.py``):
@@ -35,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .buckets import plan_buckets
+from .buckets import bucket_grid, plan_buckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +107,21 @@ def stacked_calls(steps, *, strategy: str, chunk_size: int) -> list[tuple[int, i
     return [(len(steps[i:i + size]), max(steps[i:i + size])) for i in range(0, len(steps), size)]
 
 
-def ragged_calls(steps, *, strategy: str, chunk_size: int) -> tuple[list[tuple[int, int]], int]:
+def ragged_calls(steps, *, strategy: str, chunk_size: int, population=None,
+                 per_cohort: bool = False) -> tuple[list[tuple[int, int]], int]:
     """The ragged backend's calls for the same cohort, and the sample slots it sends to the device: (list of
-    (lanes, sequential steps), lanes x grid steps summed over buckets). Buckets come from ``plan_buckets``
-    (at most ``chunk_size`` lanes under chunked, the whole cohort in one bucket under map); a bucket's lanes
-    step until its longest real client is done, and its data is padded to its grid length."""
+    (lanes, sequential steps), lanes x grid steps summed over buckets). Buckets come from the backend's
+    ``bucket_grid`` for the ``population``'s step counts (default: the cohort's own; at most ``chunk_size`` lanes
+    under chunked), or ``plan_buckets``' one bucket under map; a bucket's lanes step until its longest real
+    client is done, and its data is padded to its class length. ``per_cohort``: ``plan_buckets``' greedy buckets
+    of each cohort instead (what the ragged backend ran when the GPU pairs behind ``H200`` were measured)."""
     steps = np.asarray(steps, np.int64)
     lanes = chunk_size if strategy == "chunked" else len(steps)
-    plan = plan_buckets(steps, max_lanes=max(lanes, 1), single=strategy == "map")
+    if strategy == "map" or per_cohort:
+        plan = plan_buckets(steps, max_lanes=max(lanes, 1), single=strategy == "map")
+    else:
+        grid = bucket_grid(steps if population is None else population, len(steps), max_lanes=max(lanes, 1))
+        plan = grid.plan(steps)
     slots = sum(b.lanes * b.steps for b in plan)
     if strategy == "map":
         return [(1, int(s)) for s in steps], slots
@@ -128,9 +138,10 @@ def round_seconds(calls, step_flops: float, sent_bytes: float = 0.0, epochs: int
 
 def backend_seconds(counts, batch_size: int, cohort: int, flops_per_sample: float, bytes_per_sample: float, *,
                     strategy: str, chunk_size: int, epochs: int = 1, rates: DeviceRates = H200, draws: int = 3,
-                    seed: int = 0) -> tuple[float, float]:
+                    seed: int = 0, per_cohort: bool = False) -> tuple[float, float]:
     """(stacked, ragged): the modelled round seconds of each backend, averaged over ``draws`` cohorts of
-    ``cohort`` of the population's clients (``counts`` [N] samples each; fixed draws of ``seed``)."""
+    ``cohort`` of the population's clients (``counts`` [N] samples each; fixed draws of ``seed``);
+    ``per_cohort``: the ragged buckets as ``ragged_calls(per_cohort=True)`` plans them."""
     counts = np.asarray(counts, np.int64)
     steps = -(-counts // batch_size)
     rng = np.random.default_rng(seed)
@@ -140,7 +151,8 @@ def backend_seconds(counts, batch_size: int, cohort: int, flops_per_sample: floa
         ids = np.sort(rng.choice(len(counts), size=min(cohort, len(counts)), replace=False))
         stacked += round_seconds(stacked_calls(steps[ids], strategy=strategy, chunk_size=chunk_size),
                                  step_flops, epochs=epochs, rates=rates)
-        calls, slots = ragged_calls(steps[ids], strategy=strategy, chunk_size=chunk_size)
+        calls, slots = ragged_calls(steps[ids], strategy=strategy, chunk_size=chunk_size, population=steps,
+                                    per_cohort=per_cohort)
         ragged += round_seconds(calls, step_flops, sent_bytes=slots * batch_size * bytes_per_sample,
                                 epochs=epochs, rates=rates)
     return stacked / draws, ragged / draws
