@@ -229,8 +229,9 @@ class Ragged(_Backend):
     """Rounds over a ragged population of any size (see the module docstring).
 
     strategy: ``map`` (one call, every client its own step count), ``vmap`` (buckets of similar clients, the
-    classes of a ``BucketGrid``) or ``chunked`` (the same, at most ``chunk_size`` lanes a bucket). ``mesh`` splits every call's
-    lanes over devices (lanes are then multiples of the device count; the cohort must be one too).
+    classes of a ``BucketGrid``) or ``chunked`` (the same, at most ``chunk_size`` lanes a bucket). ``mesh``
+    splits every call's lanes over devices (lanes are then multiples of the device count; the cohort must be
+    one too).
     client_store: where the persistent states live (``ClientStore``).
     A bucket that runs out of device memory (``vmap`` / ``chunked``) is not fatal: the round is retrained in
     buckets of at most half as many lanes, and that cap (``lane_cap``) stays for the rest of the run.
