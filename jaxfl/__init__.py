@@ -5,7 +5,7 @@ arrays) -> ``core`` (the engine) -> ``ops`` (pure building blocks) and ``models`
 ``algorithms`` (one file each) -> ``run`` (configuration, CLI, runner, checkpoints, reports).
 
     from jaxfl import ops                 # masks, losses, evidential, hypernet, gp, qp, clustering, diagnostics
-    from jaxfl import build_algorithm, Stacked, LocalTrainer, client_optimizer
+    from jaxfl import build_algorithm, Stacked, LocalTrainer, ClientOptimizer
 """
 import os
 
@@ -17,15 +17,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from . import ops  # noqa: E402
 from .algorithms import REGISTRY, build_algorithm, register  # noqa: E402
-from .core import (Algorithm, ClientStore, Evaluator, LocalTrainer, Ragged, RoundInfo, RunContext,  # noqa: E402
+from .core import (Algorithm, ClientOptimizer, ClientStore, Evaluator, LocalTrainer, Ragged, RoundInfo, RunContext,  # noqa: E402
                    Stacked, Step, Streamed, client_optimizer, init_state, make_step, normalizer)
 from .data import ClientData, RaggedClients, load_dataset  # noqa: E402
 from .errors import ConfigError, DataError, JaxflError, NonFiniteError  # noqa: E402
 from .run import Experiment, RunConfig, predict_proba, reliability_report, run  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["Algorithm", "ClientData", "ClientStore", "ConfigError", "DataError", "Evaluator", "Experiment",
-           "JaxflError", "LocalTrainer", "NonFiniteError", "REGISTRY", "Ragged", "RaggedClients", "RoundInfo",
-           "RunConfig", "RunContext", "Stacked", "Step", "Streamed", "build_algorithm", "client_optimizer",
-           "init_state", "load_dataset", "make_step", "normalizer", "ops", "predict_proba", "register",
-           "reliability_report", "run"]
+__all__ = ["Algorithm", "ClientData", "ClientOptimizer", "ClientStore", "ConfigError", "DataError",
+           "Evaluator", "Experiment", "JaxflError", "LocalTrainer", "NonFiniteError", "REGISTRY", "Ragged",
+           "RaggedClients", "RoundInfo", "RunConfig", "RunContext", "Stacked", "Step", "Streamed",
+           "build_algorithm", "client_optimizer", "init_state", "load_dataset", "make_step", "normalizer",
+           "ops", "predict_proba", "register", "reliability_report", "run"]

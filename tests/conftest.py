@@ -2,15 +2,13 @@ import os
 from pathlib import Path
 
 # The tests run tiny models, where compiling dominates and XLA:CPU spends most of it in LLVM's optimisation:
-# unoptimised code halves the tests' time (measured: tests/test_moon_fedrod.py 36 s -> 18 s; the whole suite,
-# -n 2: 355 tests in 12.4 min, against 293 tests in 16.4 min before). Set before jax creates its CPU backend;
-# subprocess checks (sharding, multihost) inherit it. XLA:CPU's MLIR fusion emitters (the default) compile a
-# third slower than its older LLVM IR emitters: four of the slowest tests took 29.6 s with them, 20.1-21.0 s
-# without, the suite 11 min 40 s against 6 min 47 s (2026-11-26). The older emitters round differently in
-# different programs, though: a test that claims two *different* programs agree bit for bit (a reduction run
-# as another algorithm, K rounds per call against one) compiles, through ``default_codegen``, with the default
-# emitters, the code generator users run (in the same process since commit 8c21520: ~20 s less than a pytest
-# subprocess per such test). JAXFL_TEST_DEFAULT_CODEGEN=1 runs the whole suite with the default emitters.
+# unoptimised code (--xla_backend_optimization_level=0) about halves the compile time. It is set before jax creates
+# its CPU backend; subprocess checks (sharding, multihost) inherit it. XLA:CPU's older LLVM IR emitters
+# (--xla_cpu_use_fusion_emitters=false) compile faster than its default MLIR fusion emitters, but they round
+# differently in different programs: a test that claims two *different* programs agree bit for bit (a reduction
+# run as another algorithm, K rounds per call against one) compiles, through ``default_codegen``, with the
+# default emitters, the code generator users run, in the same process. JAXFL_TEST_DEFAULT_CODEGEN=1 runs the
+# whole suite with the default emitters.
 DEFAULT_CODEGEN = os.environ.get("JAXFL_TEST_DEFAULT_CODEGEN") == "1"
 FAST_CODEGEN_FLAG = "--xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
@@ -34,10 +32,9 @@ import functools  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxfl.core.trainer import LocalTrainer
+from jaxfl.core.trainer import ClientOptimizer, LocalTrainer
 from jaxfl.data.clients import ClientData
 
 # start jax's backends now, with its one CPU device: a run in this process never splits its cohort over the
@@ -150,7 +147,8 @@ def make_separable(counts, m=None, shape=(8, 8, 3), seed=0, classes=4):
 
 
 def make_trainer(batch_size=8, epochs=1, lr=0.05, momentum=0.5):
-    return LocalTrainer(optax.sgd(lr, momentum=momentum), batch_size, epochs)
+    """SGD as the CLI builds it (``ClientOptimizer``: the trainer carries its learning rate and momentum)."""
+    return LocalTrainer(ClientOptimizer("sgd", lr, momentum), batch_size, epochs)
 
 
 def assert_trees_close(a, b, atol=1e-5, rtol=1e-5):
@@ -193,6 +191,25 @@ def rounding_tolerance(fn, *args, factor=16.0, seed=0):
             return 0.0
         return factor * float(np.max(np.abs(x - y))) + 4 * EPS32 * float(np.max(np.abs(x)))
     return jax.tree_util.tree_map(tol, base, moved)
+
+
+def rounds_tolerance(alg, data, server, clients, root, rounds=1, factor=16.0, **step_kw):
+    """``rounding_tolerance`` of ``rounds`` rounds of ``alg``'s cohort step (``make_step``, ``step_kw`` to it:
+    num_rounds, weighting, ...), jitted, with every client in the cohort, from the float trees (server, clients)
+    (``data``'s integer samples are not nudged): the tolerance trees (server, clients, last round's metrics) for
+    comparing another program's rounds of the same math (a backend's round, an algorithm that reduces to
+    ``alg``) with these rounds."""
+    from jaxfl.core.step import make_step
+    step = make_step(alg, **step_kw)
+    ids = jnp.arange(data.num_clients)
+
+    @jax.jit
+    def fn(server, clients):
+        metrics = None
+        for r in range(rounds):
+            server, clients, metrics = step(server, clients, data, ids, r, root)
+        return server, clients, metrics
+    return rounding_tolerance(fn, server, clients, factor=factor)
 
 
 _TRACING: list = []  # the lists of the traces() blocks open now

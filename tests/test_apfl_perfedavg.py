@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, run_rounds
+from conftest import assert_cli_runs, assert_trees_close, make_data, make_trainer, rounds_tolerance, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import ce_loss
@@ -28,7 +28,7 @@ def model():
 
 def setup(name, counts=COUNTS, mdl=None, batch_size=8, momentum=0.5, **options):
     data = make_data(list(counts))
-    ctx = RunContext(num_clients=len(counts), lr=LR)
+    ctx = RunContext(num_clients=len(counts))
     alg = build_algorithm(name, mdl or model(), make_trainer(batch_size, lr=LR, momentum=momentum), ctx, **options)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(counts))
     return alg, data, server, clients
@@ -68,10 +68,11 @@ def test_apfl_global_model_is_fedavg_and_alpha_one_is_local_training():
     root = jax.random.key(3)
     fedavg = run_rounds(*setup("fedavg"), root, rounds=2)
     apfl = run_rounds(*setup("apfl", alpha_init=0.7), root, rounds=2)
-    assert_trees_close(apfl[0], fedavg[0], atol=1e-6)  # w sees only its own loss
+    # w sees only its own loss (two programs: equal up to float32 rounding of FedAvg's two rounds)
+    assert_trees_close(apfl[0], fedavg[0], atol=rounds_tolerance(*setup("fedavg"), root, rounds=2)[0], rtol=0)
     one = run_rounds(*setup("apfl", alpha_init=1.0, adaptive=False), root, rounds=1)
     local = run_rounds(*setup("local"), root, rounds=1)
-    assert_trees_close(one[1]["v"], local[1], atol=1e-6)
+    assert_trees_close(one[1]["v"], local[1], atol=rounds_tolerance(*setup("local"), root)[1], rtol=0)
     np.testing.assert_array_equal(one[1]["alpha"], 1.0)
     # alpha's projected step: a huge step ends at a bound of [0, 1]
     tx = optax.chain(optax.sgd(1e4), clip_to_unit_interval())
@@ -124,7 +125,7 @@ def test_meta_gradient_matches_its_formula(variant):
 def test_perfedavg_local_update_and_adaptation_by_hand():
     mdl = logreg(num_classes=4)
     data = make_data([16], shape=(4, 4, 1))
-    ctx = RunContext(num_clients=1, lr=0.2)
+    ctx = RunContext(num_clients=1)
     alg = build_algorithm("perfedavg", mdl, make_trainer(8, lr=0.2), ctx, beta=0.1)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], 1)
     row, key = data.take(0), jax.random.key(9)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
+from conftest import assert_trees_close, info, make_data, make_trainer, rounds_tolerance, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._submodel import pruning_masks
@@ -79,8 +79,10 @@ def test_ratio_zero_gamma_zero_without_fusion_is_fedavg():
     s_avg, c_avg = init_state(avg, jax.random.key(0), data.x[0], len(COUNTS))
     a = run_rounds(alg, data, server, clients, ROOT, rounds=2)
     b = run_rounds(avg, data, s_avg, c_avg, ROOT, rounds=2)
-    assert_trees_close(a[0]["params"], b[0]["params"], atol=1e-6)
-    assert_trees_close(a[0]["batch_stats"], b[0]["batch_stats"], atol=1e-6)
+    # two programs for the same math: equal up to float32 rounding of FedAvg's two rounds
+    tol = rounds_tolerance(avg, data, s_avg, c_avg, ROOT, rounds=2)[0]
+    assert_trees_close(a[0]["params"], b[0]["params"], atol=tol["params"], rtol=0)
+    assert_trees_close(a[0]["batch_stats"], b[0]["batch_stats"], atol=tol["batch_stats"], rtol=0)
 
 
 def test_positions_pruned_everywhere_keep_the_previous_global_value():

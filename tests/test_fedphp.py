@@ -4,7 +4,7 @@ FedAvg, and the CLI."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_cli_runs, assert_trees_close, info, make_data, make_trainer, run_rounds
+from conftest import assert_cli_runs, assert_trees_close, info, make_data, make_trainer, rounds_tolerance, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms.fedphp import inheritance_weight
@@ -74,7 +74,10 @@ def test_hpm_update_and_fedavg_reduction():
     # lambda = 0: the global model is FedAvg's; predictions come from the HPM
     zero = run_rounds(*setup("fedphp", lam=0.0), ROOT, rounds=2, num_rounds=T)[0]
     fedavg = run_rounds(*setup("fedavg"), ROOT, rounds=2, num_rounds=T)[0]
-    assert_trees_close(zero, fedavg, atol=1e-7)
+    # two programs (FedPHP's loss with a zero distillation term, FedAvg's): equal up to float32 rounding of the
+    # two rounds, which a dropped client or a wrong weight exceeds by far
+    tol = rounds_tolerance(*setup("fedavg"), ROOT, rounds=2, num_rounds=T)[0]
+    assert_trees_close(zero, fedavg, atol=tol, rtol=0)
     kd = run_rounds(*setup("fedphp"), ROOT, rounds=2, num_rounds=T)[0]
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree_util.tree_leaves(kd),
                                                            jax.tree_util.tree_leaves(fedavg))) > 1e-5

@@ -6,8 +6,8 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import (assert_trees_close, codegen_cache, bit_identity, make_data, make_trainer, round_function,
-                      run_rounds, setup_algorithm)
+from conftest import (assert_trees_close, bit_identity, codegen_cache, make_data, make_trainer, round_function,
+                      rounding_tolerance, rounds_tolerance, run_rounds, setup_algorithm)
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import ce_loss, class_feature_sums, in_part, only
@@ -115,14 +115,22 @@ def test_fedbabu_head_never_changes_and_the_body_is_fedavg_with_a_frozen_head():
     frozen = build_algorithm("fedavg", model(), dataclasses.replace(trainer, tx=only(trainer.tx, in_part("encoder"))))
     s, c = init_state(frozen, jax.random.key(0), data.x[0], len(COUNTS))
     ref, _, _ = run_rounds(frozen, data, s, c, ROOT, 2)
-    assert_trees_close(server["params"], ref["params"], atol=1e-6, rtol=1e-5)
-    assert_trees_close(server["batch_stats"], ref["batch_stats"], atol=1e-6, rtol=1e-5)
+    # (other programs for the same math, here and below: equal up to float32 rounding of the reference)
+    tol = rounds_tolerance(frozen, data, s, c, ROOT, rounds=2)[0]
+    assert_trees_close(server["params"], ref["params"], atol=tol["params"], rtol=0)
+    assert_trees_close(server["batch_stats"], ref["batch_stats"], atol=tol["batch_stats"], rtol=0)
     # the evaluated model: the global model of round 1's end, fine-tuned (all parameters) for ft_epochs
     s1, _ = rounds("fedbabu", n=1, ft_epochs=2)
     expected = fine_tune(s1, data, 1, 2)
-    assert_trees_close(clients["tuned"], expected, atol=1e-6, rtol=1e-5)
+
+    @jax.jit
+    def tuned_and_logits(s):
+        rows = fine_tune(s, data, 1, 2)
+        return rows, apply_rows(rows)
+    tuned_tol, logits_tol = rounding_tolerance(tuned_and_logits, s1)
+    assert_trees_close(clients["tuned"], expected, atol=tuned_tol, rtol=0)
     alg, *_ = setup("fedbabu", ft_epochs=2)
-    np.testing.assert_allclose(predictions(alg, server, clients), apply_rows(expected), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(predictions(alg, server, clients), apply_rows(expected), atol=logits_tol, rtol=0)
 
 
 @bit_identity("fine-tuning runs at evaluation only: the training rounds do not read it")
@@ -306,9 +314,11 @@ def test_fedpac_alignment_term():
 def test_fedpac_without_alignment_and_combination_is_fedrep():
     a_s, a_c = rounds("fedpac", lam=0.0, combine_heads=False)
     b_s, b_c = rounds("fedrep", head_epochs=1)
-    assert_trees_close({k: a_s[k] for k in ("params", "batch_stats")}, {k: b_s[k] for k in ("params", "batch_stats")},
-                       atol=1e-6, rtol=1e-5)
-    assert_trees_close(a_c, b_c, atol=1e-6, rtol=1e-5)
+    # two programs for the same math: equal up to float32 rounding of FedRep's two rounds
+    server_tol, client_tol, _ = rounds_tolerance(*setup("fedrep", head_epochs=1), ROOT, rounds=2)
+    part = lambda t: {k: t[k] for k in ("params", "batch_stats")}
+    assert_trees_close(part(a_s), part(b_s), atol=part(server_tol), rtol=0)
+    assert_trees_close(a_c, b_c, atol=client_tol, rtol=0)
 
 
 @bit_identity("the body and prototype means are the plain weighted mean's operations")

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
+from conftest import assert_trees_close, info, make_data, make_trainer, rounds_tolerance, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms.fedtp import adapt_new_client, split_qkv
@@ -82,9 +82,13 @@ def test_vanilla_without_personalization_is_fedavg_on_the_same_vit():
         server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
         outs.append(run_rounds(alg, data, server, clients, ROOT, rounds=2))
     xi, w = split_qkv(outs[1][0]["params"], 2)
-    assert_trees_close(outs[0][0]["params"], xi, atol=1e-6)
-    np.testing.assert_allclose(outs[0][0]["qkv"], w, atol=1e-6)
-    np.testing.assert_allclose(outs[0][2]["loss"], outs[1][2]["loss"], rtol=1e-5)
+    # two programs for the same math: equal up to float32 rounding of FedAvg's two rounds (per leaf; W's per block)
+    tol, _, metric_tol = rounds_tolerance(avg, data, *init_state(avg, jax.random.key(0), data.x[0], len(COUNTS)),
+                                          ROOT, rounds=2)
+    xi_tol, w_tol = split_qkv(tol["params"], 2)
+    assert_trees_close(outs[0][0]["params"], xi, atol=xi_tol, rtol=0)
+    assert_trees_close(list(outs[0][0]["qkv"]), list(w), atol=list(w_tol), rtol=0)
+    np.testing.assert_allclose(outs[0][2]["loss"], outs[1][2]["loss"], atol=metric_tol["loss"], rtol=0)
 
 
 def test_vanilla_keeps_each_clients_projections():

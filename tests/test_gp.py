@@ -178,9 +178,9 @@ print(float(value), bool(jnp.all(jnp.isfinite(grad))))
 
 
 def test_a_gp_objective_of_hundreds_of_points_finishes_on_a_multithreaded_cpu():
-    # jaxlib 0.10's batched CPU LAPACK kernels deadlock when independent calls take every intra-op thread; the GP
-    # code keeps its solves in one chain. With two independent solves (the old predictive and its autodiff
-    # backward pass) this froze for good on 2 cores; a liveness check, with a bound far above its ~10 s.
+    # jaxlib 0.10's batched CPU LAPACK kernels deadlock when independent calls take every intra-op thread, so the
+    # GP code keeps its solves in one chain. A liveness check of that: the predictive and its autodiff backward
+    # pass on hundreds of points, in a fresh process on every core, finish (a bound far above their ~10 s).
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", LIVENESS], capture_output=True, text=True, timeout=300)

@@ -2,7 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_trees_close, info, make_data, make_trainer, run_rounds
+from conftest import assert_trees_close, info, make_data, make_trainer, rounds_tolerance, run_rounds
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import ce_loss, init_variables
@@ -49,7 +49,8 @@ def test_pfedme_with_one_inner_step_and_eta_lambda_one_is_fedavg():
     avg = build_algorithm("fedavg", model(), make_trainer(lr=0.05, momentum=0.0))
     s_ours, _, _ = run_rounds(ours, data, *init(ours, data), ROOT, rounds=2)
     s_avg, _, _ = run_rounds(avg, data, *init(avg, data), ROOT, rounds=2)
-    assert_trees_close(s_ours, s_avg, atol=2e-6, rtol=1e-5)
+    # two programs for the same math: equal up to float32 rounding of FedAvg's two rounds
+    assert_trees_close(s_ours, s_avg, atol=rounds_tolerance(avg, data, *init(avg, data), ROOT, rounds=2)[0], rtol=0)
 
 
 def test_pfedme_with_lambda_zero_keeps_w_and_trains_theta_locally():
@@ -62,8 +63,11 @@ def test_pfedme_with_lambda_zero_keeps_w_and_trains_theta_locally():
     server, clients = init(ours, data)
     s1, c1, _ = run_rounds(ours, data, server, clients, ROOT, rounds=1)
     _, c_loc, _ = run_rounds(loc, data, *init(loc, data), ROOT, rounds=1)
-    assert_trees_close(s1["params"], server["params"], atol=1e-7, rtol=1e-6)
-    assert_trees_close(c1["personal"]["params"], c_loc["params"], atol=1e-6)
+    # (up to float32 rounding: the server's weighted mean of equal models, and another program than Local's)
+    server_tol = rounds_tolerance(ours, data, server, clients, ROOT)[0]["params"]
+    assert_trees_close(s1["params"], server["params"], atol=server_tol, rtol=0)
+    client_tol = rounds_tolerance(loc, data, *init(loc, data), ROOT)[1]["params"]
+    assert_trees_close(c1["personal"]["params"], c_loc["params"], atol=client_tol, rtol=0)
 
 
 def test_pfedme_one_local_step_against_a_hand_computation():

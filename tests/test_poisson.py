@@ -68,9 +68,9 @@ def test_a_poisson_round_is_the_step_on_its_members_alone(backend):
     args = (server, jax.tree_util.tree_map(lambda a: a[ids], clients), sub, jnp.asarray(ids), round_idx, ROOT)
     want, kept, want_metrics = reference(*args)
     # another program (padding rows, another lane layout): equal up to float32 rounding of this computation
-    tol, kept_tol, _ = rounding_tolerance(reference, *args)
+    tol, kept_tol, metric_tol = rounding_tolerance(reference, *args)
     assert_trees_close(new, want, atol=tol, rtol=0)
-    np.testing.assert_allclose(metrics["loss"], want_metrics["loss"], rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], want_metrics["loss"], atol=metric_tol["loss"], rtol=0)
     others = np.setdiff1d(np.arange(len(COUNTS)), ids)
     assert_trees_close(jax.tree_util.tree_map(lambda a: a[ids], store.state), kept, atol=kept_tol, rtol=0)
     for a, b in zip(jax.tree_util.tree_leaves(store.state), jax.tree_util.tree_leaves(clients)):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, make_data, make_trainer, run_step, trained_rows
+from conftest import assert_trees_close, make_data, make_trainer, rounds_tolerance, run_step, trained_rows
 
 from jaxfl.algorithms import REGISTRY, build_algorithm
 from jaxfl.core import privacy
@@ -205,7 +205,7 @@ def test_noise_has_the_asked_std_only_on_shared_leaves():
     assert np.array_equal(off["w"], params["w"]) and float(jnp.std(off["head"])) > 0
 
 
-ALGORITHM_CTX = RunContext(num_clients=4, num_rounds=4, cohort_size=4, lr=0.05, momentum=0.5)
+ALGORITHM_CTX = RunContext(num_clients=4, num_rounds=4, cohort_size=4)
 
 
 def _alg(name):
@@ -306,8 +306,10 @@ def test_the_server_moves_at_most_the_clip_and_clients_keep_their_own_training(n
     assert float(unclipped) > 2 * clip  # the bound below binds
     assert float(moved) <= clip * (1 + 1e-5)  # a mean of updates of norm <= C
     assert np.all(np.asarray(clipped[2]["update_norm"]) > clip)
-    # personal state: the clients' own training (equal up to float rounding: they are different programs)
-    assert_trees_close(clipped[1], plain[1], atol=1e-6, rtol=1e-6)
+    # personal state: the clients' own training (equal up to float32 rounding of the round: they are different
+    # programs)
+    tol, client_tol, _ = rounds_tolerance(alg, data, *start, jax.random.key(3), num_rounds=4)
+    assert_trees_close(clipped[1], plain[1], atol=client_tol, rtol=0)
     # a trained row is the algorithm's own: evaluating it before aggregation (--eval-point local) works
     rows = trained_rows(dp, data, *start, jax.random.key(3), num_rounds=4)
     row = jax.tree_util.tree_map(lambda v: v[0], rows)
@@ -315,21 +317,24 @@ def test_the_server_moves_at_most_the_clip_and_clients_keep_their_own_training(n
     # a clip no update reaches changes nothing (the wrapper's where keeps each model as trained)
     loose = run_step(privacy.with_privacy(alg, 1e6, 0.0, jax.random.key(4)), data, *start, jax.random.key(3),
                      num_rounds=4)
-    assert_trees_close(loose[0], plain[0], atol=1e-6, rtol=1e-6)
+    assert_trees_close(loose[0], plain[0], atol=tol, rtol=0)
 
 
 def test_noise_on_the_mean_has_std_z_clip_over_k():
     data = make_data([12, 20, 7, 16])
     alg = _alg("fedavg")
     start = init_state(alg, jax.random.key(0), data.x[0], 4)
-    quiet = run_step(privacy.with_privacy(alg, 0.05, 0.0, jax.random.key(4)), data, *start, jax.random.key(3))
+    calm = privacy.with_privacy(alg, 0.05, 0.0, jax.random.key(4))
+    quiet = run_step(calm, data, *start, jax.random.key(3))
     noisy = run_step(privacy.with_privacy(alg, 0.05, 2.0, jax.random.key(4)), data, *start, jax.random.key(3))
     diff = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree_util.tree_leaves(noisy[0]["params"]),
                                                             jax.tree_util.tree_leaves(quiet[0]["params"]))])
     assert diff.size > 500  # the std estimate is then within ~3 % (one sigma)
     assert float(np.std(diff)) == pytest.approx(2.0 * 0.05 / 4, rel=0.1)
-    # BatchNorm statistics are not parameters: no noise there (a run refuses DP where they are averaged)
-    assert_trees_close(noisy[0]["batch_stats"], quiet[0]["batch_stats"], atol=1e-6, rtol=1e-6)
+    # BatchNorm statistics are not parameters: no noise there (a run refuses DP where they are averaged); another
+    # program (the noise's): equal up to float32 rounding of the round
+    tol = rounds_tolerance(calm, data, *start, jax.random.key(3))[0]["batch_stats"]
+    assert_trees_close(noisy[0]["batch_stats"], quiet[0]["batch_stats"], atol=tol, rtol=0)
 
 
 def _records(out):

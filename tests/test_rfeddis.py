@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, evaluator, make_data, make_trainer, setup_algorithm, bit_identity
+from conftest import (assert_trees_close, bit_identity, evaluator, make_data, make_trainer, rounds_tolerance,
+                      setup_algorithm)
 
 from jaxfl import ops
 from jaxfl.algorithms import build_algorithm
@@ -99,9 +100,12 @@ def test_without_local_head_and_dis_it_is_fedbn_with_an_evidential_head():
     for alg in (ref, ours):
         server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
         outs.append(run_rounds(alg, data, server, clients, ROOT, rounds, num_rounds=rounds))
-    assert_trees_close(outs[0][0], outs[1][0], atol=1e-6)
-    assert_trees_close(outs[0][1]["params"], outs[1][1]["params"], atol=1e-6)
-    np.testing.assert_allclose(outs[0][2]["loss"], outs[1][2]["loss"], rtol=1e-5)
+    # two programs for the same math: equal up to float32 rounding of the reference's three rounds
+    server, clients = init_state(ref, jax.random.key(0), data.x[0], len(COUNTS))
+    tol, client_tol, metric_tol = rounds_tolerance(ref, data, server, clients, ROOT, rounds, num_rounds=rounds)
+    assert_trees_close(outs[1][0], outs[0][0], atol=tol, rtol=0)
+    assert_trees_close(outs[1][1]["params"], outs[0][1]["params"], atol=client_tol["params"], rtol=0)
+    np.testing.assert_allclose(outs[1][2]["loss"], outs[0][2]["loss"], atol=metric_tol["loss"], rtol=0)
 
 
 @bit_identity("in round 0 the annealing weight is 0: the KL and disentanglement terms add exact zeros")

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, info, make_separable, make_trainer, ragged, setup_algorithm
+from conftest import (assert_trees_close, info, make_separable, make_trainer, ragged, rounding_tolerance,
+                      rounds_tolerance, setup_algorithm)
 
 from jaxfl.core.backends import ClientStore
 from jaxfl.core.cohort import straggler_work
@@ -52,17 +53,20 @@ def test_a_straggler_runs_the_first_epochs_of_the_full_run():
     loss, p, stats, key = ce_loss(model), server["params"], server["batch_stats"], jax.random.key(2)
     one = ClientData(data.x[0], data.y[0], data.count[0])
 
-    def run(epochs, work=None):
+    def run(epochs, work=None):  # -> the jitted run, a function of the float states (p, stats)
         trainer = make_trainer(epochs=epochs)
         d = ClientData(one.x, one.y, one.count, None if work is None else jnp.float32(work))
-        return jax.jit(lambda d: trainer.run(loss, p, stats, trainer.tx.init(p), d, key))(d)
+        return jax.jit(lambda p, stats: trainer.run(loss, p, stats, trainer.tx.init(p), d, key))
 
-    straggling, two = run(4, 0.4), run(2)  # 1 + floor(0.4 * 3) = 2 of 4 epochs
-    assert float(straggling[3]["steps"]) == 2 * 3 == float(two[3]["steps"])  # 24 samples, batch 8
-    assert_trees_close(straggling[0], two[0], atol=1e-6, rtol=1e-6)
-    full = run(4, 1.0)
+    def assert_same_run(got, reference):  # another program: equal up to float32 rounding of the reference run
+        assert_trees_close(got, reference(p, stats)[0], atol=rounding_tolerance(reference, p, stats)[0], rtol=0)
+
+    straggling, two = run(4, 0.4)(p, stats), run(2)  # 1 + floor(0.4 * 3) = 2 of 4 epochs
+    assert float(straggling[3]["steps"]) == 2 * 3 == float(two(p, stats)[3]["steps"])  # 24 samples, batch 8
+    assert_same_run(straggling[0], two)
+    full = run(4, 1.0)(p, stats)
     assert float(full[3]["steps"]) == 12
-    assert_trees_close(full[0], run(4)[0], atol=1e-6, rtol=1e-6)
+    assert_same_run(full[0], run(4))
 
 
 @pytest.mark.parametrize("name,opts,full,slow", [
@@ -94,11 +98,10 @@ def test_fedselect_straggler_runs_its_first_alternations():  # (its LocalAlt loo
     alg2, *_ = setup_algorithm("fedselect", small_cnn(num_classes=4, width=4, hidden=(8,)), (24, 24),
                                options={"la_epochs": 2}, **shared)
     client = jax.tree_util.tree_map(lambda a: a[0], clients)
-    d = ClientData(data.x[0], data.y[0], data.count[0])
-    run = lambda alg, d: jax.jit(lambda d: alg.local_update(server, client, d, jax.random.key(1), info(0, 0)))(d)
-    straggler = run(alg3, ClientData(d.x, d.y, d.count, jnp.float32(0.6)))  # 1 + floor(0.6 * 2) = 2 of 3
-    two = run(alg2, d)
-    assert_trees_close(straggler[0], two[0], atol=1e-6, rtol=1e-6)
+    straggler = _update_fn(alg3, data, 0.6)(server, client)  # 1 + floor(0.6 * 2) = 2 of 3
+    two = _update_fn(alg2, data, None)
+    # another program: equal up to float32 rounding of the two alternations' run
+    assert_trees_close(straggler[0], two(server, client)[0], atol=rounding_tolerance(two, server, client)[0], rtol=0)
 
 
 def test_both_backends_give_stragglers_the_same_rounds():
@@ -116,7 +119,9 @@ def test_both_backends_give_stragglers_the_same_rounds():
             s, m = engine.round(s, store, r, ROOT)
             steps.append(np.asarray(m["steps"]).tolist())
         out[type(engine).__name__] = (s, steps)
-    assert_trees_close(out["Stacked"][0], out["Ragged"][0], atol=2e-5, rtol=1e-4)
+    # two programs (map over clients, vmap lanes): equal up to float32 rounding of the three rounds
+    tol = rounds_tolerance(alg, make_separable(counts), server, clients, ROOT, rounds=3, stragglers=0.5)[0]
+    assert_trees_close(out["Stacked"][0], out["Ragged"][0], atol=tol, rtol=0)
     assert out["Stacked"][1] == out["Ragged"][1]
     per_epoch = np.array([3, 3, 2, 4])  # ceil(n / 8) batches; E = 3
     steps = np.array(out["Stacked"][1])
@@ -160,10 +165,19 @@ def test_scan_first_acts_on_the_first_runs_iterations_under_jit_vmap_and_grad():
     np.testing.assert_allclose(grads, [1.0, 6.0, 210.0], rtol=1e-6)
 
 
-def _update(alg, data, server, clients, work):
-    client = jax.tree_util.tree_map(lambda a: a[0], clients)
+def _update_fn(alg, data, work):
+    """Client 0's local update with ``work`` (None: all its epochs), jitted, a function of (server, client)."""
     d = ClientData(data.x[0], data.y[0], data.count[0], None if work is None else jnp.float32(work))
-    return jax.jit(lambda d: alg.local_update(server, client, d, jax.random.key(1), info(0, 0)))(d)
+    return jax.jit(lambda server, client: alg.local_update(server, client, d, jax.random.key(1), info(0, 0)))
+
+
+def _update(alg, data, server, clients, work):
+    return _update_fn(alg, data, work)(server, jax.tree_util.tree_map(lambda a: a[0], clients))
+
+
+def _update_tolerance(alg, data, server, clients, work):
+    """``rounding_tolerance`` of ``_update``: for comparing another program's update of the same math with it."""
+    return rounding_tolerance(_update_fn(alg, data, work), server, jax.tree_util.tree_map(lambda a: a[0], clients))
 
 
 def test_a_dapperfl_straggler_runs_its_epochs_in_all_dense_first():
@@ -173,7 +187,8 @@ def test_a_dapperfl_straggler_runs_its_epochs_in_all_dense_first():
     alg3, data, server, clients = setup_algorithm("dapperfl", model, (24, 24), epochs=3)
     alg1, *_ = setup_algorithm("dapperfl", model, (24, 24), epochs=1)
     one_epoch = _update(alg3, data, server, clients, 0.0)  # 1 + floor(0 * 2) = 1
-    assert_trees_close(one_epoch, _update(alg1, data, server, clients, None), atol=1e-6, rtol=1e-6)
+    assert_trees_close(one_epoch, _update(alg1, data, server, clients, None),
+                       atol=_update_tolerance(alg1, data, server, clients, None), rtol=0)
     assert float(_update(alg3, data, server, clients, 0.5)[1]["steps"]) == 3  # 2 epochs: 1 masked of 3 batches
     assert float(_update(alg3, data, server, clients, None)[1]["steps"]) == 6  # 2 masked epochs
 
@@ -183,7 +198,8 @@ def test_the_evaluation_fine_tune_runs_all_its_epochs_for_a_straggler():
                                                  (24, 24), epochs=3)
     whole, straggler = _update(alg, data, server, clients, None), _update(alg, data, server, clients, 0.0)
     assert float(straggler[1]["steps"]) == 3 and float(whole[1]["steps"]) == 9  # the training is shortened
-    assert_trees_close(straggler[0]["tuned"], whole[0]["tuned"], atol=1e-6, rtol=1e-6)  # the fine-tune is not
+    tol = _update_tolerance(alg, data, server, clients, None)[0]["tuned"]  # (another program: up to rounding)
+    assert_trees_close(straggler[0]["tuned"], whole[0]["tuned"], atol=tol, rtol=0)  # the fine-tune is not
 
 
 def test_a_step_budget_runs_the_first_steps_of_the_full_run():
@@ -197,15 +213,18 @@ def test_a_step_budget_runs_the_first_steps_of_the_full_run():
     loss, p, stats, key = ce_loss(model), server["params"], server["batch_stats"], jax.random.key(2)
     one = ClientData(data.x[0], data.y[0], data.count[0])  # 24 samples, batch 8: 3 steps an epoch
 
-    def run(epochs, max_steps=None):
+    def run(epochs, max_steps=None):  # -> the jitted run, a function of the float states (p, stats)
         trainer = dataclasses.replace(make_trainer(epochs=epochs), max_steps=max_steps)
-        return jax.jit(lambda d: trainer.run(loss, p, stats, trainer.tx.init(p), d, key))(one)
+        return jax.jit(lambda p, stats: trainer.run(loss, p, stats, trainer.tx.init(p), one, key))
 
-    cut, whole = run(4, 6), run(2)  # 6 steps of a 4-epoch run = its first 2 epochs
+    reference = run(2)
+    cut, whole = run(4, 6)(p, stats), reference(p, stats)  # 6 steps of a 4-epoch run = its first 2 epochs
+    tol = rounding_tolerance(reference, p, stats)[0]  # (other programs: equal up to float32 rounding of the run)
     assert float(cut[3]["steps"]) == 6 == float(whole[3]["steps"])
-    assert_trees_close(cut[0], whole[0], atol=1e-6, rtol=1e-6)
-    partial = run(4, 4)  # 2 epochs' worth would be 6: the second epoch stops after its first step
+    assert_trees_close(cut[0], whole[0], atol=tol, rtol=0)
+    partial = run(4, 4)(p, stats)  # 2 epochs' worth would be 6: the second epoch stops after its first step
     assert float(partial[3]["steps"]) == 4 and float(partial[3]["seen"]) == 24 + 8
     assert not np.allclose(jax.tree_util.tree_leaves(partial[0])[0], jax.tree_util.tree_leaves(whole[0])[0])
-    assert float(run(2, 100)[3]["steps"]) == 6
-    assert_trees_close(run(2, 100)[0], whole[0], atol=1e-6, rtol=1e-6)
+    budget = run(2, 100)(p, stats)
+    assert float(budget[3]["steps"]) == 6
+    assert_trees_close(budget[0], whole[0], atol=tol, rtol=0)

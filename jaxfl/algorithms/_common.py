@@ -4,7 +4,6 @@ sums, and evaluation after fine-tuning."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable
 
 import jax
@@ -209,16 +208,13 @@ def with_fine_tuning(base: Algorithm, model, trainer: LocalTrainer, ft_epochs: i
     return Algorithm(name, init, local_update, aggregate, predict, predict_trained)
 
 
-def optimizer_lr(trainer: LocalTrainer, lr: float | None = None, name: str = "scaffold", option: str = "lr") -> float:
-    """The client learning rate: ``lr`` if given (the option, else the run's base lr: ``RunContext.lr``), else
-    minus the first update the trainer's optimizer makes from a unit gradient at w = 0 (lr for SGD, with or
-    without momentum and weight decay, and for Adam)."""
+def client_lr(trainer: LocalTrainer, lr: float | None = None, name: str = "scaffold", option: str = "lr") -> float:
+    """The client learning rate an update divides by: ``lr`` (the algorithm's option) if given, else the
+    trainer's ``ClientOptimizer.lr``; a ConfigError naming the option when neither is known (a trainer built
+    from another optax transformation)."""
     if lr is not None:
         return float(lr)
-    zero = jnp.zeros((), jnp.float32)
-    update, _ = trainer.tx.update(jnp.ones((), jnp.float32), trainer.tx.init(zero), zero)
-    step = -float(update)
-    if not (math.isfinite(step) and step > 0):
-        raise ConfigError(f"{name} cannot read the client learning rate from the optimizer (its first step is "
-                          f"{step}); pass --{name}.{option.replace('_', '-')}")
-    return step
+    if trainer.optimizer is None:
+        raise ConfigError(f"{name} needs the client learning rate: build the LocalTrainer from a ClientOptimizer "
+                          f"or pass --{name}.{option.replace('_', '-')}")
+    return float(trainer.optimizer.lr)

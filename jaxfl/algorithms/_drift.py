@@ -1,6 +1,6 @@
 """Drift correction shared by SCAFFOLD, FedDyn and FedDC: sums over the cohort scaled by 1/N and SCAFFOLD's
 option-II control variate (FedDC uses it too). The client learning rate a correction divides by is
-``_common.optimizer_lr``."""
+``_common.client_lr``."""
 from __future__ import annotations
 
 import jax

@@ -43,7 +43,7 @@ from ..core.options import Options, option
 from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
-from ._common import init_variables, model_variables, optimizer_lr
+from ._common import init_variables, model_variables, client_lr
 from ._registry import register
 
 
@@ -101,8 +101,8 @@ def apfl_loss(model, alpha_reg: float, mix: str):
 def apfl(model, trainer: LocalTrainer, o: APFLOptions, ctx: RunContext) -> Algorithm:
     """APFL: FedAvg's global model w, a personal v_i and a learned mixing weight alpha_i per client."""
     alpha_tx = optax.set_to_zero()
-    if o.adaptive:  # eta_a: the option, else the run's --lr, else the client optimizer's step size
-        alpha_lr = optimizer_lr(trainer, ctx.lr if o.alpha_lr is None else o.alpha_lr, "apfl", "alpha_lr")
+    if o.adaptive:  # eta_a: the option, else the client optimizer's learning rate (--lr)
+        alpha_lr = client_lr(trainer, o.alpha_lr, "apfl", "alpha_lr")
         alpha_tx = optax.chain(optax.sgd(alpha_lr), clip_to_unit_interval())
     tx = optax.multi_transform({"model": trainer.tx, "alpha": alpha_tx},
                                lambda p: {"w": "model", "v": "model", "alpha": "alpha"})

@@ -15,7 +15,7 @@ correction as the linear term)
 
 With full participation theta = mean_i (w_i + h_i), the paper's aggregation of the drift-corrected models. K_i
 is the client's own number of optimizer steps this round; lr the client learning rate (option ``lr``: by default
-the run's ``--lr``, ``LocalTrainer.lr``, else read from the optimizer, ``_common.optimizer_lr``); ``alpha`` =
+the client optimizer's, ``--lr``: ``LocalTrainer.optimizer``, ``_common.client_lr``); ``alpha`` =
 0.01. In its first round (h_i = 0, G = G_i = 0) a client trains exactly FedProx's objective with mu = alpha, but
 the server adds the drift: alpha = 0 is not FedAvg (its first cloud model is 2 mean(w_i) - theta^0). BatchNorm
 running statistics are averaged as FedAvg does. Every client predicts with the cloud model theta.
@@ -42,7 +42,7 @@ from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ._common import ce_loss, global_model_predictors, init_variables, model_variables
-from ._common import optimizer_lr
+from ._common import client_lr
 from ._drift import cohort_sum_over_n, control_variate
 from ._registry import register
 
@@ -67,7 +67,7 @@ class FedDCOptions(Options):
 def feddc(model, trainer: LocalTrainer, o: FedDCOptions, ctx: RunContext) -> Algorithm:
     """FedDC with drift penalty ``alpha``; ctx.num_clients: N, the run's client count (None: every client takes part
     in every round); options: ``FedDCOptions``."""
-    alpha, lr = o.alpha, optimizer_lr(trainer, ctx.lr if o.lr is None else o.lr, "feddc")
+    alpha, lr = o.alpha, client_lr(trainer, o.lr, "feddc")
     ce = ce_loss(model)
 
     def init(key, sample_x):

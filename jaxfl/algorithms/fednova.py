@@ -72,7 +72,7 @@ class FedNovaOptions(Options):
 def fednova(model, trainer, opts: FedNovaOptions, ctx: RunContext) -> Algorithm:
     """FedNova: FedAvg's local training; the server averages updates normalised by ||a_i||_1."""
     base = fedavg(model, trainer, FedAvgOptions(), ctx)
-    rho = float(ctx.momentum or 0.0)
+    rho = trainer.optimizer.sgd_momentum if trainer.optimizer is not None else 0.0
 
     def local_update(server, client, data, key, info):
         trained, metrics = base.local_update(server, client, data, key, info)

@@ -45,7 +45,7 @@ from ..core.options import Options, option
 from ..core.trainer import LocalTrainer, batch_of, client_epochs, epoch_permutation, num_positions
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
-from ._common import ce_loss, global_model_predictors, init_variables, model_variables, optimizer_lr
+from ._common import ce_loss, global_model_predictors, init_variables, model_variables, client_lr
 from ._registry import register
 
 
@@ -98,8 +98,8 @@ def sgd_adapt(grad_fn, variables, batches, alpha: float):
 @register(PerFedAvgOptions)
 def perfedavg(model, trainer: LocalTrainer, o: PerFedAvgOptions, ctx: RunContext) -> Algorithm:
     """Per-FedAvg (FO or HF): a MAML meta-model averaged by the server, adapted by each client to predict."""
-    alpha = optimizer_lr(trainer, ctx.lr if o.alpha is None else o.alpha, "perfedavg", "alpha")
-    beta = optimizer_lr(trainer, ctx.lr if o.beta is None else o.beta, "perfedavg", "beta")
+    alpha = client_lr(trainer, o.alpha, "perfedavg", "alpha")
+    beta = client_lr(trainer, o.beta, "perfedavg", "beta")
     k = 2 if o.variant == "fo" else 3
     delta = o.delta if o.variant == "hf" else None
     b = trainer.batch_size

@@ -15,9 +15,8 @@ The correction enters as the linear loss term, so it goes through the optimizer 
 it is carried by the momentum buffer). K_i is the client's own number of optimizer steps this round (the
 trainer's ``steps``; ragged clients each their own), lr the client learning rate. BatchNorm running statistics
 are not parameters: they are averaged as FedAvg does and get no control variate. Every client predicts with the
-global model. Options: ``global_lr`` lr_g = 1; ``lr``: by default the run's ``--lr`` (``LocalTrainer.lr``), or,
-for a trainer built without it, read from its optimizer (``optimizer_lr``: minus its first update of a unit
-gradient at w = 0, which is lr for SGD with or without momentum and for Adam; pass it for Nesterov or a schedule).
+global model. Options: ``global_lr`` lr_g = 1; ``lr``: by default the client optimizer's (``--lr``,
+``LocalTrainer.optimizer``; ``_common.client_lr``); pass it for a trainer built from another optax transformation.
 
 Deviations:
 - The reference scales c by each client's relative data size r_i = n_i N / sum_j n_j (c / r_i in the loss,
@@ -42,7 +41,7 @@ from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
 from ._common import ce_loss, global_model_predictors, init_variables, model_variables
-from ._common import optimizer_lr
+from ._common import client_lr
 from ._drift import cohort_sum_over_n, control_variate
 from ._registry import register
 
@@ -61,7 +60,7 @@ class ScaffoldOptions(Options):
 def scaffold(model, trainer: LocalTrainer, o: ScaffoldOptions, ctx: RunContext) -> Algorithm:
     """SCAFFOLD (option II control variates); ctx.num_clients: N, the run's client count (None: every client takes
     part in every round); options: ``ScaffoldOptions``."""
-    lr, lr_g = optimizer_lr(trainer, ctx.lr if o.lr is None else o.lr), o.global_lr
+    lr, lr_g = client_lr(trainer, o.lr, "scaffold"), o.global_lr
     ce = ce_loss(model)
 
     def init(key, sample_x):

@@ -4,10 +4,10 @@ aggregation reductions, bucket planning, pytree helpers and the device mesh. Dep
 from .backends import ClientStore, Ragged, Stacked, Streamed
 from .evaluate import Evaluator, make_evaluate, make_predict
 from .step import Step, init_state, make_step
-from .trainer import LocalTrainer, client_optimizer, normalizer
+from .trainer import ClientOptimizer, LocalTrainer, client_optimizer, normalizer
 from .types import Algorithm, RoundInfo, RunContext
 
 
-__all__ = ["Algorithm", "ClientStore", "Evaluator", "LocalTrainer", "Ragged", "RoundInfo", "RunContext", "Stacked",
-           "Streamed", "Step", "client_optimizer", "init_state", "make_evaluate", "make_predict", "make_step",
-           "normalizer"]
+__all__ = ["Algorithm", "ClientOptimizer", "ClientStore", "Evaluator", "LocalTrainer", "Ragged",
+           "RoundInfo", "RunContext", "Stacked", "Streamed", "Step", "client_optimizer", "init_state",
+           "make_evaluate", "make_predict", "make_step", "normalizer"]

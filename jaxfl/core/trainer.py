@@ -19,16 +19,41 @@ from .metrics import correct_count
 OPTIMIZERS = ("sgd", "adam")
 
 
+@dataclasses.dataclass(frozen=True)
+class ClientOptimizer:
+    """A client's optimizer settings, as PyTorch builds it: ``sgd`` (momentum, nesterov) or ``adam``, with
+    weight decay as an L2 term added to the gradient before the update (torch's ``weight_decay``, not AdamW):
+    g <- g + weight_decay * w. ``transform()`` is exactly ``optax.sgd`` / ``optax.adam`` without weight decay.
+
+    The one place an algorithm reads the client learning rate and momentum from (``LocalTrainer.optimizer``):
+    SCAFFOLD's and FedDC's control variates divide by lr, FedNova's normalizing vector follows the momentum.
+    """
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.name!r} is not one of {OPTIMIZERS}")
+
+    def transform(self) -> optax.GradientTransformation:
+        """The optax transformation of these settings."""
+        base = (optax.sgd(self.lr, momentum=self.momentum or None, nesterov=self.nesterov) if self.name == "sgd"
+                else optax.adam(self.lr))
+        return optax.chain(optax.add_decayed_weights(self.weight_decay), base) if self.weight_decay else base
+
+    @property
+    def sgd_momentum(self) -> float:
+        """SGD's momentum coefficient rho (0 for Adam, whose steps have no such linear recursion)."""
+        return float(self.momentum) if self.name == "sgd" else 0.0
+
+
 def client_optimizer(name: str = "sgd", lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0,
                      nesterov: bool = False) -> optax.GradientTransformation:
-    """A client's optimizer as PyTorch builds it: ``sgd`` (momentum, nesterov) or ``adam``, with weight decay
-    as an L2 term added to the gradient before the update (torch's ``weight_decay``, not AdamW):
-    g <- g + weight_decay * w. Without weight decay it is exactly ``optax.sgd`` / ``optax.adam``."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer {name!r} is not one of {OPTIMIZERS}")
-    base = (optax.sgd(lr, momentum=momentum or None, nesterov=nesterov) if name == "sgd"
-            else optax.adam(lr))
-    return optax.chain(optax.add_decayed_weights(weight_decay), base) if weight_decay else base
+    """``ClientOptimizer(...).transform()``: the optax transformation alone."""
+    return ClientOptimizer(name, lr, momentum, weight_decay, nesterov).transform()
 
 
 def normalizer(mean: float = 0.5, std: float = 0.5) -> Callable:
@@ -169,6 +194,9 @@ class LocalTrainer:
     gradients clipped, summed and noised; the steps per epoch stay ceil(n / batch_size).
     ``max_steps``: at most this many optimizer steps in all (the epochs run in order, the last one cut short):
     a fine-tuning budget in steps (None: every step of every epoch).
+    ``tx``: a ``ClientOptimizer`` (kept as ``optimizer``, its transformation as ``tx``: algorithms read the
+    learning rate and momentum there) or any optax transformation (``optimizer`` None: an algorithm whose update
+    divides by the learning rate then takes it as its own option).
     """
     tx: optax.GradientTransformation
     batch_size: int
@@ -176,6 +204,12 @@ class LocalTrainer:
     preprocess: Callable = normalizer()
     dp: SampleDP | None = None
     max_steps: int | None = None
+    optimizer: ClientOptimizer | None = None
+
+    def __post_init__(self):
+        if isinstance(self.tx, ClientOptimizer):
+            object.__setattr__(self, "optimizer", self.tx)
+            object.__setattr__(self, "tx", self.tx.transform())
 
     def run(self, loss_fn, params, state, opt_state, data: ClientData, key, epochs=None):
         """Train one client.

@@ -88,15 +88,13 @@ class RunContext:
 
     num_clients: N, the population (the size of a per-client table on the server: FedTP, pFedHN; the 1/N of
     a server update over all clients: SCAFFOLD, FedDyn, FedDC); num_rounds: T; dataset: its name (presets);
-    lr: the client optimizer's base learning rate (updates that divide by it: SCAFFOLD, FedDC); momentum: its
-    SGD momentum (FedNova's normalizing vector depends on it); cohort_size: the clients trained per round (a
-    client's expected participations over the run, cohort_size / num_clients * num_rounds: FedPHP).
+    cohort_size: the clients trained per round (a client's expected participations over the run,
+    cohort_size / num_clients * num_rounds: FedPHP). The client optimizer's settings (learning rate, momentum)
+    are the trainer's: ``LocalTrainer.optimizer``.
     """
     num_clients: int | None = None
     num_rounds: int | None = None
     dataset: str | None = None
-    lr: float | None = None
-    momentum: float | None = None
     cohort_size: int | None = None
 
 

@@ -24,7 +24,7 @@ from ..core.dpsgd import SampleDP
 from ..core.privacy import (CLIP_KEY, Accountant, SampleAccountant, bn_stats_shared, calibrate_noise,
                             clients_keep_state, default_delta, has_batch_stats, noise_for_epsilon,
                             value_noise_multiplier, with_privacy)
-from ..core.trainer import LocalTrainer, client_optimizer, normalizer
+from ..core.trainer import ClientOptimizer, LocalTrainer, normalizer
 from ..core.trees import count_params
 from ..core.types import RunContext
 from ..data import load_dataset
@@ -172,12 +172,11 @@ class Experiment:
                               f"devices={self.mesh.devices.size}; use a cohort that is a multiple of it")
         self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
         self.train_data, self.test_data = RaggedClients.from_clients(ds.train), RaggedClients.from_clients(ds.test)
-        tx = client_optimizer(**cfg.client_training())
         preprocess = normalizer(*ds.normalize)
-        self.trainer = LocalTrainer(tx, cfg.batch_size, cfg.local_epochs, preprocess)
+        self.trainer = LocalTrainer(ClientOptimizer(**cfg.client_training()), cfg.batch_size, cfg.local_epochs,
+                                    preprocess)
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
-        self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, lr=cfg.lr,
-                                  momentum=cfg.momentum if cfg.optimizer == "sgd" else None, cohort_size=self.cohort)
+        self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
         self.privacy = None
         if cfg.dp_clip is not None and cfg.dp_level == "sample":  # DP-SGD in every client's local training
