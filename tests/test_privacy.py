@@ -13,8 +13,10 @@ from conftest import assert_trees_close, make_data, make_trainer, rounds_toleran
 
 from jaxfl.algorithms import REGISTRY, build_algorithm
 from jaxfl.core import privacy
+from jaxfl.core.privacy import accounting
 from jaxfl.core.step import cohort_train, init_state, make_step
 from jaxfl.core.types import RoundInfo, RunContext
+from jaxfl.errors import ConfigError
 from jaxfl.models import small_cnn
 from jaxfl.run.cli import main
 
@@ -68,7 +70,7 @@ def test_the_refined_bound_is_dp_accountings_and_below_theorem_9():
 def test_the_forward_differences_are_the_moments_of_the_privacy_loss():
     # Δ^m φ(0) = E[(L - 1)^m], L = e^{(2x - 1) / (2σ²)}, x ~ N(0, σ²): by hand for m = 2, 4
     sigma = 1.3
-    d = privacy._log_even_differences(sigma, 4)
+    d = accounting._log_even_differences(sigma, 4)
     e = lambda v: math.exp(v / sigma ** 2)
     assert d[2] == pytest.approx(math.log(e(1) - 1), rel=1e-12)
     assert d[4] == pytest.approx(math.log(e(6) - 4 * e(3) + 6 * e(1) - 3), rel=1e-12)
@@ -78,7 +80,7 @@ def test_the_forward_differences_are_the_moments_of_the_privacy_loss():
     u = (2 * x - 1) / (2 * sigma ** 2)
     g = m * np.log(np.abs(np.expm1(u)) + 1e-300) - x ** 2 / (2 * sigma ** 2) - math.log(sigma * math.sqrt(2 * math.pi))
     quad = g.max() + math.log(np.exp(g - g.max()).sum() * (x[1] - x[0]))
-    assert privacy._log_even_differences(sigma, m)[m] == pytest.approx(quad, rel=1e-9)
+    assert accounting._log_even_differences(sigma, m)[m] == pytest.approx(quad, rel=1e-9)
 
 
 def test_a_huge_epsilon_calibrates_a_tiny_noise_without_overflow():
@@ -107,7 +109,7 @@ def test_an_epsilon_below_what_any_noise_certifies_is_refused_naming_the_floor()
     assert floor == pytest.approx(np.min(np.log((a - 1) / a) - (math.log(1e-5) + np.log(a)) / (a - 1)))
     # (the Poisson curve: the replace-one bound's decimal sums take ~30 s at z = 1e6)
     assert privacy.Accountant(0.1, 1e6, 1e-5, "poisson").epsilon(10) == pytest.approx(floor, rel=1e-6)
-    with pytest.raises(privacy.ConfigError, match=r"epsilon 0.01 is at or below 0.01949.*delta 1e-05"):
+    with pytest.raises(ConfigError, match=r"epsilon 0.01 is at or below 0.01949.*delta 1e-05"):
         privacy.noise_for_epsilon(0.1, 10, 1e-5, 0.01)
     assert privacy.noise_for_epsilon(0.1, 10, 1e-5, 0.03, "poisson") > 10
 
