@@ -1,6 +1,6 @@
-"""Steps of a run's build that stand alone: what the server does around an algorithm, and what malicious
-clients do to their data. ``runner.Experiment`` calls them in this order after the algorithm (and user-level
-DP, which the accountant ties to the run) is built.
+"""Steps of a run's build that stand alone: differential privacy around an algorithm (``with_sample_dp``,
+``with_user_dp``), what the server does around it, and what malicious clients do to their data.
+``runner.Experiment`` calls them in this order after the algorithm is built.
 
 Server-side composition, innermost first (each wrapper's ``aggregate`` calls the one inside it):
 
@@ -16,19 +16,77 @@ engine's: ``core.cohort``).
 """
 from __future__ import annotations
 
+import dataclasses
+
+from typing import Callable
+
 import jax
 import numpy as np
 
+from ..core.dpsgd import SampleDP
+from ..core.privacy import (Accountant, SampleAccountant, bn_stats_shared, calibrate_noise, clients_keep_state,
+                            default_delta, has_batch_stats, noise_for_epsilon, with_privacy)
 from ..core.server_opt import with_server_optimizer
+from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm
+from ..errors import ConfigError
 from ..data.ragged import RaggedClients
 from ..ops.attacks import (UPDATE_ATTACKS, backdoor_samples, backdoor_test, flip_labels, malicious_clients,
                            parse_attack, with_update_attack)
 from ..ops.compression import parse_compression, with_compression
 from ..ops.robust_aggregation import parse_aggregator, with_robust_aggregate
-from .config import RunConfig
+from .config import RunConfig, dp_count_noise, model_name
 
 ATTACK_STREAM, COMPRESSION_STREAM = 7, 8
+DP_STREAM = 4  # fold_in(key(seed), 4): DP-FedAvg's noise
+
+
+def with_sample_dp(cfg: RunConfig, alg: Algorithm, rebuild: Callable[[LocalTrainer], Algorithm],
+                   trainer: LocalTrainer, counts: list[int], sample_x, rate: float):
+    """DP-SGD in every client's local training (``--dp-level sample``): (cfg with its noise multiplier, the DP
+    trainer, the algorithm built on it by ``rebuild(trainer)``, its ``SampleAccountant``). ``alg``, built on
+    the plain trainer, tells what the DP one cannot change: whether a model has BatchNorm (refused: its
+    statistics mix a batch's samples) and whether clients keep state (then a fixed-size cohort's draw does not
+    amplify a round). ``counts``: every client's training samples; ``rate``: the cohort's sampling rate."""
+    key = jax.random.key(0)
+    if has_batch_stats(alg, key, sample_x):
+        raise ConfigError(f"--dp-level sample: {model_name(cfg)} has BatchNorm, whose statistics mix a "
+                          f"batch's samples; use a model without it (logreg, mlp_2nn, femnist_cnn, "
+                          f"fedavg_cnn, pfl_cnn, vit_tiny, ...)")
+    delta = cfg.dp_delta or default_delta(sum(counts))
+    # the fixed-size cohort's draw amplifies a round only where it depends on the cohort's data alone
+    amplified = cfg.cohort_sampling == "fixed" and not clients_keep_state(alg, key, sample_x)
+
+    def spent(z):
+        return SampleAccountant(counts, cfg.batch_size, cfg.local_epochs, z, delta, rate if amplified else 1.0)
+
+    if cfg.dp_epsilon is not None:
+        noise = calibrate_noise(lambda z: spent(z).epsilon(cfg.rounds), cfg.dp_epsilon,
+                                f"after {cfg.rounds} rounds at delta {delta:g}", delta)
+        cfg = cfg.replace(dp_noise=noise)
+    trainer = dataclasses.replace(trainer, dp=SampleDP(cfg.dp_clip, cfg.dp_noise))
+    return cfg, trainer, rebuild(trainer), spent(cfg.dp_noise)
+
+
+def with_user_dp(cfg: RunConfig, alg: Algorithm, options, sample_x, num_clients: int, cohort: int, rate: float):
+    """DP-FedAvg (``--dp-clip`` at user level): (cfg with its noise multiplier, ``alg`` with clipped updates and
+    noise on the mean (``core.privacy.with_privacy``, before any server optimizer), its ``Accountant``).
+    Refused where the algorithm averages BatchNorm statistics, which the mechanism does not protect."""
+    if bn_stats_shared(alg, jax.random.key(0), sample_x):
+        local = (f"--{cfg.algorithm}.local-bn" if hasattr(options, "local_bn") else "fedbn")
+        raise ConfigError(f"--dp-clip: {cfg.algorithm} averages the BatchNorm statistics of "
+                          f"{model_name(cfg)} without noise; use a model without BatchNorm (logreg, mlp_2nn, "
+                          f"femnist_cnn, fedavg_cnn, pfl_cnn, vit_tiny, ...) or keep them per client "
+                          f"({local})")
+    delta = cfg.dp_delta or default_delta(num_clients)
+    if cfg.dp_epsilon is not None:  # the noise multiplier that spends the asked epsilon over the run
+        cfg = cfg.replace(dp_noise=noise_for_epsilon(rate, cfg.rounds, delta, cfg.dp_epsilon, cfg.cohort_sampling))
+    adaptive = {} if cfg.dp_quantile is None else dict(
+        quantile=cfg.dp_quantile, clip_lr=cfg.dp_clip_lr, count_std=dp_count_noise(cfg, cohort))
+    poisson = cfg.cohort_sampling == "poisson"  # then the sum over the expected cohort qN
+    alg = with_privacy(alg, cfg.dp_clip, cfg.dp_noise, jax.random.fold_in(jax.random.key(cfg.seed), DP_STREAM),
+                       **adaptive, expected_clients=rate * num_clients if poisson else None)
+    return cfg, alg, Accountant(rate, cfg.dp_noise, delta, cfg.cohort_sampling)
 
 
 def malicious_of(cfg: RunConfig, num_clients: int) -> np.ndarray | None:

@@ -20,10 +20,7 @@ from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devic
 from ..core.evaluate import Evaluator
 from ..core.metrics import client_spread
 from ..core.step import cohort_train
-from ..core.dpsgd import SampleDP
-from ..core.privacy import (CLIP_KEY, Accountant, SampleAccountant, bn_stats_shared, calibrate_noise,
-                            clients_keep_state, default_delta, has_batch_stats, noise_for_epsilon,
-                            value_noise_multiplier, with_privacy)
+from ..core.privacy import CLIP_KEY, value_noise_multiplier
 from ..core.trainer import ClientOptimizer, LocalTrainer, normalizer
 from ..core.trees import count_params
 from ..core.types import RunContext
@@ -31,7 +28,7 @@ from ..data import load_dataset
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped, first_line
 from ..models import build_model
-from .build import backdoor_test_data, malicious_of, poison_data, server_side
+from .build import backdoor_test_data, malicious_of, poison_data, server_side, with_sample_dp, with_user_dp
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
 from .evaluation import (TUNE_STREAM, InitialStates, held_out, holds_model, on_rows, prefixed, server_predict,
                          split_clients)
@@ -179,44 +176,15 @@ class Experiment:
         self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
         self.privacy = None
+        sample_x = ds.train[0][0][:1]
         if cfg.dp_clip is not None and cfg.dp_level == "sample":  # DP-SGD in every client's local training
-            if has_batch_stats(self.algorithm, jax.random.key(0), ds.train[0][0][:1]):
-                raise ConfigError(f"--dp-level sample: {model_name(cfg)} has BatchNorm, whose statistics mix a "
-                                  f"batch's samples; use a model without it (logreg, mlp_2nn, femnist_cnn, "
-                                  f"fedavg_cnn, pfl_cnn, vit_tiny, ...)")
-            counts = [len(y) for _, y in ds.train]
-            delta = cfg.dp_delta or default_delta(sum(counts))
-            # the fixed-size cohort's draw amplifies a round only where it depends on the cohort's data alone
-            amplified = (cfg.cohort_sampling == "fixed" and
-                         not clients_keep_state(self.algorithm, jax.random.key(0), ds.train[0][0][:1]))
-            spent = lambda z: SampleAccountant(counts, cfg.batch_size, cfg.local_epochs, z, delta,
-                                               self.rate if amplified else 1.0)
-            if cfg.dp_epsilon is not None:
-                noise = calibrate_noise(lambda z: spent(z).epsilon(cfg.rounds), cfg.dp_epsilon,
-                                        f"after {cfg.rounds} rounds at delta {delta:g}", delta)
-                self.cfg = cfg = cfg.replace(dp_noise=noise)
-            self.trainer = dataclasses.replace(self.trainer, dp=SampleDP(cfg.dp_clip, cfg.dp_noise))
-            self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
-            self.privacy = spent(cfg.dp_noise)
+            cfg, self.trainer, self.algorithm, self.privacy = with_sample_dp(
+                cfg, self.algorithm, lambda trainer: build_algorithm(self.options, self.model, trainer, self.context),
+                self.trainer, [len(y) for _, y in ds.train], sample_x, self.rate)
         elif cfg.dp_clip is not None:  # DP-FedAvg: clipped updates, noise on the mean (before a server optimizer)
-            if bn_stats_shared(self.algorithm, jax.random.key(0), ds.train[0][0][:1]):
-                local = (f"--{cfg.algorithm}.local-bn" if hasattr(self.options, "local_bn") else "fedbn")
-                raise ConfigError(f"--dp-clip: {cfg.algorithm} averages the BatchNorm statistics of "
-                                  f"{model_name(cfg)} without noise; use a model without BatchNorm (logreg, mlp_2nn, "
-                                  f"femnist_cnn, fedavg_cnn, pfl_cnn, vit_tiny, ...) or keep them per client "
-                                  f"({local})")
-            delta = cfg.dp_delta or default_delta(n)
-            if cfg.dp_epsilon is not None:  # the noise multiplier that spends the asked epsilon over the run
-                noise = noise_for_epsilon(self.rate, cfg.rounds, delta, cfg.dp_epsilon, cfg.cohort_sampling)
-                self.cfg = cfg = cfg.replace(dp_noise=noise)
-            adaptive = {} if cfg.dp_quantile is None else dict(
-                quantile=cfg.dp_quantile, clip_lr=cfg.dp_clip_lr,
-                count_std=dp_count_noise(cfg, self.cohort))
-            poisson = cfg.cohort_sampling == "poisson"  # then the sum over the expected cohort qN
-            self.algorithm = with_privacy(self.algorithm, cfg.dp_clip, cfg.dp_noise,
-                                          jax.random.fold_in(jax.random.key(cfg.seed), 4), **adaptive,
-                                          expected_clients=self.rate * n if poisson else None)
-            self.privacy = Accountant(self.rate, cfg.dp_noise, delta, cfg.cohort_sampling)
+            cfg, self.algorithm, self.privacy = with_user_dp(cfg, self.algorithm, self.options, sample_x, n,
+                                                             self.cohort, self.rate)
+        self.cfg = cfg
         # the server's wrappers (robust rule, compression, attack, server optimizer) and the data attack
         self.malicious = malicious_of(cfg, n)
         self.algorithm = server_side(self.algorithm, cfg, self.malicious)
@@ -228,19 +196,12 @@ class Experiment:
             if self.cohort != n:
                 raise ConfigError("--eval-point local evaluates every client right after its local training, so "
                                   "every client must train every round (drop --clients-per-round/--participation)")
-        check_cohort_memory(cfg, self.algorithm, self.dataset.train[0][0][:1], self.cohort, n,
+        check_cohort_memory(cfg, self.algorithm, sample_x, self.cohort, n,
                             self.mesh.devices.size if self.mesh is not None else 1)
-        self.backend_name = choose_backend(cfg, self.train_data, self.algorithm, self.dataset.train[0][0][:1],
+        self.backend_name = choose_backend(cfg, self.train_data, self.algorithm, sample_x,
                                            self.model, preprocess, self.cohort, self.devices)
-        lanes = {"lane_segments": cfg.lane_segments,
-                 "lane_overhead": lane_overhead(cfg, self.model, self.dataset.train[0][0][:1], preprocess)}
-        kw = {"stacked": dict(lanes, rounds_per_call=cfg.rounds_per_call),
-              "streamed": dict(lanes, client_store=cfg.client_store),
-              "ragged": {"client_store": cfg.client_store}}[self.backend_name]
-        self.backend = {"stacked": Stacked, "streamed": Streamed, "ragged": Ragged}[self.backend_name](
-            self.algorithm, self.train_data, batch_size=cfg.batch_size, strategy=strategy, chunk_size=cfg.chunk_size,
-            cohort_size=self.cohort, weighting=cfg.weighting, mesh=self.mesh, num_rounds=cfg.rounds,
-            stragglers=cfg.stragglers, sampling=cfg.cohort_sampling, rate=self.rate, **kw)
+        self.backend = make_backend(self.backend_name, cfg, self.algorithm, self.train_data, self.cohort, self.rate,
+                                    self.mesh, lane_overhead(cfg, self.model, sample_x, preprocess))
         self.root = jax.random.key(cfg.seed)
         evaluator = lambda alg, test, **kw: Evaluator(  # noqa: E731  (every evaluation of the run: these settings)
             alg, test, eval_batch_size=eval_bs, preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size,
@@ -252,8 +213,8 @@ class Experiment:
         # the evaluation protocol's other models and clients (``jaxfl.run.evaluation``), where it asks for them
         self.server_model = False
         if cfg.eval_model != "personal" or cfg.new_clients:
-            server_shapes = jax.eval_shape(self.algorithm.init, jax.random.key(0), self.dataset.train[0][0][:1])[0]
-            self.server_model = holds_model(server_shapes, self.model, preprocess(self.dataset.train[0][0][:1]))
+            server_shapes = jax.eval_shape(self.algorithm.init, jax.random.key(0), sample_x)[0]
+            self.server_model = holds_model(server_shapes, self.model, preprocess(sample_x))
         if cfg.eval_model != "personal" and not self.server_model:
             raise ConfigError(f"--eval-model {cfg.eval_model}: {cfg.algorithm}'s server holds no whole "
                               f"{model_name(cfg)} (params and BatchNorm statistics of the model), so it has no "
@@ -272,7 +233,7 @@ class Experiment:
                 self.trainer, epochs=cfg.new_client_steps, max_steps=cfg.new_client_steps)
             self.tuner = tuner = build_algorithm(self.options, self.model, trainer, self.context)
             self._tune_start = InitialStates(tuner.init(jax.random.fold_in(self.root, 2),
-                                                        self.dataset.train[0][0][:1])[1])
+                                                        sample_x)[1])
             if tuner.predict_trained is not None:
                 self.new_evaluator = evaluator(tuner, new_test, first_id=n,
                                                train=RaggedClients.from_clients(self.new_dataset.train))
@@ -681,6 +642,21 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=No
         return _on_the_host(cfg, "streamed", "the population does not fit on the device")
     return _on_the_host(cfg, "ragged", "the population does not fit on the device or its client sizes are too "
                                        "uneven for one call")
+
+
+def make_backend(name: str, cfg: RunConfig, alg, train: RaggedClients, cohort: int, rate: float, mesh,
+                 overhead: float | None):
+    """The data backend ``name`` (``choose_backend``'s choice) for the run's settings: ``Stacked`` (with K rounds
+    per call and the lane plan), ``Streamed`` (the lane plan, the state store) or ``Ragged`` (the state store);
+    ``overhead``: the lane plan's step overhead (``lane_overhead``)."""
+    lanes = {"lane_segments": cfg.lane_segments, "lane_overhead": overhead}
+    kw = {"stacked": dict(lanes, rounds_per_call=cfg.rounds_per_call),
+          "streamed": dict(lanes, client_store=cfg.client_store),
+          "ragged": {"client_store": cfg.client_store}}[name]
+    return {"stacked": Stacked, "streamed": Streamed, "ragged": Ragged}[name](
+        alg, train, batch_size=cfg.batch_size, strategy=cfg.strategy_or_default(), chunk_size=cfg.chunk_size,
+        cohort_size=cohort, weighting=cfg.weighting, mesh=mesh, num_rounds=cfg.rounds, stragglers=cfg.stragglers,
+        sampling=cfg.cohort_sampling, rate=rate, **kw)
 
 
 def check_cohort_memory(cfg: RunConfig, alg, sample_x, cohort: int, num_clients: int, devices: int = 1) -> None:
