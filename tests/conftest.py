@@ -450,3 +450,22 @@ def emnist_files(folder, writers=("f0000_14", "f0001_41", "f0002_33"), n=(12, 7,
             clients[w] = {"pixels": rng.uniform(0, 1, (k, 28, 28)).astype(np.float32),
                           "label": rng.integers(0, 62, k).astype(np.int32)}
         write_tff(folder / f"fed_emnist_{split}.h5", clients)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Every test leaves SIGINT's and SIGTERM's handlers as it found them: a handler left behind (e.g. SIGINT
+    ignored) would change what a later test in the same worker, or a child process it starts, does on a stop
+    signal. Restored, and the test fails naming the handler."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    after = {s: signal.getsignal(s) for s in before}
+    changed = {s.name: (before[s], after[s]) for s in before if after[s] is not before[s]}
+    for s in before:
+        signal.signal(s, before[s])
+    assert not changed, f"the test left signal handlers changed (before, after): {changed}"
