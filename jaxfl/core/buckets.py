@@ -96,7 +96,7 @@ def plan_buckets(steps, *, max_lanes: int, lane_multiple: int = 1, single: bool 
     sizes = lane_sizes(max_lanes, lane_multiple)
     if single:
         return [Bucket(_pad(order, -(-len(steps) // lane_multiple) * lane_multiple), grid_ceil(steps.max(initial=1)))]
-    grid = np.array([grid_ceil(s) for s in steps[order]], np.int64)
+    grid = grid_ceil_array(steps[order])
     buckets, i = [], 0
     while i < len(order):
         same = int(np.sum(grid[i:] == grid[i]))

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .buckets import bucket_grid, plan_buckets
+from .buckets import BucketGrid, bucket_grid, plan_buckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +107,12 @@ def stacked_calls(steps, *, strategy: str, chunk_size: int) -> list[tuple[int, i
     return [(len(steps[i:i + size]), max(steps[i:i + size])) for i in range(0, len(steps), size)]
 
 
-def ragged_calls(steps, *, strategy: str, chunk_size: int, population=None,
+def ragged_calls(steps, *, strategy: str, chunk_size: int, grid: BucketGrid | None = None,
                  per_cohort: bool = False) -> tuple[list[tuple[int, int]], int]:
     """The ragged backend's calls for the same cohort, and the sample slots it sends to the device: (list of
-    (lanes, sequential steps), lanes x grid steps summed over buckets). Buckets come from the backend's
-    ``bucket_grid`` for the ``population``'s step counts (default: the cohort's own; at most ``chunk_size`` lanes
-    under chunked), or ``plan_buckets``' one bucket under map; a bucket's lanes step until its longest real
+    (lanes, sequential steps), lanes x grid steps summed over buckets). Buckets come from ``grid``, the backend's
+    ``bucket_grid`` for the population (``ragged_grid``; default: the cohort's own), or ``plan_buckets``' one
+    bucket under map; a bucket's lanes step until its longest real
     client is done, and its data is padded to its class length. ``per_cohort``: ``plan_buckets``' greedy buckets
     of each cohort instead (what the ragged backend ran when the GPU pairs behind ``H200`` were measured)."""
     steps = np.asarray(steps, np.int64)
@@ -120,12 +120,18 @@ def ragged_calls(steps, *, strategy: str, chunk_size: int, population=None,
     if strategy == "map" or per_cohort:
         plan = plan_buckets(steps, max_lanes=max(lanes, 1), single=strategy == "map")
     else:
-        grid = bucket_grid(steps if population is None else population, len(steps), max_lanes=max(lanes, 1))
-        plan = grid.plan(steps)
+        plan = (grid or ragged_grid(steps, len(steps), strategy=strategy, chunk_size=chunk_size)).plan(steps)
     slots = sum(b.lanes * b.steps for b in plan)
     if strategy == "map":
         return [(1, int(s)) for s in steps], slots
     return [(b.lanes, int(steps[b.positions[b.positions >= 0]].max())) for b in plan], slots
+
+
+def ragged_grid(steps, cohort: int, *, strategy: str, chunk_size: int) -> BucketGrid:
+    """The ragged backend's ``bucket_grid`` for a population of per-client step counts ``steps`` [N] and cohorts
+    of ``cohort`` clients (at most ``chunk_size`` lanes a call under chunked)."""
+    lanes = chunk_size if strategy == "chunked" else cohort
+    return bucket_grid(steps, cohort, max_lanes=max(lanes, 1))
 
 
 def round_seconds(calls, step_flops: float, sent_bytes: float = 0.0, epochs: int = 1,
@@ -146,12 +152,14 @@ def backend_seconds(counts, batch_size: int, cohort: int, flops_per_sample: floa
     steps = -(-counts // batch_size)
     rng = np.random.default_rng(seed)
     step_flops = batch_size * flops_per_sample
+    grid = None if strategy == "map" or per_cohort else ragged_grid(steps, min(cohort, len(counts)),
+                                                                     strategy=strategy, chunk_size=chunk_size)
     stacked = ragged = 0.0
     for _ in range(draws):
         ids = np.sort(rng.choice(len(counts), size=min(cohort, len(counts)), replace=False))
         stacked += round_seconds(stacked_calls(steps[ids], strategy=strategy, chunk_size=chunk_size),
                                  step_flops, epochs=epochs, rates=rates)
-        calls, slots = ragged_calls(steps[ids], strategy=strategy, chunk_size=chunk_size, population=steps,
+        calls, slots = ragged_calls(steps[ids], strategy=strategy, chunk_size=chunk_size, grid=grid,
                                     per_cohort=per_cohort)
         ragged += round_seconds(calls, step_flops, sent_bytes=slots * batch_size * bytes_per_sample,
                                 epochs=epochs, rates=rates)
