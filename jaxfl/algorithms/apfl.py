@@ -43,7 +43,7 @@ from ..core.options import Options, option
 from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
-from ._common import init_variables, model_variables, client_lr
+from ._common import client_lr, init_variables, model_variables
 from ._registry import register
 
 

@@ -45,7 +45,7 @@ from ..core.options import Options, option
 from ..core.trainer import LocalTrainer, batch_of, client_epochs, epoch_permutation, num_positions
 from ..core.types import Algorithm, RoundInfo, RunContext
 from ..data.clients import ClientData
-from ._common import ce_loss, global_model_predictors, init_variables, model_variables, client_lr
+from ._common import ce_loss, client_lr, global_model_predictors, init_variables, model_variables
 from ._registry import register
 
 

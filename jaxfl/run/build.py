@@ -17,7 +17,6 @@ engine's: ``core.cohort``).
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Callable
 
 import jax
@@ -29,8 +28,8 @@ from ..core.privacy import (Accountant, SampleAccountant, bn_stats_shared, calib
 from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm
-from ..errors import ConfigError
 from ..data.ragged import RaggedClients
+from ..errors import ConfigError
 from ..ops.attacks import (UPDATE_ATTACKS, backdoor_samples, backdoor_test, flip_labels, malicious_clients,
                            parse_attack, with_update_attack)
 from ..ops.compression import parse_compression, with_compression

@@ -232,8 +232,7 @@ class Experiment:
             trainer = self.trainer if cfg.new_client_steps is None else dataclasses.replace(
                 self.trainer, epochs=cfg.new_client_steps, max_steps=cfg.new_client_steps)
             self.tuner = tuner = build_algorithm(self.options, self.model, trainer, self.context)
-            self._tune_start = InitialStates(tuner.init(jax.random.fold_in(self.root, 2),
-                                                        sample_x)[1])
+            self._tune_start = InitialStates(tuner.init(jax.random.fold_in(self.root, 2), sample_x)[1])
             if tuner.predict_trained is not None:
                 self.new_evaluator = evaluator(tuner, new_test, first_id=n,
                                                train=RaggedClients.from_clients(self.new_dataset.train))
