@@ -201,14 +201,7 @@ def rounds_tolerance(alg, data, server, clients, root, rounds=1, factor=16.0, **
     ``alg``) with these rounds."""
     from jaxfl.core.step import make_step
     step = make_step(alg, **step_kw)
-    ids = jnp.arange(data.num_clients)
-
-    @jax.jit
-    def fn(server, clients):
-        metrics = None
-        for r in range(rounds):
-            server, clients, metrics = step(server, clients, data, ids, r, root)
-        return server, clients, metrics
+    fn = jax.jit(lambda server, clients: step_rounds(step, data, server, clients, root, rounds))
     return rounding_tolerance(fn, server, clients, factor=factor)
 
 
@@ -338,8 +331,13 @@ def run_step(alg, data, server, clients, root, rounds=1, strategy="vmap", num_ro
     ``data`` exactly as given (padding included): (server, clients, last metrics)."""
     from jaxfl.core.step import make_step
     cohort_step = make_step(alg, strategy=strategy, num_rounds=num_rounds)
-    step = jax.jit(lambda *args: cohort_step(*args))
-    ids = jnp.arange(data.num_clients)
+    return step_rounds(jax.jit(lambda *args: cohort_step(*args)), data, server, clients, root, rounds)
+
+
+def step_rounds(step, data, server, clients, root, rounds):
+    """Rounds 0 .. rounds - 1 of a cohort ``step`` (``make_step``'s, jitted or not) with every client in the
+    cohort: (server, clients, last metrics)."""
+    ids, metrics = jnp.arange(data.num_clients), None
     for r in range(rounds):
         server, clients, metrics = step(server, clients, data, ids, r, root)
     return server, clients, metrics
