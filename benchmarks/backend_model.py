@@ -51,7 +51,8 @@ def measured_pairs() -> list[dict]:
     from jaxfl.data.federated import load_dataset
     from jaxfl.run.cli import command_config
     for part in sorted(CHOICE.glob("*.json")):
-        for r in json.loads(part.read_text())["rows"]:
+        run = json.loads(part.read_text())
+        for r in run["rows"]:
             if "round_s" not in r.get("stacked", {}) or "round_s" not in r.get("ragged", {}):
                 continue
             argv = ["run", *backend_choice.COMMON.split(), *r["flags"].split(), "--out", tempfile.mkdtemp()]
@@ -62,7 +63,8 @@ def measured_pairs() -> list[dict]:
                 cohort=cfg.clients_per_round, batch=cfg.batch_size, counts=np.asarray(ds.train_counts()),
                 model=cfg.model, classes=ds.num_classes, sample_x=ds.train[0][0][:1],
                 preprocess=normalizer(*ds.normalize),
-                stacked_s=r["stacked"]["round_s"], ragged_s=r["ragged"]["round_s"]))
+                stacked_s=r["stacked"]["round_s"], ragged_s=r["ragged"]["round_s"], rounds=run["rounds"],
+                **{f"{b}_{k}": r[b][k] for b in ("stacked", "ragged") for k in ("compile_s", "wall_s")}))
     return pairs
 
 
@@ -77,6 +79,77 @@ def modelled(pair: dict, rates) -> tuple[float, float]:
     b = pair["sample_x"][0].nbytes + 4  # the input and its int32 label
     return cost.backend_seconds(pair["counts"], pair["batch"], pair["cohort"], pair["flops"], b, strategy="vmap",
                                 chunk_size=8, rates=rates, per_cohort=True)
+
+
+def bucket_programs(pair: dict, repeats: int = 50, seed: int = 0) -> float:
+    """The bucket programs a ragged run of ``pair["rounds"]`` rounds compiled when the pairs were measured (its
+    buckets planned per cohort, ``plan_buckets``: one program per (lanes, grid length) shape): the distinct
+    shapes of that many drawn cohorts, averaged over ``repeats`` draws of the run's cohorts."""
+    from jaxfl.core.buckets import plan_buckets
+    steps = -(-pair["counts"] // pair["batch"])
+    rng = np.random.default_rng(seed)
+    counts = []
+    for _ in range(repeats):
+        shapes = set()
+        for _ in range(pair["rounds"]):
+            ids = rng.choice(len(steps), size=min(pair["cohort"], len(steps)), replace=False)
+            shapes |= {(b.lanes, b.steps) for b in plan_buckets(steps[ids], max_lanes=pair["cohort"])}
+        counts.append(len(shapes))
+    return float(np.mean(counts))
+
+
+def compile_fit(pairs: list[dict]) -> list[dict]:
+    """Per pair with compile times (``backend_choice.py``'s runs): c = the ragged run's compile seconds less
+    the stacked run's, over its extra programs (``bucket_programs`` less the stacked round's one; the
+    evaluation's programs are the same in both); then the whole run's pick (``cost.run_seconds`` at the run's
+    rounds and the programs each run compiled) against the faster whole run measured, with ``H200``'s c and
+    with c fitted on the other pairs only; ``grid_programs``: the ragged backend's programs now
+    (``cost.backend_programs``: its bucket grid's classes).
+    [{name, cohort, rounds, programs, c, ...}]."""
+    from jaxfl.core import cost
+    rows = [p for p in pairs if "stacked_compile_s" in p]
+    for p in rows:
+        p["programs"] = bucket_programs(p)
+        p["c"] = (p["ragged_compile_s"] - p["stacked_compile_s"]) / (p["programs"] - 1)
+    out = []
+    for k, p in enumerate(rows):
+        s, r = modelled(p, cost.H200)
+        steps = -(-p["counts"] // p["batch"])
+        n_s, n_r = cost.backend_programs(steps, p["cohort"], strategy="vmap", chunk_size=8)
+        others = float(np.median([q["c"] for i, q in enumerate(rows) if i != k]))
+
+        def pick(c):
+            rates = dataclasses.replace(cost.H200, compile_s=c)
+            whole = (cost.run_seconds(s, p["rounds"], n_s, rates),
+                     cost.run_seconds(r, p["rounds"], p["programs"], rates))  # (the programs it compiled then)
+            return "stacked" if whole[0] <= whole[1] else "ragged"
+        out.append(dict(name=p["name"], cohort=p["cohort"], rounds=p["rounds"], programs=p["programs"], c=p["c"],
+                        stacked_compile_s=p["stacked_compile_s"], ragged_compile_s=p["ragged_compile_s"],
+                        measured_run="stacked" if p["stacked_wall_s"] <= p["ragged_wall_s"] else "ragged",
+                        stacked_wall_s=p["stacked_wall_s"], ragged_wall_s=p["ragged_wall_s"],
+                        round_pick="stacked" if s <= r else "ragged", run_pick=pick(cost.H200.compile_s),
+                        held_out_c=others, held_out_pick=pick(others), grid_programs=n_r))
+    return out
+
+
+def compile_report(rows: list[dict]) -> str:
+    from jaxfl.core import cost
+    lines = ["| workload | cohort | rounds | compile s: stacked / ragged | ragged bucket programs (simulated) | "
+             "c (s) | whole run s: stacked / ragged (measured) | model picks: per round / whole run (c = "
+             f"{cost.H200.compile_s:g} s) / c of the other pairs |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['cohort']} | {r['rounds']} | {r['stacked_compile_s']:.1f} / "
+                     f"{r['ragged_compile_s']:.1f} | {r['programs']:.1f} | {r['c']:.2f} | {r['stacked_wall_s']:.1f} / "
+                     f"{r['ragged_wall_s']:.1f} ({r['measured_run']}) | {r['round_pick']} / {r['run_pick']} / "
+                     f"{r['held_out_pick']} ({r['held_out_c']:.2f} s) |")
+    right = sum(r["run_pick"] == r["measured_run"] for r in rows)
+    held = sum(r["held_out_pick"] == r["measured_run"] for r in rows)
+    per_round = sum(r["round_pick"] == r["measured_run"] for r in rows)
+    grids = ", ".join(str(r["grid_programs"]) for r in rows)
+    lines += ["", f"Whole runs: the faster one picked on {right} of {len(rows)} with c = {cost.H200.compile_s:g} s, "
+                  f"{held} of {len(rows)} with c fitted on the other pairs, {per_round} of {len(rows)} by round time "
+                  f"alone (the ragged backend's programs now: its grid's {grids})."]
+    return "\n".join(lines) + "\n"
 
 
 def faster(pair: dict) -> str:
@@ -149,7 +222,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     pairs = measured_pairs()
-    text = report([evaluate(pair) for pair in pairs]) + "\n" + held_out_report(held_out(pairs))
+    text = (report([evaluate(pair) for pair in pairs]) + "\n" + held_out_report(held_out(pairs)) + "\n"
+            + compile_report(compile_fit(pairs)))
     print(text)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -89,6 +89,49 @@ def test_the_model_picks_the_backend_that_won_on_every_measured_gpu_pair(data_di
     assert {(r["tau"], r["flops_per_s"]) for r in held} == {(cost.H200.step_s, cost.H200.flops_per_s)}
 
 
+def test_run_seconds_and_programs_by_hand():
+    rates = cost.DeviceRates(compile_s=3.0)
+    assert cost.run_seconds(0.5, 10, 4, rates) == pytest.approx(10 * 0.5 + 4 * 3.0)
+    steps = -(-uneven_population().counts // 10)
+    # stacked: one round program; ragged: one per class of its bucket grid (at most 8), the grid it runs
+    grid = cost.ragged_grid(steps, 20, strategy="vmap", chunk_size=8)
+    assert cost.backend_programs(steps, 20, strategy="vmap", chunk_size=8) == (1, len(grid.classes))
+    assert 1 < len(grid.classes) <= 8
+    # map: one bucket a cohort padded to its longest client's grid length: at most one per grid length
+    from jaxfl.core.buckets import grid_ceil_array
+    assert cost.backend_programs(steps, 20, strategy="map", chunk_size=8) == (1, len(set(grid_ceil_array(steps))))
+
+
+def test_the_whole_run_model_picks_the_faster_measured_run(data_dir):
+    # backend_choice.py's four MNIST pairs on the H200 (8 rounds, no compile cache): the whole run was faster
+    # stacked on all four, although the FedAvg CNN's ragged rounds were faster at cohort 100; round time alone
+    # picks ragged there, round time with each backend's programs to compile (c per program) picks stacked, with
+    # H200's c and with c fitted on the other three pairs
+    os.environ.setdefault("JAXFL_DATA_DIR", data_dir)
+    rows = backend_model.compile_fit(backend_model.measured_pairs())
+    assert len(rows) == 4 and {r["measured_run"] for r in rows} == {"stacked"}
+    assert [r["run_pick"] for r in rows] == [r["measured_run"] for r in rows]
+    assert [r["held_out_pick"] for r in rows] == [r["measured_run"] for r in rows]
+    assert [r["round_pick"] for r in rows].count("ragged") == 1
+    # H200's c is within 2x of every pair's fitted c (seconds per extra bucket program)
+    assert all(0.5 <= r["c"] / cost.H200.compile_s <= 2.0 for r in rows)
+
+
+def test_a_short_run_keeps_the_backend_that_compiles_less(monkeypatch):
+    # the FedAvg-sized CNN on uneven clients, one vmap: the ragged backend's rounds are modelled faster, but
+    # its bucket programs cost more to compile than a few rounds save
+    monkeypatch.setattr(runner, "platform", lambda: "gpu")
+    train = uneven_population()
+    model = build_model("femnist_cnn", 62)
+    picks = {}
+    for rounds in (1, 10_000):
+        cfg = validate(RunConfig(algorithm="fedavg", batch_size=10, strategy="vmap", lane_segments=0, rounds=rounds))
+        trainer = LocalTrainer(optax.sgd(0.1), 10, 1, normalizer())
+        alg = build_algorithm(cfg.algorithm_options(), model, trainer, RunContext(num_clients=40, num_rounds=1))
+        picks[rounds] = runner.choose_backend(cfg, train, alg, train.x[:1], model, normalizer(), cohort=20)
+    assert picks == {1: "stacked", 10_000: "ragged"}
+
+
 def uneven_population(n=40, seed=0):
     counts = np.maximum(1, np.random.default_rng(seed).lognormal(np.log(30), 1.0, n).astype(np.int64))
     total = int(counts.sum())
@@ -98,7 +141,8 @@ def uneven_population(n=40, seed=0):
 
 @pytest.mark.parametrize("model_name, on_accelerator, segments, expected", [
     ("logreg", True, 0, "stacked"),        # one vmap: padding a tiny model's steps is cheaper than moving its data
-    ("femnist_cnn", True, 0, "ragged"),    # one vmap: a CNN's padded steps cost more than the transfers
+    ("femnist_cnn", True, 0, "ragged"),    # one vmap: a CNN's padded steps cost more than the transfers (and,
+                                           # over a long run, than compiling the bucket programs)
     ("logreg", False, 0, "ragged"),        # one vmap on the CPU: uneven clients -> ragged
     ("femnist_cnn", True, 3, "stacked"),   # a lane plan runs uneven clients without padded lanes, in one program
     ("logreg", False, 3, "stacked"),
@@ -108,7 +152,8 @@ def test_choose_backend_on_uneven_clients(monkeypatch, model_name, on_accelerato
     train = uneven_population()
     steps = -(-train.counts // 10)
     assert steps.max() > 1.25 * steps.mean()  # too uneven for the plain rule
-    cfg = validate(RunConfig(algorithm="fedavg", batch_size=10, strategy="vmap", lane_segments=segments))
+    cfg = validate(RunConfig(algorithm="fedavg", batch_size=10, strategy="vmap", lane_segments=segments,
+                             rounds=10_000))
     model = build_model(model_name, 62 if model_name == "femnist_cnn" else 10)
     trainer = LocalTrainer(optax.sgd(0.1), 10, 1, normalizer())
     alg = build_algorithm(cfg.algorithm_options(), model, trainer, RunContext(num_clients=40, num_rounds=1))

@@ -29,6 +29,18 @@ lands on the same point every time). P is an effective rate, below the 16-25 TFL
 LSTM rounds: it also absorbs the time of memory-bound work. With tau = 0 the model gets the FedAvg CNN at
 cohort 10 wrong (one stacked call's padded lanes cost less than the ragged backend's extra sequential steps).
 On a CPU the data never leaves the host, so the rule does not apply there.
+
+A run also compiles its programs once: the stacked backend one round program, the ragged backend one per bucket
+class of its ``bucket_grid`` (at most 8). ``run_seconds`` weighs them against the run's length,
+
+    T_run = R * T + n * c,
+
+R rounds of T seconds, n round or bucket programs of c seconds each (c = ``DeviceRates.compile_s``), so a short
+run keeps the backend that compiles less even where the other one's rounds are faster. ``H200``'s c = 2.5 s: on
+the four MNIST workloads of ``benchmarks/backend_choice.py`` (8 rounds each backend, no compile cache), the
+ragged run's extra compile seconds over the stacked run's, divided by its extra bucket programs (the shapes its
+per-cohort buckets took, simulated from the same clients: ``benchmarks/backend_model.py``), were 1.6 s (logreg),
+2.2 s (2NN), 3.0 s and 5.0 s (FedAvg CNN at cohorts 10 and 100); c is the median, within 2x of each.
 """
 from __future__ import annotations
 
@@ -47,6 +59,7 @@ class DeviceRates:
     flops_per_s: float = 1e13  # P: achieved training FLOP/s (an effective rate: see the module docstring)
     step_s: float = 2e-4  # tau: the fixed cost of one sequential local step
     host_bytes_per_s: float = 2e9  # W: the ragged backend's host gathers and transfers
+    compile_s: float = 2.5  # c: compiling one round or bucket program
 
 
 H200 = DeviceRates()
@@ -164,3 +177,21 @@ def backend_seconds(counts, batch_size: int, cohort: int, flops_per_sample: floa
         ragged += round_seconds(calls, step_flops, sent_bytes=slots * batch_size * bytes_per_sample,
                                 epochs=epochs, rates=rates)
     return stacked / draws, ragged / draws
+
+
+def backend_programs(steps, cohort: int, *, strategy: str, chunk_size: int) -> tuple[int, int]:
+    """(stacked, ragged): the round programs each backend compiles in a run over a population of per-client step
+    counts ``steps`` [N] with cohorts of ``cohort`` clients: stacked one; ragged one per class of its
+    ``ragged_grid`` (under ``map`` one bucket per cohort, padded to the step grid: at most one program per grid
+    length of the population's step counts, the count returned)."""
+    steps = np.asarray(steps, np.int64)
+    if strategy == "map":
+        from .buckets import grid_ceil_array
+        return 1, len(np.unique(grid_ceil_array(steps)))
+    return 1, len(ragged_grid(steps, cohort, strategy=strategy, chunk_size=chunk_size).classes)
+
+
+def run_seconds(round_s: float, rounds: int, programs: int, rates: DeviceRates = H200) -> float:
+    """R * T + n * c: a run of ``rounds`` rounds of ``round_s`` seconds that compiles ``programs`` round or
+    bucket programs of ``rates.compile_s`` seconds each (see the module docstring)."""
+    return rounds * round_s + programs * rates.compile_s

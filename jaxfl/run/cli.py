@@ -25,7 +25,8 @@ HELP = {
                "one call: one program) | ragged (samples on the host, the cohort trained in buckets of "
                "similar clients) (default: stacked when the population fits in a quarter of each device's memory "
                "and its clients are even, or a lane plan runs them (--lane-segments > 0), or, on an accelerator, "
-               "one call per round is modelled to be faster (jaxfl.core.cost); else streamed where one call "
+               "the run is modelled to finish sooner with one call per round (its rounds and the programs each "
+               "backend compiles: jaxfl.core.cost); else streamed where one call "
                "wastes little, ragged where it would or over several processes; the start-up line names the "
                "choice)",
     "lane_segments": "stacked and streamed backends under vmap/chunked: the cohort is sorted by local steps inside "

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..algorithms import REGISTRY, build_algorithm
 from ..core.backends import Ragged, Stacked, Streamed, device_memory_bytes
-from ..core.cost import backend_seconds, train_flops_per_sample
+from ..core.cost import backend_programs, backend_seconds, run_seconds, train_flops_per_sample
 from ..core.cost import lane_overhead as cost_lane_overhead
 from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
 from ..core.evaluate import Evaluator
@@ -607,8 +607,9 @@ def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=No
     state in a quarter of the device's memory, on each device of the mesh; one process, no host store asked
     for) and one call over the whole cohort wastes little (``map``: every client its own steps;
     ``vmap``/``chunked`` with a lane plan; or clients within 25% of the mean step count) or, on an
-    accelerator, its modelled round time is no longer than the ragged backend's (``core.cost.backend_seconds``:
-    padded lanes against the ragged backend's extra sequential steps and host transfers); else, in one process,
+    accelerator, its modelled run time is no longer than the ragged backend's (``stacked_is_faster``: padded
+    lanes against the ragged backend's extra sequential steps, host transfers and bucket programs to compile,
+    over the run's rounds); else, in one process,
     ``streamed`` (the population on the host, each cohort in one call of one of a few shapes) where one call
     wastes little, and ``ragged`` (buckets of similar clients) where it would not, or over several processes.
     A ConfigError if rounds_per_call > 1 cannot be honoured or a backend is asked for where it cannot run."""
@@ -696,17 +697,21 @@ def platform() -> str:
 
 
 def stacked_is_faster(cfg: RunConfig, train: RaggedClients, model, sample_x, preprocess, cohort: int) -> bool:
-    """On an accelerator: whether one stacked call per round (padded lanes, no transfers) is modelled to take
-    no longer than the ragged backend's buckets and host transfers (``core.cost.backend_seconds``)."""
+    """On an accelerator: whether the run is modelled to take no longer with one stacked call per round (padded
+    lanes, no transfers, one round program) than with the ragged backend's buckets and host transfers (a program
+    per bucket class): ``core.cost.backend_seconds`` per round, ``run_seconds`` over the run's rounds with its
+    programs' compile time."""
     sample_bytes = math.prod(train.x.shape[1:]) * train.x.itemsize + train.y.itemsize
     try:
         flops = train_flops_per_sample(model, sample_x, cfg.batch_size, preprocess)
     except ValueError:  # no FLOP count from XLA here: keep the ragged backend, right for any model
         return False
+    strategy = cfg.strategy_or_default()
     stacked, ragged = backend_seconds(train.counts, cfg.batch_size, cohort, flops, sample_bytes,
-                                      strategy=cfg.strategy_or_default(), chunk_size=cfg.chunk_size,
-                                      epochs=cfg.local_epochs)
-    return stacked <= ragged
+                                      strategy=strategy, chunk_size=cfg.chunk_size, epochs=cfg.local_epochs)
+    programs = backend_programs(-(-train.counts // cfg.batch_size), cohort, strategy=strategy,
+                                chunk_size=cfg.chunk_size)
+    return run_seconds(stacked, cfg.rounds, programs[0]) <= run_seconds(ragged, cfg.rounds, programs[1])
 
 
 def _on_the_host(cfg: RunConfig, backend: str, why: str) -> str:
