@@ -79,7 +79,7 @@ CASES = {
                                                 "--clients-per-domain 2: --dataset mnist is split by label"),
     "a prefix without its path": (lambda d: ["--dataset", "text:", "--model", "char_lstm"],
                                   "--dataset 'text:': give the PATH after 'text:' (text:PATH)"),
-    "--seed -1": (lambda d: ["--seed", "-1"], "seed=-1 must be >= 0"),
+    "--seed -1": (lambda d: ["--seed", "-1"], "seed=-1 must be at least 0"),
     "an integer too large for the arrays": (lambda d: ["--seed", "99999999999999999999"],
                                             "seed=99999999999999999999 is too large (at most 2147483647)"),
     "an algorithm's integer option too large": (lambda d: ["--algorithm", "fedselect", "--fedselect.grow-every",

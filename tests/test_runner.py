@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -461,13 +462,39 @@ def test_a_config_built_in_python_is_checked_for_its_types():
     assert validate(RunConfig(lr=1)).lr == 1  # an int where a float is asked is a number
 
 
-def test_every_config_field_is_in_exactly_one_group():
+def test_every_run_option_is_declared_once_with_its_help_and_is_a_flag():
     import dataclasses
 
-    from jaxfl.run.config import CONFIG_GROUPS
+    from jaxfl.run.cli import build_parser, generated_help
+    from jaxfl.run.config import CONFIG_GROUPS, GROUPS
     placed = [name for names in CONFIG_GROUPS.values() for name in names]
     assert len(placed) == len(set(placed)), "a field in two groups"
     assert set(placed) == {f.name for f in dataclasses.fields(RunConfig)} - {"options"}
+    assert list(CONFIG_GROUPS) == [g.title for g in GROUPS]
+    generated = generated_help()
+    undocumented = [f.name for f in dataclasses.fields(RunConfig)
+                    if f.name != "options" and not (f.metadata.get("help") or generated.get(f.name))]
+    assert undocumented == []
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    flags = {a.dest for a in run._actions}
+    assert set(placed) <= flags
+
+
+def test_a_group_checks_its_declared_values_and_its_own_fields():
+    from jaxfl.run.config import ClientTraining, Engine, Output
+    # declared values: the same messages whether the group stands alone or inside a RunConfig
+    for group, kw, message in ((Engine, dict(lane_segments=-1), "lane_segments=-1 must be at least 0 (0: one vmap"),
+                               (Engine, dict(backend="gpu"), "unknown backend 'gpu'; valid: stacked"),
+                               (ClientTraining, dict(momentum=1.5), "momentum=1.5 is outside [0.0, 1.0]"),
+                               (Output, dict(resume=True), "checkpoints and --resume need an output directory")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            group.validate_fields(group(**kw))
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(RunConfig(**kw))
+    Engine.validate_fields(Engine(lane_segments=0))  # the edge of the range is allowed
+    # a group's own check across its fields
+    with pytest.raises(ConfigError, match="--nesterov needs --optimizer sgd with --momentum > 0"):
+        ClientTraining.validate_fields(ClientTraining(nesterov=True, momentum=0.0))
 
 
 def test_print_config_writes_the_whole_resolved_config_that_config_reads_back(tmp_path, capsys, monkeypatch):

@@ -32,6 +32,16 @@ def test_the_slowest_go_first_and_every_module_keeps_its_fastest_test():
     assert slow_tests.slow_set(times, budget=0.0) == ["tests/test_a.py::test_big[x]", "tests/test_c.py::test_one"]
 
 
+def test_the_run_options_reference_is_what_the_declarations_generate():
+    # docs/reference/run_options.md is generated (tools/run_options_reference.py) from jaxfl.run.config's groups;
+    # an option added, removed or re-documented without regenerating it fails here
+    spec = importlib.util.spec_from_file_location("run_options_reference",
+                                                  TOOL.with_name("run_options_reference.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.OUT.read_text() == tool.reference(), "run: python tools/run_options_reference.py"
+
+
 def test_the_algorithm_reference_is_what_the_registry_generates():
     # docs/reference/algorithms.md is generated (tools/algorithm_reference.py); an option, a sharing note or a
     # Deviations item changed without regenerating it fails here

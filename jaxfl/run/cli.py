@@ -16,112 +16,6 @@ from .checkpoint import saved_settings
 from .script import check_output_file
 
 
-HELP = {
-    "data_dir": "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)",
-    "strategy": "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU); on the stacked backend vmap and "
-                "chunked sort the cohort by local steps and run chunks of lanes (--lane-segments)",
-    "backend": "stacked (the whole population on the device, one jitted call per round) | streamed (samples "
-               "and states on the host, each cohort sent to the device as a store sized up front and trained in "
-               "one call: one program) | ragged (samples on the host, the cohort trained in buckets of "
-               "similar clients) (default: stacked when the population fits in a quarter of each device's memory "
-               "and its clients are even, or a lane plan runs them (--lane-segments > 0), or, on an accelerator, "
-               "the run is modelled to finish sooner with one call per round (its rounds and the programs each "
-               "backend compiles: jaxfl.core.cost); else streamed where one call "
-               "wastes little, ragged where it would or over several processes; the start-up line names the "
-               "choice)",
-    "lane_segments": "stacked and streamed backends under vmap/chunked: the cohort is sorted by local steps inside "
-                     "the round and run as chunks of lanes, each to its own longest client, in at most this many "
-                     "segments of equal chunks (jaxfl.core.lanes; 0: one vmap over the cohort, every lane to its "
-                     "longest client)",
-    "lane_overhead": "the cost of one sequential local step in lane-steps that the lane plan weighs against padded "
-                     "lanes (default: 0 on CPU; on an accelerator derived from jaxfl.core.cost, tau P / (B f))",
-    "devices": "split the clients over this many devices (0: all; clients per round must divide evenly); on a "
-               "CPU, N > 1 runs N CPU devices, one block of clients per core (default: on a CPU, one device per "
-               "core, the most that divide the cohort; on an accelerator 1)",
-    "client_sizes": "dirichlet_quantity: client sizes equal | lognormal (then each client's labels ~ Dir(alpha p))",
-    "size_sigma": "dirichlet_quantity with lognormal sizes: sigma of the log client size (>= 0)",
-    "client_store": "where per-client persistent state lives: auto (device if it fits in a quarter of its "
-                    "memory) | device | host",
-    "participation": "fraction of clients sampled per round",
-    "cohort_sampling": "fixed (exactly --clients-per-round / --participation of the clients each round, drawn "
-                       "without replacement) | poisson (each client joins a round with probability q = that "
-                       "fraction, independently: a cohort of Binomial(N, q) clients, the sampling DP-FedAvg's "
-                       "add/remove accounting assumes)",
-    "stragglers": "systems heterogeneity (FedProx): the chance that a client of the round is a straggler, which "
-                  "runs a uniformly random 1..E-1 of its E local epochs (of each local training phase; FedSelect: "
-                  "its LocalAlt alternations, pFedHN and pFedGP: their inner steps); 0: none",
-    "optimizer": "client optimizer: sgd | adam (PyTorch semantics)",
-    "eval_point": "aggregated (each client's model after the round) | local (right after its local training, "
-                  "before aggregation, as FedSelect's code evaluates; needs every client in every round) "
-                  "(default: aggregated; local for fedselect when every client trains every round, its official "
-                  "protocol)",
-    "eval_model": "which model each evaluation tests: personal (each client's own state) | global (the server's "
-                  "own model, for methods whose server holds one) | both (personal in test_*/mean_accuracy, "
-                  "global in global_* fields)",
-    "eval_clients": "which clients each evaluation tests: all | cohort (those that trained in the evaluated "
-                    "round; the others are null in the per-client lists and out of the means)",
-    "new_clients": "hold K clients out of training (drawn from --seed) and evaluate them at every evaluation: "
-                   "with the global model (new_* fields, where the server holds one) and, for methods that "
-                   "predict with a just-trained model, after one local update from where a new client starts "
-                   "(new_tuned_* fields); 0: none",
-    "new_client_steps": "--new-clients: the held-out clients' local update runs at most this many local steps "
-                        "(minibatches; methods with their own local loop, FedSelect, pFedHN, pFedGP, keep it) "
-                        "(default: the run's --local-epochs)",
-    "weight_decay": "client weight decay, added to the gradient as torch does",
-    "lr": "client learning rate",
-    "momentum": "client SGD momentum",
-    "batch_size": "client minibatch size",
-    "nesterov": "sgd: Nesterov momentum",
-    "server_opt": "server optimizer of the averaging algorithms (FedOpt: the cohort's mean as a pseudo-gradient "
-                  "step): none (the plain mean) | sgd (with --server-momentum: FedAvgM) | adagrad | adam | yogi",
-    "server_lr": "server learning rate (default: 1 for sgd, 0.1 for adagrad, 0.01 for adam and yogi)",
-    "server_momentum": "server sgd momentum (FedAvgM)",
-    "server_beta1": "adagrad/adam/yogi: first-moment decay",
-    "server_beta2": "adam/yogi: second-moment decay",
-    "server_tau": "adagrad/adam/yogi: adaptivity tau (added to sqrt(v))",
-    "aggregator": "robust aggregation of the averaging algorithms' shared parameters, over the cohort's updates: "
-                  "mean (the algorithm's own) | median | trimmed_mean[:beta=0.1] | krum[:f=1] | "
-                  "multi_krum[:f=1,m=0 (k - f)] | bulyan[:f=1] | geometric_median[:iters=8] | norm_bound[:bound=1.0] | "
-                  "centered_clip[:tau=1.0,iters=1]",
-    "attack": "what the malicious clients do: none | sign_flip[:scale=1] | scale[:scale=10] (model replacement) | "
-              "gaussian[:std=1] | alie[:z=0 (from the cohort)] | ipm[:eps=0.5] (update attacks, averaging "
-              "algorithms) | label_flip (their training labels y -> C-1-y) | backdoor[:target=0,fraction=0.5,size=3] "
-              "(a white square on a share of their images, relabelled target; metrics.jsonl logs "
-              "backdoor_accuracy)",
-    "compression": "how clients encode their update of the shared parameters (averaging algorithms): none | "
-                   "topk[:fraction=0.01] | randk[:fraction=0.1] | quantize[:bits=4,rotate=0 (1: Walsh-Hadamard "
-                   "rotation first)] | qsgd[:levels=16] | sign; each takes feedback=1 (error feedback: a client keeps "
-                   "its residual; randk and qsgd are then scaled by 1/(1+variance) to be contractive); "
-                   "metrics.jsonl logs each client's upload_bits",
-    "malicious": "the fraction of clients that are malicious, fixed for the run (drawn from --seed)",
-    "dp_clip": "user-level differential privacy (DP-FedAvg) of the averaging algorithms: clip each client's "
-               "update of the shared parameters to this l2 norm C (needs --weighting uniform; default: off)",
-    "dp_noise": "DP-FedAvg noise multiplier z: Gaussian noise of std z*C/k on the mean of the cohort's k "
-                "clipped updates (with --cohort-sampling poisson: z*C/(qN) on their sum over qN); the run reports "
-                "(epsilon, delta) by an RDP accountant (0: clipping only)",
-    "dp_level": "user: DP-FedAvg (above); sample: DP-SGD in every client's local training (Poisson-sampled "
-                "batches of rate 1/steps, each sample's gradient clipped to --dp-clip, Gaussian noise of std "
-                "--dp-noise x C on a step's sum; needs a model without BatchNorm; any --weighting; epsilon per sample, "
-                "each round amplified by a fixed-size cohort's draw where clients keep no state, else every client "
-                "counted every round)",
-    "dp_delta": "the delta of the reported epsilon (default: N^-1.1 for N clients; --dp-level sample: for N "
-                "training samples)",
-    "dp_epsilon": "DP-FedAvg: calibrate the noise: the smallest --dp-noise whose run spends at most this epsilon "
-                  "(at --dp-delta, over --rounds; the start-up line and config.json give the multiplier found)",
-    "dp_quantile": "DP-FedAvg with adaptive clipping (Andrew et al. 2021): the clipping norm starts at --dp-clip and "
-                   "tracks this quantile of the clients' update norms, counted privately (default: fixed clipping)",
-    "dp_clip_lr": "adaptive clipping: learning rate of the geometric update C <- C exp(-lr (unclipped - quantile))",
-    "dp_count_noise": "adaptive clipping: std of the noise on the count of unclipped updates (default: 0.05 x the "
-                      "clients per round when --dp-noise > 0; the update's noise grows so that the round's privacy is "
-                      "fixed clipping's at --dp-noise)",
-    "out": "output folder: metrics.jsonl, summary.json, accuracy.png, config.json, checkpoints/ (default: a new "
-           "runs/<algorithm>-<dataset>-<time>); a non-empty folder needs --resume or --overwrite",
-    "overwrite": "replace the outputs of the run already in --out",
-    "checkpoint_every": "save a checkpoint every N rounds (0: never)",
-    "resume": "continue from the newest checkpoint in --out",
-}
-
-
 def _numbers(text: str) -> tuple:
     """"0,0.2,0.4" -> (0.0, 0.2, 0.4): a tuple option's flag value."""
     return tuple(float(x) for x in text.split(","))
@@ -145,13 +39,14 @@ def generated_help() -> dict[str, str]:
     from ..algorithms import REGISTRY
     from ..data.federated import DATASET_NAMES
     from ..models import MODELS
+    declared = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(RunConfig)}
     out = {"algorithm": " | ".join(REGISTRY), "model": " | ".join(MODELS) + " (default: per dataset)",
            "dataset": " | ".join(n + " (embedded, offline)" if n == "default" else n for n in DATASET_NAMES)}
     for field, default in TRAINING_DEFAULTS.items():
         own = [f"{name} {reg.options.train_preset[field]}" for name, reg in REGISTRY.items()
                if field in reg.options.train_preset]
         text = f"default: {default}" + (f"; the official protocol for {', '.join(own)}" if own else "")
-        out[field] = "; ".join(s for s in (HELP.get(field, ""), text) if s)
+        out[field] = "; ".join(s for s in (declared[field], text) if s)
     return out
 
 
@@ -225,15 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--process-id", type=int, help="this process's index in [0, num_processes)")
     from ..algorithms import REGISTRY
     from ..core.options import field_type
-    help_text = dict(HELP, **generated_help())
+    generated = generated_help()
     fields = {f.name: f for f in dataclasses.fields(RunConfig)}
     for group, names in CONFIG_GROUPS.items():  # --help lists the options by what they set
         section = run.add_argument_group(f"{group} options")
         for name in names:
             f = fields[name]
             default = f"default: {f.default}" if f.default is not None else ""
-            text = "; ".join(s for s in (help_text.get(f.name, ""), default) if s)
-            _add_flag(section, "--" + f.name.replace("_", "-"), f.name, field_type(RunConfig, f), text)
+            text = "; ".join(s for s in (generated.get(name, f.metadata.get("help", "")), default) if s)
+            _add_flag(section, "--" + f.name.replace("_", "-"), f.name, field_type(RunConfig, f),
+                      text.replace("%", "%%"))
     for name, reg in REGISTRY.items():  # --NAME.OPTION, e.g. --fedselect.alpha 0.5
         cls = reg.options
         if not cls.fields():

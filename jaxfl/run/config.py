@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
 import tomllib
 from pathlib import Path
+from typing import ClassVar
 
 from ..core.backends import BACKENDS, PLACEMENTS
 from ..core.cohort import SAMPLINGS, STRATEGIES, default_strategy
@@ -21,6 +23,7 @@ from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
 from ..data.federated import PREFIX_ARGUMENT, TEXT_DATASETS, DataConfig
 from ..errors import ConfigError, check_choice, check_range
+from .evaluation import EVAL_CLIENTS, EVAL_MODELS
 from .lock import LOCK_NAME, check_free
 
 
@@ -29,99 +32,311 @@ from .lock import LOCK_NAME, check_free
 TRAINING_DEFAULTS = {"batch_size": 64, "lr": 0.01, "momentum": 0.5, "weight_decay": 0.0}
 
 
+def run_option(default, help: str = "", *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+               choices: tuple | None = None, minimum: int | None = None, hint: str = ""):
+    """A run option: a dataclass field with its ``--help`` text and the values it allows (``check_field``; None
+    is always allowed: the preset's or backend's default): one of ``choices``, a number in [lo, hi]
+    (``lo_open``: (lo, hi]), or an integer >= ``minimum`` (``hint``: what the low values mean)."""
+    meta = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices, "minimum": minimum,
+            "hint": hint}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check_field(name: str, value, meta) -> None:
+    """ConfigError naming ``name=value`` unless the value is what its ``run_option`` metadata allows."""
+    if value is None:
+        return
+    if meta.get("choices") is not None:
+        check_choice(name, value, meta["choices"])
+    if meta.get("minimum") is not None and value < meta["minimum"]:
+        hint = f" ({meta['hint']})" if meta.get("hint") else ""
+        raise ConfigError(f"{name}={value} must be at least {meta['minimum']}{hint}")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None or hi is not None:
+        check_range(name, value, -math.inf if lo is None else lo, math.inf if hi is None else hi,
+                    lo_open=meta.get("lo_open", False))
+
+
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """Everything a run depends on. ``None`` means "the preset's / backend's default"."""
-    algorithm: str = "fedbn"
-    dataset: str = "default"
+class ConfigGroup:
+    """A group of run options; ``RunConfig`` is every group together (it subclasses each, so a function that
+    needs one group takes that group's type and is given the whole config). Each field is declared once, with
+    ``run_option``: the CLI's flags and ``--help``, ``--print-config``'s sections, the config files' keys and the
+    per-field checks are made from the declarations. ``check`` holds the checks across the group's own fields;
+    checks that read several groups are ``validate``'s."""
+    title: ClassVar[str] = ""
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The group's own fields, in declaration order."""
+        own = inspect.get_annotations(cls)
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name in own)
+
+    @classmethod
+    def validate_fields(cls, cfg: "ConfigGroup") -> None:
+        """ConfigError naming the first of this group's fields of ``cfg`` outside its declared values, then the
+        group's ``check`` (``cfg``: this group or a RunConfig)."""
+        declared = {f.name: f for f in dataclasses.fields(cls)}
+        for name in cls.names():
+            check_field(name, getattr(cfg, name), declared[name].metadata)
+        cls.check(cfg)
+
+    def check(self) -> None:
+        """The group's checks across its own fields (ConfigError); a group overrides it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run(ConfigGroup):
+    title = "run"
+    algorithm: str = run_option("fedbn")  # (help and choices from the registry: cli.generated_help, validate)
     model: str | None = None
-    rounds: int = 10
-    local_epochs: int = 1
+    rounds: int = run_option(10, "communication rounds", minimum=1)
+    seed: int = run_option(0, "the run's seed: the data split, the initial model, each round's cohort and every "
+                              "client's minibatch orders", minimum=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Data(ConfigGroup):
+    title = "data"
+    dataset: str = "default"
+    data_dir: str | None = run_option(None, "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)")
+    num_clients: int | None = run_option(None, "clients of a label-split dataset (mnist, cifar10, tfds:*); tff_*: "
+                                               "the first N", minimum=1)
+    clients_per_domain: int = run_option(1, "domain datasets (default, digits, pacs, folder:*): split each "
+                                            "domain into this many clients", minimum=1)
+    partition: str | None = run_option(None, "how a label-split dataset is divided: iid | dirichlet | shards | "
+                                             "dirichlet_quantity")
+    dirichlet_alpha: float = run_option(0.5, "dirichlet partitions: the concentration alpha of each client's "
+                                             "label distribution", lo=0.0, lo_open=True)
+    client_sizes: str = run_option("equal", "dirichlet_quantity: client sizes equal | lognormal (then each "
+                                             "client's labels ~ Dir(alpha p))", choices=("equal", "lognormal"))
+    size_sigma: float = run_option(0.5, "dirichlet_quantity with lognormal sizes: sigma of the log client size",
+                                   lo=0.0)
+    classes_per_client: int = run_option(2, "shards partition: the classes each client holds")
+    samples_per_client: int | None = run_option(None, "cap each client's training samples", minimum=1)
+    test_per_client: int | None = run_option(None, "cap each client's test samples", minimum=1)
+    image_size: int | None = run_option(None, "resize images to this many pixels a side (default: the dataset's "
+                                              "own size)", minimum=1)
+    channels: int = run_option(3, "the channels images are converted to: 3 (grey repeated to RGB) or 1 (RGB to "
+                                  "grey by 601 luma)")
+
+    def check(self) -> None:
+        check_data_options(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientTraining(ConfigGroup):
+    title = "client training"
+    optimizer: str = run_option("sgd", "client optimizer: sgd | adam (PyTorch semantics)", choices=OPTIMIZERS)
     # None: the algorithm's protocol (``train_preset``: what its official code trains with), else TRAINING_DEFAULTS
-    batch_size: int | None = None
-    lr: float | None = None
-    momentum: float | None = None
-    optimizer: str = "sgd"
-    weight_decay: float | None = None
-    nesterov: bool = False
-    seed: int = 0
-    # server optimizer (FedOpt) of the averaging algorithms: none (the plain mean) | sgd | adagrad | adam | yogi
-    server_opt: str = "none"
-    server_lr: float | None = None  # None: 1 (sgd), 0.1 (adagrad), 0.01 (adam, yogi)
-    server_momentum: float = 0.0
-    server_beta1: float = 0.9
-    server_beta2: float = 0.99
-    server_tau: float = 1e-3
-    # robust aggregation of the averaging algorithms (``jaxfl.ops.robust_aggregation``): mean (the algorithm's
-    # own) | NAME or NAME:key=value,... of median, trimmed_mean, krum, multi_krum, bulyan, geometric_median,
-    # norm_bound, centered_clip
-    aggregator: str = "mean"
-    # malicious clients (``jaxfl.ops.attacks``): the attack (none | sign_flip | scale | gaussian | alie | ipm |
-    # label_flip | backdoor, NAME:key=value,...) and the fraction of the population that runs it (fixed per run)
-    attack: str = "none"
-    malicious: float = 0.0
-    # update compression of the averaging algorithms (``jaxfl.ops.compression``): none | topk | randk | quantize |
-    # qsgd | sign, NAME:key=value,...
-    compression: str = "none"
-    # user-level differential privacy of the averaging algorithms (DP-FedAvg, ``jaxfl.core.privacy``); None: off
-    dp_clip: float | None = None  # C: each client's update of the shared parameters is clipped to l2 norm C
+    lr: float | None = run_option(None, "client learning rate", lo=0.0, lo_open=True)
+    momentum: float | None = run_option(None, "client SGD momentum", lo=0.0, hi=1.0)
+    weight_decay: float | None = run_option(None, "client weight decay, added to the gradient as torch does", lo=0.0)
+    nesterov: bool = run_option(False, "sgd: Nesterov momentum")
+    batch_size: int | None = run_option(None, "client minibatch size", minimum=1)
+    local_epochs: int = run_option(1, "local epochs of each client's training in a round", minimum=1)
+
+    def check(self) -> None:
+        if self.nesterov and (self.optimizer != "sgd" or not self.momentum):
+            raise ConfigError("--nesterov needs --optimizer sgd with --momentum > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cohort(ConfigGroup):
+    title = "cohort"
+    clients_per_round: int | None = run_option(None, "clients sampled per round (default: every client)", minimum=1)
+    participation: float | None = run_option(None, "fraction of clients sampled per round", lo=0.0, hi=1.0,
+                                             lo_open=True)
+    # fixed: exactly k clients a round (without replacement) | poisson: each client with probability k / N
+    cohort_sampling: str = run_option(
+        "fixed", "fixed (exactly --clients-per-round / --participation of the clients each round, drawn without "
+                 "replacement) | poisson (each client joins a round with probability q = that fraction, "
+                 "independently: a cohort of Binomial(N, q) clients, the sampling DP-FedAvg's add/remove "
+                 "accounting assumes)", choices=SAMPLINGS)
+    stragglers: float = run_option(
+        0.0, "systems heterogeneity (FedProx): the chance that a client of the round is a straggler, which runs a "
+             "uniformly random 1..E-1 of its E local epochs (of each local training phase; FedSelect: its LocalAlt "
+             "alternations, pFedHN and pFedGP: their inner steps); 0: none", lo=0.0, hi=1.0)
+    weighting: str = run_option("samples", "how the cohort's models are weighted in the aggregate: by training "
+                                           "samples | uniform", choices=WEIGHTINGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Server(ConfigGroup):
+    title = "server"
+    server_opt: str = run_option(
+        "none", "server optimizer of the averaging algorithms (FedOpt: the cohort's mean as a pseudo-gradient "
+                "step): none (the plain mean) | sgd (with --server-momentum: FedAvgM) | adagrad | adam | yogi",
+        choices=SERVER_OPTIMIZERS)
+    server_lr: float | None = run_option(None, "server learning rate (default: 1 for sgd, 0.1 for adagrad, 0.01 "
+                                               "for adam and yogi)", lo=0.0, lo_open=True)
+    server_momentum: float = run_option(0.0, "server sgd momentum (FedAvgM)", lo=0.0, hi=1.0)
+    server_beta1: float = run_option(0.9, "adagrad/adam/yogi: first-moment decay", lo=0.0, hi=1.0)
+    server_beta2: float = run_option(0.99, "adam/yogi: second-moment decay", lo=0.0, hi=1.0)
+    server_tau: float = run_option(1e-3, "adagrad/adam/yogi: adaptivity tau (added to sqrt(v))", lo=0.0,
+                                   lo_open=True)
+    aggregator: str = run_option(
+        "mean", "robust aggregation of the averaging algorithms' shared parameters, over the cohort's updates "
+                "(jaxfl.ops.robust_aggregation): mean (the algorithm's own) | median | trimmed_mean[:beta=0.1] | "
+                "krum[:f=1] | multi_krum[:f=1,m=0 (k - f)] | bulyan[:f=1] | geometric_median[:iters=8] | "
+                "norm_bound[:bound=1.0] | centered_clip[:tau=1.0,iters=1]")
+    compression: str = run_option(
+        "none", "how clients encode their update of the shared parameters (averaging algorithms; "
+                "jaxfl.ops.compression): none | topk[:fraction=0.01] | randk[:fraction=0.1] | "
+                "quantize[:bits=4,rotate=0 (1: Walsh-Hadamard rotation first)] | qsgd[:levels=16] | sign; each "
+                "takes feedback=1 (error feedback: a client keeps its residual; randk and qsgd are then scaled by "
+                "1/(1+variance) to be contractive); metrics.jsonl logs each client's upload_bits")
+    attack: str = run_option(
+        "none", "what the malicious clients do (jaxfl.ops.attacks): none | sign_flip[:scale=1] | scale[:scale=10] "
+                "(model replacement) | gaussian[:std=1] | alie[:z=0 (from the cohort)] | ipm[:eps=0.5] (update "
+                "attacks, averaging algorithms) | label_flip (their training labels y -> C-1-y) | "
+                "backdoor[:target=0,fraction=0.5,size=3] (a white square on a share of their images, relabelled "
+                "target; metrics.jsonl logs backdoor_accuracy)")
+    malicious: float = run_option(0.0, "the fraction of clients that are malicious, fixed for the run (drawn from "
+                                       "--seed)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Privacy(ConfigGroup):
+    """Differential privacy (``jaxfl.core.privacy``); its checks read the algorithm and the weighting, so they
+    are ``validate``'s (``check_privacy``)."""
+    title = "privacy"
+    dp_clip: float | None = run_option(
+        None, "user-level differential privacy (DP-FedAvg) of the averaging algorithms: clip each client's update "
+              "of the shared parameters to this l2 norm C (needs --weighting uniform; default: off)")
     # user: DP-FedAvg (a client's update clipped); sample: DP-SGD in local training (each sample's gradient
     # clipped to dp_clip, noise z C on a step's sum; ``jaxfl.core.dpsgd``)
-    dp_level: str = "user"
-    dp_noise: float = 0.0  # z: Gaussian noise of std z C / k on the mean of the cohort's k clipped updates
-    dp_delta: float | None = None  # δ of the reported ε (None: N^-1.1 for N clients)
-    dp_epsilon: float | None = None  # calibrate z: the smallest noise multiplier that spends at most this ε
-    dp_quantile: float | None = None  # adaptive clipping: C (from dp_clip) tracks this quantile of the update norms
-    dp_clip_lr: float = DEFAULT_CLIP_LR  # adaptive clipping: the geometric update's learning rate
-    dp_count_noise: float | None = None  # adaptive clipping: the clipped count's noise std (None: 0.05 k with noise)
+    dp_level: str = run_option(
+        "user", "user: DP-FedAvg (above); sample: DP-SGD in every client's local training (Poisson-sampled batches "
+                "of rate 1/steps, each sample's gradient clipped to --dp-clip, Gaussian noise of std --dp-noise x C "
+                "on a step's sum; needs a model without BatchNorm; any --weighting; epsilon per sample, each round "
+                "amplified by a fixed-size cohort's draw where clients keep no state, else every client counted "
+                "every round)", choices=DP_LEVELS)
+    dp_noise: float = run_option(
+        0.0, "DP-FedAvg noise multiplier z: Gaussian noise of std z*C/k on the mean of the cohort's k clipped "
+             "updates (with --cohort-sampling poisson: z*C/(qN) on their sum over qN); the run reports (epsilon, "
+             "delta) by an RDP accountant (0: clipping only)")
+    dp_delta: float | None = run_option(None, "the delta of the reported epsilon (default: N^-1.1 for N clients; "
+                                              "--dp-level sample: for N training samples)")
+    dp_epsilon: float | None = run_option(
+        None, "DP-FedAvg: calibrate the noise: the smallest --dp-noise whose run spends at most this epsilon (at "
+              "--dp-delta, over --rounds; the start-up line and config.json give the multiplier found)")
+    dp_quantile: float | None = run_option(
+        None, "DP-FedAvg with adaptive clipping (Andrew et al. 2021): the clipping norm starts at --dp-clip and "
+              "tracks this quantile of the clients' update norms, counted privately (default: fixed clipping)")
+    dp_clip_lr: float = run_option(DEFAULT_CLIP_LR, "adaptive clipping: learning rate of the geometric update "
+                                                    "C <- C exp(-lr (unclipped - quantile))")
+    dp_count_noise: float | None = run_option(
+        None, "adaptive clipping: std of the noise on the count of unclipped updates (default: 0.05 x the clients "
+              "per round when --dp-noise > 0; the update's noise grows so that the round's privacy is fixed "
+              "clipping's at --dp-noise)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation(ConfigGroup):
+    title = "evaluation"
+    eval_every: int = run_option(1, "evaluate every N rounds (and after the last)", minimum=1)
+    eval_point: str | None = run_option(
+        None, "aggregated (each client's model after the round) | local (right after its local training, before "
+              "aggregation, as FedSelect's code evaluates; needs every client in every round) (default: "
+              "aggregated; local for fedselect when every client trains every round, its official protocol)",
+        choices=("aggregated", "local"))
+    eval_batch_size: int = run_option(256, "evaluation batch size", minimum=1)
+    # evaluation protocols (``jaxfl.run.evaluation``): which model, which clients, and clients held out of training
+    eval_model: str = run_option(
+        "personal", "which model each evaluation tests: personal (each client's own state) | global (the server's "
+                    "own model, for methods whose server holds one) | both (personal in test_*/mean_accuracy, "
+                    "global in global_* fields)", choices=EVAL_MODELS)
+    eval_clients: str = run_option(
+        "all", "which clients each evaluation tests: all | cohort (those that trained in the evaluated round; the "
+               "others are null in the per-client lists and out of the means)", choices=EVAL_CLIENTS)
+    new_clients: int = run_option(
+        0, "hold K clients out of training (drawn from --seed) and evaluate them at every evaluation: with the "
+           "global model (new_* fields, where the server holds one) and, for methods that predict with a "
+           "just-trained model, after one local update from where a new client starts (new_tuned_* fields); 0: "
+           "none")
+    new_client_steps: int | None = run_option(
+        None, "--new-clients: the held-out clients' local update runs at most this many local steps (minibatches; "
+              "methods with their own local loop, FedSelect, pFedHN, pFedGP, keep it) (default: the run's "
+              "--local-epochs)")
+
+    def check(self) -> None:
+        check_new_clients(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine(ConfigGroup):
+    title = "engine"
+    strategy: str | None = run_option(
+        None, "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU); on the stacked backend vmap and "
+              "chunked sort the cohort by local steps and run chunks of lanes (--lane-segments)", choices=STRATEGIES)
+    backend: str | None = run_option(
+        None, "stacked (the whole population on the device, one jitted call per round) | streamed (samples and "
+              "states on the host, each cohort sent to the device as a store sized up front and trained in one "
+              "call: one program) | ragged (samples on the host, the cohort trained in buckets of similar clients) "
+              "(default: stacked when the population fits in a quarter of each device's memory and its clients "
+              "are even, or a lane plan runs them (--lane-segments > 0), or, on an accelerator, the run is "
+              "modelled to finish sooner with one call per round (its rounds and the programs each backend "
+              "compiles: jaxfl.core.cost); else streamed where one call wastes little, ragged where it would or "
+              "over several processes; the start-up line names the choice)", choices=BACKENDS)
+    rounds_per_call: int = run_option(1, "stacked backend: rounds run in one jitted call (the host acts between "
+                                         "calls)", minimum=1)
+    chunk_size: int = run_option(8, "chunked: clients per chunk", minimum=1)
+    lane_segments: int = run_option(
+        3, "stacked and streamed backends under vmap/chunked: the cohort is sorted by local steps inside the round "
+           "and run as chunks of lanes, each to its own longest client, in at most this many segments of equal "
+           "chunks (jaxfl.core.lanes; 0: one vmap over the cohort, every lane to its longest client)", minimum=0,
+        hint="0: one vmap call over the cohort")
+    lane_overhead: float | None = run_option(
+        None, "the cost of one sequential local step in lane-steps that the lane plan weighs against padded lanes "
+              "(default: 0 on CPU; on an accelerator derived from jaxfl.core.cost, tau P / (B f))", lo=0.0)
+    devices: int | None = run_option(
+        None, "split the clients over this many devices (0: all; clients per round must divide evenly); on a CPU, "
+              "N > 1 runs N CPU devices, one block of clients per core (default: on a CPU, one device per core, "
+              "the most that divide the cohort; on an accelerator 1)", minimum=0,
+        hint="0: all devices, 1: no sharding; unset: on a CPU one device per core when the cohort splits evenly")
+    client_store: str = run_option("auto", "where per-client persistent state lives: auto (device if it fits in a "
+                                           "quarter of its memory) | device | host", choices=PLACEMENTS)
+
+    def check(self) -> None:
+        if self.rounds_per_call > 1 and self.backend in ("ragged", "streamed"):
+            raise ConfigError(f"rounds_per_call={self.rounds_per_call} keeps rounds on the device: it needs "
+                              f"--backend stacked (or the default, which picks stacked when the population fits)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Output(ConfigGroup):
+    title = "output"
+    out: str | None = run_option(None, "output folder: metrics.jsonl, summary.json, accuracy.png, config.json, "
+                                       "checkpoints/ (default: a new runs/<algorithm>-<dataset>-<time>); a non-empty "
+                                       "folder needs --resume or --overwrite")
+    checkpoint_every: int = run_option(0, "save a checkpoint every N rounds (0: never)", minimum=0)
+    resume: bool = run_option(False, "continue from the newest checkpoint in --out")
+    overwrite: bool = run_option(False, "replace the outputs of the run already in --out")
+
+    def check(self) -> None:
+        if (self.resume or self.checkpoint_every) and not self.out:
+            raise ConfigError("checkpoints and --resume need an output directory (--out DIR)")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume continues the run in --out, --overwrite replaces it: give one of them")
+
+
+# The groups in the order --help, --print-config and a saved config.json list them
+GROUPS: tuple[type[ConfigGroup], ...] = (Run, Data, ClientTraining, Cohort, Server, Privacy, Evaluation, Engine,
+                                         Output)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(Output, Engine, Evaluation, Privacy, Server, Cohort, ClientTraining, Data, Run):
+    """Everything a run depends on: every ``GROUPS`` group's options (``None`` means "the preset's / backend's
+    default") and the algorithms' option tables. (The bases are listed last group first: a dataclass orders the
+    inherited fields from its last base.)"""
+    title = ""
     # algorithm options by algorithm, e.g. {"fedselect": {"alpha": 0.5}}: each algorithm's Options dataclass
     # (``jaxfl.algorithms``) owns its defaults, presets and checks; the CLI's --fedselect.alpha, a [fedselect]
     # table in TOML. The run uses only the table of ``algorithm``.
     options: dict = dataclasses.field(default_factory=dict)
-    # data
-    data_dir: str | None = None
-    num_clients: int | None = None
-    clients_per_domain: int = 1
-    partition: str | None = None
-    dirichlet_alpha: float = 0.5
-    client_sizes: str = "equal"
-    size_sigma: float = 0.5
-    classes_per_client: int = 2
-    samples_per_client: int | None = None
-    test_per_client: int | None = None
-    image_size: int | None = None
-    channels: int = 3
-    # engine
-    clients_per_round: int | None = None
-    participation: float | None = None
-    # fixed: exactly k clients a round (without replacement) | poisson: each client with probability k / N
-    cohort_sampling: str = "fixed"
-    stragglers: float = 0.0  # systems heterogeneity: the chance a client runs only part of its local work
-    weighting: str = "samples"
-    strategy: str | None = None
-    backend: str | None = None  # stacked (population on the device) | streamed (cohort sent per round) | ragged
-    rounds_per_call: int = 1  # stacked: rounds run in one jitted call (the host acts between calls)
-    chunk_size: int = 8
-    # stacked backend, vmap/chunked: the cohort sorted by local steps, in at most this many segments of chunks of
-    # lanes (``core.lanes``; 0: one vmap over the cohort); a local step's fixed cost in lanes (None: the platform's)
-    lane_segments: int = 3
-    lane_overhead: float | None = None
-    devices: int | None = None
-    client_store: str = "auto"
-    eval_every: int = 1
-    eval_point: str | None = None  # aggregated: after the round | local: each model right after local training
-    eval_batch_size: int = 256
-    # evaluation protocols (``jaxfl.run.evaluation``): which model (personal | global | both), which clients
-    # (all | cohort: the evaluated round's), and K clients held out of training, evaluated as newcomers
-    eval_model: str = "personal"
-    eval_clients: str = "all"
-    new_clients: int = 0
-    new_client_steps: int | None = None  # the held-out clients' update: at most this many local steps
-    # output
-    out: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    overwrite: bool = False
+
 
     def data_config(self) -> DataConfig:
         names = {f.name for f in dataclasses.fields(DataConfig)}
@@ -266,13 +481,13 @@ def dataset_kind(dataset: str) -> str | None:
                  if any(dataset == n or (n.endswith(":") and dataset.startswith(n)) for n in names)), None)
 
 
-def check_data_options(cfg: RunConfig) -> None:
+def check_data_options(cfg: Data) -> None:
     """ConfigError for a data option set (away from its default) that the dataset's split does not read, e.g.
     --partition on a domain dataset (it would be ignored)."""
     kind = dataset_kind(cfg.dataset)
     if kind is None:
         return
-    default = RunConfig()
+    default = Data()
     for name in sorted({f for _, _, fields in DATASET_KINDS.values() for f in fields} - set(DATASET_KINDS[kind][2])):
         if getattr(cfg, name) != getattr(default, name):
             users = [k for k, (_, _, fields) in DATASET_KINDS.items() if name in fields]
@@ -283,7 +498,8 @@ def check_data_options(cfg: RunConfig) -> None:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Raise ConfigError naming the first bad value; otherwise return cfg with its protocol fields resolved
-    (``RunConfig.with_protocol``)."""
+    (``RunConfig.with_protocol``). Every field's type; then group by group (``GROUPS``) its fields' declared
+    values and the group's own checks; then the checks across groups (the algorithm's abilities above all)."""
     from ..algorithms import REGISTRY, algorithm_options, options_class
     from ..models import MODELS
     check_choice("algorithm", cfg.algorithm, REGISTRY)
@@ -302,82 +518,34 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"--algorithm {cfg.algorithm} cannot use --model {cfg.model}; it needs one of: "
                               f"{', '.join(allowed)}")
     check_modality(cfg)
-    if cfg.strategy is not None:
-        check_choice("strategy", cfg.strategy, STRATEGIES)
-    if cfg.backend is not None:
-        check_choice("backend", cfg.backend, BACKENDS)
-    if cfg.rounds_per_call > 1 and cfg.backend in ("ragged", "streamed"):
-        raise ConfigError(f"rounds_per_call={cfg.rounds_per_call} keeps rounds on the device: it needs --backend "
-                          f"stacked (or the default, which picks stacked when the population fits)")
-    check_choice("weighting", cfg.weighting, WEIGHTINGS)
-    check_choice("client_store", cfg.client_store, PLACEMENTS)
-    check_choice("client_sizes", cfg.client_sizes, ("equal", "lognormal"))
-    if cfg.size_sigma < 0:
-        raise ConfigError(f"size_sigma={cfg.size_sigma} must be >= 0")
-    for name in ("rounds", "local_epochs", "batch_size", "chunk_size", "eval_every", "eval_batch_size",
-                 "rounds_per_call", "clients_per_domain", "num_clients", "samples_per_client", "test_per_client",
-                 "image_size",
-                 "clients_per_round"):  # the last five may be None (the preset's default)
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
-            raise ConfigError(f"{name}={getattr(cfg, name)} must be at least 1")
-    if cfg.seed < 0:
-        raise ConfigError(f"seed={cfg.seed} must be >= 0")
-    if cfg.lane_segments < 0:
-        raise ConfigError(f"lane_segments={cfg.lane_segments} must be >= 0 (0: one vmap call over the cohort)")
-    if cfg.lane_overhead is not None:
-        check_range("lane_overhead", cfg.lane_overhead, 0.0, float("inf"))
-    check_range("dirichlet_alpha", cfg.dirichlet_alpha, 0.0, float("inf"), lo_open=True)
-    check_range("lr", cfg.lr, 0.0, float("inf"), lo_open=True)
-    check_range("momentum", cfg.momentum, 0.0, 1.0)
-    check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
-    if cfg.eval_point is not None:
-        check_choice("eval_point", cfg.eval_point, ("aggregated", "local"))
-    check_evaluation(cfg)
-    check_range("weight_decay", cfg.weight_decay, 0.0, float("inf"))
-    if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum <= 0):
-        raise ConfigError("--nesterov needs --optimizer sgd with --momentum > 0")
-    check_choice("server_opt", cfg.server_opt, SERVER_OPTIMIZERS)
+    for group in GROUPS:
+        group.validate_fields(cfg)
+    if cfg.new_clients and options_class(cfg.algorithm).server_client_rows:
+        able = ", ".join(n for n, r in REGISTRY.items() if not r.options.server_client_rows)
+        raise ConfigError(f"--new-clients {cfg.new_clients}: {cfg.algorithm}'s server keeps a row per training "
+                          f"client (read by client id), which a client held out of training does not have; "
+                          f"--new-clients applies to {able}")
     if cfg.server_opt != "none":
         check_marked(cfg, "server_optimizer", f"--server-opt {cfg.server_opt}: {cfg.algorithm}'s aggregate is not a "
                                               f"mean of shared parameters; a server optimizer composes with")
-    if cfg.server_lr is not None:
-        check_range("server_lr", cfg.server_lr, 0.0, float("inf"), lo_open=True)
-    check_range("server_momentum", cfg.server_momentum, 0.0, 1.0)
-    check_range("server_beta1", cfg.server_beta1, 0.0, 1.0)
-    check_range("server_beta2", cfg.server_beta2, 0.0, 1.0)
-    check_range("server_tau", cfg.server_tau, 0.0, float("inf"), lo_open=True)
     check_server_rule(cfg, "--aggregator", cfg.aggregator, parse_aggregator, "mean", "a robust aggregator")
     check_attack(cfg)
     check_server_rule(cfg, "--compression", cfg.compression, parse_compression, "none", "update compression")
     check_privacy(cfg)
-    if cfg.participation is not None:
-        check_range("participation", cfg.participation, 0.0, 1.0, lo_open=True)
-    check_choice("cohort_sampling", cfg.cohort_sampling, SAMPLINGS)
     if cfg.cohort_sampling == "poisson" and not options_class(cfg.algorithm).poisson_sampling:
         unable = ", ".join(n for n, r in REGISTRY.items() if not r.options.poisson_sampling)
         raise ConfigError(f"--cohort-sampling poisson pads each round's cohort with rows of weight 0, which "
                           f"{cfg.algorithm}'s aggregate does not treat as absent (algorithms without Poisson "
                           f"sampling: {unable}); use --cohort-sampling fixed")
-    check_range("stragglers", cfg.stragglers, 0.0, 1.0)
     if cfg.stragglers:
         work, count = straggler_work_count(cfg)
         if count < 2:
             flag = work.replace("_", "-") if work == "local_epochs" else f"{cfg.algorithm}.{work.replace('_', '-')}"
             raise ConfigError(f"stragglers={cfg.stragglers}: a straggler runs 1 to E-1 of its E {work}, so "
                               f"--{flag} must be at least 2 (it is {count})")
-    if cfg.devices is not None and cfg.devices < 0:
-        raise ConfigError(f"devices={cfg.devices} must be >= 0 (0: all devices, 1: no sharding; unset: on a CPU "
-                          f"one device per core when the cohort splits evenly)")
-    if cfg.checkpoint_every < 0:
-        raise ConfigError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0")
-    if (cfg.resume or cfg.checkpoint_every) and not cfg.out:
-        raise ConfigError("checkpoints and --resume need an output directory (--out DIR)")
-    if cfg.resume and cfg.overwrite:
-        raise ConfigError("--resume continues the run in --out, --overwrite replaces it: give one of them")
     for name, table in cfg.options.items():  # every table given, not only the run's: a typo is caught
         check_choice("algorithm table", name, REGISTRY)
         algorithm_options(name, table, cfg.dataset)
-    check_data_options(cfg)  # (after the ranges: a bad value is named as such first)
     return cfg
 
 
@@ -392,7 +560,6 @@ def check_privacy(cfg: RunConfig) -> None:
                               f"{cfg.dp_noise:g}, not both")
         check_range("dp_epsilon", cfg.dp_epsilon, 0.0, float("inf"), lo_open=True)
     tuning = cfg.dp_clip_lr != DEFAULT_CLIP_LR or cfg.dp_count_noise is not None  # adaptive clipping's knobs
-    check_choice("dp_level", cfg.dp_level, DP_LEVELS)
     if cfg.dp_clip is None:
         if (cfg.dp_noise or cfg.dp_delta is not None or cfg.dp_quantile is not None or tuning
                 or cfg.dp_level != "user"):
@@ -469,12 +636,8 @@ def check_attack(cfg: RunConfig) -> None:
                                      f"shared parameters alone; update attacks compose with")
 
 
-def check_evaluation(cfg: RunConfig) -> None:
-    """The evaluation protocol's options (``jaxfl.run.evaluation``); ConfigError naming the bad one."""
-    from ..algorithms import REGISTRY, options_class
-    from .evaluation import EVAL_CLIENTS, EVAL_MODELS
-    check_choice("eval_model", cfg.eval_model, EVAL_MODELS)
-    check_choice("eval_clients", cfg.eval_clients, EVAL_CLIENTS)
+def check_new_clients(cfg: Evaluation) -> None:
+    """``new_clients`` (an integer >= 0) and ``new_client_steps`` (an integer >= 1, only with held-out clients)."""
     if isinstance(cfg.new_clients, bool) or not isinstance(cfg.new_clients, int) or cfg.new_clients < 0:
         raise ConfigError(f"new_clients={cfg.new_clients!r} must be an integer >= 0 (the clients held out of "
                           f"training; 0: none)")
@@ -486,11 +649,6 @@ def check_evaluation(cfg: RunConfig) -> None:
         if not cfg.new_clients:
             raise ConfigError(f"--new-client-steps {cfg.new_client_steps}: no client is held out (give "
                               f"--new-clients K), so it would be ignored")
-    if cfg.new_clients and options_class(cfg.algorithm).server_client_rows:
-        able = ", ".join(n for n, r in REGISTRY.items() if not r.options.server_client_rows)
-        raise ConfigError(f"--new-clients {cfg.new_clients}: {cfg.algorithm}'s server keeps a row per training "
-                          f"client (read by client id), which a client held out of training does not have; "
-                          f"--new-clients applies to {able}")
 
 
 def check_marked(cfg: RunConfig, mark: str, message: str) -> None:
@@ -599,25 +757,8 @@ def replace_text(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-# Every RunConfig field in the one group that a reader looks for it in (``config_toml``; a new field must be
-# placed: tests/test_runner.py checks that each field is in exactly one group)
-CONFIG_GROUPS = {
-    "run": ("algorithm", "model", "rounds", "seed"),
-    "data": ("dataset", "data_dir", "num_clients", "clients_per_domain", "partition", "dirichlet_alpha",
-             "client_sizes", "size_sigma", "classes_per_client", "samples_per_client", "test_per_client",
-             "image_size", "channels"),
-    "client training": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "batch_size", "local_epochs"),
-    "cohort": ("clients_per_round", "participation", "cohort_sampling", "stragglers", "weighting"),
-    "server": ("server_opt", "server_lr", "server_momentum", "server_beta1", "server_beta2", "server_tau",
-               "aggregator", "compression", "attack", "malicious"),
-    "privacy": ("dp_clip", "dp_level", "dp_noise", "dp_delta", "dp_epsilon", "dp_quantile", "dp_clip_lr",
-                "dp_count_noise"),
-    "evaluation": ("eval_every", "eval_point", "eval_batch_size", "eval_model", "eval_clients", "new_clients",
-                   "new_client_steps"),
-    "engine": ("strategy", "backend", "rounds_per_call", "chunk_size", "lane_segments", "lane_overhead", "devices",
-               "client_store"),
-    "output": ("out", "checkpoint_every", "resume", "overwrite"),
-}
+# Every RunConfig field under the title of the one group that declares it (``config_toml``, ``--help``)
+CONFIG_GROUPS = {group.title: group.names() for group in GROUPS}
 
 
 def config_toml(cfg: RunConfig) -> str:
