@@ -88,18 +88,28 @@ def test_fedavg_ft_with_zero_epochs_is_fedavg():
 
 
 @bit_identity("fine-tuning runs at evaluation only: the training rounds are FedAvg's operations")
-def test_fedavg_ft_trains_fedavg_and_evaluates_the_received_model_fine_tuned():
-    s1, _ = rounds("fedavg", n=1)
-    s2, _ = rounds("fedavg")
+def test_fedavg_ft_trains_fedavg():
     server, clients = rounds("fedavg_ft")  # ft_epochs = E = 1
-    assert_trees_close(server, s2, atol=0, rtol=0)  # fine-tuning never reaches the server
+    assert_trees_close(server, rounds("fedavg")[0], atol=0, rtol=0)  # fine-tuning never reaches the server
+    assert set(clients) == {"base", "tuned"} and not jax.tree_util.tree_leaves(clients["base"])
+
+
+def test_fedavg_ft_evaluates_the_received_model_fine_tuned():
+    s1, _ = rounds("fedavg_ft", n=1)
+    server, clients = rounds("fedavg_ft")  # ft_epochs = E = 1
     alg, data, *_ = setup("fedavg_ft")
     # what a client predicts with after round 2: the global model it received (round 1's end), fine-tuned E
     # epochs; with ft_epochs = E that is FedAvg's own local model of round 2
     expected = fine_tune(s1, data, 1, 1)
-    assert_trees_close(clients["tuned"], expected, atol=1e-6, rtol=1e-5)
-    np.testing.assert_allclose(predictions(alg, server, clients), apply_rows(expected), atol=1e-5, rtol=1e-5)
-    assert set(clients) == {"base", "tuned"} and not jax.tree_util.tree_leaves(clients["base"])
+
+    @jax.jit
+    def tuned_and_logits(s):
+        rows = fine_tune(s, data, 1, 1)
+        return rows, apply_rows(rows)
+    # another program than the round's local update: equal up to float32 rounding of the fine-tune
+    tuned_tol, logits_tol = rounding_tolerance(tuned_and_logits, s1)
+    assert_trees_close(clients["tuned"], expected, atol=tuned_tol, rtol=0)
+    np.testing.assert_allclose(predictions(alg, server, clients), apply_rows(expected), atol=logits_tol, rtol=0)
 
 
 # -- FedBABU -----------------------------------------------------------------------------------------------
