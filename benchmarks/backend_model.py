@@ -77,8 +77,8 @@ def modelled(pair: dict, rates) -> tuple[float, float]:
         pair["flops"] = cost.train_flops_per_sample(build_model(pair["model"], pair["classes"]), pair["sample_x"],
                                                     pair["batch"], pair["preprocess"])
     b = pair["sample_x"][0].nbytes + 4  # the input and its int32 label
-    return cost.backend_seconds(pair["counts"], pair["batch"], pair["cohort"], pair["flops"], b, strategy="vmap",
-                                chunk_size=8, rates=rates, per_cohort=True)
+    return cost.backend_seconds(pair["counts"], pair["batch"], pair["cohort"], pair["flops"], b, clients="vmap",
+                                rates=rates, per_cohort=True)
 
 
 def bucket_programs(pair: dict, repeats: int = 50, seed: int = 0) -> float:
@@ -115,7 +115,7 @@ def compile_fit(pairs: list[dict]) -> list[dict]:
     for k, p in enumerate(rows):
         s, r = modelled(p, cost.H200)
         steps = -(-p["counts"] // p["batch"])
-        n_s, n_r = cost.backend_programs(steps, p["cohort"], strategy="vmap", chunk_size=8)
+        n_s, n_r = cost.backend_programs(steps, p["cohort"], "vmap")
         others = float(np.median([q["c"] for i, q in enumerate(rows) if i != k]))
 
         def pick(c):

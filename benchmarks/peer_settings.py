@@ -140,7 +140,7 @@ def run_synthetic(setting: dict, rounds: int) -> dict:
     devices = resolve_devices(None, cohort, "fixed")
     alg = build_algorithm("fedavg", build_model("cnn_dropout", setting["classes"]),
                           LocalTrainer(client_optimizer("sgd", setting["lr"]), setting["batch"], 1))
-    sim = Stacked(alg, data, batch_size=setting["batch"], strategy=default_strategy(), cohort_size=cohort,
+    sim = Stacked(alg, data, batch_size=setting["batch"], clients=default_strategy(), cohort_size=cohort,
                   mesh=client_mesh(devices) if devices > 1 else None)
     server, store = sim.init(jax.random.key(0), data.x[:1])
     root = jax.random.key(1)

@@ -50,7 +50,7 @@ def measure(workload: str, n: int, cohort: int, seeds: int, strategy: str, round
     alg = build_algorithm("fedavg", build_model(w["model"], w["classes"]), LocalTrainer(optax.sgd(w["lr"]), batch, 1))
     pops = [small_population(w, lognormal_counts(n, w["median"], w["sigma"], seed=0 if equal else s))
             for s in range(seeds)]
-    step = make_step(alg, strategy=strategy)
+    step = make_step(alg, clients=strategy)
     length = batch * grid_ceil(-(-max(int(p.counts.max()) for p in pops) // batch))
     total = max(len(p.y) for p in pops)
 

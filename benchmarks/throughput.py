@@ -99,7 +99,7 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
     from jaxfl.algorithms import build_algorithm
     from jaxfl.core.backends import Ragged
     from jaxfl.core.buckets import grid_ceil
-    from jaxfl.core.cohort import client_keys, sample_cohort
+    from jaxfl.core.cohort import client_keys, client_map, sample_cohort
     from jaxfl.core.trainer import LocalTrainer
     from jaxfl.core.types import RoundInfo
     from jaxfl.models import build_model
@@ -115,7 +115,7 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
            "real_samples_per_round": real / rounds, "max_over_mean": float(np.max(counts) / np.mean(counts)),
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__}
     def engine(strategy):
-        sim = Ragged(alg, data, batch_size=batch, strategy=strategy, chunk_size=chunk_size, cohort_size=cohort)
+        sim = Ragged(alg, data, batch_size=batch, clients=client_map(strategy, chunk_size), cohort_size=cohort)
         server, store = sim.init(jax.random.key(0), data.x[:1])
         t = time.perf_counter()
         for r in range(rounds):  # compile every bucket shape of these cohorts
@@ -239,7 +239,7 @@ def population(algorithm: str, n_clients: int, rounds: int = 3) -> dict:
     p = POPULATION
     data = make_population(np.full(n_clients, p["per_client"]), p["shape"])
     alg = build_algorithm(algorithm, build_model(p["model"], 10), LocalTrainer(optax.sgd(0.01), p["batch"], 1))
-    sim = Ragged(alg, data, batch_size=p["batch"], strategy="map", cohort_size=p["cohort"])
+    sim = Ragged(alg, data, batch_size=p["batch"], clients="map", cohort_size=p["cohort"])
     server, store = sim.init(jax.random.key(0), data.x[:1])
     root = jax.random.key(1)
     t = time.perf_counter()
@@ -432,7 +432,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
         mesh = client_mesh(devices) if devices > 1 else None
         if kind == "stacked":
             strategy, kk = opt[0], int(opt[1][1:])
-            sim = Stacked(alg, data, batch_size=batch, strategy=strategy, cohort_size=cohort, rounds_per_call=kk,
+            sim = Stacked(alg, data, batch_size=batch, clients=strategy, cohort_size=cohort, rounds_per_call=kk,
                           mesh=mesh, **lane_options(runner))
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
@@ -458,7 +458,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
                                     "lanes": None if sim.lanes is None else [list(g) for g in sim.lanes.segments]})
             del sim, store
         elif kind in ("ragged", "streamed"):
-            sim = (Ragged if kind == "ragged" else Streamed)(alg, data, batch_size=batch, strategy=opt[0],
+            sim = (Ragged if kind == "ragged" else Streamed)(alg, data, batch_size=batch, clients=opt[0],
                                                              cohort_size=cohort, mesh=mesh)
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()

@@ -17,15 +17,16 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from . import ops  # noqa: E402
 from .algorithms import REGISTRY, build_algorithm, register  # noqa: E402
-from .core import (Algorithm, ClientOptimizer, ClientStore, Evaluator, LocalTrainer, Ragged, RoundInfo, RunContext,  # noqa: E402
-                   Stacked, Step, Streamed, client_optimizer, init_state, make_step, normalizer)
+from .core import (Algorithm, Chunked, ClientMap, ClientOptimizer, ClientStore, Evaluator, LocalTrainer,  # noqa: E402
+                   Map, Ragged, RoundInfo, RunContext, Stacked, Step, Streamed, Vmap, client_optimizer, init_state,
+                   make_step, normalizer)
 from .data import ClientData, RaggedClients, load_dataset  # noqa: E402
 from .errors import ConfigError, DataError, JaxflError, NonFiniteError  # noqa: E402
 from .run import Experiment, RunConfig, predict_proba, reliability_report, run  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["Algorithm", "ClientData", "ClientOptimizer", "ClientStore", "ConfigError", "DataError",
-           "Evaluator", "Experiment", "JaxflError", "LocalTrainer", "NonFiniteError", "REGISTRY", "Ragged",
-           "RaggedClients", "RoundInfo", "RunConfig", "RunContext", "Stacked", "Step", "Streamed",
+__all__ = ["Algorithm", "Chunked", "ClientData", "ClientMap", "ClientOptimizer", "ClientStore", "ConfigError",
+           "DataError", "Evaluator", "Experiment", "JaxflError", "LocalTrainer", "Map", "NonFiniteError", "REGISTRY",
+           "Ragged", "RaggedClients", "RoundInfo", "RunConfig", "RunContext", "Stacked", "Step", "Streamed", "Vmap",
            "build_algorithm", "client_optimizer", "init_state", "load_dataset", "make_step", "normalizer",
            "ops", "predict_proba", "register", "reliability_report", "run"]

@@ -264,29 +264,29 @@ def ragged(data: ClientData):
 BACKENDS = ("stacked", "ragged")
 
 
-def make_backend(alg, data, backend="stacked", *, strategy="vmap", chunk_size=8, cohort_size=None,
+def make_backend(alg, data, backend="stacked", *, clients="vmap", cohort_size=None,
                  weighting="samples", mesh=None, num_rounds=None, batch_size=8, **kw):
     """A ``Stacked``, ``Streamed`` or ``Ragged`` backend of ``alg`` over the real samples of padded ``data`` (the
-    runner's engine); ``batch_size`` only sets the padding grid (use the trainer's); ``kw`` go to the backend
-    (e.g. ``stragglers``)."""
+    runner's engine); ``clients``: its ``ClientMap`` or the map's name; ``batch_size`` only sets the padding grid
+    (use the trainer's); ``kw`` go to the backend (e.g. ``stragglers``)."""
     from jaxfl.core.backends import Ragged, Stacked, Streamed
     cls = {"stacked": Stacked, "streamed": Streamed, "ragged": Ragged}[backend]
     if backend in ("ragged", "streamed"):
         kw = {"client_store": "device", **kw}
-    return cls(alg, ragged(data), batch_size=batch_size, strategy=strategy, chunk_size=chunk_size,
-               cohort_size=cohort_size, weighting=weighting, mesh=mesh, num_rounds=num_rounds, **kw)
+    return cls(alg, ragged(data), batch_size=batch_size, clients=clients, cohort_size=cohort_size,
+               weighting=weighting, mesh=mesh, num_rounds=num_rounds, **kw)
 
 
-def run_rounds(alg, data, server, clients, root, rounds=1, backend="stacked", keep_rows=False, every_round=False,
+def run_rounds(alg, data, server, states, root, rounds=1, backend="stacked", keep_rows=False, every_round=False,
                **backend_kw):
-    """``rounds`` rounds of ``alg`` on a backend (``make_backend``) from (server, clients stacked [N]);
+    """``rounds`` rounds of ``alg`` on a backend (``make_backend``) from (server, the clients' states stacked [N]);
     returns (server, clients, last round's metrics), and with ``keep_rows`` also the last round's trained rows
     (stacked in cohort order: what ``trained_rows`` computes, without compiling a second program). With
     ``every_round``: a list of each round's (server, clients, metrics), fetched to the host (one run, one
     compilation, instead of a run per round count)."""
     from jaxfl.core.backends import ClientStore
     engine = make_backend(alg, data, backend, **backend_kw)
-    store = ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")  # a copy: rounds donate it
+    store = ClientStore(jax.tree_util.tree_map(jnp.array, states), "device")  # a copy: rounds donate it
     kept, history = [], []
     hook = (lambda s, trained, ids: kept.append(jax.tree_util.tree_map(jnp.array, trained))) if keep_rows else None
     for r in range(rounds):
@@ -326,12 +326,12 @@ def evaluator(alg, test: ClientData, train: ClientData | None = None, eval_batch
                      train=None if train is None else ragged(train), **kw)
 
 
-def run_step(alg, data, server, clients, root, rounds=1, strategy="vmap", num_rounds=None):
+def run_step(alg, data, server, states, root, rounds=1, clients="vmap", num_rounds=None):
     """``rounds`` rounds of the pure cohort step (``make_step``, jitted) with every client in the cohort and
     ``data`` exactly as given (padding included): (server, clients, last metrics)."""
     from jaxfl.core.step import make_step
-    cohort_step = make_step(alg, strategy=strategy, num_rounds=num_rounds)
-    return step_rounds(jax.jit(lambda *args: cohort_step(*args)), data, server, clients, root, rounds)
+    cohort_step = make_step(alg, clients=clients, num_rounds=num_rounds)
+    return step_rounds(jax.jit(lambda *args: cohort_step(*args)), data, server, states, root, rounds)
 
 
 def step_rounds(step, data, server, clients, root, rounds):
@@ -347,7 +347,7 @@ def trained_rows(alg, data, server, clients, root, round_idx=0, num_rounds=None)
     """Every client's full state right after its local update of round ``round_idx`` (before aggregation),
     with the engine's per-client keys and RoundInfo: what the server averages, which clients do not keep."""
     from jaxfl.core.step import cohort_train
-    update = cohort_train(alg, strategy="vmap", num_rounds=num_rounds)
+    update = cohort_train(alg, clients="vmap", num_rounds=num_rounds)
     return update(server, clients, data, jnp.arange(data.num_clients), round_idx, root)[0]
 
 

@@ -79,7 +79,7 @@ def test_a_ragged_run_compiles_at_most_one_bucket_program_per_class():
     data = RaggedClients.from_clients([(rng.integers(0, 256, (int(n), 4, 4, 1), dtype=np.uint8),
                                         rng.integers(0, 4, int(n)).astype(np.int32)) for n in counts])
     alg = build_algorithm("fedavg", logreg(4), make_trainer(batch_size=4))
-    engine = Ragged(alg, data, batch_size=4, num_rounds=12, strategy="vmap", cohort_size=12)
+    engine = Ragged(alg, data, batch_size=4, num_rounds=12, clients="vmap", cohort_size=12)
     server, store = engine.init(jax.random.key(0), data.x[:1])
     with traces() as traced:
         for r in range(12):

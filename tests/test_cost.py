@@ -10,6 +10,7 @@ import pytest
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.core import cost
+from jaxfl.core.cohort import Chunked
 from jaxfl.core.trainer import LocalTrainer, normalizer
 from jaxfl.core.types import RunContext
 from jaxfl.errors import ConfigError
@@ -41,15 +42,15 @@ def test_train_flops_of_a_linear_model_by_hand():
 def test_calls_of_each_backend_by_hand():
     steps = [1, 1, 4]  # e.g. 10, 10 and 40 samples at batch 10
     # stacked: one call whose 3 lanes step until the longest client is done; map: each client its own steps
-    assert cost.stacked_calls(steps, strategy="vmap", chunk_size=8) == [(3, 4)]
-    assert cost.stacked_calls(steps, strategy="map", chunk_size=8) == [(1, 1), (1, 1), (1, 4)]
-    assert cost.stacked_calls([5, 1, 4, 2], strategy="chunked", chunk_size=2) == [(2, 5), (2, 4)]  # cohort order
+    assert cost.stacked_calls(steps, "vmap") == [(3, 4)]
+    assert cost.stacked_calls(steps, "map") == [(1, 1), (1, 1), (1, 4)]
+    assert cost.stacked_calls([5, 1, 4, 2], Chunked(2)) == [(2, 5), (2, 4)]  # cohort order
     # ragged: a bucket of the 4-step client, one of the two 1-step clients; sent: 1 x 4 + 2 x 1 sample slots
-    assert cost.ragged_calls(steps, strategy="vmap", chunk_size=8) == ([(1, 4), (2, 1)], 6)
+    assert cost.ragged_calls(steps, "vmap") == ([(1, 4), (2, 1)], 6)
     # map: one bucket padded to its longest client (3 x 4 slots sent), every client its own steps
-    assert cost.ragged_calls(steps, strategy="map", chunk_size=8) == ([(1, 1), (1, 1), (1, 4)], 12)
+    assert cost.ragged_calls(steps, "map") == ([(1, 1), (1, 1), (1, 4)], 12)
     # a bucket runs to its longest *real* client while its data is padded to the step grid (5 -> 6)
-    assert cost.ragged_calls([5], strategy="vmap", chunk_size=8) == ([(1, 5)], 6)
+    assert cost.ragged_calls([5], "vmap") == ([(1, 5)], 6)
 
 
 def test_round_seconds_by_hand():
@@ -63,12 +64,12 @@ def test_round_seconds_by_hand():
 
 def test_backend_seconds_adds_up_the_calls_of_a_drawn_cohort():
     counts = np.array([10, 10, 40])  # the whole population in the cohort: every draw is the same
-    s, r = cost.backend_seconds(counts, 10, 3, 1e8, 100.0, strategy="vmap", chunk_size=8)
+    s, r = cost.backend_seconds(counts, 10, 3, 1e8, 100.0, clients="vmap")
     step = 10 * 1e8
     assert s == pytest.approx(cost.round_seconds([(3, 4)], step))
     assert r == pytest.approx(cost.round_seconds([(1, 4), (2, 1)], step, sent_bytes=6 * 10 * 100.0))
     # map: the same calls on both backends, so stacked (nothing sent) is never slower
-    s, r = cost.backend_seconds(counts, 10, 3, 1e8, 100.0, strategy="map", chunk_size=8)
+    s, r = cost.backend_seconds(counts, 10, 3, 1e8, 100.0, clients="map")
     assert r - s == pytest.approx(12 * 10 * 100.0 / cost.H200.host_bytes_per_s)
 
 
@@ -94,12 +95,12 @@ def test_run_seconds_and_programs_by_hand():
     assert cost.run_seconds(0.5, 10, 4, rates) == pytest.approx(10 * 0.5 + 4 * 3.0)
     steps = -(-uneven_population().counts // 10)
     # stacked: one round program; ragged: one per class of its bucket grid (at most 8), the grid it runs
-    grid = cost.ragged_grid(steps, 20, strategy="vmap", chunk_size=8)
-    assert cost.backend_programs(steps, 20, strategy="vmap", chunk_size=8) == (1, len(grid.classes))
+    grid = cost.ragged_grid(steps, 20, "vmap")
+    assert cost.backend_programs(steps, 20, "vmap") == (1, len(grid.classes))
     assert 1 < len(grid.classes) <= 8
     # map: one bucket a cohort padded to its longest client's grid length: at most one per grid length
     from jaxfl.core.buckets import grid_ceil_array
-    assert cost.backend_programs(steps, 20, strategy="map", chunk_size=8) == (1, len(set(grid_ceil_array(steps))))
+    assert cost.backend_programs(steps, 20, "map") == (1, len(set(grid_ceil_array(steps))))
 
 
 def test_the_whole_run_model_picks_the_faster_measured_run(data_dir):

@@ -46,7 +46,7 @@ def test_heterofl_clips_every_steps_gradient_norm_as_its_released_code():
 
 def trained_rows(alg, data, server, clients, root):
     """Every client's trained row of round 0 (jitted: the engine's cohort update, before aggregation)."""
-    update = jax.jit(cohort_train(alg, strategy="vmap"))
+    update = jax.jit(cohort_train(alg, clients="vmap"))
     return update(server, clients, data, jnp.arange(data.num_clients), 0, root)[0]
 
 

@@ -10,6 +10,7 @@ from conftest import assert_trees_close, make_trainer, rounding_tolerance, trace
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.core.backends import ClientStore, Stacked
+from jaxfl.core.cohort import Chunked
 from jaxfl.core.lanes import LanePlan, expected_sorted_steps, plan_lanes
 from jaxfl.core.types import RunContext
 from jaxfl.data.ragged import RaggedClients
@@ -161,7 +162,7 @@ def test_a_lane_plan_round_is_the_plain_vmap_round(name):
                           RunContext(num_clients=len(COUNTS), num_rounds=4))
     data = _population(COUNTS)
     plan = LanePlan(((2, 1), (1, 2), (1, 1)), rows=5, batch_size=8)
-    kw = dict(strategy="vmap", cohort_size=5, stragglers=0.5)
+    kw = dict(clients="vmap", cohort_size=5, stragglers=0.5)
     s0, c0, m0, plain = _rounds(alg, data, lane_segments=0, **kw)
     s1, c1, m1, engine = _rounds(alg, data, lane_plan=plan, **kw)
     assert engine.lanes == plan
@@ -180,7 +181,7 @@ def test_the_planned_stacked_round_computes_little_padding_and_rounds_per_call_k
     counts = np.maximum(1, np.round(60 * np.exp(0.8 * rng.normal(size=200)))).astype(int)
     data = _population(counts)
     alg = build_algorithm("fedavg", logreg(4), make_trainer(batch_size=10), RunContext(num_clients=200))
-    kw = dict(strategy="vmap", cohort_size=40)
+    kw = dict(clients="vmap", cohort_size=40)
     _, _, plain, _ = _rounds(alg, data, rounds=3, lane_segments=0, **kw)
     s1, c1, planned, engine = _rounds(alg, data, rounds=3, **kw)
     assert len(engine.lanes.segments) <= 3
@@ -197,9 +198,9 @@ def test_the_planned_stacked_round_computes_little_padding_and_rounds_per_call_k
 def test_chunked_sorts_its_chunks_and_poisson_cohorts_are_planned_for_their_rows():
     data = _population(COUNTS)
     alg = build_algorithm("fedavg", logreg(4), make_trainer(), RunContext(num_clients=len(COUNTS)))
-    _, _, m, engine = _rounds(alg, data, strategy="chunked", chunk_size=2, cohort_size=6)
+    _, _, m, engine = _rounds(alg, data, clients=Chunked(2), cohort_size=6)
     assert engine.lanes.segments == ((2, 3),)
-    _, _, m, engine = _rounds(alg, data, strategy="vmap", sampling="poisson", cohort_size=4)
+    _, _, m, engine = _rounds(alg, data, clients="vmap", sampling="poisson", cohort_size=4)
     assert engine.lanes.rows == engine.rows and all(np.all(x["client_id"] < len(COUNTS)) for x in m)
 
 
@@ -211,7 +212,7 @@ def test_bad_lane_settings_are_refused():
     with pytest.raises(ConfigError, match="lane_overhead=-2 must be a number >= 0"):
         Stacked(alg, data, batch_size=8, lane_overhead=-2)
     with pytest.raises(ConfigError, match="lane_plan for 3 rows a device needs fixed cohorts of 3"):
-        Stacked(alg, data, batch_size=8, strategy="vmap", cohort_size=4,
+        Stacked(alg, data, batch_size=8, clients="vmap", cohort_size=4,
                 lane_plan=LanePlan(((3, 1),), rows=3, batch_size=8))
 
 

@@ -51,7 +51,7 @@ def _fedbn():
 def test_a_poisson_round_is_the_step_on_its_members_alone(backend):
     alg, data = _fedbn(), make_data(COUNTS)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], len(COUNTS))
-    engine = make_backend(alg, data, backend, strategy="vmap", cohort_size=6, sampling="poisson", num_rounds=4,
+    engine = make_backend(alg, data, backend, clients="vmap", cohort_size=6, sampling="poisson", num_rounds=4,
                           weighting="uniform")  # (padding rows would count as much as members)
     if backend == "stacked":
         engine.rows = 8
@@ -63,7 +63,7 @@ def test_a_poisson_round_is_the_step_on_its_members_alone(backend):
     assert metrics["client_id"].tolist() == ids.tolist() and len(metrics["loss"]) == len(ids)
     # the reference: the unpadded step on the members' data, under their ids (their streams)
     sub = jax.tree_util.tree_map(lambda a: a[ids], data)
-    step = make_step(alg, strategy="vmap", num_rounds=4, weighting="uniform")
+    step = make_step(alg, clients="vmap", num_rounds=4, weighting="uniform")
     reference = jax.jit(lambda *a: step(*a))
     args = (server, jax.tree_util.tree_map(lambda a: a[ids], clients), sub, jnp.asarray(ids), round_idx, ROOT)
     want, kept, want_metrics = reference(*args)
@@ -97,7 +97,7 @@ def test_an_empty_poisson_cohort_keeps_the_model_and_under_dp_adds_the_noise(bac
     dp = privacy.with_privacy(plain, clip, z, key, quantile=0.5, clip_lr=0.2, count_std=1.5,
                               expected_clients=2.0)  # qN = 2: not the k = 0 of the round
     server, clients = init_state(plain, jax.random.key(0), data.x[0], n)
-    kw = dict(strategy="map", cohort_size=2, sampling="poisson", weighting="uniform")
+    kw = dict(clients="map", cohort_size=2, sampling="poisson", weighting="uniform")
     engine = make_backend(plain, data, backend, **kw)
     empty = next(r for r in range(100) if len(engine.draw(r, ROOT)) == 0)
     new, metrics = engine.round(server, ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device"), empty,
@@ -122,7 +122,7 @@ def test_dp_over_poisson_divides_the_clipped_sum_by_the_expected_cohort_and_cent
     base = _logreg_fedavg(4)
     clip, z, expected, key, lr, target = 0.05, 1.5, 2.5, jax.random.key(4), 0.3, 0.5
     server, clients = init_state(base, jax.random.key(0), data.x[0], 4)
-    rows, _ = cohort_train(base, strategy="vmap", num_rounds=4)(server, clients, data, jnp.arange(4), 2, ROOT)
+    rows, _ = cohort_train(base, clients="vmap", num_rounds=4)(server, clients, data, jnp.arange(4), 2, ROOT)
     weights = jnp.asarray([1.0, 0.0, 1.0, 1.0])  # row 1: padding
     info = RoundInfo(jnp.int32(2), jnp.arange(4, dtype=jnp.int32), 4)
     dp = privacy.with_privacy(base, clip, z, key, quantile=target, clip_lr=lr, count_std=1.0,

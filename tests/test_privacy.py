@@ -223,7 +223,7 @@ def test_every_algorithm_marked_for_dp_takes_the_wrapper():
     for name in names:
         alg = privacy.with_privacy(_alg(name), 0.1, 1.0, jax.random.key(4))
         server, clients = init_state(alg, jax.random.key(0), data.x[0], 4)
-        step = make_step(alg, strategy="vmap", num_rounds=4, weighting="uniform")
+        step = make_step(alg, clients="vmap", num_rounds=4, weighting="uniform")
         new, kept, metrics = jax.eval_shape(lambda *a: step(*a), server, clients, data, jnp.arange(4), 0,
                                             jax.random.key(3))
         assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(server), name
@@ -243,7 +243,7 @@ def test_adaptive_clipping_splits_the_noise_and_moves_the_clip_geometrically():
     data = make_data([12, 20, 7, 16])
     alg = privacy.with_privacy(_alg("fedper"), 0.2, 0.0, jax.random.key(4), quantile=0.25, clip_lr=0.5)
     server, clients = init_state(alg, jax.random.key(0), data.x[0], 4)
-    step = jax.jit(lambda *a: make_step(alg, strategy="vmap", num_rounds=4, weighting="uniform")(*a))
+    step = jax.jit(lambda *a: make_step(alg, clients="vmap", num_rounds=4, weighting="uniform")(*a))
     clip = 0.2
     for r in range(3):
         new, clients, metrics = step(server, clients, data, jnp.arange(4), r, jax.random.key(3))
@@ -263,7 +263,7 @@ def test_adaptive_noise_uses_the_current_clip_the_raised_multiplier_and_a_noised
     quiet = privacy.with_privacy(base, 0.05, 0.0, key, quantile=0.5, clip_lr=0.3)
     server, clients = init_state(noisy, jax.random.key(0), data.x[0], 4)
     server = {**server, privacy.CLIP_KEY: jnp.float32(0.07)}  # a later round's clip, not the initial 0.05
-    rows, metrics = cohort_train(noisy, strategy="vmap", num_rounds=4)(server, clients, data, jnp.arange(4), 2,
+    rows, metrics = cohort_train(noisy, clients="vmap", num_rounds=4)(server, clients, data, jnp.arange(4), 2,
                                                                        jax.random.key(3))
     weights, info = jnp.ones(4), RoundInfo(jnp.int32(2), jnp.arange(4, dtype=jnp.int32), 4)
     new = jax.jit(lambda s, t: noisy.aggregate(s, t, weights, info)[0])(server, rows)

@@ -11,6 +11,7 @@ from conftest import assert_trees_close, make_trainer
 from jaxfl.algorithms import build_algorithm
 from jaxfl.core.backends import ClientStore, Ragged, Stacked
 from jaxfl.core.buckets import grid_ceil, lane_sizes, padded_work, plan_buckets
+from jaxfl.core.cohort import client_map
 from jaxfl.data.ragged import RaggedClients
 from jaxfl.errors import DeviceMemoryError
 from jaxfl.models import small_cnn
@@ -32,7 +33,7 @@ def algorithm(name, epochs=1):
 
 def reference(alg, data, rounds, cohort):
     """Stacked: one jit per round over the whole population on the device."""
-    engine = Stacked(alg, data, batch_size=8, strategy="map", cohort_size=cohort)
+    engine = Stacked(alg, data, batch_size=8, clients="map", cohort_size=cohort)
     server, store = engine.init(jax.random.key(0), data.x[:1])
     for r in range(rounds):
         server, m = engine.round(server, store, r, ROOT)
@@ -52,7 +53,7 @@ def simulate(alg, data, rounds, cohort, **kw):
 def test_buckets_and_store_equal_the_stacked_round(name, strategy, chunk):
     alg, data = algorithm(name), ragged()
     s_ref, c_ref, m_ref = reference(alg, data, 3, 4)
-    s, store, m, _ = simulate(alg, data, 3, 4, strategy=strategy, chunk_size=chunk)
+    s, store, m, _ = simulate(alg, data, 3, 4, clients=client_map(strategy, chunk))
     np.testing.assert_array_equal(m["client_id"], m_ref["client_id"])
     np.testing.assert_array_equal(m["steps"], m_ref["steps"])
     assert_trees_close(s, s_ref, atol=2e-5, rtol=1e-4)
@@ -65,7 +66,7 @@ def test_a_bucket_out_of_device_memory_is_retrained_in_smaller_buckets():
     # buckets of at most half as many lanes (here the fake device holds 1 lane), with the same numbers
     alg, data = algorithm("fedbn"), ragged()
     s_ref, c_ref, m_ref = reference(alg, data, 2, None)
-    sim = Ragged(alg, data, batch_size=8, strategy="vmap")
+    sim = Ragged(alg, data, batch_size=8, clients="vmap")
     real, lanes_run = sim._train_into, []
 
     def small_device(buffer, server, clients, d, ids, *rest):
@@ -92,7 +93,7 @@ def test_a_bucket_out_of_device_memory_is_retrained_in_smaller_buckets():
 
 def test_a_stacked_round_out_of_device_memory_is_one_line_naming_the_options():
     alg, data = algorithm("fedavg"), ragged()
-    engine = Stacked(alg, data, batch_size=8, strategy="vmap", cohort_size=4)
+    engine = Stacked(alg, data, batch_size=8, clients="vmap", cohort_size=4)
     server, store = engine.init(jax.random.key(0), data.x[:1])
     engine._round = lambda *a: (_ for _ in ()).throw(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory"))
     with pytest.raises(DeviceMemoryError, match=r"^out of device memory training 4 clients in one call "
@@ -106,7 +107,7 @@ def test_stacked_round_reads_rows_instead_of_copying_the_padded_cohort(strategy)
     # the cohort's data is never gathered as [cohort, longest client, ...]: minibatches read their rows from the
     # flat store (a copy of cohort x longest client was 40% of a logistic-regression round of FEMNIST-sized clients)
     alg, data = algorithm("fedavg"), ragged()
-    engine = Stacked(alg, data, batch_size=8, strategy=strategy, cohort_size=4)
+    engine = Stacked(alg, data, batch_size=8, clients=strategy, cohort_size=4)
     server, store = engine.init(jax.random.key(0), data.x[:1])
     hlo = engine._round.lower(server, store.state, engine.data, 0, ROOT).compile().as_text()
     assert engine.length == 48
@@ -116,7 +117,7 @@ def test_stacked_round_reads_rows_instead_of_copying_the_padded_cohort(strategy)
 
 def test_map_trains_exactly_the_real_samples():
     alg, data = algorithm("local", epochs=2), ragged()
-    _, _, m, _ = simulate(alg, data, 1, None, strategy="map")
+    _, _, m, _ = simulate(alg, data, 1, None, clients="map")
     counts = np.array(COUNTS)
     np.testing.assert_array_equal(m["seen"], 2 * counts)
     np.testing.assert_array_equal(m["steps"], 2 * -(-counts // 8))  # the 3-sample client: 1 step per epoch
@@ -126,7 +127,7 @@ def test_map_trains_exactly_the_real_samples():
 
 def test_vmap_buckets_group_similar_clients():
     alg, data = algorithm("local"), ragged()
-    _, _, m, sim = simulate(alg, data, 1, None, strategy="vmap")
+    _, _, m, sim = simulate(alg, data, 1, None, clients="vmap")
     counts = np.array(COUNTS)
     np.testing.assert_array_equal(m["seen"], counts)
     # steps 3, 1, 3, 2, 5, 1 -> buckets {40}, {24, 17} , {9}, {3, 1} at grid lengths 6, 3, 2, 1
@@ -203,7 +204,7 @@ def test_the_library_entry_points_refuse_what_they_would_silently_misread():
     alg, data = algorithm("fedavg"), ragged()
     bad = [(lambda: make_step(alg, weighting="sample"), "unknown weighting 'sample'"),
            (lambda: Ragged(alg, data, batch_size=8, client_store="disk"), "unknown client_store 'disk'"),
-           (lambda: Stacked(alg, data, batch_size=8, strategy="pmap"), "unknown strategy 'pmap'"),
+           (lambda: Stacked(alg, data, batch_size=8, clients="pmap"), "unknown strategy 'pmap'"),
            (lambda: Stacked(alg, data, batch_size=0), "batch_size=0 must be an integer >= 1"),
            (lambda: Ragged(alg, data, batch_size=8, cohort_size=-2), "cohort_size=-2 must be an integer >= 1"),
            (lambda: Evaluator(alg, data, eval_batch_size=0, preprocess=None), "eval_batch_size=0 must be")]

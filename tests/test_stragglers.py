@@ -111,8 +111,8 @@ def test_both_backends_give_stragglers_the_same_rounds():
                                               epochs=3, options={"mu": 0.1})
     data = ragged(make_separable(counts))
     out = {}
-    for engine in (Stacked(alg, data, batch_size=8, strategy="map", stragglers=0.5),
-                   Ragged(alg, data, batch_size=8, strategy="vmap", stragglers=0.5, client_store="device")):
+    for engine in (Stacked(alg, data, batch_size=8, clients="map", stragglers=0.5),
+                   Ragged(alg, data, batch_size=8, clients="vmap", stragglers=0.5, client_store="device")):
         s, store = server, ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")
         steps = []
         for r in range(3):

@@ -51,8 +51,8 @@ def test_the_cohorts_samples_are_gathered_client_after_client():
 def test_streamed_rounds_equal_the_stacked_rounds(name, strategy, kw):
     alg, data = algorithm(name), population([24, 3, 17, 9, 40, 1, 30, 12])
     stacked_kw = {k: v for k, v in kw.items() if k != "client_store"}
-    s_ref, c_ref, m_ref, _ = run(Stacked, alg, data, 3, strategy=strategy, cohort_size=4, **stacked_kw)
-    s, c, m, engine = run(Streamed, alg, data, 3, strategy=strategy, cohort_size=4, **kw)
+    s_ref, c_ref, m_ref, _ = run(Stacked, alg, data, 3, clients=strategy, cohort_size=4, **stacked_kw)
+    s, c, m, engine = run(Streamed, alg, data, 3, clients=strategy, cohort_size=4, **kw)
     for a, b in zip(m, m_ref):
         np.testing.assert_array_equal(a["client_id"], b["client_id"])
         np.testing.assert_array_equal(a["steps"], b["steps"])
@@ -70,7 +70,7 @@ def test_a_run_compiles_one_program_when_its_cohorts_fit_the_store_sized_up_fron
     # store is sized once (mean + 4 std of a cohort's samples), so every round runs the same program
     counts = np.random.default_rng(1).integers(5, 61, 40)
     alg, data = algorithm("fedavg"), population(counts)
-    engine = Streamed(alg, data, batch_size=8, num_rounds=12, strategy="vmap", cohort_size=8)
+    engine = Streamed(alg, data, batch_size=8, num_rounds=12, clients="vmap", cohort_size=8)
     assert engine.store_samples == cohort_samples_bound(counts, cohort=8)
     server, store = engine.init(jax.random.key(0), data.x[:1])
     traced, sums = 0, set()
@@ -88,8 +88,8 @@ def test_a_cohort_past_the_store_runs_with_its_rounded_count_and_the_same_number
     # one program per rounded count; the numbers are the stacked backend's
     counts = np.random.default_rng(1).integers(5, 61, 40)
     alg, data = algorithm("fedavg"), population(counts)
-    _, _, m_ref, _ = run(Stacked, alg, data, 6, strategy="vmap", cohort_size=8)
-    engine = Streamed(alg, data, batch_size=8, num_rounds=6, strategy="vmap", cohort_size=8, store_samples=150)
+    _, _, m_ref, _ = run(Stacked, alg, data, 6, clients="vmap", cohort_size=8)
+    engine = Streamed(alg, data, batch_size=8, num_rounds=6, clients="vmap", cohort_size=8, store_samples=150)
     server, store = engine.init(jax.random.key(0), data.x[:1])
     sizes = set()
     for r in range(6):
@@ -128,13 +128,13 @@ def test_the_streamed_backend_runs_one_round_per_call():
 
 def test_the_evaluation_hook_sees_the_trained_rows_of_the_cohort():
     alg, data = algorithm("fedbn"), population([24, 3, 17, 9, 40, 1])
-    engine = Streamed(alg, data, batch_size=8, num_rounds=2, strategy="vmap", cohort_size=3)
+    engine = Streamed(alg, data, batch_size=8, num_rounds=2, clients="vmap", cohort_size=3)
     server, store = engine.init(jax.random.key(0), data.x[:1])
     seen = {}
     server_a, m = engine.round(server, store, 0, ROOT, before_aggregate=lambda s, t, ids: seen.update(ids=ids, t=t))
     np.testing.assert_array_equal(seen["ids"], m["client_id"])
     assert jax.tree_util.tree_leaves(seen["t"])[0].shape[0] == 3
-    server_b, _ = Streamed(alg, data, batch_size=8, num_rounds=2, strategy="vmap", cohort_size=3).round(
+    server_b, _ = Streamed(alg, data, batch_size=8, num_rounds=2, clients="vmap", cohort_size=3).round(
         server, engine.init(jax.random.key(0), data.x[:1])[1], 0, ROOT)
     assert_trees_close(server_a, server_b, atol=2e-6, rtol=1e-5)  # one call or two around the hook
 

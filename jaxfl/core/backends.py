@@ -49,7 +49,7 @@ from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, DeviceMemoryError, check_choice, first_line
 from .buckets import BucketGrid, bucket_grid, cohort_samples_bound, grid_ceil, padded_work, plan_buckets
-from .cohort import (SAMPLINGS, STRATEGIES, default_strategy, poisson_cohort, poisson_members, poisson_rows,
+from .cohort import (SAMPLINGS, Chunked, ClientMap, client_map, poisson_cohort, poisson_members, poisson_rows,
                      sample_cohort)
 from .distributed import client_sharding, fetch, place_rows
 from .lanes import LanePlan, expected_sorted_steps, plan_lanes
@@ -136,27 +136,27 @@ class ClientStore:
 class _Backend:
     """What both backends share: the step, the cohort draw, the initial state and the per-round report.
 
+    clients: how a call runs its clients, a ``cohort.ClientMap`` (``Vmap()``, ``Map()``, ``Chunked(size)``) or
+    its name (``cohort.client_map``; None: the platform's default).
+
     sampling: ``fixed`` (``cohort_size`` = k clients a round, drawn without replacement: ``sample_cohort``) or
     ``poisson`` (each client joins a round with probability q = ``rate``, default k / N, on its own stream:
     ``poisson_members``;
     the cohort, of Binomial(N, q) clients, is padded to a size class with rows of count 0, which
     ``make_step(padded=True)`` gives weight 0, and the metrics report its members only)."""
 
-    def __init__(self, alg: Algorithm, train: RaggedClients, *, batch_size: int, strategy: str | None = None,
-                 chunk_size: int = 8, cohort_size: int | None = None, weighting: str = "samples", mesh=None,
+    def __init__(self, alg: Algorithm, train: RaggedClients, *, batch_size: int, clients: ClientMap | str | None = None,
+                 cohort_size: int | None = None, weighting: str = "samples", mesh=None,
                  num_rounds: int | None = None, stragglers: float = 0.0, sampling: str = "fixed",
                  rate: float | None = None):
         check_choice("sampling", sampling, SAMPLINGS)
-        if strategy is not None:
-            check_choice("strategy", strategy, STRATEGIES)
-        for name, value in (("batch_size", batch_size), ("chunk_size", chunk_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1")
         if cohort_size is not None and (not isinstance(cohort_size, int) or cohort_size < 1):
             raise ConfigError(f"cohort_size={cohort_size!r} must be an integer >= 1 (None: every client)")
         self.alg, self.train, self.batch_size = alg, train, batch_size
-        self.strategy = strategy or default_strategy()
-        self.chunk_size, self.weighting, self.mesh, self.num_rounds = chunk_size, weighting, mesh, num_rounds
+        self.clients = client_map(clients)
+        self.weighting, self.mesh, self.num_rounds = weighting, mesh, num_rounds
         self.num_clients = train.num_clients
         self.cohort_size = min(cohort_size or self.num_clients, self.num_clients)
         self.sampling, self.rate = sampling, self.cohort_size / self.num_clients if rate is None else rate
@@ -166,9 +166,14 @@ class _Backend:
         self.step = self.make_step()
         self.device_s = 0.0  # seconds spent in jitted computations (``timed``), for ``host_share``
 
+    @property
+    def strategy(self) -> str:
+        """The client map's name (``vmap`` | ``map`` | ``chunked``), as the CLI and the metrics name it."""
+        return self.clients.name
+
     def make_step(self, lanes: LanePlan | None = None):
         """The round's ``step.Step`` for this backend's settings (``lanes``: the cohort's ``LanePlan``)."""
-        return make_step(self.alg, strategy=self.strategy, chunk_size=self.chunk_size, mesh=self.mesh,
+        return make_step(self.alg, clients=self.clients, mesh=self.mesh,
                          num_rounds=self.num_rounds, weighting=self.weighting, stragglers=self.stragglers,
                          padded=self.sampling == "poisson", lanes=lanes)
 
@@ -228,8 +233,8 @@ class _Backend:
 class Ragged(_Backend):
     """Rounds over a ragged population of any size (see the module docstring).
 
-    strategy: ``map`` (one call, every client its own step count), ``vmap`` (buckets of similar clients, the
-    classes of a ``BucketGrid``) or ``chunked`` (the same, at most ``chunk_size`` lanes a bucket). ``mesh``
+    clients: ``Map()`` (one call, every client its own step count), ``Vmap()`` (buckets of similar clients, the
+    classes of a ``BucketGrid``) or ``Chunked(size)`` (the same, at most ``size`` lanes a bucket). ``mesh``
     splits every call's lanes over devices (lanes are then multiples of the device count; the cohort must be
     one too).
     client_store: where the persistent states live (``ClientStore``).
@@ -272,7 +277,7 @@ class Ragged(_Backend):
             return plan_buckets(steps, max_lanes=len(ids), lane_multiple=self.devices, single=True)
         if self.grid is None:
             cohort = self.cohort_size if self.sampling == "fixed" else max(round(self.rate * self.num_clients), 1)
-            max_lanes = self.chunk_size * self.devices if self.strategy == "chunked" else cohort
+            max_lanes = self.clients.size * self.devices if isinstance(self.clients, Chunked) else cohort
             if self.lane_cap is not None:
                 max_lanes = min(max_lanes, self.lane_cap)
             self.grid = bucket_grid(-(-self.train.counts // self.batch_size), cohort, max_lanes=max_lanes,
@@ -584,7 +589,7 @@ class Stacked(_Backend):
     def lane_plan(self) -> LanePlan | None:
         """The cohort's ``LanePlan`` under ``vmap`` and ``chunked`` (None under ``map``, where every client runs
         its own steps already): for the rows each device trains (the cohort's, or a Poisson cohort's padded rows,
-        over the mesh's devices). ``chunked``: sorted chunks of ``chunk_size`` lanes; ``vmap``: ``plan_lanes``
+        over the mesh's devices). ``Chunked(size)``: sorted chunks of ``size`` lanes; ``Vmap()``: ``plan_lanes``
         over the expected sorted steps of a cohort of this population, at most ``lane_segments`` segments
         (0: None, the plain strategy: one vmap call over the rows, every lane to the cohort's longest client)."""
         if self.strategy == "map":
@@ -592,8 +597,8 @@ class Stacked(_Backend):
         if self.given_plan is not None:
             return self.given_plan
         rows = (self.rows if self.sampling == "poisson" else self.cohort_size) // self.devices
-        if self.strategy == "chunked":
-            lanes = min(self.chunk_size, rows)
+        if isinstance(self.clients, Chunked):
+            lanes = self.clients.lanes(rows)
             return LanePlan(((lanes, -(-rows // lanes)),), rows=rows, batch_size=self.batch_size)
         if self.lane_segments == 0:  # the plain strategy: one vmap over the rows
             return None

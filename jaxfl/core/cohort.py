@@ -1,22 +1,23 @@
 """The client axis: drawing a round's cohort (k of N without replacement, ``sample_cohort``, or Poisson
 sampling, ``poisson_members``), each client's PRNG stream, and running a one-client function over stacked
-clients (``vmap`` | ``map`` | ``chunked``, optionally split over a device mesh).
+clients (a ``ClientMap``: ``Vmap()``, ``Map()`` or ``Chunked(size)``, optionally split over a device mesh).
 
 Randomness: the key of client i in round t is ``fold_in(fold_in(fold_in(root, 0), t), i)``, so results do
 not depend on the strategy, the chunk size, the cohort or the device layout.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
 
+from ..errors import ConfigError, check_choice
 from .distributed import CLIENT_AXIS
 
 
-STRATEGIES = ("vmap", "map", "chunked")
 # Measured on a 2-core CPU (docs/design.md, "Client strategies"): vmap of convolutions over per-client kernels
 # lowers to slow grouped convolutions there, so CPU runs clients one after another inside the jit.
 DEFAULT_STRATEGY = {"cpu": "map", "gpu": "vmap", "tpu": "vmap"}
@@ -27,46 +28,110 @@ def default_strategy(platform: str | None = None) -> str:
     return DEFAULT_STRATEGY.get(platform or jax.default_backend(), "vmap")
 
 
-def map_clients(fn: Callable, strategy: str | None = None, chunk_size: int = 8,
-                bound_arg: int | None = None) -> Callable:
-    """Apply a one-client function over the leading client axis of all its arguments.
+@dataclasses.dataclass(frozen=True)
+class ClientMap:
+    """How a one-client function runs over the leading client axis of stacked clients inside one jit (FedJAX's
+    ``for_each_client`` backends, as values): ``Vmap()`` all clients at once, ``Map()`` one after another
+    (``lax.map``), ``Chunked(size)`` vmap over chunks of ``size`` clients, chunks one after another (bounded
+    memory). Results do not depend on the map: each client's randomness comes from its own key."""
+    name: ClassVar[str] = ""
 
-    vmap: all clients at once; map: one after another (``lax.map``) inside the same jit; chunked: vmap
-    over chunks of ``chunk_size`` clients, chunks one after another (bounded memory). None: ``default_strategy()``.
-    bound_arg: the position of an int argument [k] (e.g. sample counts) whose largest value among the clients
-    run together (one client under map, all of them otherwise) ``fn`` gets as the keyword ``bound``: a scalar
-    not batched under vmap, so ``fn`` can pick a static size by it (``trainer.epoch_permutation``).
-    """
-    strategy = strategy or default_strategy()
-    if strategy not in STRATEGIES:
-        raise ValueError(f"client strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
-    if bound_arg is not None and strategy != "map":  # all clients of the call share the largest value
-        return lambda *args: map_clients(functools.partial(fn, bound=jnp.max(args[bound_arg])), strategy,
-                                         chunk_size)(*args)
-    if strategy == "vmap":
+    def apply(self, fn: Callable, bound_arg: int | None = None) -> Callable:
+        """``fn`` over the leading client axis of all its arguments. bound_arg: the position of an int argument
+        [k] (e.g. sample counts) whose largest value among the clients run together (one client under ``Map``,
+        all of them otherwise) ``fn`` gets as the keyword ``bound``: a scalar not batched under vmap, so ``fn``
+        can pick a static size by it (``trainer.epoch_permutation``)."""
+        if bound_arg is not None:  # all clients of the call share the largest value
+            return lambda *args: self.apply(functools.partial(fn, bound=jnp.max(args[bound_arg])))(*args)
+        return self._apply(fn)
+
+    def _apply(self, fn: Callable) -> Callable:
+        raise NotImplementedError
+
+    def lanes(self, clients: int) -> int:
+        """Clients of ``clients`` that one call runs side by side (vmap lanes)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Vmap(ClientMap):
+    name = "vmap"
+
+    def _apply(self, fn):
         return jax.vmap(fn)
-    batch = None if strategy == "map" else chunk_size
-    if bound_arg is not None:  # map: each client alone, its own value
-        return lambda *args: jax.lax.map(lambda a: fn(*a, bound=a[bound_arg]), args)
-    return lambda *args: jax.lax.map(lambda a: fn(*a), args, batch_size=batch)
+
+    def lanes(self, clients: int) -> int:
+        return clients
 
 
-def over_clients(fn: Callable, strategy: str, chunk_size: int, mesh=None, lanes=None,
-                 bound_arg: int | None = None) -> Callable:
-    """fn(shared, *stacked) -> stacked outputs, one client per row. Without a mesh: ``map_clients``; with
-    one, every device applies ``map_clients`` to its own block of clients (``jax.shard_map``) and
-    ``shared`` (e.g. the server state) is replicated. The number of clients must divide evenly.
+@dataclasses.dataclass(frozen=True)
+class Map(ClientMap):
+    name = "map"
 
-    lanes: a ``lanes.LanePlan`` instead of the strategy: the returned function then takes the rows' sort key
+    def apply(self, fn, bound_arg=None):
+        if bound_arg is not None:  # each client alone, its own value
+            return lambda *args: jax.lax.map(lambda a: fn(*a, bound=a[bound_arg]), args)
+        return self._apply(fn)
+
+    def _apply(self, fn):
+        return lambda *args: jax.lax.map(lambda a: fn(*a), args)
+
+    def lanes(self, clients: int) -> int:
+        return min(clients, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunked(ClientMap):
+    size: int = 8
+    name = "chunked"
+
+    def __post_init__(self):
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ConfigError(f"chunk_size={self.size!r} must be an integer >= 1")
+
+    def _apply(self, fn):
+        return lambda *args: jax.lax.map(lambda a: fn(*a), args, batch_size=self.size)
+
+    def lanes(self, clients: int) -> int:
+        return min(clients, self.size)
+
+
+CLIENT_MAPS = {"vmap": Vmap, "map": Map, "chunked": Chunked}
+STRATEGIES = tuple(CLIENT_MAPS)
+
+
+def client_map(clients: ClientMap | str | None = None, chunk_size: int = 8) -> ClientMap:
+    """A ``ClientMap`` from itself or a strategy name (``vmap`` | ``map`` | ``chunked``, the latter with chunks of
+    ``chunk_size`` clients; None: ``default_strategy()``, the platform's)."""
+    if isinstance(clients, ClientMap):
+        return clients
+    name = clients or default_strategy()
+    check_choice("strategy", name, STRATEGIES)
+    return Chunked(chunk_size) if name == "chunked" else CLIENT_MAPS[name]()
+
+
+def map_clients(fn: Callable, clients: ClientMap | str | None = None, chunk_size: int = 8,
+                bound_arg: int | None = None) -> Callable:
+    """``client_map(clients, chunk_size).apply(fn, bound_arg)``: a one-client function over the leading client
+    axis of all its arguments (``ClientMap.apply``)."""
+    return client_map(clients, chunk_size).apply(fn, bound_arg)
+
+
+def over_clients(fn: Callable, clients: ClientMap, mesh=None, lanes=None, bound_arg: int | None = None) -> Callable:
+    """fn(shared, *stacked) -> stacked outputs, one client per row. Without a mesh: ``clients.apply``; with
+    one, every device applies it to its own block of clients (``jax.shard_map``) and ``shared`` (e.g. the
+    server state) is replicated. The number of clients must divide evenly.
+
+    lanes: a ``lanes.LanePlan`` instead of the client map: the returned function then takes the rows' sort key
     first, ``(shared, key, *stacked)``, and every device runs its block as the plan says (sorted by the key,
-    chunks of ``vmap`` lanes one after another; ``LanePlan.apply``). bound_arg: as in ``map_clients`` (an
+    chunks of ``vmap`` lanes one after another; ``LanePlan.apply``). bound_arg: as in ``ClientMap.apply`` (an
     index into ``stacked``; under a plan the largest value of each chunk of lanes)."""
     def local(shared, *stacked):
         one = lambda *a, **kw: fn(shared, *a, **kw)  # noqa: E731
         if lanes is not None:
             key, rows = stacked[0], stacked[1:]
             return lanes.apply(one, key, *rows, bound=None if bound_arg is None else rows[bound_arg])
-        return map_clients(one, strategy, chunk_size, bound_arg)(*stacked)
+        return clients.apply(one, bound_arg)(*stacked)
     if mesh is None:
         return local
     P = jax.sharding.PartitionSpec

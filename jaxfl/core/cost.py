@@ -13,7 +13,7 @@ few lanes cannot fill the device), and M the bytes the ragged backend sends per 
 padded to its step grid) over W, the host path's bytes/s (M = 0 for stacked). Stacked is one call of C lanes
 and the cohort's longest client's steps; ragged is its ``bucket_grid``'s buckets, each running to its own
 longest client. Under ``map`` every client runs its own steps in both, so stacked saves the transfers;
-``chunked`` runs chunks of ``chunk_size`` lanes (in cohort order for stacked, by size for ragged). The
+``Chunked(size)`` runs chunks of ``size`` lanes (in cohort order for stacked, by size for ragged). The
 constants below were fitted on rounds whose buckets were planned per cohort (``plan_buckets``: one shape per
 lanes x grid length; ``per_cohort=True`` models them), which make about as many calls a round as the fixed
 grid (simulated, log-normal sizes with sigma 0.8-1, cohorts of 100-1,000: 9.6-14.2 calls against 8.7-13.1).
@@ -50,7 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .buckets import BucketGrid, bucket_grid, plan_buckets
+from .buckets import BucketGrid, bucket_grid, grid_ceil_array, plan_buckets
+from .cohort import Chunked, ClientMap, Map, client_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,18 +110,25 @@ def lane_overhead(flops_per_sample: float, batch_size: int, rates: DeviceRates =
     return rates.step_s * rates.flops_per_s / (batch_size * flops_per_sample)
 
 
-def stacked_calls(steps, *, strategy: str, chunk_size: int) -> list[tuple[int, int]]:
+def _max_lanes(clients: ClientMap, n: int) -> int:
+    """A call's most lanes for ``n`` clients: a chunk's size under ``Chunked``, else all ``n``."""
+    return clients.size if isinstance(clients, Chunked) else n
+
+
+def stacked_calls(steps, clients: ClientMap | str) -> list[tuple[int, int]]:
     """The (lanes, sequential steps) of the stacked backend's calls for a cohort of per-client step counts
-    ``steps`` [C] (cohort order): vmap, one call of C lanes running to the longest client; map, every client
-    its own steps one after another; chunked, chunks of ``chunk_size`` lanes in cohort order."""
+    ``steps`` [C] (cohort order) run by ``clients`` (a ``ClientMap`` or its name): vmap, one call of C lanes
+    running to the longest client; map, every client its own steps one after another; chunked, chunks of its
+    size in cohort order."""
+    clients = client_map(clients)
     steps = [int(s) for s in steps]
-    if strategy == "map":
+    if isinstance(clients, Map):
         return [(1, s) for s in steps]
-    size = chunk_size if strategy == "chunked" else max(len(steps), 1)
+    size = _max_lanes(clients, max(len(steps), 1))
     return [(len(steps[i:i + size]), max(steps[i:i + size])) for i in range(0, len(steps), size)]
 
 
-def ragged_calls(steps, *, strategy: str, chunk_size: int, grid: BucketGrid | None = None,
+def ragged_calls(steps, clients: ClientMap | str, *, grid: BucketGrid | None = None,
                  per_cohort: bool = False) -> tuple[list[tuple[int, int]], int]:
     """The ragged backend's calls for the same cohort, and the sample slots it sends to the device: (list of
     (lanes, sequential steps), lanes x grid steps summed over buckets). Buckets come from ``grid``, the backend's
@@ -128,23 +136,23 @@ def ragged_calls(steps, *, strategy: str, chunk_size: int, grid: BucketGrid | No
     bucket under map; a bucket's lanes step until its longest real
     client is done, and its data is padded to its class length. ``per_cohort``: ``plan_buckets``' greedy buckets
     of each cohort instead (what the ragged backend ran when the GPU pairs behind ``H200`` were measured)."""
+    clients = client_map(clients)
     steps = np.asarray(steps, np.int64)
-    lanes = chunk_size if strategy == "chunked" else len(steps)
-    if strategy == "map" or per_cohort:
-        plan = plan_buckets(steps, max_lanes=max(lanes, 1), single=strategy == "map")
+    single = isinstance(clients, Map)
+    if single or per_cohort:
+        plan = plan_buckets(steps, max_lanes=max(_max_lanes(clients, len(steps)), 1), single=single)
     else:
-        plan = (grid or ragged_grid(steps, len(steps), strategy=strategy, chunk_size=chunk_size)).plan(steps)
+        plan = (grid or ragged_grid(steps, len(steps), clients)).plan(steps)
     slots = sum(b.lanes * b.steps for b in plan)
-    if strategy == "map":
+    if single:
         return [(1, int(s)) for s in steps], slots
     return [(b.lanes, int(steps[b.positions[b.positions >= 0]].max())) for b in plan], slots
 
 
-def ragged_grid(steps, cohort: int, *, strategy: str, chunk_size: int) -> BucketGrid:
+def ragged_grid(steps, cohort: int, clients: ClientMap | str) -> BucketGrid:
     """The ragged backend's ``bucket_grid`` for a population of per-client step counts ``steps`` [N] and cohorts
-    of ``cohort`` clients (at most ``chunk_size`` lanes a call under chunked)."""
-    lanes = chunk_size if strategy == "chunked" else cohort
-    return bucket_grid(steps, cohort, max_lanes=max(lanes, 1))
+    of ``cohort`` clients (at most a chunk's size of lanes a call under ``Chunked``)."""
+    return bucket_grid(steps, cohort, max_lanes=max(_max_lanes(client_map(clients), cohort), 1))
 
 
 def round_seconds(calls, step_flops: float, sent_bytes: float = 0.0, epochs: int = 1,
@@ -156,7 +164,7 @@ def round_seconds(calls, step_flops: float, sent_bytes: float = 0.0, epochs: int
 
 
 def backend_seconds(counts, batch_size: int, cohort: int, flops_per_sample: float, bytes_per_sample: float, *,
-                    strategy: str, chunk_size: int, epochs: int = 1, rates: DeviceRates = H200, draws: int = 3,
+                    clients: ClientMap | str, epochs: int = 1, rates: DeviceRates = H200, draws: int = 3,
                     seed: int = 0, per_cohort: bool = False) -> tuple[float, float]:
     """(stacked, ragged): the modelled round seconds of each backend, averaged over ``draws`` cohorts of
     ``cohort`` of the population's clients (``counts`` [N] samples each; fixed draws of ``seed``);
@@ -165,30 +173,28 @@ def backend_seconds(counts, batch_size: int, cohort: int, flops_per_sample: floa
     steps = -(-counts // batch_size)
     rng = np.random.default_rng(seed)
     step_flops = batch_size * flops_per_sample
-    grid = None if strategy == "map" or per_cohort else ragged_grid(steps, min(cohort, len(counts)),
-                                                                     strategy=strategy, chunk_size=chunk_size)
+    clients = client_map(clients)
+    grid = None if isinstance(clients, Map) or per_cohort else ragged_grid(steps, min(cohort, len(counts)), clients)
     stacked = ragged = 0.0
     for _ in range(draws):
         ids = np.sort(rng.choice(len(counts), size=min(cohort, len(counts)), replace=False))
-        stacked += round_seconds(stacked_calls(steps[ids], strategy=strategy, chunk_size=chunk_size),
-                                 step_flops, epochs=epochs, rates=rates)
-        calls, slots = ragged_calls(steps[ids], strategy=strategy, chunk_size=chunk_size, grid=grid,
-                                    per_cohort=per_cohort)
+        stacked += round_seconds(stacked_calls(steps[ids], clients), step_flops, epochs=epochs, rates=rates)
+        calls, slots = ragged_calls(steps[ids], clients, grid=grid, per_cohort=per_cohort)
         ragged += round_seconds(calls, step_flops, sent_bytes=slots * batch_size * bytes_per_sample,
                                 epochs=epochs, rates=rates)
     return stacked / draws, ragged / draws
 
 
-def backend_programs(steps, cohort: int, *, strategy: str, chunk_size: int) -> tuple[int, int]:
+def backend_programs(steps, cohort: int, clients: ClientMap | str) -> tuple[int, int]:
     """(stacked, ragged): the round programs each backend compiles in a run over a population of per-client step
     counts ``steps`` [N] with cohorts of ``cohort`` clients: stacked one; ragged one per class of its
     ``ragged_grid`` (under ``map`` one bucket per cohort, padded to the step grid: at most one program per grid
     length of the population's step counts, the count returned)."""
+    clients = client_map(clients)
     steps = np.asarray(steps, np.int64)
-    if strategy == "map":
-        from .buckets import grid_ceil_array
+    if isinstance(clients, Map):
         return 1, len(np.unique(grid_ceil_array(steps)))
-    return 1, len(ragged_grid(steps, cohort, strategy=strategy, chunk_size=chunk_size).classes)
+    return 1, len(ragged_grid(steps, cohort, clients).classes)
 
 
 def run_seconds(round_s: float, rounds: int, programs: int, rates: DeviceRates = H200) -> float:

@@ -20,7 +20,7 @@ from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, check_choice
 from .buckets import grid_ceil
-from .cohort import over_clients
+from .cohort import ClientMap, client_map, over_clients
 from .distributed import fetch, place_rows
 from .metrics import correct_count, cross_entropy
 from .trainer import normalizer
@@ -30,20 +30,23 @@ from .types import Algorithm, split_output
 PREDICTS = ("aggregated", "trained")  # the model after the round, or right after local training
 
 
-def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_size=8,
+def make_predict(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | str | None = None,
                  preprocess: Callable = normalizer(), transform: Callable | None = None, mesh=None) -> Callable:
     """Build predict_all(server, clients, data, key=None, ids=None, train=None) -> (logits [N, M, K],
     {name: [N, M]}).
 
     Every client predicts its own inputs in evaluation mode, in batches of ``eval_batch_size`` (M must be a
     multiple of it), running only the ceil(count / B) batches that hold real samples (under ``vmap``: its
-    group's largest); rows past ``data.count`` are padding, zero where no batch ran (mask them with
-    ``data.sample_mask()``). ids [N]: the rows' client ids (default 0..N-1). ``transform(x, key)`` changes
-    each preprocessed batch (e.g. input noise); batch j of client i gets ``fold_in(fold_in(key, i), j)``.
+    group's largest), the clients run by ``clients`` (a ``ClientMap`` or its name: ``cohort.client_map``); rows
+    past ``data.count`` are padding, zero where no batch ran (mask them with ``data.sample_mask()``). ids [N]:
+    the rows' client ids (default 0..N-1). ``transform(x, key)`` changes each preprocessed batch (e.g. input
+    noise); batch j of client i gets ``fold_in(fold_in(key, i), j)``.
     train: the clients' training sets (a ClientData, raw inputs), needed by an algorithm with
     ``prepare_predict``, which turns (server, client, its preprocessed training set, fold_in(key, i)) into the
     ``client`` its ``predict`` sees.
     """
+    clients_map = client_map(clients)  # (predict_all's ``clients`` are the states)
+
     def one(shared, client, x, count, cid, train=None):
         server, key = shared
         if alg.prepare_predict is not None:
@@ -76,14 +79,14 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_si
         if alg.prepare_predict is not None:
             if train is None:
                 raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
-            return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x, data.count, ids,
+            return over_clients(one, clients_map, mesh)((server, key), clients, data.x, data.count, ids,
                                                                  train)
-        return over_clients(one, strategy, chunk_size, mesh)((server, key), clients, data.x, data.count, ids)
+        return over_clients(one, clients_map, mesh)((server, key), clients, data.x, data.count, ids)
 
     return predict_all
 
 
-def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_size=8,
+def make_evaluate(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | str | None = None,
                   preprocess: Callable = normalizer(), mesh=None) -> Callable:
     """Build evaluate(server, clients, data, ids=None, train=None) -> {"loss", "accuracy", "count", ...} per
     client [N].
@@ -93,8 +96,8 @@ def make_evaluate(alg: Algorithm, *, eval_batch_size=256, strategy=None, chunk_s
     returns (logits, {name: [B]}), each diagnostic is averaged the same way under its name. train: the clients'
     training sets, for an algorithm with ``prepare_predict``.
     """
-    predict_all = make_predict(alg, eval_batch_size=eval_batch_size, strategy=strategy, chunk_size=chunk_size,
-                               preprocess=preprocess, mesh=mesh)
+    predict_all = make_predict(alg, eval_batch_size=eval_batch_size, clients=clients, preprocess=preprocess,
+                               mesh=mesh)
 
     def evaluate(server, clients, data: ClientData, ids=None, train: ClientData | None = None):
         logits, extra = predict_all(server, clients, data, ids=ids, train=train)
@@ -127,7 +130,7 @@ class Evaluator:
     """
 
     def __init__(self, alg: Algorithm, test: RaggedClients, *, eval_batch_size: int, preprocess: Callable,
-                 strategy: str | None = None, chunk_size: int = 8, mesh=None, block: int = 64,
+                 clients: ClientMap | str | None = None, mesh=None, block: int = 64,
                  train: RaggedClients | None = None, first_id: int = 0):
         if alg.prepare_predict is not None and train is None:
             raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
@@ -137,8 +140,8 @@ class Evaluator:
         self.eval_batch_size = eval_batch_size
         devices = 1 if mesh is None else mesh.devices.size
         self.block = max(devices, -(-min(block, test.num_clients) // devices) * devices)
-        self._kw = dict(eval_batch_size=eval_batch_size, strategy=strategy, chunk_size=chunk_size,
-                        preprocess=preprocess, mesh=mesh)
+        self._kw = dict(eval_batch_size=eval_batch_size, clients=client_map(clients), preprocess=preprocess,
+                        mesh=mesh)
         self._fns: dict[Any, Callable] = {}
 
     def _fn(self, kind: str, predict: str, transform=None):

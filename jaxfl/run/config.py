@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..core.backends import BACKENDS, PLACEMENTS
-from ..core.cohort import SAMPLINGS, STRATEGIES, default_strategy
+from ..core.cohort import SAMPLINGS, STRATEGIES, ClientMap, client_map, default_strategy
 from ..core.distributed import is_primary
 from ..core.options import accepts_none, check_int_size, coerce, field_type, plain
 from ..core.privacy import DEFAULT_CLIP_LR, DP_LEVELS
@@ -403,6 +403,11 @@ class RunConfig(Output, Engine, Evaluation, Privacy, Server, Cohort, ClientTrain
     def strategy_or_default(self) -> str:
         """The client strategy: ``strategy``, else ``map`` on CPU and ``vmap`` on accelerators."""
         return self.strategy or default_strategy()
+
+    def client_map(self) -> ClientMap:
+        """How the run's calls run their clients (``core.cohort.ClientMap``): ``strategy_or_default`` with
+        ``chunk_size``."""
+        return client_map(self.strategy_or_default(), self.chunk_size)
 
     def resolved(self) -> "RunConfig":
         """This config with the run's algorithm table written out in full (every option, presets applied) and

@@ -189,7 +189,8 @@ class Experiment:
         self.malicious = malicious_of(cfg, n)
         self.algorithm = server_side(self.algorithm, cfg, self.malicious)
         poison_data(cfg, self.train_data, self.malicious, ds.num_classes)
-        self.strategy = strategy = cfg.strategy_or_default()
+        self.clients = clients = cfg.client_map()
+        self.strategy = clients.name
         if cfg.eval_point == "local":  # the models right after local training, before aggregation
             if self.algorithm.predict_trained is None:
                 raise ConfigError(f"--eval-point local: {cfg.algorithm} has no prediction of a just-trained model")
@@ -204,8 +205,7 @@ class Experiment:
                                     self.mesh, lane_overhead(cfg, self.model, sample_x, preprocess))
         self.root = jax.random.key(cfg.seed)
         evaluator = lambda alg, test, **kw: Evaluator(  # noqa: E731  (every evaluation of the run: these settings)
-            alg, test, eval_batch_size=eval_bs, preprocess=preprocess, strategy=strategy, chunk_size=cfg.chunk_size,
-            mesh=self.mesh, **kw)
+            alg, test, eval_batch_size=eval_bs, preprocess=preprocess, clients=clients, mesh=self.mesh, **kw)
         self.evaluator = evaluator(self.algorithm, self.test_data, train=self.train_data)
         backdoor = backdoor_test_data(cfg, self.test_data)  # (--attack backdoor: the triggered test sets)
         self.backdoor_evaluator = None if backdoor is None else evaluator(self.algorithm, backdoor,
@@ -236,8 +236,7 @@ class Experiment:
             if tuner.predict_trained is not None:
                 self.new_evaluator = evaluator(tuner, new_test, first_id=n,
                                                train=RaggedClients.from_clients(self.new_dataset.train))
-                local = cohort_train(tuner, strategy=strategy, chunk_size=cfg.chunk_size, mesh=self.mesh,
-                                     num_rounds=cfg.rounds)
+                local = cohort_train(tuner, clients=clients, mesh=self.mesh, num_rounds=cfg.rounds)
                 self._tune = jax.jit(lambda server, clients, data, ids, r, root:
                                      local(server, clients, data, ids, r, root)[0])
             if self.new_global_evaluator is None and self.new_evaluator is None:
@@ -654,7 +653,7 @@ def make_backend(name: str, cfg: RunConfig, alg, train: RaggedClients, cohort: i
           "streamed": dict(lanes, client_store=cfg.client_store),
           "ragged": {"client_store": cfg.client_store}}[name]
     return {"stacked": Stacked, "streamed": Streamed, "ragged": Ragged}[name](
-        alg, train, batch_size=cfg.batch_size, strategy=cfg.strategy_or_default(), chunk_size=cfg.chunk_size,
+        alg, train, batch_size=cfg.batch_size, clients=cfg.client_map(),
         cohort_size=cohort, weighting=cfg.weighting, mesh=mesh, num_rounds=cfg.rounds, stragglers=cfg.stragglers,
         sampling=cfg.cohort_sampling, rate=rate, **kw)
 
@@ -706,11 +705,10 @@ def stacked_is_faster(cfg: RunConfig, train: RaggedClients, model, sample_x, pre
         flops = train_flops_per_sample(model, sample_x, cfg.batch_size, preprocess)
     except ValueError:  # no FLOP count from XLA here: keep the ragged backend, right for any model
         return False
-    strategy = cfg.strategy_or_default()
-    stacked, ragged = backend_seconds(train.counts, cfg.batch_size, cohort, flops, sample_bytes,
-                                      strategy=strategy, chunk_size=cfg.chunk_size, epochs=cfg.local_epochs)
-    programs = backend_programs(-(-train.counts // cfg.batch_size), cohort, strategy=strategy,
-                                chunk_size=cfg.chunk_size)
+    clients = cfg.client_map()
+    stacked, ragged = backend_seconds(train.counts, cfg.batch_size, cohort, flops, sample_bytes, clients=clients,
+                                      epochs=cfg.local_epochs)
+    programs = backend_programs(-(-train.counts // cfg.batch_size), cohort, clients)
     return run_seconds(stacked, cfg.rounds, programs[0]) <= run_seconds(ragged, cfg.rounds, programs[1])
 
 
