@@ -133,7 +133,7 @@ def run_synthetic(setting: dict, rounds: int) -> dict:
     from jaxfl.core.distributed import client_mesh
     from jaxfl.core.trainer import LocalTrainer, client_optimizer
     from jaxfl.models import build_model
-    from jaxfl.run.runner import resolve_devices
+    from jaxfl.run.build import resolve_devices
 
     data = synthetic_population(setting)
     cohort = setting["cohort"]

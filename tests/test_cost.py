@@ -16,7 +16,7 @@ from jaxfl.core.types import RunContext
 from jaxfl.errors import ConfigError
 from jaxfl.data.ragged import RaggedClients
 from jaxfl.models import build_model
-from jaxfl.run import runner
+from jaxfl.run import build
 from jaxfl.run.config import RunConfig, validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -121,7 +121,7 @@ def test_the_whole_run_model_picks_the_faster_measured_run(data_dir):
 def test_a_short_run_keeps_the_backend_that_compiles_less(monkeypatch):
     # the FedAvg-sized CNN on uneven clients, one vmap: the ragged backend's rounds are modelled faster, but
     # its bucket programs cost more to compile than a few rounds save
-    monkeypatch.setattr(runner, "platform", lambda: "gpu")
+    monkeypatch.setattr(build, "platform", lambda: "gpu")
     train = uneven_population()
     model = build_model("femnist_cnn", 62)
     picks = {}
@@ -129,7 +129,7 @@ def test_a_short_run_keeps_the_backend_that_compiles_less(monkeypatch):
         cfg = validate(RunConfig(algorithm="fedavg", batch_size=10, strategy="vmap", lane_segments=0, rounds=rounds))
         trainer = LocalTrainer(optax.sgd(0.1), 10, 1, normalizer())
         alg = build_algorithm(cfg.algorithm_options(), model, trainer, RunContext(num_clients=40, num_rounds=1))
-        picks[rounds] = runner.choose_backend(cfg, train, alg, train.x[:1], model, normalizer(), cohort=20)
+        picks[rounds] = build.choose_backend(cfg, train, alg, train.x[:1], model, normalizer(), cohort=20)
     assert picks == {1: "stacked", 10_000: "ragged"}
 
 
@@ -149,7 +149,7 @@ def uneven_population(n=40, seed=0):
     ("logreg", False, 3, "stacked"),
 ])
 def test_choose_backend_on_uneven_clients(monkeypatch, model_name, on_accelerator, segments, expected):
-    monkeypatch.setattr(runner, "platform", lambda: "gpu" if on_accelerator else "cpu")
+    monkeypatch.setattr(build, "platform", lambda: "gpu" if on_accelerator else "cpu")
     train = uneven_population()
     steps = -(-train.counts // 10)
     assert steps.max() > 1.25 * steps.mean()  # too uneven for the plain rule
@@ -158,7 +158,7 @@ def test_choose_backend_on_uneven_clients(monkeypatch, model_name, on_accelerato
     model = build_model(model_name, 62 if model_name == "femnist_cnn" else 10)
     trainer = LocalTrainer(optax.sgd(0.1), 10, 1, normalizer())
     alg = build_algorithm(cfg.algorithm_options(), model, trainer, RunContext(num_clients=40, num_rounds=1))
-    choice = runner.choose_backend(cfg, train, alg, train.x[:1], model, normalizer(), cohort=20)
+    choice = build.choose_backend(cfg, train, alg, train.x[:1], model, normalizer(), cohort=20)
     assert choice == expected
 
 
@@ -170,16 +170,16 @@ def test_choose_backend_on_uneven_clients(monkeypatch, model_name, on_accelerato
 def test_choose_backend_for_a_population_on_the_host(monkeypatch, segments, store, expected):
     train = uneven_population()
     fits = store == "host"
-    monkeypatch.setattr(runner, "platform", lambda: "cpu")
-    monkeypatch.setattr(runner, "device_memory_bytes", lambda: 1 << 40 if fits else 4 * train.nbytes // 2)
+    monkeypatch.setattr(build, "platform", lambda: "cpu")
+    monkeypatch.setattr(build, "device_memory_bytes", lambda: 1 << 40 if fits else 4 * train.nbytes // 2)
     cfg = validate(RunConfig(algorithm="fedavg", batch_size=10, strategy="vmap", lane_segments=segments,
                              client_store=store))
     model = build_model("logreg", 10)
     alg = build_algorithm(cfg.algorithm_options(), model, LocalTrainer(optax.sgd(0.1), 10, 1, normalizer()),
                           RunContext(num_clients=40, num_rounds=1))
-    assert runner.choose_backend(cfg, train, alg, train.x[:1], model, normalizer(), cohort=20) == expected
+    assert build.choose_backend(cfg, train, alg, train.x[:1], model, normalizer(), cohort=20) == expected
     with pytest.raises(ConfigError, match="rounds_per_call=2 needs the population on the device"):
-        runner.choose_backend(cfg.replace(rounds_per_call=2), train, alg, train.x[:1], model, normalizer(), cohort=20)
+        build.choose_backend(cfg.replace(rounds_per_call=2), train, alg, train.x[:1], model, normalizer(), cohort=20)
 
 
 @pytest.mark.parametrize("model_name", ["vit_tiny", "resnet10_slim"])

@@ -31,9 +31,9 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     np.testing.assert_allclose(lines[-1]["test_accuracy"], full.history[-1]["test_accuracy"])
     assert (tmp_path / "accuracy.png").stat().st_size > 1000
     # resuming with a different algorithm, or fewer rounds than checkpointed, is refused before any data is read
-    from jaxfl.run import runner
+    from jaxfl.run import build
     with monkeypatch.context() as m:
-        m.setattr(runner, "load_dataset", lambda *a: pytest.fail("read the data before refusing"))
+        m.setattr(build, "load_dataset", lambda *a: pytest.fail("read the data before refusing"))
         with pytest.raises(ConfigError, match="config differs.*algorithm"):
             Experiment(RunConfig(algorithm="fedavg", rounds=5, out=str(tmp_path), resume=True, **TINY))
         with pytest.raises(ConfigError, match="the checkpoint is at round 4; --rounds 3 must be at least 4"):
@@ -441,7 +441,7 @@ def test_a_large_population_is_summarised_in_the_start_up_line_and_the_table():
 
 
 def test_participation_is_a_fraction_of_the_clients_up_to_float_error_and_the_poisson_rate():
-    from jaxfl.run.runner import cohort_size, sampling_rate
+    from jaxfl.run.build import cohort_size, sampling_rate
     # p N rounded up, but 0.14 x 50 = 7.000000000000001 is 7 clients, not 8
     for p, n, k in ((0.14, 50, 7), (0.07, 100, 7), (0.56, 100, 56), (0.1, 100, 10), (0.5, 3, 2), (0.001, 20, 1),
                     (1.0, 7, 7), (0.3, 10, 3), (0.29, 10, 3)):

@@ -59,7 +59,7 @@ def test_use_cpu_devices_only_before_jax_starts_and_up_to_the_cores():
 def test_stacked_backend_is_one_process_only(monkeypatch):
     from jaxfl.errors import ConfigError
     from jaxfl.run.config import RunConfig
-    from jaxfl.run.runner import choose_backend
+    from jaxfl.run.build import choose_backend
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     for backend in ("stacked", "streamed"):
         with pytest.raises(ConfigError, match=f"backend={backend} runs within one process; a run over 2 processes "
@@ -69,18 +69,18 @@ def test_stacked_backend_is_one_process_only(monkeypatch):
 
 
 def test_resolve_devices_takes_the_most_devices_that_divide_the_cohort(monkeypatch):
-    from jaxfl.run import runner
+    from jaxfl.run import build
     monkeypatch.setattr(jax, "local_device_count", lambda: 4)
-    monkeypatch.setattr(runner, "platform", lambda: "cpu")
-    assert [runner.resolve_devices(None, c, "fixed") for c in (3, 6, 8, 10, 12)] == [3, 3, 4, 2, 4]
-    assert runner.resolve_devices(None, 7, "fixed") == 1 and runner.resolve_devices(None, 7, "poisson") == 4
-    assert runner.resolve_devices(1, 8, "fixed") == 1 and runner.resolve_devices(0, 8, "fixed") == 0  # given
+    monkeypatch.setattr(build, "platform", lambda: "cpu")
+    assert [build.resolve_devices(None, c, "fixed") for c in (3, 6, 8, 10, 12)] == [3, 3, 4, 2, 4]
+    assert build.resolve_devices(None, 7, "fixed") == 1 and build.resolve_devices(None, 7, "poisson") == 4
+    assert build.resolve_devices(1, 8, "fixed") == 1 and build.resolve_devices(0, 8, "fixed") == 0  # given
     # pFedGP's LAPACK calls on two CPU devices at once deadlock: it stays on one
     from jaxfl.algorithms import REGISTRY
     assert not REGISTRY["pfedgp"].options.cpu_device_split and REGISTRY["fedavg"].options.cpu_device_split
-    assert runner.resolve_devices(None, 8, "fixed", cpu_split=False) == 1
-    monkeypatch.setattr(runner, "platform", lambda: "gpu")
-    assert runner.resolve_devices(None, 8, "fixed") == 1  # an accelerator: one device unless asked
+    assert build.resolve_devices(None, 8, "fixed", cpu_split=False) == 1
+    monkeypatch.setattr(build, "platform", lambda: "gpu")
+    assert build.resolve_devices(None, 8, "fixed") == 1  # an accelerator: one device unless asked
 
 
 @pytest.mark.skipif(cpu_cores() < 2, reason="needs 2 cores")

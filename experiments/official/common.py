@@ -122,7 +122,7 @@ def jaxfl_inputs(cfg) -> JaxflInputs:
     from jaxfl.run.config import validate
     from jaxfl.data.federated import load_dataset
     from jaxfl.core.cohort import sample_cohort
-    from jaxfl.run.runner import cohort_size
+    from jaxfl.run.build import cohort_size
 
     cfg = validate(cfg)
     ds = load_dataset(cfg.data_config())

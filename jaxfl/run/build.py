@@ -1,6 +1,14 @@
-"""Steps of a run's build that stand alone: differential privacy around an algorithm (``with_sample_dp``,
-``with_user_dp``), what the server does around it, and what malicious clients do to their data.
-``runner.Experiment`` calls them in this order after the algorithm is built.
+"""A run's build, step by step: each a small function of the config and what the steps before it made.
+``runner.Experiment`` calls them in this order:
+
+    start_devices, validate, check_output, check_device_count   (before any data is read)
+    -> load_run_data (the population, and --new-clients' held-out clients) -> the model
+    -> client_placement (cohort k, sampling rate q, devices and mesh)
+    -> the local trainer and the algorithm (``algorithms.build_algorithm``)
+    -> with_dp (DP-SGD in local training: with_sample_dp; DP-FedAvg: with_user_dp)
+    -> server_side (the server's wrappers, below) and poison_data (a data attack)
+    -> check_cohort_memory, choose_backend and make_backend (where the population lives, how a round runs)
+    -> the evaluators (``runner.Experiment``; ``jaxfl.run.evaluation``)
 
 Server-side composition, innermost first (each wrapper's ``aggregate`` calls the one inside it):
 
@@ -17,17 +25,25 @@ engine's: ``core.cohort``).
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from typing import Callable
 
 import jax
 import numpy as np
 
+from ..core.backends import Ragged, Stacked, Streamed, device_memory_bytes
+from ..core.cost import backend_programs, backend_seconds, run_seconds, train_flops_per_sample
+from ..core.cost import lane_overhead as cost_lane_overhead
+from ..core.distributed import client_mesh, cpu_cores, use_cpu_devices
 from ..core.dpsgd import SampleDP
 from ..core.privacy import (Accountant, SampleAccountant, bn_stats_shared, calibrate_noise, clients_keep_state,
                             default_delta, has_batch_stats, noise_for_epsilon, with_privacy)
 from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm
+from ..data import load_dataset
+from ..data.federated import FederatedDataset
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError
 from ..ops.attacks import (UPDATE_ATTACKS, backdoor_samples, backdoor_test, flip_labels, malicious_clients,
@@ -35,6 +51,7 @@ from ..ops.attacks import (UPDATE_ATTACKS, backdoor_samples, backdoor_test, flip
 from ..ops.compression import parse_compression, with_compression
 from ..ops.robust_aggregation import parse_aggregator, with_robust_aggregate
 from .config import RunConfig, dp_count_noise, model_name
+from .evaluation import held_out, split_clients
 
 ATTACK_STREAM, COMPRESSION_STREAM = 7, 8
 DP_STREAM = 4  # fold_in(key(seed), 4): DP-FedAvg's noise
@@ -88,6 +105,19 @@ def with_user_dp(cfg: RunConfig, alg: Algorithm, options, sample_x, num_clients:
     return cfg, alg, Accountant(rate, cfg.dp_noise, delta, cfg.cohort_sampling)
 
 
+def with_dp(cfg: RunConfig, alg: Algorithm, rebuild: Callable[[LocalTrainer], Algorithm], trainer: LocalTrainer,
+            options, counts: list[int], sample_x, cohort: int, rate: float):
+    """The run's differential privacy around ``alg``: (cfg with its noise multiplier, the trainer, the algorithm,
+    its accountant or None): DP-SGD in local training (``--dp-level sample``: ``with_sample_dp``), DP-FedAvg
+    (``--dp-clip``: ``with_user_dp``), or nothing."""
+    if cfg.dp_clip is None:
+        return cfg, trainer, alg, None
+    if cfg.dp_level == "sample":  # DP-SGD in every client's local training
+        return with_sample_dp(cfg, alg, rebuild, trainer, counts, sample_x, rate)
+    cfg, alg, accountant = with_user_dp(cfg, alg, options, sample_x, len(counts), cohort, rate)
+    return cfg, trainer, alg, accountant
+
+
 def malicious_of(cfg: RunConfig, num_clients: int) -> np.ndarray | None:
     """bool [N]: the run's malicious clients (``ops.attacks.malicious_clients``), None without an attack."""
     attack, _ = parse_attack(cfg.attack)
@@ -136,3 +166,238 @@ def backdoor_test_data(cfg: RunConfig, test: RaggedClients) -> RaggedClients | N
     return RaggedClients.from_clients([
         backdoor_test(test.x[o:o + c], test.y[o:o + c], params["target"], params["size"])
         for o, c in zip(test.offsets, test.counts)])
+
+
+# -- where the clients run: devices, cohort, backend --------------------------------------------------------
+def platform() -> str:
+    """The platform the run's arrays live on ("cpu", "gpu", "tpu")."""
+    return jax.default_backend()
+
+
+def forced_cpu_devices() -> bool:
+    """Whether XLA_FLAGS already fixes the CPU device count (--xla_force_host_platform_device_count)."""
+    return "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+
+
+def resolve_devices(devices: int | None, cohort: int, sampling: str, cpu_split: bool = True) -> int:
+    """The devices a run splits its cohort over: ``devices`` when given (0: all); unset, on a CPU in one
+    process the most local devices (one per core when jax could still make them) that divide the cohort
+    (any number under Poisson sampling, whose padded cohort is a multiple of 8 rows per device) unless the
+    algorithm cannot split over CPU devices (``cpu_split``, ``Options.cpu_device_split``), on an accelerator 1,
+    over several processes all of them (0)."""
+    if devices is not None:
+        return devices
+    if jax.process_count() > 1:
+        return 0
+    if platform() != "cpu" or not cpu_split:
+        return 1
+    count = jax.local_device_count()
+    return next(d for d in range(count, 0, -1) if sampling == "poisson" or cohort % d == 0)
+
+
+def cohort_size(cfg: RunConfig, n: int) -> int:
+    """Clients per round from ``clients_per_round`` or ``participation`` (a fraction), default all."""
+    if cfg.clients_per_round is not None and cfg.participation is not None:
+        raise ConfigError("give clients_per_round or participation, not both")
+    if cfg.clients_per_round is not None:
+        if cfg.clients_per_round > n:
+            raise ConfigError(f"clients_per_round={cfg.clients_per_round} exceeds the {n} clients")
+        return cfg.clients_per_round
+    if cfg.participation is not None:  # p N up to float error (0.14 x 50 = 7.000000000000001 is 7 clients)
+        return max(1, math.ceil(round(cfg.participation * n, 9)))
+    return n
+
+
+def sampling_rate(cfg: RunConfig, n: int) -> float:
+    """q, each client's chance to train in a round: ``participation`` as given under Poisson sampling (the
+    rate the accountant assumes), else the cohort's share k / N."""
+    if cfg.cohort_sampling == "poisson" and cfg.participation is not None:
+        return cfg.participation
+    return cohort_size(cfg, n) / n
+
+
+def check_cohort_memory(cfg: RunConfig, alg, sample_x, cohort: int, num_clients: int, devices: int = 1) -> None:
+    """ConfigError, before the first round, when the cohort's trained models cannot fit: a round holds one
+    trained copy of the server's state per client of the cohort (aggregation reads them stacked), split over
+    ``devices``; refused past half a device's memory, naming the flag that sets the cohort."""
+    server = jax.eval_shape(alg.init, jax.random.key(0), sample_x)[0]
+    trained = server.get("params", server) if isinstance(server, dict) else server  # (a client trains the model)
+    model = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(trained))
+    limit = device_memory_bytes() // 2
+    if model == 0 or cohort * model / devices <= limit:
+        return
+    fit = max(int(limit * devices // model), 1)
+    every = cohort == num_clients and cfg.clients_per_round is None and cfg.participation is None
+    where = f"{limit * 2 / 1e9:.0f} GB" + (f" on each of {devices} devices" if devices > 1 else "")
+    raise ConfigError(f"{cohort} clients a round{' (every client trains every round)' if every else ''} hold "
+                      f"{cohort * model / 1e9:.1f} GB of trained {model / 1e6:.1f} MB models, more than half of "
+                      f"the device memory ({where}); give --clients-per-round at most {fit}")
+
+
+def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=None, preprocess=lambda x: x,
+                   cohort: int | None = None, devices: int | None = None) -> str:
+    """``--backend``, else ``stacked`` when the population fits (its samples and every client's persistent
+    state in a quarter of the device's memory, on each device of the mesh; one process, no host store asked
+    for) and one call over the whole cohort wastes little (``map``: every client its own steps;
+    ``vmap``/``chunked`` with a lane plan; or clients within 25% of the mean step count) or, on an
+    accelerator, its modelled run time is no longer than the ragged backend's (``stacked_is_faster``: padded
+    lanes against the ragged backend's extra sequential steps, host transfers and bucket programs to compile,
+    over the run's rounds); else, in one process,
+    ``streamed`` (the population on the host, each cohort in one call of one of a few shapes) where one call
+    wastes little, and ``ragged`` (buckets of similar clients) where it would not, or over several processes.
+    A ConfigError if rounds_per_call > 1 cannot be honoured or a backend is asked for where it cannot run."""
+    if cfg.backend in ("stacked", "streamed") and jax.process_count() > 1:
+        raise ConfigError(f"backend={cfg.backend} runs within one process; a run over {jax.process_count()} "
+                          f"processes needs --backend ragged")
+    if cfg.backend:
+        return cfg.backend
+    if jax.process_count() > 1:
+        return _on_the_host(cfg, "ragged", "the run spans processes")
+    steps = -(-train.counts // cfg.batch_size)
+    # map: every client runs its own steps; vmap/chunked with a lane plan: sorted chunks, each to its own longest
+    # client (``core.lanes``); one vmap over the cohort: every lane to the cohort's longest client
+    even = cfg.strategy_or_default() == "map" or cfg.lane_segments > 0 or steps.max() <= 1.25 * steps.mean()
+    if cfg.client_store == "host":
+        return _on_the_host(cfg, "streamed" if even else "ragged", "the run keeps states on the host")
+    states = jax.eval_shape(alg.init, jax.random.key(0), sample_x)[1]
+    per_client = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree_util.tree_leaves(states))
+    state_bytes = train.num_clients * per_client
+    # every device of the mesh holds the whole population; CPU devices share the host's memory
+    devices = cfg.devices if devices is None else devices  # (the run's resolved count, ``resolve_devices``)
+    copies = (devices or jax.device_count()) if platform() == "cpu" else 1
+    fits = copies * (train.nbytes + state_bytes) <= device_memory_bytes() // 4
+    if fits and even:
+        return "stacked"
+    if fits and model is not None and platform() != "cpu":
+        if stacked_is_faster(cfg, train, model, sample_x, preprocess, cohort or train.num_clients):
+            return "stacked"
+    if not fits and even:
+        return _on_the_host(cfg, "streamed", "the population does not fit on the device")
+    return _on_the_host(cfg, "ragged", "the population does not fit on the device or its client sizes are too "
+                                       "uneven for one call")
+
+
+def stacked_is_faster(cfg: RunConfig, train: RaggedClients, model, sample_x, preprocess, cohort: int) -> bool:
+    """On an accelerator: whether the run is modelled to take no longer with one stacked call per round (padded
+    lanes, no transfers, one round program) than with the ragged backend's buckets and host transfers (a program
+    per bucket class): ``core.cost.backend_seconds`` per round, ``run_seconds`` over the run's rounds with its
+    programs' compile time."""
+    sample_bytes = math.prod(train.x.shape[1:]) * train.x.itemsize + train.y.itemsize
+    try:
+        flops = train_flops_per_sample(model, sample_x, cfg.batch_size, preprocess)
+    except ValueError:  # no FLOP count from XLA here: keep the ragged backend, right for any model
+        return False
+    clients = cfg.client_map()
+    stacked, ragged = backend_seconds(train.counts, cfg.batch_size, cohort, flops, sample_bytes, clients=clients,
+                                      epochs=cfg.local_epochs)
+    programs = backend_programs(-(-train.counts // cfg.batch_size), cohort, clients)
+    return run_seconds(stacked, cfg.rounds, programs[0]) <= run_seconds(ragged, cfg.rounds, programs[1])
+
+
+def _on_the_host(cfg: RunConfig, backend: str, why: str) -> str:
+    """``backend`` (streamed or ragged: the population on the host), unless rounds_per_call > 1 asks to keep
+    rounds on the device (a ConfigError saying ``why`` it cannot)."""
+    if cfg.rounds_per_call > 1:
+        raise ConfigError(f"rounds_per_call={cfg.rounds_per_call} needs the population on the device (--backend "
+                          f"stacked), but {why}; use --rounds-per-call 1")
+    return backend
+
+
+def make_backend(name: str, cfg: RunConfig, alg, train: RaggedClients, cohort: int, rate: float, mesh,
+                 overhead: float | None):
+    """The data backend ``name`` (``choose_backend``'s choice) for the run's settings: ``Stacked`` (with K rounds
+    per call and the lane plan), ``Streamed`` (the lane plan, the state store) or ``Ragged`` (the state store);
+    ``overhead``: the lane plan's step overhead (``lane_overhead``)."""
+    lanes = {"lane_segments": cfg.lane_segments, "lane_overhead": overhead}
+    kw = {"stacked": dict(lanes, rounds_per_call=cfg.rounds_per_call),
+          "streamed": dict(lanes, client_store=cfg.client_store),
+          "ragged": {"client_store": cfg.client_store}}[name]
+    return {"stacked": Stacked, "streamed": Streamed, "ragged": Ragged}[name](
+        alg, train, batch_size=cfg.batch_size, clients=cfg.client_map(),
+        cohort_size=cohort, weighting=cfg.weighting, mesh=mesh, num_rounds=cfg.rounds, stragglers=cfg.stragglers,
+        sampling=cfg.cohort_sampling, rate=rate, **kw)
+
+
+def lane_overhead(cfg: RunConfig, model, sample_x, preprocess) -> float | None:
+    """The stacked backend's lane-plan step overhead: ``--lane-overhead``, else on an accelerator the cost
+    model's tau P / (B f) (a step's launch latency in lane-steps of this model; ``core.cost.lane_overhead``),
+    else None (the backend's platform default)."""
+    if cfg.lane_overhead is not None:
+        return cfg.lane_overhead
+    if platform() == "cpu" or model is None:
+        return None
+    try:
+        return cost_lane_overhead(train_flops_per_sample(model, sample_x, cfg.batch_size, preprocess), cfg.batch_size)
+    except ValueError:  # no FLOP count from XLA here: the platform's default
+        return None
+
+
+def start_devices(cfg: RunConfig) -> None:
+    """On a CPU, before jax starts: ``devices=N`` runs N CPU devices; unset, one per core is made available (a
+    single-process run then splits its cohort over them when it divides evenly)."""
+    if isinstance(cfg.devices, int):
+        use_cpu_devices(cfg.devices)
+    elif cfg.devices is None and not jax.distributed.is_initialized() and not forced_cpu_devices():
+        use_cpu_devices(cpu_cores())
+
+
+def check_device_count(cfg: RunConfig) -> None:
+    """ConfigError, before any data is read, when ``devices`` asks for more devices than the run can have."""
+    if cfg.devices is None or cfg.devices <= jax.device_count():
+        return
+    count = jax.device_count()
+    if platform() == "cpu" and cfg.devices > cpu_cores():
+        raise ConfigError(f"devices={cfg.devices}: a CPU run makes at most one device per core and this "
+                          f"machine has {cpu_cores()} cores; use --devices 0 (all) or at most {cpu_cores()}")
+    if platform() == "cpu":  # a library caller whose jax had started with fewer devices
+        raise ConfigError(f"devices={cfg.devices}: jax started before this run with {count} CPU device(s) "
+                          f"and cannot make more; call jaxfl.core.distributed.use_cpu_devices("
+                          f"{cfg.devices}) before any jax work, or use devices at most {count}")
+    raise ConfigError(f"devices={cfg.devices}: this machine has {count} {jax.default_backend()} "
+                      f"device(s); use --devices 0 (all) or at most {count}")
+
+
+def load_run_data(cfg: RunConfig) -> tuple[FederatedDataset, FederatedDataset | None]:
+    """(the training population's dataset, the held-out clients' or None): the run's dataset, with
+    ``--new-clients K`` clients drawn from the seed held out of training (``evaluation.held_out``)."""
+    ds = load_dataset(cfg.data_config())
+    if not cfg.new_clients:
+        return ds, None
+    total = len(ds.client_names)
+    if cfg.new_clients >= total:
+        raise ConfigError(f"--new-clients {cfg.new_clients}: --dataset {cfg.dataset} has {total} clients, and at "
+                          f"least one must train; hold out at most {total - 1}")
+    return split_clients(ds, held_out(cfg.seed, total, cfg.new_clients))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a run's clients train: ``cohort`` clients a round (k), each client's chance to train ``rate`` (q),
+    split over ``devices`` devices (0: all) of ``mesh`` (None: one device)."""
+    cohort: int
+    rate: float
+    devices: int
+    mesh: jax.sharding.Mesh | None
+
+
+def client_placement(cfg: RunConfig, n: int) -> Placement:
+    """The run's ``Placement`` over a population of ``n`` clients; ConfigError where the cohort cannot be split
+    over the devices asked for, or the algorithm cannot run on several CPU devices."""
+    # devices != 1: the client axis is split over a mesh of that many devices (0: all of them); a multi-process
+    # run (jaxfl.distributed.initialize) always uses every device of every process
+    if jax.process_count() > 1 and cfg.devices not in (0, None, jax.device_count()):
+        raise ConfigError(f"devices={cfg.devices}: a run over {jax.process_count()} processes splits the "
+                          f"clients over all {jax.device_count()} devices; use devices=0")
+    cohort, rate = cohort_size(cfg, n), sampling_rate(cfg, n)
+    from ..algorithms import REGISTRY
+    splits = REGISTRY[cfg.algorithm].options.cpu_device_split
+    devices = resolve_devices(cfg.devices, cohort, cfg.cohort_sampling, splits)
+    if not splits and platform() == "cpu" and devices != 1 and jax.process_count() == 1:
+        raise ConfigError(f"--algorithm {cfg.algorithm} runs on one CPU device: its batched LAPACK calls on "
+                          f"several CPU devices at once deadlock in jaxlib; drop --devices {cfg.devices}")
+    mesh = None if devices == 1 else client_mesh(devices or None)
+    # (a Poisson cohort is padded to a multiple of 8 rows per device: any expected size splits)
+    if mesh is not None and cfg.cohort_sampling == "fixed" and cohort % mesh.devices.size:
+        raise ConfigError(f"{cohort} clients per round cannot be split evenly over devices={mesh.devices.size}; "
+                          f"use a cohort that is a multiple of it")
+    return Placement(cohort, rate, devices, mesh)

@@ -501,7 +501,7 @@ def devices_note(exp) -> str:
     core then trains its block of the cohort: 1.6-2.7x for small models on 2 cores, EPYC and Xeon,
     benchmarks/RESULTS.md)."""
     from ..core.distributed import cpu_cores
-    from .runner import platform
+    from .build import platform
     n = 1 if exp.mesh is None else exp.mesh.devices.size
     cores = cpu_cores()
     if n == 1 and platform() == "cpu" and cores > 1 and exp.cohort % cores == 0 and exp.cfg.devices == 1:

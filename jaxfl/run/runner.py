@@ -12,11 +12,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..algorithms import REGISTRY, build_algorithm
-from ..core.backends import Ragged, Stacked, Streamed, device_memory_bytes
-from ..core.cost import backend_programs, backend_seconds, run_seconds, train_flops_per_sample
-from ..core.cost import lane_overhead as cost_lane_overhead
-from ..core.distributed import client_mesh, cpu_cores, is_primary, use_cpu_devices
+from ..algorithms import build_algorithm
+from ..core.distributed import is_primary
 from ..core.evaluate import Evaluator
 from ..core.metrics import client_spread
 from ..core.step import cohort_train
@@ -24,14 +21,14 @@ from ..core.privacy import CLIP_KEY, value_noise_multiplier
 from ..core.trainer import ClientOptimizer, LocalTrainer, normalizer
 from ..core.trees import count_params
 from ..core.types import RunContext
-from ..data import load_dataset
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped, first_line
 from ..models import build_model
-from .build import backdoor_test_data, malicious_of, poison_data, server_side, with_sample_dp, with_user_dp
+from .build import (backdoor_test_data, check_cohort_memory, check_device_count, choose_backend, client_placement,
+                    lane_overhead, load_run_data, make_backend, malicious_of, poison_data, server_side,
+                    start_devices, with_dp)
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
-from .evaluation import (TUNE_STREAM, InitialStates, held_out, holds_model, on_rows, prefixed, server_predict,
-                         split_clients)
+from .evaluation import (TUNE_STREAM, InitialStates, holds_model, on_rows, prefixed, server_predict)
 from .lock import RunLock
 from .plots import plot_accuracy
 from .signals import failpoint, stop_signals
@@ -118,55 +115,21 @@ class Experiment:
     config. ``run()`` (``train``, the host loop below) trains it to ``cfg.rounds``, resuming if asked."""
 
     def __init__(self, cfg: RunConfig):
-        # on a CPU, devices=N runs N CPU devices if jax has not started yet; unset, one per core is made
-        # available (a single-process run then splits its cohort over them when it divides evenly)
-        if isinstance(cfg.devices, int):
-            use_cpu_devices(cfg.devices)
-        elif cfg.devices is None and not jax.distributed.is_initialized() and not forced_cpu_devices():
-            use_cpu_devices(cpu_cores())
+        # the build, step by step (``jaxfl.run.build``): checks before any work, data, model, where the clients
+        # run, local training, the algorithm, privacy; then the server's wrappers, the backend and evaluation
+        start_devices(cfg)
         self.cfg = cfg = validate(cfg)
         check_output(cfg)  # before any expensive work
         if cfg.resume and cfg.out:  # the saved run's config and checkpoints, before any data is read
             from .checkpoint import check_resumable
             check_resumable(cfg.resolved(), Path(cfg.out))
-        if cfg.devices is not None and cfg.devices > jax.device_count():
-            count = jax.device_count()
-            if platform() == "cpu" and cfg.devices > cpu_cores():
-                raise ConfigError(f"devices={cfg.devices}: a CPU run makes at most one device per core and this "
-                                  f"machine has {cpu_cores()} cores; use --devices 0 (all) or at most {cpu_cores()}")
-            if platform() == "cpu":  # a library caller whose jax had started with fewer devices
-                raise ConfigError(f"devices={cfg.devices}: jax started before this run with {count} CPU device(s) "
-                                  f"and cannot make more; call jaxfl.core.distributed.use_cpu_devices("
-                                  f"{cfg.devices}) before any jax work, or use devices at most {count}")
-            raise ConfigError(f"devices={cfg.devices}: this machine has {count} {jax.default_backend()} "
-                              f"device(s); use --devices 0 (all) or at most {count}")
-        self.dataset = ds = load_dataset(cfg.data_config())
-        self.new_dataset = None  # --new-clients: the held-out clients (``jaxfl.run.evaluation``)
-        if cfg.new_clients:
-            total = len(ds.client_names)
-            if cfg.new_clients >= total:
-                raise ConfigError(f"--new-clients {cfg.new_clients}: --dataset {cfg.dataset} has {total} clients, "
-                                  f"and at least one must train; hold out at most {total - 1}")
-            self.dataset, self.new_dataset = ds, _ = split_clients(ds, held_out(cfg.seed, total, cfg.new_clients))
+        check_device_count(cfg)
+        self.dataset, self.new_dataset = ds, _ = load_run_data(cfg)  # (new: --new-clients' held-out clients)
         n = len(ds.client_names)
         self.model = build_model(model_name(cfg), ds.num_classes)
-        # devices != 1: the client axis is split over a mesh of that many devices (0: all of them); a
-        # multi-process run (jaxfl.distributed.initialize) always uses every device of every process
-        if jax.process_count() > 1 and cfg.devices not in (0, None, jax.device_count()):
-            raise ConfigError(f"devices={cfg.devices}: a run over {jax.process_count()} processes splits the "
-                              f"clients over all {jax.device_count()} devices; use devices=0")
-        self.cohort, self.rate = cohort_size(cfg, n), sampling_rate(cfg, n)
-        splits = REGISTRY[cfg.algorithm].options.cpu_device_split
-        self.devices = resolve_devices(cfg.devices, self.cohort, cfg.cohort_sampling, splits)
-        if not splits and platform() == "cpu" and self.devices != 1 and jax.process_count() == 1:
-            raise ConfigError(f"--algorithm {cfg.algorithm} runs on one CPU device: its batched LAPACK calls on "
-                              f"several CPU devices at once deadlock in jaxlib; drop --devices {cfg.devices}")
-        self.mesh = None if self.devices == 1 else client_mesh(self.devices or None)
+        place = client_placement(cfg, n)
+        self.cohort, self.rate, self.devices, self.mesh = place.cohort, place.rate, place.devices, place.mesh
         self.cfg = cfg = cfg.with_eval_point(self.cohort == n)
-        # (a Poisson cohort is padded to a multiple of 8 rows per device: any expected size splits)
-        if self.mesh is not None and cfg.cohort_sampling == "fixed" and self.cohort % self.mesh.devices.size:
-            raise ConfigError(f"{self.cohort} clients per round cannot be split evenly over "
-                              f"devices={self.mesh.devices.size}; use a cohort that is a multiple of it")
         self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
         self.train_data, self.test_data = RaggedClients.from_clients(ds.train), RaggedClients.from_clients(ds.test)
         preprocess = normalizer(*ds.normalize)
@@ -175,15 +138,10 @@ class Experiment:
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
         self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
-        self.privacy = None
         sample_x = ds.train[0][0][:1]
-        if cfg.dp_clip is not None and cfg.dp_level == "sample":  # DP-SGD in every client's local training
-            cfg, self.trainer, self.algorithm, self.privacy = with_sample_dp(
-                cfg, self.algorithm, lambda trainer: build_algorithm(self.options, self.model, trainer, self.context),
-                self.trainer, [len(y) for _, y in ds.train], sample_x, self.rate)
-        elif cfg.dp_clip is not None:  # DP-FedAvg: clipped updates, noise on the mean (before a server optimizer)
-            cfg, self.algorithm, self.privacy = with_user_dp(cfg, self.algorithm, self.options, sample_x, n,
-                                                             self.cohort, self.rate)
+        cfg, self.trainer, self.algorithm, self.privacy = with_dp(
+            cfg, self.algorithm, lambda trainer: build_algorithm(self.options, self.model, trainer, self.context),
+            self.trainer, self.options, [len(y) for _, y in ds.train], sample_x, self.cohort, self.rate)
         self.cfg = cfg
         # the server's wrappers (robust rule, compression, attack, server optimizer) and the data attack
         self.malicious = malicious_of(cfg, n)
@@ -357,7 +315,6 @@ def compiled_programs() -> int:
     return _compiled_programs[0]
 
 
-
 def open_run(exp: Experiment, notify=None):
     """(server, store, start_round, history, checkpointer or None): a fresh start, or the newest intact
     checkpoint of ``--out`` under ``--resume`` (``notify`` hears of damaged ones); writes config.json and the
@@ -516,27 +473,6 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
     return result
 
 
-def forced_cpu_devices() -> bool:
-    """Whether XLA_FLAGS already fixes the CPU device count (--xla_force_host_platform_device_count)."""
-    return "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
-
-
-def resolve_devices(devices: int | None, cohort: int, sampling: str, cpu_split: bool = True) -> int:
-    """The devices a run splits its cohort over: ``devices`` when given (0: all); unset, on a CPU in one
-    process the most local devices (one per core when jax could still make them) that divide the cohort
-    (any number under Poisson sampling, whose padded cohort is a multiple of 8 rows per device) unless the
-    algorithm cannot split over CPU devices (``cpu_split``, ``Options.cpu_device_split``), on an accelerator 1,
-    over several processes all of them (0)."""
-    if devices is not None:
-        return devices
-    if jax.process_count() > 1:
-        return 0
-    if platform() != "cpu" or not cpu_split:
-        return 1
-    count = jax.local_device_count()
-    return next(d for d in range(count, 0, -1) if sampling == "poisson" or cohort % d == 0)
-
-
 def continue_note(cfg: RunConfig) -> str:
     """How a stopped run goes on: "; continue with jaxfl run --out OUT --resume", or that nothing was saved."""
     return (f"; continue with jaxfl run --out {cfg.out} --resume" if cfg.out
@@ -600,127 +536,6 @@ def path_out(path: Path) -> str:
     return str(Path(path).parent)
 
 
-def choose_backend(cfg: RunConfig, train: RaggedClients, alg, sample_x, model=None, preprocess=lambda x: x,
-                   cohort: int | None = None, devices: int | None = None) -> str:
-    """``--backend``, else ``stacked`` when the population fits (its samples and every client's persistent
-    state in a quarter of the device's memory, on each device of the mesh; one process, no host store asked
-    for) and one call over the whole cohort wastes little (``map``: every client its own steps;
-    ``vmap``/``chunked`` with a lane plan; or clients within 25% of the mean step count) or, on an
-    accelerator, its modelled run time is no longer than the ragged backend's (``stacked_is_faster``: padded
-    lanes against the ragged backend's extra sequential steps, host transfers and bucket programs to compile,
-    over the run's rounds); else, in one process,
-    ``streamed`` (the population on the host, each cohort in one call of one of a few shapes) where one call
-    wastes little, and ``ragged`` (buckets of similar clients) where it would not, or over several processes.
-    A ConfigError if rounds_per_call > 1 cannot be honoured or a backend is asked for where it cannot run."""
-    if cfg.backend in ("stacked", "streamed") and jax.process_count() > 1:
-        raise ConfigError(f"backend={cfg.backend} runs within one process; a run over {jax.process_count()} "
-                          f"processes needs --backend ragged")
-    if cfg.backend:
-        return cfg.backend
-    if jax.process_count() > 1:
-        return _on_the_host(cfg, "ragged", "the run spans processes")
-    steps = -(-train.counts // cfg.batch_size)
-    # map: every client runs its own steps; vmap/chunked with a lane plan: sorted chunks, each to its own longest
-    # client (``core.lanes``); one vmap over the cohort: every lane to the cohort's longest client
-    even = cfg.strategy_or_default() == "map" or cfg.lane_segments > 0 or steps.max() <= 1.25 * steps.mean()
-    if cfg.client_store == "host":
-        return _on_the_host(cfg, "streamed" if even else "ragged", "the run keeps states on the host")
-    states = jax.eval_shape(alg.init, jax.random.key(0), sample_x)[1]
-    per_client = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree_util.tree_leaves(states))
-    state_bytes = train.num_clients * per_client
-    # every device of the mesh holds the whole population; CPU devices share the host's memory
-    devices = cfg.devices if devices is None else devices  # (the run's resolved count, ``resolve_devices``)
-    copies = (devices or jax.device_count()) if platform() == "cpu" else 1
-    fits = copies * (train.nbytes + state_bytes) <= device_memory_bytes() // 4
-    if fits and even:
-        return "stacked"
-    if fits and model is not None and platform() != "cpu":
-        if stacked_is_faster(cfg, train, model, sample_x, preprocess, cohort or train.num_clients):
-            return "stacked"
-    if not fits and even:
-        return _on_the_host(cfg, "streamed", "the population does not fit on the device")
-    return _on_the_host(cfg, "ragged", "the population does not fit on the device or its client sizes are too "
-                                       "uneven for one call")
-
-
-def make_backend(name: str, cfg: RunConfig, alg, train: RaggedClients, cohort: int, rate: float, mesh,
-                 overhead: float | None):
-    """The data backend ``name`` (``choose_backend``'s choice) for the run's settings: ``Stacked`` (with K rounds
-    per call and the lane plan), ``Streamed`` (the lane plan, the state store) or ``Ragged`` (the state store);
-    ``overhead``: the lane plan's step overhead (``lane_overhead``)."""
-    lanes = {"lane_segments": cfg.lane_segments, "lane_overhead": overhead}
-    kw = {"stacked": dict(lanes, rounds_per_call=cfg.rounds_per_call),
-          "streamed": dict(lanes, client_store=cfg.client_store),
-          "ragged": {"client_store": cfg.client_store}}[name]
-    return {"stacked": Stacked, "streamed": Streamed, "ragged": Ragged}[name](
-        alg, train, batch_size=cfg.batch_size, clients=cfg.client_map(),
-        cohort_size=cohort, weighting=cfg.weighting, mesh=mesh, num_rounds=cfg.rounds, stragglers=cfg.stragglers,
-        sampling=cfg.cohort_sampling, rate=rate, **kw)
-
-
-def check_cohort_memory(cfg: RunConfig, alg, sample_x, cohort: int, num_clients: int, devices: int = 1) -> None:
-    """ConfigError, before the first round, when the cohort's trained models cannot fit: a round holds one
-    trained copy of the server's state per client of the cohort (aggregation reads them stacked), split over
-    ``devices``; refused past half a device's memory, naming the flag that sets the cohort."""
-    server = jax.eval_shape(alg.init, jax.random.key(0), sample_x)[0]
-    trained = server.get("params", server) if isinstance(server, dict) else server  # (a client trains the model)
-    model = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(trained))
-    limit = device_memory_bytes() // 2
-    if model == 0 or cohort * model / devices <= limit:
-        return
-    fit = max(int(limit * devices // model), 1)
-    every = cohort == num_clients and cfg.clients_per_round is None and cfg.participation is None
-    where = f"{limit * 2 / 1e9:.0f} GB" + (f" on each of {devices} devices" if devices > 1 else "")
-    raise ConfigError(f"{cohort} clients a round{' (every client trains every round)' if every else ''} hold "
-                      f"{cohort * model / 1e9:.1f} GB of trained {model / 1e6:.1f} MB models, more than half of "
-                      f"the device memory ({where}); give --clients-per-round at most {fit}")
-
-
-def lane_overhead(cfg: RunConfig, model, sample_x, preprocess) -> float | None:
-    """The stacked backend's lane-plan step overhead: ``--lane-overhead``, else on an accelerator the cost
-    model's tau P / (B f) (a step's launch latency in lane-steps of this model; ``core.cost.lane_overhead``),
-    else None (the backend's platform default)."""
-    if cfg.lane_overhead is not None:
-        return cfg.lane_overhead
-    if platform() == "cpu" or model is None:
-        return None
-    try:
-        return cost_lane_overhead(train_flops_per_sample(model, sample_x, cfg.batch_size, preprocess), cfg.batch_size)
-    except ValueError:  # no FLOP count from XLA here: the platform's default
-        return None
-
-
-def platform() -> str:
-    """The platform the run's arrays live on ("cpu", "gpu", "tpu")."""
-    return jax.default_backend()
-
-
-def stacked_is_faster(cfg: RunConfig, train: RaggedClients, model, sample_x, preprocess, cohort: int) -> bool:
-    """On an accelerator: whether the run is modelled to take no longer with one stacked call per round (padded
-    lanes, no transfers, one round program) than with the ragged backend's buckets and host transfers (a program
-    per bucket class): ``core.cost.backend_seconds`` per round, ``run_seconds`` over the run's rounds with its
-    programs' compile time."""
-    sample_bytes = math.prod(train.x.shape[1:]) * train.x.itemsize + train.y.itemsize
-    try:
-        flops = train_flops_per_sample(model, sample_x, cfg.batch_size, preprocess)
-    except ValueError:  # no FLOP count from XLA here: keep the ragged backend, right for any model
-        return False
-    clients = cfg.client_map()
-    stacked, ragged = backend_seconds(train.counts, cfg.batch_size, cohort, flops, sample_bytes, clients=clients,
-                                      epochs=cfg.local_epochs)
-    programs = backend_programs(-(-train.counts // cfg.batch_size), cohort, clients)
-    return run_seconds(stacked, cfg.rounds, programs[0]) <= run_seconds(ragged, cfg.rounds, programs[1])
-
-
-def _on_the_host(cfg: RunConfig, backend: str, why: str) -> str:
-    """``backend`` (streamed or ragged: the population on the host), unless rounds_per_call > 1 asks to keep
-    rounds on the device (a ConfigError saying ``why`` it cannot)."""
-    if cfg.rounds_per_call > 1:
-        raise ConfigError(f"rounds_per_call={cfg.rounds_per_call} needs the population on the device (--backend "
-                          f"stacked), but {why}; use --rounds-per-call 1")
-    return backend
-
-
 def evaluates(cfg: RunConfig, r: int) -> bool:
     """Whether the run evaluates after round r (0-based): every ``eval_every`` rounds and after the last."""
     return (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds
@@ -738,27 +553,6 @@ def rounds_until_boundary(cfg: RunConfig, r: int) -> int:
             break
         n += 1
     return n
-
-
-def cohort_size(cfg: RunConfig, n: int) -> int:
-    """Clients per round from ``clients_per_round`` or ``participation`` (a fraction), default all."""
-    if cfg.clients_per_round is not None and cfg.participation is not None:
-        raise ConfigError("give clients_per_round or participation, not both")
-    if cfg.clients_per_round is not None:
-        if cfg.clients_per_round > n:
-            raise ConfigError(f"clients_per_round={cfg.clients_per_round} exceeds the {n} clients")
-        return cfg.clients_per_round
-    if cfg.participation is not None:  # p N up to float error (0.14 x 50 = 7.000000000000001 is 7 clients)
-        return max(1, math.ceil(round(cfg.participation * n, 9)))
-    return n
-
-
-def sampling_rate(cfg: RunConfig, n: int) -> float:
-    """q, each client's chance to train in a round: ``participation`` as given under Poisson sampling (the
-    rate the accountant assumes), else the cohort's share k / N."""
-    if cfg.cohort_sampling == "poisson" and cfg.participation is not None:
-        return cfg.participation
-    return cohort_size(cfg, n) / n
 
 
 def run(cfg: RunConfig, progress: bool = False) -> RunResult:
