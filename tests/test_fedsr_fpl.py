@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, make_data, make_trainer, padded_batch, round_function, bit_identity
+from conftest import (assert_trees_close, make_data, make_trainer, padded_batch, round_function, bit_identity,
+                      rounding_tolerance)
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
@@ -52,8 +53,10 @@ def assert_padding_free(loss_fn, params, stats):
     other_x = jnp.where(w[:, None, None, None] > 0, x, -3.0 * x + 1.0)
     other_y = jnp.where(w > 0, y, (y + 1) % 4)
     (loss2, (new_stats2, _)), grads2 = f(params, other_x, other_y)
-    np.testing.assert_allclose(loss, loss2, rtol=1e-6)
-    assert_trees_close((grads, new_stats), (grads2, new_stats2), atol=1e-6)
+    # the same program on other inputs: equal up to float32 rounding of it (what padded rows that counted exceed)
+    (loss_tol, (stats_tol, _)), grads_tol = rounding_tolerance(f, params, x, y)
+    np.testing.assert_allclose(loss2, loss, atol=loss_tol, rtol=0)
+    assert_trees_close((grads2, new_stats2), (grads, new_stats), atol=(grads_tol, stats_tol), rtol=0)
 
 
 # ------------------------------------------------------------------------------------------------- FedSR

@@ -226,7 +226,9 @@ def test_vit_external_qkv_replaces_its_own_projections():
     assert "qkv" not in ext["params"]["encoder"]["attn0"]  # the shared part has no attention projections
     own = jnp.stack([v["params"]["encoder"][f"attn{i}"]["qkv"] for i in range(2)])
     with_qkv = jax.jit(lambda ext, x, q: model.apply(ext, x, qkv=q))(ext, x, own)
-    np.testing.assert_allclose(with_qkv, jax.jit(model.apply)(v, x), rtol=1e-5, atol=1e-6)
+    own_qkv = jax.jit(model.apply)
+    # another program: equal up to float32 rounding of the model with its own projections
+    np.testing.assert_allclose(with_qkv, own_qkv(v, x), atol=rounding_tolerance(own_qkv, v, x), rtol=0)
     assert not np.allclose(model.apply(ext, x, qkv=own * 3), model.apply(ext, x, qkv=own))
     # vmapped over clients with per-client qkv
     out = jax.vmap(lambda q, x: model.apply(ext, x, qkv=q))(jnp.stack([own, own * 2]), jnp.stack([x, x]))

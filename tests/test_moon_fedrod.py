@@ -116,28 +116,38 @@ def test_moon_contrastive_term_matches_numpy_and_ignores_padding():
     relu1 = lambda mod, x, t, mk: mod.head(mod.encoder(x, t, mk), t, mk, taps=True)[1]["relu1"]
 
     @jax.jit
-    def compute(x2):
+    def compute(local, glob, prev, x, x2):
         loss = lambda mu_, x_, active: moon_loss(m, mu_, tau)(local["params"], local["batch_stats"], x_, y, w, None,
                                                               glob, prev, active)[0]
+        z = m.apply(local, x, True, w, method=relu1, mutable=["batch_stats"])[0]
+        zg, zp = m.apply(glob, x, False, None, method=relu1), m.apply(prev, x, False, None, method=relu1)
+        cos_ = lambda a, b: jnp.sum(a * b, -1) / (jnp.maximum(jnp.linalg.norm(a, axis=-1), 1e-8) *  # noqa: E731
+                                                  jnp.maximum(jnp.linalg.norm(b, axis=-1), 1e-8))
+        sg, sp = cos_(z, zg) / tau, cos_(z, zp) / tau
+        con = -jnp.log(jnp.exp(sg) / (jnp.exp(sg) + jnp.exp(sp)))
         return dict(
             on=loss(mu, x, 1.0), off=loss(0.0, x, 1.0), padded=loss(mu, x2, 1.0), round0=loss(mu, x, 0.0),
-            z=m.apply(local, x, True, w, method=relu1, mutable=["batch_stats"])[0],
+            z=z, zg=zg, zp=zp,
             z_forward=m.apply(local, x, True, w, method=penultimate, mutable=["batch_stats"])[0][1],
-            zg=m.apply(glob, x, False, None, method=relu1), zp=m.apply(prev, x, False, None, method=relu1),
-            features=m.apply(local, x, False, None, method=features)[1], encoder=m.apply(local, x, method="features"))
+            features=m.apply(local, x, False, None, method=features)[1], encoder=m.apply(local, x, method="features"),
+            expected=mu * jnp.sum(jnp.where(w > 0, con, 0.0)) / jnp.sum(w))  # the term below, in float32
 
-    out = jax.tree_util.tree_map(np.asarray, compute(x.at[~real].set(100.0)))
-    np.testing.assert_allclose(out["z_forward"], out["z"], rtol=1e-6)
-    np.testing.assert_allclose(out["features"], out["encoder"], rtol=1e-6)  # "features": the encoder output z
+    args = (local, glob, prev, x, x.at[~real].set(100.0))
+    out = jax.tree_util.tree_map(np.asarray, compute(*args))
+    # each pair: two computations of the same math (other methods, other inputs, a zero term), compiled into other
+    # code: equal up to float32 rounding of this program's outputs
+    tol = rounding_tolerance(compute, *args)
+    np.testing.assert_allclose(out["z_forward"], out["z"], atol=tol["z"], rtol=0)
+    np.testing.assert_allclose(out["features"], out["encoder"], atol=tol["encoder"], rtol=0)  # "features": z
     sg, sp = cos(out["z"], out["zg"]) / tau, cos(out["z"], out["zp"]) / tau
     con = -np.log(np.exp(sg) / (np.exp(sg) + np.exp(sp)))
     expected = mu * con[real].mean()
     assert expected > 1e-3
-    np.testing.assert_allclose(out["on"] - out["off"], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["on"] - out["off"], expected, atol=tol["on"] + tol["off"] + tol["expected"], rtol=0)
     # padded rows (w = 0) change nothing, whatever they hold
-    np.testing.assert_allclose(out["padded"], out["on"], rtol=1e-6)
+    np.testing.assert_allclose(out["padded"], out["on"], atol=tol["on"], rtol=0)
     # without a previous model (round 0) the term is off
-    np.testing.assert_allclose(out["round0"], out["off"], rtol=1e-7)
+    np.testing.assert_allclose(out["round0"], out["off"], atol=tol["off"], rtol=0)
 
 
 # -------------------------------------------------------------------------------------------------- FedRoD
