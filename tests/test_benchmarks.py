@@ -112,3 +112,13 @@ def test_peer_settings_populations_have_the_settings_shapes_and_sizes():
     # the LR-MNIST setting is a valid `jaxfl run` command with FLUTE's numbers
     cfg = command_config(["run", *peer_settings.SETTINGS["flute_lr_mnist"]["cli"]])
     assert (cfg.num_clients, cfg.clients_per_round, cfg.batch_size, cfg.lr, cfg.rounds) == (1000, 10, 10, 0.03, 100)
+
+
+def test_the_robust_cost_benchmark_times_each_rule_beside_a_baseline_checkout(capsys):
+    # the baseline is this checkout itself: every rule gets both columns, the same functions
+    import robust_cost
+    robust_cost.main(["--rows", "7", "--dim", "5", "--repeats", "1", "--baseline", str(Path(__file__).parents[1])])
+    table = capsys.readouterr().out
+    for name in ["mean", *robust_cost.RULES]:
+        assert f"| {name} |" in table
+    assert table.count("|") > 6 * len(robust_cost.RULES)

@@ -71,10 +71,21 @@ def test_kth_smallest_is_exact_and_ties_are_kept_whole():
     real = np.sort(x[:10], axis=0)
     for r in range(10):
         np.testing.assert_array_equal(jax.jit(robust.kth_smallest)(x, present, r), real[r])
+    # near the top, by passes down from the largest: the same values (infinities, zeros and absent rows as above)
+    top = jax.jit(robust.kth_largest_near_top, static_argnums=3)
+    for t in range(4):
+        np.testing.assert_array_equal(top(x, present, t, 4), real[9 - t])
     # many ties (small integers): median and trimmed mean still the definitions
     ties = rng.integers(-3, 4, size=(11, 40)).astype(np.float32)
     ones = np.ones(11, bool)
     np.testing.assert_array_equal(robust.coordinate_median(ties, ones), np.median(ties, axis=0))
+    np.testing.assert_array_equal(robust.coordinate_median(ties[:10], ones[:10]), np.median(ties[:10], axis=0))
+    for t in range(5):  # ties kept whole: the t-th largest of the sorted column, whatever repeats above it
+        np.testing.assert_array_equal(top(ties, ones, t, 5), np.sort(ties, axis=0)[10 - t])
+    # under vmap over problems, t per problem
+    batch = jax.vmap(robust.kth_largest_near_top, in_axes=(0, None, 0, None))(jnp.stack([ties, -ties]), ones,
+                                                                              jnp.array([1, 3]), 4)
+    np.testing.assert_array_equal(batch, np.stack([np.sort(ties, axis=0)[9], np.sort(-ties, axis=0)[7]]))
     for beta in (0.1, 0.2, 0.45):
         np.testing.assert_allclose(robust.trimmed_mean(ties, ones, beta), np_trimmed(ties.astype(np.float64), beta),
                                    rtol=1e-6, atol=1e-6)

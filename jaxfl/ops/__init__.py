@@ -24,9 +24,9 @@ qp           (FedPAC) simplex_projection, simplex_qp, head_weights
 dense        small networks beside the model (FedCP's policy, GPFL's valve): dense_init, dense, layer_norm_init,
              layer_norm
 clustering   (FPL) finch_partition, cluster_prototypes
-robust       Byzantine-robust aggregation over the client axis, masked: kth_smallest, coordinate_median, trimmed_mean,
-             pairwise_sq_distances, krum_scores, multi_krum, bulyan, geometric_median, norm_bounded_mean, centered_clip,
-             tree_robust
+robust       Byzantine-robust aggregation over the client axis, masked: kth_smallest, kth_largest_near_top,
+             coordinate_median, trimmed_mean, pairwise_sq_distances, krum_scores, multi_krum, bulyan,
+             geometric_median, norm_bounded_mean, centered_clip, tree_robust
 robust_aggregation  one of them in place of an averaging algorithm's mean (``--aggregator``): parse_aggregator,
              robust_rule, robust_params, with_robust_aggregate
 attacks      malicious clients (``--attack``, ``--malicious``): parse_attack, malicious_clients, flip_labels,

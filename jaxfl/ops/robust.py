@@ -7,6 +7,8 @@ are ignored whatever they hold, NaN included. k = sum(present) is the number of 
 functions jit once for a cohort size and work under ``vmap``). f is the number of Byzantine rows a rule is
 built to tolerate.
 
+kth_smallest        per coordinate, the r-th smallest present value (radix selection: 32 counting passes);
+                    kth_largest_near_top the t-th largest for t < a small bound (one pass per rank)
 coordinate_median   m_d = median of {x_id : i present}, per coordinate (Yin et al., ICML 2018)
 trimmed_mean        per coordinate, the mean of the present values without the b = floor(beta k) largest and
                     b smallest (Yin et al., ICML 2018)
@@ -56,12 +58,37 @@ def kth_smallest(x, present, r):
     return _from_keys(jax.lax.fori_loop(0, 32, bit, jnp.zeros(x.shape[1:], jnp.uint32))).astype(x.dtype)
 
 
+def kth_largest_near_top(x, present, t, steps: int, smallest: bool = False):
+    """Per coordinate, the t-th largest (0-based) of the present rows' values for a rank near the top
+    (0 <= t < ``steps``, t dynamic, ``steps`` static): ``steps`` passes that each find the largest value below
+    the previous one and count the values at or above it, instead of ``kth_smallest``'s 32 (exact, ties kept
+    whole). ``smallest``: the t-th smallest instead (the same passes up from the bottom). x [N, D] float32,
+    present [N] bool, t int [] (< the present rows) -> [D]."""
+    keys = _ordered_keys(x)
+    keys = ~keys if smallest else keys  # (the complement reverses the order exactly)
+    keys = jnp.where(present[:, None], keys, jnp.uint32(0))  # absent rows: below all
+
+    def down(i, state):
+        prev, found, done = state
+        cur = jnp.max(jnp.where((i == 0) | (keys < prev), keys, jnp.uint32(0)), axis=0)
+        reached = jnp.sum(present[:, None] & (keys >= cur), axis=0) > t
+        return cur, jnp.where(done, found, cur), done | reached
+
+    start = (jnp.zeros(x.shape[1:], jnp.uint32), jnp.zeros(x.shape[1:], jnp.uint32), jnp.zeros(x.shape[1:], bool))
+    found = jax.lax.fori_loop(0, steps, down, start)[1]
+    return _from_keys(~found if smallest else found).astype(x.dtype)
+
+
 def coordinate_median(x, present):
     """Per coordinate, the median of the present rows' values (the mean of the two middle ones for even k).
-    x [N, D], present [N] bool -> [D]."""
+    x [N, D], present [N] bool -> [D]. The lower middle value by radix selection (``kth_smallest``); the upper
+    one is the same value unless fewer than k/2 + 1 values are at or below it, then the next value above it."""
     k = jnp.sum(present)
     lo = kth_smallest(x, present, (k - 1) // 2)
-    hi = jnp.where(k % 2 == 1, lo, kth_smallest(x, present, k // 2))
+    keys, lo_key = _ordered_keys(x), _ordered_keys(lo)
+    at_or_below = jnp.sum(present[:, None] & (keys <= lo_key), axis=0)
+    above = jnp.min(jnp.where(present[:, None] & (keys > lo_key), keys, jnp.uint32(0xFFFFFFFF)), axis=0)
+    hi = jnp.where((k % 2 == 1) | (at_or_below > k // 2), lo, _from_keys(above).astype(x.dtype))
     return 0.5 * (lo + hi)
 
 
@@ -69,11 +96,18 @@ def trimmed_mean(x, present, beta: float):
     """Per coordinate, the mean of the present values after dropping the b = floor(beta k) largest and the b
     smallest (0 <= beta < 1/2). x [N, D], present [N] bool -> [D].
 
-    Computed from the two cut values L (rank b) and H (rank k - b - 1) by radix selection (``kth_smallest``):
-    the values strictly between them, plus as many copies of L and of H as the kept ranks [b, k - b) hold."""
+    Computed from the two cut values L (rank b) and H (rank k - b - 1): the values strictly between them, plus
+    as many copies of L and of H as the kept ranks [b, k - b) hold. The cuts are b from either end: found by
+    floor(beta N) + 2 passes in from that end (``kth_largest_near_top``) while that is at most 16, else by
+    radix selection (``kth_smallest``, 32 passes)."""
     k = jnp.sum(present)
     b = jnp.floor(beta * k).astype(k.dtype)
-    low, high = kth_smallest(x, present, b), kth_smallest(x, present, jnp.maximum(k - b - 1, b))
+    bound = int(beta * x.shape[0]) + 2  # b < bound for any k <= N (static; one spare for float32 rounding)
+    if bound <= 16:
+        low = kth_largest_near_top(x, present, b, bound, smallest=True)
+        high = jnp.maximum(kth_largest_near_top(x, present, b, bound), low)  # (k < 2b + 1 keeps one value: L)
+    else:
+        low, high = kth_smallest(x, present, b), kth_smallest(x, present, jnp.maximum(k - b - 1, b))
     z = _present_values(x, present, 0.0)
     p = present[:, None]
 
@@ -108,9 +142,10 @@ def krum_scores_from_distances(d, present, f: int):
     k = jnp.sum(present)
     q = jnp.maximum(k - f - 2, 1)
     d = jnp.where(present[:, None] & present[None, :] & ~jnp.eye(d.shape[0], dtype=bool), d, jnp.inf)
-    # the sum of each row's q smallest: those below its q-th smallest t, plus t for the rest (ties), by radix
-    # selection (``kth_smallest`` over the rows' entries) rather than a sort
-    t = kth_smallest(d.T, jnp.ones(d.shape[0], bool), q - 1)
+    # the sum of each row's q smallest: those below its q-th smallest t, plus t for the rest (ties). Among the
+    # k entries of a present row (k - 1 neighbours and its own +inf) t is the (k - q)-th largest, k - q <= f + 2:
+    # found in f + 3 passes down from the top (``kth_largest_near_top``) rather than a sort or a radix selection
+    t = kth_largest_near_top(d.T, present, k - q, f + 3)
     below = d < t[:, None]
     rest = (q - jnp.sum(below, axis=1)).astype(d.dtype)
     scores = jnp.sum(jnp.where(below, d, 0.0), axis=1) + jnp.where(rest > 0, rest * t, 0.0)
@@ -148,8 +183,9 @@ def bulyan(x, present, f: int):
     med = coordinate_median(x, selected)
     z = _present_values(x, selected, 0.0)
     dist = jnp.abs(z - med)
-    # the beta closest per coordinate: below the beta-th distance, then ties at it by row (radix selection)
-    cut = kth_smallest(dist, selected, beta - 1)
+    # the beta closest per coordinate: below the beta-th distance, then ties at it by row; that distance is the
+    # (theta - beta)-th largest (0-based), at most 2f from the top: 2f + 1 passes down from the largest
+    cut = kth_largest_near_top(dist, selected, theta - beta, 2 * f + 1)
     sel = selected[:, None]
     below = sel & (dist < cut)
     tied = sel & (dist == cut)
