@@ -49,11 +49,11 @@ from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, DeviceMemoryError, check_choice, first_line
 from .buckets import BucketGrid, bucket_grid, cohort_samples_bound, grid_ceil, padded_work, plan_buckets
-from .cohort import (SAMPLINGS, Chunked, ClientMap, client_map, poisson_cohort, poisson_members, poisson_rows,
+from .cohort import (SAMPLINGS, Chunked, Sampling, ClientMap, client_map, poisson_cohort, poisson_members, poisson_rows,
                      sample_cohort)
 from .distributed import client_sharding, fetch, place_rows
 from .lanes import LanePlan, expected_sorted_steps, plan_lanes
-from .step import init_state, make_step, with_round_metrics
+from .step import Weighting, init_state, make_step, with_round_metrics
 from .trainer import ClientRows
 from .trees import tree_bytes
 from .types import Algorithm
@@ -146,8 +146,8 @@ class _Backend:
     ``make_step(padded=True)`` gives weight 0, and the metrics report its members only)."""
 
     def __init__(self, alg: Algorithm, train: RaggedClients, *, batch_size: int, clients: ClientMap | str | None = None,
-                 cohort_size: int | None = None, weighting: str = "samples", mesh=None,
-                 num_rounds: int | None = None, stragglers: float = 0.0, sampling: str = "fixed",
+                 cohort_size: int | None = None, weighting: Weighting = "samples", mesh=None,
+                 num_rounds: int | None = None, stragglers: float = 0.0, sampling: Sampling = "fixed",
                  rate: float | None = None):
         check_choice("sampling", sampling, SAMPLINGS)
         if not isinstance(batch_size, int) or batch_size < 1:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, ClassVar
+import typing
+from typing import Callable, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -182,7 +183,9 @@ def sample_cohort(root, round_idx, num_clients: int, cohort_size: int):
     return _floyd_draw(key, int(num_clients), int(cohort_size))
 
 
-SAMPLINGS = ("fixed", "poisson")
+# how a round's cohort is drawn: "fixed" (k of N without replacement) | "poisson" (each client with probability q)
+Sampling = Literal["fixed", "poisson"]
+SAMPLINGS: tuple[Sampling, ...] = typing.get_args(Sampling)
 POISSON_STREAM = 5  # fold_in(root, 5): Poisson sampling's draws (0 client keys, 1 fixed cohorts, 2 init, 3
 # stragglers; 4 of the seed's key: DP noise)
 

@@ -11,7 +11,8 @@ buckets of similar clients.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import typing
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,9 @@ from .trees import tree_all_finite
 from .types import Algorithm, RoundInfo
 
 
-WEIGHTINGS = ("samples", "uniform")
+# how the cohort's rows are weighted in the aggregate: by training samples | equally
+Weighting = Literal["samples", "uniform"]
+WEIGHTINGS: tuple[Weighting, ...] = typing.get_args(Weighting)
 
 
 def init_state(alg: Algorithm, key, sample_x, num_clients: int):
@@ -35,7 +38,7 @@ def init_state(alg: Algorithm, key, sample_x, num_clients: int):
     return server, jax.tree_util.tree_map(jnp.array, broadcast_clients(client, num_clients))
 
 
-def aggregation_weights(counts, weighting: str):
+def aggregation_weights(counts, weighting: Weighting):
     """Client weights for aggregation: their sample counts (``samples``) or 1 each (``uniform``); [k] -> [k]."""
     counts = jnp.asarray(counts).astype(jnp.float32)
     return counts if weighting == "samples" else jnp.ones_like(counts)
@@ -128,7 +131,7 @@ def drop_padding(trained, counts):
 
 
 def make_step(alg: Algorithm, *, clients: ClientMap | str | None = None, mesh=None, num_rounds: int | None = None,
-              weighting: str = "samples", stragglers: float = 0.0, padded: bool = False,
+              weighting: Weighting = "samples", stragglers: float = 0.0, padded: bool = False,
               lanes: LanePlan | None = None) -> Step:
     """The cohort step of ``alg``: clients run by the ``ClientMap`` ``clients`` (or its name; None: the
     platform's default), split over ``mesh``'s devices if given (the aggregation's reductions over clients then
