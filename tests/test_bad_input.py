@@ -68,6 +68,11 @@ CASES = {
                                "--dataset default holds images; use a text dataset (synthetic_text, text:PATH"),
     "an image model on text": (lambda d: ["--dataset", "synthetic_text", "--model", "logreg"],
                                "--dataset synthetic_text holds text (token ids) and --model logreg reads images"),
+    "image augmentation on text": (lambda d: ["--dataset", "synthetic_text", "--model", "char_lstm", "--augment",
+                                              "flip"], "--augment flip: --dataset synthetic_text holds text (token "
+                                                       "ids); image augmentation applies to image datasets only"),
+    "an unknown augmentation parameter": (lambda d: ["--augment", "crop_flip:size=3"],
+                                          "augment='crop_flip:size=3': 'size=3' is not a parameter of crop_flip"),
     "an image-only algorithm on text": (lambda d: ["--dataset", "synthetic_text", "--algorithm", "fedtp", "--model",
                                                    "vit_tiny"], "and --model vit_tiny reads images; text needs "
                                                                 "--model char_lstm"),

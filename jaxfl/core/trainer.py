@@ -180,6 +180,9 @@ def scan_first(body, carry, xs, runs):
     return jax.lax.scan(step, carry, (jnp.arange(n), xs))
 
 
+AUGMENT_STREAM = 0x61756700  # fold_in(step key, this): a minibatch's augmentation draws (apart from the loss's)
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalTrainer:
     """Minibatch optimisation of one client, as PyTorch's DataLoader(shuffle=True, drop_last=False) would.
@@ -197,6 +200,8 @@ class LocalTrainer:
     ``tx``: a ``ClientOptimizer`` (kept as ``optimizer``, its transformation as ``tx``: algorithms read the
     learning rate and momentum there) or any optax transformation (``optimizer`` None: an algorithm whose update
     divides by the learning rate then takes it as its own option).
+    ``augment``: ``augment(key, x) -> x``, applied to every training minibatch's raw inputs before ``preprocess``
+    (``jaxfl.ops.augment``), its key ``fold_in(step key, AUGMENT_STREAM)`` (None: the inputs as they are).
     """
     tx: optax.GradientTransformation
     batch_size: int
@@ -205,11 +210,19 @@ class LocalTrainer:
     dp: SampleDP | None = None
     max_steps: int | None = None
     optimizer: ClientOptimizer | None = None
+    augment: Callable | None = None
 
     def __post_init__(self):
         if isinstance(self.tx, ClientOptimizer):
             object.__setattr__(self, "optimizer", self.tx)
             object.__setattr__(self, "tx", self.tx.transform())
+
+    def augmented(self, batch, step_key):
+        """A minibatch (x, y) with ``augment`` applied to x (its key: ``fold_in(step_key, AUGMENT_STREAM)``)."""
+        if self.augment is None:
+            return batch
+        x, y = batch
+        return self.augment(jax.random.fold_in(step_key, AUGMENT_STREAM), x), y
 
     def run(self, loss_fn, params, state, opt_state, data: ClientData, key, epochs=None):
         """Train one client.
@@ -240,7 +253,8 @@ class LocalTrainer:
                 params, state, opt_state, sums = carry
                 skey = jax.random.fold_in(ekey, t + 1)
                 members = poisson_members(jax.random.fold_in(skey, SELECT_STREAM), data.count, m, rate)
-                grads, step_sums = private_gradient(loss_fn, params, state, lambda idx: batch_of(data, idx),
+                grads, step_sums = private_gradient(loss_fn, params, state,
+                                                    lambda idx: self.augmented(batch_of(data, idx), skey),
                                                     self.preprocess, members, data.count, skey, self.dp, b, rate)
                 updates, opt_state = self.tx.update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), state, opt_state, sums + step_sums
@@ -257,9 +271,9 @@ class LocalTrainer:
                 start = t * b
                 idx = jax.lax.dynamic_slice(perm, (start,), (b,))
                 w = ((start + jnp.arange(b)) < data.count).astype(jnp.float32)
-                x, y = batch_of(data, idx)
-                (loss, (new_state, logits)), grads = grad_fn(params, state, self.preprocess(x), y, w,
-                                                             jax.random.fold_in(ekey, t + 1))
+                skey = jax.random.fold_in(ekey, t + 1)
+                x, y = self.augmented(batch_of(data, idx), skey)
+                (loss, (new_state, logits)), grads = grad_fn(params, state, self.preprocess(x), y, w, skey)
                 # (under jax_enable_x64 BatchNorm's statistics come back float64: the carry keeps its types)
                 state = jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), new_state, state)
                 updates, opt_state = self.tx.update(grads, opt_state, params)

@@ -16,6 +16,7 @@ from ..core.distributed import is_primary
 from ..core.options import accepts_none, check_int_size, coerce, field_type, plain
 from ..core.privacy import DEFAULT_CLIP_LR, DP_LEVELS
 from ..ops.attacks import ATTACKS, UPDATE_ATTACKS, parse_attack
+from ..ops.augment import parse_augment
 from ..ops.compression import parse_compression
 from ..ops.robust_aggregation import parse_aggregator
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
@@ -135,10 +136,16 @@ class ClientTraining(ConfigGroup):
     nesterov: bool = run_option(False, "sgd: Nesterov momentum")
     batch_size: int | None = run_option(None, "client minibatch size", minimum=1)
     local_epochs: int = run_option(1, "local epochs of each client's training in a round", minimum=1)
+    augment: str = run_option(
+        "none", "training-time image augmentation of every local minibatch (jaxfl.ops.augment; images only): none | "
+                "crop_flip[:pad=4] (zero-pad, random crop, horizontal flip: FedSelect's CIFAR-10 and DapperFL's "
+                "official code) | flip_rotate[:degrees=30] (horizontal flip, random rotation: FedPick's and "
+                "RFedDis's Office/DomainNet) | flip")
 
     def check(self) -> None:
         if self.nesterov and (self.optimizer != "sgd" or not self.momentum):
             raise ConfigError("--nesterov needs --optimizer sgd with --momentum > 0")
+        parse_augment(self.augment)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,10 +452,13 @@ def is_text(dataset: str) -> bool:
 
 def check_modality(cfg: RunConfig) -> None:
     """ConfigError unless the run's model reads what its dataset holds: token ids (``models.TEXT_MODELS``) or
-    images (every other model)."""
+    images (every other model); image augmentation only on images."""
     from ..algorithms import options_class
     from ..models import TEXT_MODELS
     model, text = model_name(cfg), is_text(cfg.dataset)
+    if text and parse_augment(cfg.augment)[0] != "none":
+        raise ConfigError(f"--augment {cfg.augment}: --dataset {cfg.dataset} holds text (token ids); image "
+                          f"augmentation applies to image datasets only (use --augment none)")
     if text and model not in TEXT_MODELS:
         allowed = options_class(cfg.algorithm).models
         which = (f"--model {model} reads images" if cfg.model is not None or not allowed else

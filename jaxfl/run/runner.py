@@ -24,6 +24,7 @@ from ..core.types import RunContext
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped, first_line
 from ..models import build_model
+from ..ops.augment import make_augment
 from .build import (backdoor_test_data, check_cohort_memory, check_device_count, choose_backend, client_placement,
                     lane_overhead, load_run_data, make_backend, malicious_of, poison_data, server_side,
                     start_devices, with_dp)
@@ -134,7 +135,7 @@ class Experiment:
         self.train_data, self.test_data = RaggedClients.from_clients(ds.train), RaggedClients.from_clients(ds.test)
         preprocess = normalizer(*ds.normalize)
         self.trainer = LocalTrainer(ClientOptimizer(**cfg.client_training()), cfg.batch_size, cfg.local_epochs,
-                                    preprocess)
+                                    preprocess, augment=make_augment(cfg.augment))
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
         self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
