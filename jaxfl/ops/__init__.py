@@ -33,6 +33,8 @@ attacks      malicious clients (``--attack``, ``--malicious``): parse_attack, ma
              alie_z, attacked_updates (sign flip, scaling, Gaussian, ALIE, IPM), with_update_attack
 compression  update codecs (``--compression``): topk, randk, stochastic_quantize, qsgd, sign_compress,
              walsh_hadamard, rotated, decode, message_bits, with_compression
+augment      training-time image augmentation (``--augment``): random_crop, random_flip, rotate, random_rotation,
+             parse_augment, make_augment
 diagnostics  expected_calibration_error, auroc, sparsity_ratio, sparsity_per_sample, fisher_score,
              fisher_selection_probe, knn_predict, overlap_ratio, selection_ratio, layer_positions, masked_flops
 
@@ -40,4 +42,4 @@ The aggregation reductions over the client axis (weighted_mean, masked_mean, rec
 are the engine's: ``jaxfl.core.aggregation``.
 """
 from . import clustering, dense, diagnostics, evidential, gp, hypernet, losses, masks, qp, robust  # noqa: F401
-from . import attacks, compression, robust_aggregation  # noqa: F401
+from . import attacks, augment, compression, robust_aggregation  # noqa: F401
