@@ -110,6 +110,12 @@ CASES = {
     "an empty --out": (lambda d: ["--out", ""], "--out '' is empty; give a folder"),
     "a dangling symlink as --out": (lambda d: ["--out", str(dangling(d / "link"))],
                                     "is a symbolic link to nothing (dangling, or a loop)"),
+    "--out below a dangling symlink": (lambda d: ["--out", str(dangling(d / "link") / "sub")],
+                                       "/link', a symbolic link to nothing (dangling, or a loop); give a folder"),
+    "--out below a symlink loop": (lambda d: ["--out", str(loop(d / "loop") / "sub" / "deeper")],
+                                   "/loop', a symbolic link to nothing (dangling, or a loop); give a folder"),
+    "a sweep into a dangling symlink": (lambda d: ["--seeds", "0,1", "--out", str(dangling(d / "link"))],
+                                        "/link', a symbolic link to nothing (dangling, or a loop); give a folder"),
     "a symlink to an unwritable folder as --out": (lambda d: ["--out", str(link_to(d / "link", "/sys"))],
                                                    "' is not writable"),
     "a JSON config with a key twice": (lambda d: ["--config", str(write(d / "twice.json",
@@ -170,6 +176,13 @@ CASES = {
 def write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+    return path
+
+
+def loop(path):
+    """A symbolic link to itself at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(path, path)
     return path
 
 

@@ -60,7 +60,7 @@ def test_shards_exact_classes_per_client():
 
 
 def test_more_clients_than_samples():
-    with pytest.raises(DataError, match="num_clients=501 is more than the 500 samples"):
+    with pytest.raises(DataError, match=r"num_clients=501 \(--num-clients\) is more than the 500 samples"):
         iid(LABELS, 501, np.random.default_rng(0))
 
 
@@ -174,6 +174,14 @@ def test_image_folder_reader(tmp_path):
     ds = load_dataset(DataConfig(f"folder:{tmp_path}", image_size=8))
     assert ds.client_names == ["art", "photo"] and ds.num_classes == 2
     assert sum(map(len, (y for _, y in ds.train))) + sum(map(len, (y for _, y in ds.test))) == 20
+    # a damaged image is named, not a traceback; a domain without images is refused, not dropped
+    (tmp_path / "art" / "dog" / "5.png").write_bytes(b"not a png")
+    with pytest.raises(DataError, match=r"image '.*5\.png' cannot be read \(.*\); remove or replace it"):
+        load_image_folder(tmp_path, size=8)
+    (tmp_path / "art" / "dog" / "5.png").unlink()
+    (tmp_path / "sketch" / "cat").mkdir(parents=True)
+    with pytest.raises(DataError, match=r"domain folder '.*sketch' holds no image"):
+        load_image_folder(tmp_path, size=8)
 
 
 def test_tfds_missing_is_a_clear_error(monkeypatch):

@@ -52,13 +52,17 @@ def test_a_signal_at_each_point_ends_in_one_line_and_the_resume_equals_an_uninte
                           env={**os.environ, FAILPOINT_ENV: f"{point}:{sig}"})
     assert proc.returncode == EXIT[sig], proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+    started = any(root.glob("seed*/config.json"))  # a seed's saved settings: what a resume continues from
     if sig != "KILL":
         lines = [line for line in proc.stderr.splitlines() if line.startswith("jaxfl:")]
         assert len(lines) == 1, proc.stderr
-        assert lines[0].endswith(f"; continue with jaxfl run --out {root} --seeds 0,1 --resume"), lines[0]
+        # the way on that the line names: the resume command (settings saved), or the command itself (none were)
+        way = (f"; continue with jaxfl run --out {root} --seeds 0,1 --resume" if started
+               else "; no seed had started, nothing was written: run the command again")
+        assert lines[0].endswith(way), lines[0]
     for seed in ("seed0", "seed1"):  # never a folder that neither a new run nor a resume accepts
         assert run_state(root / seed) in ("new", "started", "resumable")
-    assert main(SWEEP + ["--out", str(root), "--resume"]) == 0
+    assert main(SWEEP + ["--out", str(root)] + (["--resume"] if started else [])) == 0
     assert outcome(root) == uninterrupted
 
 

@@ -241,3 +241,35 @@ def test_a_sweep_resume_starts_again_a_seed_stopped_before_its_first_checkpoint(
     err = capsys.readouterr().err
     assert err.count("starting again from round 0") == 1 and "Traceback" not in err
     assert rounds_logged(root / "seed0") == rounds_logged(stopped) == [1, 2]
+
+
+def test_a_sweep_resume_needs_a_started_sweep_whose_settings_are_saved(tmp_path, capsys):
+    # as for one run: no folder, or no seed that saved its config.json, is no sweep to continue (a resume would
+    # have nothing but its flags: the defaults for every setting not given)
+    flags = CLI + ["--seeds", "0,1", "--rounds", "1", "--resume"]
+    assert main(flags + ["--out", str(tmp_path / "none")]) == 2
+    assert "--resume: " + repr(str(tmp_path / "none")) + " does not exist: no sweep to continue" in \
+        capsys.readouterr().err
+    (tmp_path / "empty" / "seed0").mkdir(parents=True)
+    assert main(flags + ["--out", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "no seed in" in err and "has started (no seed<S>/config.json)" in err and "drop --resume" in err
+    assert not any((tmp_path / "empty").rglob("*.json"))  # nothing written
+
+
+def test_a_failed_first_checkpoint_names_the_resume_that_starts_the_run_again(tmp_path, capsys, monkeypatch):
+    # the first checkpoint cannot be written (disk full): one line naming --resume, which restarts from round 0
+    from jaxfl.run import checkpoint
+
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", full)
+    out = tmp_path / "r"
+    assert main(CLI + ["--rounds", "2", "--checkpoint-every", "1", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no checkpoint was written yet" in err[0], err
+    assert err[0].endswith(f"continue with jaxfl run --out {out} --resume (it starts again from round 0 with the "
+                           f"saved config)")
+    monkeypatch.undo()
+    assert main(CLI + ["--rounds", "2", "--checkpoint-every", "1", "--out", str(out), "--resume"]) == 0
+    assert rounds_logged(out) == [1, 2]

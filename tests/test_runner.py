@@ -34,7 +34,7 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     from jaxfl.run import build
     with monkeypatch.context() as m:
         m.setattr(build, "load_dataset", lambda *a: pytest.fail("read the data before refusing"))
-        with pytest.raises(ConfigError, match="config differs.*algorithm"):
+        with pytest.raises(ConfigError, match=r"the settings differ from the run.s .*config.json. in .*algorithm"):
             Experiment(RunConfig(algorithm="fedavg", rounds=5, out=str(tmp_path), resume=True, **TINY))
         with pytest.raises(ConfigError, match="the checkpoint is at round 4; --rounds 3 must be at least 4"):
             Experiment(RunConfig(algorithm="fedbn", rounds=3, out=str(tmp_path), resume=True, **TINY))

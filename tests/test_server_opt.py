@@ -135,5 +135,5 @@ def test_fedadam_with_fedper_moves_the_shared_body_only_and_resumes_exactly(tmp_
     resumed = Experiment(RunConfig(rounds=3, out=str(out), resume=True, **cfg)).run()
     assert_trees_close(full.server, resumed.server, atol=0, rtol=0)
     assert [h["test_accuracy"] for h in full.history] == [h["test_accuracy"] for h in resumed.history]
-    with pytest.raises(ConfigError, match=r"config differs.*server_opt"):
+    with pytest.raises(ConfigError, match=r"the settings differ from the run.s .*config.json. in .*server_opt"):
         Experiment(RunConfig(rounds=4, out=str(out), resume=True, **dict(cfg, server_opt="yogi"))).run()

@@ -308,6 +308,7 @@ def load_dataset(cfg: DataConfig) -> FederatedDataset:
 def _checked(ds: FederatedDataset) -> FederatedDataset:
     for name, (x, y), (_, vy) in zip(ds.client_names, ds.train, ds.test):
         if len(y) == 0 or len(vy) == 0:
-            raise DataError(f"client {name!r} has {len(y)} training and {len(vy)} test samples; every "
-                            f"client needs at least one of each (use fewer clients, or more data per client)")
+            raise DataError(f"client {name!r} of --dataset {ds.name} has {len(y)} training and {len(vy)} test "
+                            f"samples; every client needs at least one of each: use fewer clients (--num-clients, "
+                            f"--clients-per-domain) or data files with more samples per client")
     return ds

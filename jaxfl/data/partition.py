@@ -14,7 +14,7 @@ def _check_counts(n_samples: int, n_clients: int) -> None:
     if n_clients < 1:
         raise DataError(f"num_clients={n_clients} must be at least 1")
     if n_clients > n_samples:
-        raise DataError(f"num_clients={n_clients} is more than the {n_samples} samples available; "
+        raise DataError(f"num_clients={n_clients} (--num-clients) is more than the {n_samples} samples available; "
                         f"use at most {n_samples} clients")
 
 

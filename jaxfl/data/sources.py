@@ -106,9 +106,10 @@ def load_image_folder(root: str | os.PathLike, size: int, channels: int = 3) -> 
     """Read ``root/<domain>/<class>/*.png|jpg`` -> {domain: (images [N,size,size,channels], labels)}.
 
     Class ids follow the sorted class-folder names, taken from the union over domains so every domain
-    uses the same ids. For sets tfds lacks (Office-Caltech10, PACS).
+    uses the same ids. For sets tfds lacks (Office-Caltech10, PACS). DataError naming an image that cannot be
+    read, or a domain folder without any image (it would be a client with no data).
     """
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"image folder {str(root)!r} does not exist")
@@ -123,12 +124,17 @@ def load_image_folder(root: str | os.PathLike, size: int, channels: int = 3) -> 
         for label, cls in enumerate(classes):
             for f in sorted((d / cls).glob("*")) if (d / cls).is_dir() else []:
                 if f.suffix.lower() in IMAGE_SUFFIXES:
-                    with Image.open(f) as im:
-                        im = im.convert(mode).resize((size, size), Image.BILINEAR)
-                        images.append(np.asarray(im, np.uint8).reshape(size, size, channels))
+                    try:
+                        with Image.open(f) as im:
+                            im = im.convert(mode).resize((size, size), Image.BILINEAR)
+                            images.append(np.asarray(im, np.uint8).reshape(size, size, channels))
+                    except (OSError, UnidentifiedImageError) as e:  # (a damaged or truncated file)
+                        raise DataError(f"image {str(f)!r} cannot be read ({e}); remove or replace it") from None
                     labels.append(label)
-        if images:
-            out[d.name] = (np.stack(images), np.asarray(labels, np.int64))
+        if not images:
+            raise DataError(f"domain folder {str(d)!r} holds no image ({', '.join(sorted(IMAGE_SUFFIXES))}) in "
+                            f"<class> folders; add its images or remove the folder")
+        out[d.name] = (np.stack(images), np.asarray(labels, np.int64))
     return out
 
 

@@ -166,8 +166,9 @@ def check_resumable(cfg, out: Path, steps=None) -> None:
                               f"with --dp-noise {old['dp_noise']!r} instead (the start-up line then says what "
                               f"the {cfg.rounds} rounds spend)")
         if diff:
-            raise ConfigError(f"--resume: config differs from the checkpointed run in {diff}; "
-                              f"only {sorted(RESUMABLE_CHANGES)} may change")
+            raise ConfigError(f"--resume: the settings differ from the run's {str(saved_cfg)!r} in {diff} (a "
+                              f"flag given now, or a setting that file lacks: written by another version); only "
+                              f"{sorted(RESUMABLE_CHANGES)} may change")
     if steps and cfg.rounds < max(steps):
         raise ConfigError(f"--resume: the checkpoint is at round {max(steps)}; --rounds {cfg.rounds} must be at "
                           f"least {max(steps)}")

@@ -333,7 +333,10 @@ def main(argv=None) -> int:
         else:
             where = (e.where if between else f"{e.where} of seed {seed}" if e.round_done is not None
                      else f"seed {seed}: {e.where}")
-            say(f"{where}; continue with jaxfl run --out {root} --seeds {seeds_flag} --resume")
+            if any(Path(root).glob("seed*/config.json")):  # a started seed's config.json holds the settings
+                say(f"{where}; continue with jaxfl run --out {root} --seeds {seeds_flag} --resume")
+            else:  # (a resume would have no settings but its flags: the command itself starts the sweep again)
+                say(f"{where}; no seed had started, nothing was written: run the command again")
         return e.exit_code
     except JaxflError as e:  # bad input: exit 2; a failed write (RunIOError): exit 1
         say(f"error: {e}")
@@ -373,6 +376,13 @@ def seed_configs(args: dict, seeds_flag: str) -> tuple[str, list[RunConfig], set
     if args.get("resume") and not root:
         raise ConfigError(f"--seeds {seeds_flag} --resume: give the --out of the runs to continue")
     root = root or run_config({k: v for k, v in args.items() if k != "resume"}).out
+    if args.get("resume"):  # as for one run: a resume needs a sweep that has started (its settings are saved)
+        if not Path(root).is_dir():
+            raise ConfigError(f"--resume: {str(root)!r} does not exist: no sweep to continue (drop --resume to "
+                              f"start it)")
+        if not any(Path(root).glob("seed*/config.json")):
+            raise ConfigError(f"--resume: no seed in {str(root)!r} has started (no seed<S>/config.json): no sweep "
+                              f"to continue (drop --resume to start it)")
     if (Path(root) / "metrics.jsonl").exists() or (Path(root) / "config.json").exists():
         raise ConfigError(f"--out {str(root)!r} holds a run of its own; --seeds writes one run per seed into "
                           f"{str(root)!r}/seed<S>: choose another folder")

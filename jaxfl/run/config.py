@@ -709,6 +709,10 @@ def check_output(cfg: RunConfig) -> None:
     out = Path(cfg.out)
     if out.is_symlink() and not out.exists():  # dangling, or a loop
         raise ConfigError(f"--out {str(out)!r} is a symbolic link to nothing (dangling, or a loop); give a folder")
+    for above in out.absolute().parents:  # (a folder cannot be made below a link to nothing)
+        if above.is_symlink() and not above.exists():
+            raise ConfigError(f"--out {str(out)!r} is below {str(above)!r}, a symbolic link to nothing (dangling, or "
+                              f"a loop); give a folder elsewhere")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; give a folder (it is created if missing)")
     if out.is_dir():

@@ -514,9 +514,15 @@ def written(path: Path, when: str, ckpt):
         with stderr_collected(pass_on_success=False):  # orbax may still log about the failed write
             last = ckpt.latest_round() if ckpt is not None else None
         why = os_error_text(e)
-        keep = (f"the log and the checkpoint of round {last} are intact; free space or fix the error, then "
-                f"continue with jaxfl run --out {path_out(path)} --resume" if last is not None else
-                "no checkpoint was written yet")
+        out = path_out(path)
+        if last is not None:
+            keep = (f"the log and the checkpoint of round {last} are intact; free space or fix the error, then "
+                    f"continue with jaxfl run --out {out} --resume")
+        elif (Path(out) / "config.json").is_file():  # a started run: --resume starts it again from round 0
+            keep = (f"no checkpoint was written yet; free space or fix the error, then continue with jaxfl run "
+                    f"--out {out} --resume (it starts again from round 0 with the saved config)")
+        else:
+            keep = "nothing of the run was kept; free space or fix the error, then run the command again"
         raise RunIOError(f"cannot write {str(path)!r} {when}: {why}; {keep}") from None
 
 
