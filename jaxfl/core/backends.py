@@ -49,8 +49,8 @@ from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, DeviceMemoryError, check_choice, first_line
 from .buckets import BucketGrid, bucket_grid, cohort_samples_bound, grid_ceil, padded_work, plan_buckets
-from .cohort import (SAMPLINGS, Chunked, Sampling, ClientMap, client_map, poisson_cohort, poisson_members, poisson_rows,
-                     sample_cohort)
+from .cohort import (SAMPLINGS, Chunked, ClientMap, Sampling, client_map, poisson_cohort, poisson_members,
+                     poisson_rows, sample_cohort)
 from .distributed import client_sharding, fetch, place_rows
 from .lanes import LanePlan, expected_sorted_steps, plan_lanes
 from .step import Weighting, init_state, make_step, with_round_metrics
