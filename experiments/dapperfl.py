@@ -71,6 +71,8 @@ def main(argv=None) -> None:
     p.add_argument("--test-per-client", type=int, default=1000)
     p.add_argument("--datasets", default="digits")
     p.add_argument("--model", default=None, help="default: resnet10 (digits), resnet18 (pacs)")
+    p.add_argument("--augment", default="none", help="training augmentation (jaxfl run --augment); crop_flip: "
+                                                       "the official code's transforms")
     p.add_argument("--seeds", default="0", help="comma-separated seeds; several give mean ± std over them")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--out", default="runs/dapperfl")
@@ -82,7 +84,7 @@ def main(argv=None) -> None:
         base = RunConfig(dataset=dataset, model=args.model or MODELS[dataset], clients_per_domain=3,
                          samples_per_client=args.samples_per_client, test_per_client=args.test_per_client,
                          rounds=args.rounds, local_epochs=args.local_epochs, batch_size=64, lr=0.01,
-                         momentum=0.9, image_size=32, eval_every=args.eval_every)
+                         momentum=0.9, image_size=32, eval_every=args.eval_every, augment=args.augment)
         out, results = Path(args.out) / dataset, {}
         for spec in args.algorithms.split(","):
             results[spec] = run_seeds(spec, base, out, seeds, args.progress)

@@ -41,7 +41,8 @@ PAPER = {"local": 74.60, "fedavg": 27.70, "ditto": 72.75, "fedrep": 67.60, "fedp
 def base_config(dataset: str, args) -> RunConfig:
     common = dict(rounds=args.rounds, lr=0.05, momentum=0.0, batch_size=32, local_epochs=1,
                   options={"fedselect": {"la_epochs": args.la_epochs}}, model=args.model, eval_every=args.eval_every,
-                  eval_point="local")  # the official code's protocol: each model right after local training
+                  eval_point="local",  # the official code's protocol: each model right after local training
+                  augment=args.augment)
     if dataset == "cifar10":
         return RunConfig(dataset="cifar10", num_clients=10, partition="shards", classes_per_client=2,
                          samples_per_client=100, test_per_client=args.test_per_client, **common)
@@ -88,6 +89,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--la-epochs", type=int, default=1)
     p.add_argument("--model", default="resnet18_imagenet")
+    p.add_argument("--augment", default="none", help="training augmentation (jaxfl run --augment); crop_flip: "
+                                                       "the official code's CIFAR-10 transforms")
     p.add_argument("--eval-every", type=int, default=1)
     p.add_argument("--test-per-client", type=int, default=200)
     p.add_argument("--pacs-samples", type=int, default=500)
