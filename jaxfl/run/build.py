@@ -7,7 +7,8 @@
     -> the local trainer and the algorithm (``algorithms.build_algorithm``)
     -> with_dp (DP-SGD in local training: with_sample_dp; DP-FedAvg: with_user_dp)
     -> server_side (the server's wrappers, below) and poison_data (a data attack)
-    -> check_cohort_memory, choose_backend and make_backend (where the population lives, how a round runs)
+    -> check_cohort_memory, backend_for (choose_backend, make_backend: where the population lives, how a
+       round runs)
     -> the evaluators (``runner.Experiment``; ``jaxfl.run.evaluation``)
 
 Server-side composition, innermost first (each wrapper's ``aggregate`` calls the one inside it):
@@ -316,6 +317,15 @@ def make_backend(name: str, cfg: RunConfig, alg, train: RaggedClients, cohort: i
         alg, train, batch_size=cfg.batch_size, clients=cfg.client_map(),
         cohort_size=cohort, weighting=cfg.weighting, mesh=mesh, num_rounds=cfg.rounds, stragglers=cfg.stragglers,
         sampling=cfg.cohort_sampling, rate=rate, **kw)
+
+
+def backend_for(cfg: RunConfig, alg: Algorithm, train: RaggedClients, place: Placement, model, sample_x,
+                preprocess):
+    """(name, the built backend): ``choose_backend``'s choice for the run's placement, built by ``make_backend``
+    (the lane plan's step overhead, ``lane_overhead``, only for the backends that plan lanes)."""
+    name = choose_backend(cfg, train, alg, sample_x, model, preprocess, place.cohort, place.devices)
+    overhead = lane_overhead(cfg, model, sample_x, preprocess) if name in ("stacked", "streamed") else None
+    return name, make_backend(name, cfg, alg, train, place.cohort, place.rate, place.mesh, overhead)
 
 
 def lane_overhead(cfg: RunConfig, model, sample_x, preprocess) -> float | None:

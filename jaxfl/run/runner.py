@@ -25,8 +25,8 @@ from ..data.ragged import RaggedClients
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped, first_line
 from ..models import build_model
 from ..ops.augment import make_augment
-from .build import (backdoor_test_data, check_cohort_memory, check_device_count, choose_backend, client_placement,
-                    lane_overhead, load_run_data, make_backend, malicious_of, poison_data, server_side,
+from .build import (backdoor_test_data, backend_for, check_cohort_memory, check_device_count, client_placement,
+                    load_run_data, malicious_of, poison_data, server_side,
                     start_devices, with_dp)
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
 from .evaluation import (TUNE_STREAM, InitialStates, holds_model, on_rows, prefixed, server_predict)
@@ -158,10 +158,8 @@ class Experiment:
                                   "every client must train every round (drop --clients-per-round/--participation)")
         check_cohort_memory(cfg, self.algorithm, sample_x, self.cohort, n,
                             self.mesh.devices.size if self.mesh is not None else 1)
-        self.backend_name = choose_backend(cfg, self.train_data, self.algorithm, sample_x,
-                                           self.model, preprocess, self.cohort, self.devices)
-        self.backend = make_backend(self.backend_name, cfg, self.algorithm, self.train_data, self.cohort, self.rate,
-                                    self.mesh, lane_overhead(cfg, self.model, sample_x, preprocess))
+        self.backend_name, self.backend = backend_for(cfg, self.algorithm, self.train_data, place, self.model,
+                                                      sample_x, preprocess)
         self.root = jax.random.key(cfg.seed)
         evaluator = lambda alg, test, **kw: Evaluator(  # noqa: E731  (every evaluation of the run: these settings)
             alg, test, eval_batch_size=eval_bs, preprocess=preprocess, clients=clients, mesh=self.mesh, **kw)
