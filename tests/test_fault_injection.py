@@ -62,7 +62,11 @@ def test_a_signal_at_each_point_ends_in_one_line_and_the_resume_equals_an_uninte
         assert lines[0].endswith(way), lines[0]
     for seed in ("seed0", "seed1"):  # never a folder that neither a new run nor a resume accepts
         assert run_state(root / seed) in ("new", "started", "resumable")
-    assert main(SWEEP + ["--out", str(root)] + (["--resume"] if started else [])) == 0
+    # the way on, as the line gives it: the resume command alone (the settings come from the saved config.json),
+    # or the sweep's command itself
+    way_on = ["run", "--quiet", "--out", str(root), "--seeds", "0,1", "--resume"] if started else SWEEP + [
+        "--out", str(root)]
+    assert main(way_on) == 0
     assert outcome(root) == uninterrupted
 
 

@@ -78,6 +78,21 @@ def apply_rows(rows):
     return jax.vmap(lambda v, xx: model().apply(v, xx, train=False))(rows, X_EVAL)
 
 
+def assert_fine_tuned_from(s1, alg, data, server, clients, epochs):
+    """The clients' tuned models after round 2 are round 1's global model ``s1`` fine-tuned ``epochs`` epochs, and
+    the clients predict with them: against an independent fine-tune, another program than the round's local
+    update, so equal up to the float32 rounding of that fine-tune and its logits."""
+    expected = fine_tune(s1, data, 1, epochs)
+
+    @jax.jit
+    def tuned_and_logits(s):
+        rows = fine_tune(s, data, 1, epochs)
+        return rows, apply_rows(rows)
+    tuned_tol, logits_tol = rounding_tolerance(tuned_and_logits, s1)
+    assert_trees_close(clients["tuned"], expected, atol=tuned_tol, rtol=0)
+    np.testing.assert_allclose(predictions(alg, server, clients), apply_rows(expected), atol=logits_tol, rtol=0)
+
+
 # -- FedAvg+FT ---------------------------------------------------------------------------------------------
 def test_fedavg_ft_with_zero_epochs_is_fedavg():
     a, b = rounds("fedavg"), rounds("fedavg_ft", ft_epochs=0)
@@ -100,16 +115,7 @@ def test_fedavg_ft_evaluates_the_received_model_fine_tuned():
     alg, data, *_ = setup("fedavg_ft")
     # what a client predicts with after round 2: the global model it received (round 1's end), fine-tuned E
     # epochs; with ft_epochs = E that is FedAvg's own local model of round 2
-    expected = fine_tune(s1, data, 1, 1)
-
-    @jax.jit
-    def tuned_and_logits(s):
-        rows = fine_tune(s, data, 1, 1)
-        return rows, apply_rows(rows)
-    # another program than the round's local update: equal up to float32 rounding of the fine-tune
-    tuned_tol, logits_tol = rounding_tolerance(tuned_and_logits, s1)
-    assert_trees_close(clients["tuned"], expected, atol=tuned_tol, rtol=0)
-    np.testing.assert_allclose(predictions(alg, server, clients), apply_rows(expected), atol=logits_tol, rtol=0)
+    assert_fine_tuned_from(s1, alg, data, server, clients, epochs=1)
 
 
 # -- FedBABU -----------------------------------------------------------------------------------------------
@@ -131,16 +137,8 @@ def test_fedbabu_head_never_changes_and_the_body_is_fedavg_with_a_frozen_head():
     assert_trees_close(server["batch_stats"], ref["batch_stats"], atol=tol["batch_stats"], rtol=0)
     # the evaluated model: the global model of round 1's end, fine-tuned (all parameters) for ft_epochs
     s1, _ = rounds("fedbabu", n=1, ft_epochs=2)
-    expected = fine_tune(s1, data, 1, 2)
-
-    @jax.jit
-    def tuned_and_logits(s):
-        rows = fine_tune(s, data, 1, 2)
-        return rows, apply_rows(rows)
-    tuned_tol, logits_tol = rounding_tolerance(tuned_and_logits, s1)
-    assert_trees_close(clients["tuned"], expected, atol=tuned_tol, rtol=0)
     alg, *_ = setup("fedbabu", ft_epochs=2)
-    np.testing.assert_allclose(predictions(alg, server, clients), apply_rows(expected), atol=logits_tol, rtol=0)
+    assert_fine_tuned_from(s1, alg, data, server, clients, epochs=2)
 
 
 @bit_identity("fine-tuning runs at evaluation only: the training rounds do not read it")

@@ -90,18 +90,24 @@ def reference() -> str:
     return head + "\n" + "\n".join(section(n, REGISTRY[n].options) for n in sorted(REGISTRY))
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def write_or_check(argv, doc: str, out: Path, build, script: str) -> None:
+    """A generated reference's command line: write ``build()`` to ``out``, or with ``--check`` exit 1 if the
+    committed file differs (``script``: the command that rewrites it)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="exit 1 if the committed file is not what would be written")
     args = p.parse_args(argv)
-    text = reference()
+    text = build()
     if args.check:
-        same = OUT.is_file() and OUT.read_text() == text
-        print(f"{OUT}: {'up to date' if same else 'out of date: run python tools/algorithm_reference.py'}")
+        same = out.is_file() and out.read_text() == text
+        print(f"{out}: {'up to date' if same else f'out of date: run python {script}'}")
         sys.exit(0 if same else 1)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
+
+
+def main(argv=None) -> None:
+    write_or_check(argv, __doc__, OUT, reference, "tools/algorithm_reference.py")
 
 
 if __name__ == "__main__":

@@ -7,13 +7,12 @@ hand; a test checks that the committed file is what this script writes.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from algorithm_reference import allowed  # noqa: E402
+from algorithm_reference import allowed, write_or_check  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "reference" / "run_options.md"
 
@@ -22,7 +21,8 @@ def table(group, generated: dict) -> str:
     """The markdown of one group: a table of its options (``generated``: the help texts built from the
     registries, ``cli.generated_help``)."""
     from jaxfl.core.options import field_type
-    out = [f"## {group.title}", "", "| flag (config key) | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+    out = [f"## {group.title}", "", "| flag (config key) | type | default | allowed | meaning |",
+           "|---|---|---|---|---|"]
     declared = {f.name: f for f in dataclasses.fields(group)}
     for name in group.names():
         f = declared[name]
@@ -48,16 +48,7 @@ def reference() -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="exit 1 if the committed file is not what would be written")
-    args = p.parse_args(argv)
-    text = reference()
-    if args.check:
-        same = OUT.is_file() and OUT.read_text() == text
-        print(f"{OUT}: {'up to date' if same else 'out of date: run python tools/run_options_reference.py'}")
-        sys.exit(0 if same else 1)
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
+    write_or_check(argv, __doc__, OUT, reference, "tools/run_options_reference.py")
 
 
 if __name__ == "__main__":
