@@ -206,6 +206,25 @@ def test_a_sample_dp_run_through_the_cli(tmp_path, capsys):
     assert all(s == 3 for r in recs for s in r["train_steps"]) and all(len(r["train_steps"]) == 2 for r in recs)
 
 
+def test_the_algorithm_is_built_once_on_the_dp_trainer_when_the_noise_is_given(tmp_path, monkeypatch):
+    # a given --dp-noise: the DP-SGD trainer is known before the build, so the algorithm is built once, on it; a
+    # noise calibrated to --dp-epsilon depends on whether the built algorithm's clients keep state: built again
+    from jaxfl.run import runner
+    from jaxfl.run.config import RunConfig
+    builds = []
+    real = runner.build_algorithm
+    monkeypatch.setattr(runner, "build_algorithm",
+                        lambda options, model, trainer, ctx: builds.append(trainer.dp) or real(options, model, trainer,
+                                                                                                 ctx))
+    base = dict(algorithm="fedavg", model="logreg", dataset="default", image_size=12, samples_per_client=40,
+                test_per_client=30, batch_size=16, rounds=1, dp_level="sample", dp_clip=1.0)
+    exp = runner.Experiment(RunConfig(**base, dp_noise=1.5, out=str(tmp_path / "a")))
+    assert [b.noise_multiplier for b in builds] == [1.5] and exp.trainer.dp.noise_multiplier == 1.5
+    builds.clear()
+    exp = runner.Experiment(RunConfig(**base, dp_epsilon=8.0, out=str(tmp_path / "b")))
+    assert builds[0] is None and builds[1] == exp.trainer.dp and len(builds) == 2
+
+
 def test_bad_sample_dp_options_get_one_line(tmp_path, capsys):
     sample = ("--dp-level", "sample", "--dp-clip", "1")
     cases = {("--dp-level", "sample"): "--dp-noise, --dp-delta, --dp-level and the adaptive clipping options need "

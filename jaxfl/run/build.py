@@ -4,7 +4,8 @@
     start_devices, validate, check_output, check_device_count   (before any data is read)
     -> load_run_data (the population, and --new-clients' held-out clients) -> the model
     -> client_placement (cohort k, sampling rate q, devices and mesh)
-    -> the local trainer and the algorithm (``algorithms.build_algorithm``)
+    -> the local trainer (build_trainer: DP-SGD's where its noise is given) and the algorithm
+       (``algorithms.build_algorithm``)
     -> with_dp (DP-SGD in local training: with_sample_dp; DP-FedAvg: with_user_dp)
     -> server_side (the server's wrappers, below) and poison_data (a data attack)
     -> check_cohort_memory, backend_for (choose_backend, make_backend: where the population lives, how a
@@ -58,13 +59,24 @@ ATTACK_STREAM, COMPRESSION_STREAM = 7, 8
 DP_STREAM = 4  # fold_in(key(seed), 4): DP-FedAvg's noise
 
 
+def build_trainer(cfg: RunConfig, trainer: LocalTrainer) -> LocalTrainer:
+    """The trainer the algorithm is built on: ``trainer``, or DP-SGD's (``--dp-level sample``) where its noise
+    multiplier is given (``--dp-noise``), so the algorithm is built once; a noise calibrated to ``--dp-epsilon``
+    depends on the built algorithm (``with_sample_dp``), which is then built again on the DP trainer."""
+    if cfg.dp_clip is not None and cfg.dp_level == "sample" and cfg.dp_epsilon is None:
+        return dataclasses.replace(trainer, dp=SampleDP(cfg.dp_clip, cfg.dp_noise))
+    return trainer
+
+
 def with_sample_dp(cfg: RunConfig, alg: Algorithm, rebuild: Callable[[LocalTrainer], Algorithm],
                    trainer: LocalTrainer, counts: list[int], sample_x, rate: float):
     """DP-SGD in every client's local training (``--dp-level sample``): (cfg with its noise multiplier, the DP
-    trainer, the algorithm built on it by ``rebuild(trainer)``, its ``SampleAccountant``). ``alg``, built on
-    the plain trainer, tells what the DP one cannot change: whether a model has BatchNorm (refused: its
-    statistics mix a batch's samples) and whether clients keep state (then a fixed-size cohort's draw does not
-    amplify a round). ``counts``: every client's training samples; ``rate``: the cohort's sampling rate."""
+    trainer, the algorithm on it, its ``SampleAccountant``). ``alg``, built on ``trainer`` (the DP one already
+    where the noise was given: ``build_trainer``), tells what DP-SGD cannot change: whether a model has BatchNorm
+    (refused: its statistics mix a batch's samples) and whether clients keep state (then a fixed-size cohort's
+    draw does not amplify a round); built on the plain trainer, it is built again by ``rebuild(trainer)`` on the
+    DP one once the noise is calibrated. ``counts``: every client's training samples; ``rate``: the cohort's
+    sampling rate."""
     key = jax.random.key(0)
     if has_batch_stats(alg, key, sample_x):
         raise ConfigError(f"--dp-level sample: {model_name(cfg)} has BatchNorm, whose statistics mix a "
@@ -81,7 +93,10 @@ def with_sample_dp(cfg: RunConfig, alg: Algorithm, rebuild: Callable[[LocalTrain
         noise = calibrate_noise(lambda z: spent(z).epsilon(cfg.rounds), cfg.dp_epsilon,
                                 f"after {cfg.rounds} rounds at delta {delta:g}", delta)
         cfg = cfg.replace(dp_noise=noise)
-    trainer = dataclasses.replace(trainer, dp=SampleDP(cfg.dp_clip, cfg.dp_noise))
+    dp = SampleDP(cfg.dp_clip, cfg.dp_noise)
+    if trainer.dp == dp:  # (built on the DP trainer already: the noise was given)
+        return cfg, trainer, alg, spent(cfg.dp_noise)
+    trainer = dataclasses.replace(trainer, dp=dp)
     return cfg, trainer, rebuild(trainer), spent(cfg.dp_noise)
 
 

@@ -25,9 +25,8 @@ from ..data.ragged import RaggedClients
 from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stopped, first_line
 from ..models import build_model
 from ..ops.augment import make_augment
-from .build import (backdoor_test_data, backend_for, check_cohort_memory, check_device_count, client_placement,
-                    load_run_data, malicious_of, poison_data, server_side,
-                    start_devices, with_dp)
+from .build import (backdoor_test_data, backend_for, build_trainer, check_cohort_memory, check_device_count,
+                    client_placement, load_run_data, malicious_of, poison_data, server_side, start_devices, with_dp)
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
 from .evaluation import (TUNE_STREAM, InitialStates, holds_model, on_rows, prefixed, server_predict)
 from .lock import RunLock
@@ -134,8 +133,8 @@ class Experiment:
         self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
         self.train_data, self.test_data = RaggedClients.from_clients(ds.train), RaggedClients.from_clients(ds.test)
         preprocess = normalizer(*ds.normalize)
-        self.trainer = LocalTrainer(ClientOptimizer(**cfg.client_training()), cfg.batch_size, cfg.local_epochs,
-                                    preprocess, augment=make_augment(cfg.augment))
+        self.trainer = build_trainer(cfg, LocalTrainer(ClientOptimizer(**cfg.client_training()), cfg.batch_size,
+                                                       cfg.local_epochs, preprocess, augment=make_augment(cfg.augment)))
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
         self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
