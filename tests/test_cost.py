@@ -16,7 +16,7 @@ from jaxfl.core.types import RunContext
 from jaxfl.errors import ConfigError
 from jaxfl.data.ragged import RaggedClients
 from jaxfl.models import build_model
-from jaxfl.run import build
+from jaxfl.run import build, runner
 from jaxfl.run.config import RunConfig, validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -196,3 +196,16 @@ def test_train_flops_refuses_a_missing_flop_count(monkeypatch):
     monkeypatch.setattr(jax.stages.Lowered, "cost_analysis", lambda self: None)
     with pytest.raises(ValueError, match="no FLOP count"):
         cost.train_flops_per_sample(build_model("logreg", 10), IMAGE, 10, normalizer())
+
+
+def test_the_lane_plan_overhead_is_computed_only_for_the_backends_that_plan_lanes(monkeypatch, tmp_path):
+    # (an XLA cost analysis of the model on an accelerator: not for the ragged backend, which has no lane plan)
+    calls = []
+    real = build.lane_overhead
+    monkeypatch.setattr(build, "lane_overhead", lambda *a: calls.append(1) or real(*a))
+    base = dict(algorithm="fedavg", model="logreg", dataset="default", image_size=12, samples_per_client=40,
+                test_per_client=30, batch_size=16, rounds=1, strategy="vmap")
+    ragged = runner.Experiment(RunConfig(**base, backend="ragged", out=str(tmp_path / "r")))
+    assert ragged.backend_name == "ragged" and calls == []
+    stacked = runner.Experiment(RunConfig(**base, backend="stacked", out=str(tmp_path / "s")))
+    assert stacked.backend_name == "stacked" and calls == [1]
