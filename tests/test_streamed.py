@@ -10,6 +10,7 @@ from conftest import assert_trees_close, bit_identity, make_trainer, traces
 from jaxfl.algorithms import build_algorithm
 from jaxfl.core.backends import Stacked, Streamed, cohort_sample_index
 from jaxfl.core.buckets import cohort_samples_bound, grid_ceil
+from jaxfl.core.cohort import Chunked
 from jaxfl.data.ragged import RaggedClients
 from jaxfl.errors import ConfigError
 from jaxfl.models import small_cnn
@@ -45,7 +46,7 @@ def test_the_cohorts_samples_are_gathered_client_after_client():
 
 
 @pytest.mark.parametrize("name,strategy,kw", [("fedbn", "vmap", {}), ("fedbn", "map", {}),
-                                              ("fedavg", "chunked", {"chunk_size": 2}),
+                                              ("fedavg", Chunked(2), {}),
                                               ("fedbn", "vmap", {"client_store": "host"}),
                                               ("fedavg", "vmap", {"sampling": "poisson"})])
 def test_streamed_rounds_equal_the_stacked_rounds(name, strategy, kw):
