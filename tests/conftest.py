@@ -8,11 +8,14 @@ from pathlib import Path
 # differently in different programs: a test that claims two *different* programs agree bit for bit (a reduction
 # run as another algorithm, K rounds per call against one) compiles, through ``default_codegen``, with the
 # default emitters, the code generator users run, in the same process. JAXFL_TEST_DEFAULT_CODEGEN=1 runs the
-# whole suite with the default emitters.
-DEFAULT_CODEGEN = os.environ.get("JAXFL_TEST_DEFAULT_CODEGEN") == "1"
+# whole suite with the default emitters; JAXFL_TEST_XLA_DEFAULTS=1 adds no XLA flag at all (XLA:CPU as users run
+# it: optimised code, default emitters), to check the tolerances against the compiler's own choices on a CPU.
+XLA_DEFAULTS = os.environ.get("JAXFL_TEST_XLA_DEFAULTS") == "1"
+DEFAULT_CODEGEN = XLA_DEFAULTS or os.environ.get("JAXFL_TEST_DEFAULT_CODEGEN") == "1"
 FAST_CODEGEN_FLAG = "--xla_cpu_use_fusion_emitters=false"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                           + ("" if DEFAULT_CODEGEN else " " + FAST_CODEGEN_FLAG)).strip()
+if not XLA_DEFAULTS:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               + ("" if DEFAULT_CODEGEN else " " + FAST_CODEGEN_FLAG)).strip()
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as jaxfl/__init__.py sets it (jax is imported first here)
 # Many tests build the same jitted round anew (a fresh Experiment, a fresh backend): XLA's persistent cache
 # turns the repeated LLVM compilations into a file read, within a worker, across the two xdist workers and in
