@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import assert_trees_close, make_data, make_trainer, rounds_tolerance, run_rounds
 
-from jaxfl.algorithms import build_algorithm
+from jaxfl.algorithms import REGISTRY, build_algorithm
 from jaxfl.core.step import init_state
-from jaxfl.core.types import RunContext
+from jaxfl.core.types import RoundInfo, RunContext
 from jaxfl.errors import ConfigError
 from jaxfl.models import small_cnn
 from jaxfl.ops import augment
@@ -104,3 +104,31 @@ def test_the_trainer_augments_every_minibatch_and_leaves_a_run_without_it_as_it_
     assert_trees_close(by_map[:2], by_vmap[:2], atol=(server_tol, client_tol), rtol=0)
     # and the augmented round is not the plain one
     assert not np.allclose(jax.tree_util.tree_leaves(plain[0])[0], jax.tree_util.tree_leaves(by_vmap[0])[0])
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_augmentation_reaches_the_local_training_of_every_algorithm_that_does_not_refuse_it(name, monkeypatch):
+    # an algorithm either trains through LocalTrainer.run (its minibatches augmented: the augmentation is traced
+    # into its local update) or is marked Options.own_minibatches (--augment refused); never silently ignored
+    import test_baselines
+    seen = []
+
+    def spy(key, x):
+        seen.append(x.shape)
+        return x
+    real = test_baselines.setup_algorithm
+
+    def with_spy(alg_name, model, counts, m=None, num_rounds=None, **kw):
+        alg, data, server, clients = real(alg_name, model, counts, m, num_rounds, **kw)
+        trainer = dataclasses.replace(make_trainer(), augment=spy)
+        from jaxfl.algorithms import build_algorithm as build
+        alg = build(alg_name, model, trainer, RunContext(num_clients=len(counts), num_rounds=num_rounds),
+                    **kw.get("options", {}))
+        return alg, data, server, clients
+    monkeypatch.setattr(test_baselines, "setup_algorithm", with_spy)
+    alg, data, server, clients = test_baselines.setup(name)
+    row = jax.tree_util.tree_map(lambda a: a[0], data)
+    client = jax.tree_util.tree_map(lambda a: a[0], clients)
+    info = RoundInfo(jnp.int32(0), jnp.int32(0), 2)
+    jax.eval_shape(alg.local_update, server, client, row, jax.random.key(0), info)  # traces, compiles nothing
+    assert bool(seen) != REGISTRY[name].options.own_minibatches, (name, seen)

@@ -71,6 +71,9 @@ CASES = {
     "image augmentation on text": (lambda d: ["--dataset", "synthetic_text", "--model", "char_lstm", "--augment",
                                               "flip"], "--augment flip: --dataset synthetic_text holds text (token "
                                                        "ids); image augmentation applies to image datasets only"),
+    "augmentation where local training has its own minibatch loop": (
+        lambda d: ["--algorithm", "perfedavg", "--augment", "flip"],
+        "--augment flip: perfedavg's local training draws its minibatches in a loop of its own"),
     "an unknown augmentation parameter": (lambda d: ["--augment", "crop_flip:size=3"],
                                           "augment='crop_flip:size=3': 'size=3' is not a parameter of crop_flip"),
     "an image-only algorithm on text": (lambda d: ["--dataset", "synthetic_text", "--algorithm", "fedtp", "--model",

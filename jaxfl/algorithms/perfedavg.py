@@ -52,6 +52,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class PerFedAvgOptions(Options):
     name = "perfedavg"
+    own_minibatches = True  # (its meta-steps draw their own minibatches: ``--augment`` does not apply)
     server_optimizer = True
     user_dp = True
     sharing = ("the meta-model (all parameters and BN statistics, averaged)",

@@ -54,6 +54,7 @@ EXACT_SPLIT_CLASSES = 12  # up to this many classes the tree's 2-means is solved
 @dataclasses.dataclass(frozen=True)
 class PFedGPOptions(Options):
     name = "pfedgp"
+    own_minibatches = True  # (its GP step reads every training sample: ``--augment`` does not apply)
     local_work = "inner_steps"
     cpu_device_split = False  # its GP's LAPACK calls on two CPU devices at once deadlock (core.options)
     sharing = ("the network (FedAvg); the GP classifiers are rebuilt on each client from its own data",

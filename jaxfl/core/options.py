@@ -67,6 +67,9 @@ class Options:
     # what a straggler (``--stragglers``) runs only part of: the run's local epochs, or the name of an option that
     # counts the method's own local work (FedSelect: la_epochs; pFedHN, pFedGP: inner_steps; 0 there: the local epochs)
     local_work: ClassVar[str] = "local_epochs"
+    # the local training draws its minibatches in a loop of its own, not ``LocalTrainer.run``'s, so training-time
+    # augmentation (``--augment``, ``LocalTrainer.augment``) would not reach it: refused for these
+    own_minibatches: ClassVar[bool] = False
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod

@@ -552,6 +552,11 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"--cohort-sampling poisson pads each round's cohort with rows of weight 0, which "
                           f"{cfg.algorithm}'s aggregate does not treat as absent (algorithms without Poisson "
                           f"sampling: {unable}); use --cohort-sampling fixed")
+    if parse_augment(cfg.augment)[0] != "none" and options_class(cfg.algorithm).own_minibatches:
+        unable = ", ".join(n for n, r in REGISTRY.items() if r.options.own_minibatches)
+        raise ConfigError(f"--augment {cfg.augment}: {cfg.algorithm}'s local training draws its minibatches in a "
+                          f"loop of its own, which augmentation does not reach (algorithms without --augment: "
+                          f"{unable})")
     if cfg.stragglers:
         work, count = straggler_work_count(cfg)
         if count < 2:
