@@ -376,18 +376,18 @@ def seed_configs(args: dict, seeds_flag: str) -> tuple[str, list[RunConfig], set
     if args.get("resume") and not root:
         raise ConfigError(f"--seeds {seeds_flag} --resume: give the --out of the runs to continue")
     root = root or run_config({k: v for k, v in args.items() if k != "resume"}).out
+    # under --resume a seed not started yet takes the sweep's settings from a started one's config.json
+    started = sorted(Path(root).glob("seed*/config.json")) if args.get("resume") else []
     if args.get("resume"):  # as for one run: a resume needs a sweep that has started (its settings are saved)
         if not Path(root).is_dir():
             raise ConfigError(f"--resume: {str(root)!r} does not exist: no sweep to continue (drop --resume to "
                               f"start it)")
-        if not any(Path(root).glob("seed*/config.json")):
+        if not started:
             raise ConfigError(f"--resume: no seed in {str(root)!r} has started (no seed<S>/config.json): no sweep "
                               f"to continue (drop --resume to start it)")
     if (Path(root) / "metrics.jsonl").exists() or (Path(root) / "config.json").exists():
         raise ConfigError(f"--out {str(root)!r} holds a run of its own; --seeds writes one run per seed into "
                           f"{str(root)!r}/seed<S>: choose another folder")
-    # under --resume a seed not started yet takes the sweep's settings from a started one's config.json
-    started = sorted(Path(root).glob("seed*/config.json")) if args.get("resume") else []
     cfgs, skip = [], set()
     for seed in seeds:
         out = Path(root) / f"seed{seed}"
