@@ -24,10 +24,12 @@ from ..errors import ConfigError
 
 
 def option(default, help: str = "", *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
-           choices: tuple | None = None, minimum: int | None = None):
+           choices: tuple | None = None, minimum: int | None = None, hint: str = ""):
     """A dataclass field with its help text and allowed values: a number in [lo, hi] (``lo_open``: (lo, hi]),
-    an integer >= ``minimum``, or one of ``choices``; tuples are checked entry by entry."""
-    meta = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices, "minimum": minimum}
+    an integer >= ``minimum`` (``hint``: what its low values mean, for the message), or one of ``choices``; tuples
+    are checked entry by entry. Algorithm options (``Options``) and run options (``jaxfl.run.config``) alike."""
+    meta = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices, "minimum": minimum,
+            "hint": hint}
     return dataclasses.field(default=default, metadata=meta)
 
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 from ..core.backends import BACKENDS, PLACEMENTS
 from ..core.cohort import SAMPLINGS, STRATEGIES, ClientMap, client_map, default_strategy
 from ..core.distributed import is_primary
-from ..core.options import accepts_none, check_int_size, coerce, field_type, plain
+from ..core.options import accepts_none, check_int_size, coerce, field_type, option, plain
 from ..core.privacy import DEFAULT_CLIP_LR, DP_LEVELS
 from ..ops.attacks import ATTACKS, UPDATE_ATTACKS, parse_attack
 from ..ops.augment import parse_augment
@@ -33,18 +33,9 @@ from .lock import LOCK_NAME, check_free
 TRAINING_DEFAULTS = {"batch_size": 64, "lr": 0.01, "momentum": 0.5, "weight_decay": 0.0}
 
 
-def run_option(default, help: str = "", *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
-               choices: tuple | None = None, minimum: int | None = None, hint: str = ""):
-    """A run option: a dataclass field with its ``--help`` text and the values it allows (``check_field``; None
-    is always allowed: the preset's or backend's default): one of ``choices``, a number in [lo, hi]
-    (``lo_open``: (lo, hi]), or an integer >= ``minimum`` (``hint``: what the low values mean)."""
-    meta = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices, "minimum": minimum,
-            "hint": hint}
-    return dataclasses.field(default=default, metadata=meta)
-
-
 def check_field(name: str, value, meta) -> None:
-    """ConfigError naming ``name=value`` unless the value is what its ``run_option`` metadata allows."""
+    """ConfigError naming ``name=value`` unless the value is what its ``option`` metadata allows (run options'
+    messages: ``check_choice``'s and ``check_range``'s)."""
     if value is None:
         return
     if meta.get("choices") is not None:
@@ -62,7 +53,7 @@ def check_field(name: str, value, meta) -> None:
 class ConfigGroup:
     """A group of run options; ``RunConfig`` is every group together (it subclasses each, so a function that
     needs one group takes that group's type and is given the whole config). Each field is declared once, with
-    ``run_option``: the CLI's flags and ``--help``, ``--print-config``'s sections, the config files' keys and the
+    ``option``: the CLI's flags and ``--help``, ``--print-config``'s sections, the config files' keys and the
     per-field checks are made from the declarations. ``check`` holds the checks across the group's own fields;
     checks that read several groups are ``validate``'s."""
     title: ClassVar[str] = ""
@@ -89,10 +80,10 @@ class ConfigGroup:
 @dataclasses.dataclass(frozen=True)
 class Run(ConfigGroup):
     title = "run"
-    algorithm: str = run_option("fedbn")  # (help and choices from the registry: cli.generated_help, validate)
+    algorithm: str = option("fedbn")  # (help and choices from the registry: cli.generated_help, validate)
     model: str | None = None
-    rounds: int = run_option(10, "communication rounds", minimum=1)
-    seed: int = run_option(0, "the run's seed: the data split, the initial model, each round's cohort and every "
+    rounds: int = option(10, "communication rounds", minimum=1)
+    seed: int = option(0, "the run's seed: the data split, the initial model, each round's cohort and every "
                               "client's minibatch orders", minimum=0)
 
 
@@ -100,25 +91,25 @@ class Run(ConfigGroup):
 class Data(ConfigGroup):
     title = "data"
     dataset: str = "default"
-    data_dir: str | None = run_option(None, "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)")
-    num_clients: int | None = run_option(None, "clients of a label-split dataset (mnist, cifar10, tfds:*); tff_*: "
+    data_dir: str | None = option(None, "folder with the .npz benchmarks (default: $JAXFL_DATA_DIR)")
+    num_clients: int | None = option(None, "clients of a label-split dataset (mnist, cifar10, tfds:*); tff_*: "
                                                "the first N", minimum=1)
-    clients_per_domain: int = run_option(1, "domain datasets (default, digits, pacs, folder:*): split each "
+    clients_per_domain: int = option(1, "domain datasets (default, digits, pacs, folder:*): split each "
                                             "domain into this many clients", minimum=1)
-    partition: str | None = run_option(None, "how a label-split dataset is divided: iid | dirichlet | shards | "
+    partition: str | None = option(None, "how a label-split dataset is divided: iid | dirichlet | shards | "
                                              "dirichlet_quantity")
-    dirichlet_alpha: float = run_option(0.5, "dirichlet partitions: the concentration alpha of each client's "
+    dirichlet_alpha: float = option(0.5, "dirichlet partitions: the concentration alpha of each client's "
                                              "label distribution", lo=0.0, lo_open=True)
-    client_sizes: str = run_option("equal", "dirichlet_quantity: client sizes equal | lognormal (then each "
+    client_sizes: str = option("equal", "dirichlet_quantity: client sizes equal | lognormal (then each "
                                              "client's labels ~ Dir(alpha p))", choices=("equal", "lognormal"))
-    size_sigma: float = run_option(0.5, "dirichlet_quantity with lognormal sizes: sigma of the log client size",
+    size_sigma: float = option(0.5, "dirichlet_quantity with lognormal sizes: sigma of the log client size",
                                    lo=0.0)
-    classes_per_client: int = run_option(2, "shards partition: the classes each client holds")
-    samples_per_client: int | None = run_option(None, "cap each client's training samples", minimum=1)
-    test_per_client: int | None = run_option(None, "cap each client's test samples", minimum=1)
-    image_size: int | None = run_option(None, "resize images to this many pixels a side (default: the dataset's "
+    classes_per_client: int = option(2, "shards partition: the classes each client holds")
+    samples_per_client: int | None = option(None, "cap each client's training samples", minimum=1)
+    test_per_client: int | None = option(None, "cap each client's test samples", minimum=1)
+    image_size: int | None = option(None, "resize images to this many pixels a side (default: the dataset's "
                                               "own size)", minimum=1)
-    channels: int = run_option(3, "the channels images are converted to: 3 (grey repeated to RGB) or 1 (RGB to "
+    channels: int = option(3, "the channels images are converted to: 3 (grey repeated to RGB) or 1 (RGB to "
                                   "grey by 601 luma)")
 
     def check(self) -> None:
@@ -128,15 +119,15 @@ class Data(ConfigGroup):
 @dataclasses.dataclass(frozen=True)
 class ClientTraining(ConfigGroup):
     title = "client training"
-    optimizer: str = run_option("sgd", "client optimizer: sgd | adam (PyTorch semantics)", choices=OPTIMIZERS)
+    optimizer: str = option("sgd", "client optimizer: sgd | adam (PyTorch semantics)", choices=OPTIMIZERS)
     # None: the algorithm's protocol (``train_preset``: what its official code trains with), else TRAINING_DEFAULTS
-    lr: float | None = run_option(None, "client learning rate", lo=0.0, lo_open=True)
-    momentum: float | None = run_option(None, "client SGD momentum", lo=0.0, hi=1.0)
-    weight_decay: float | None = run_option(None, "client weight decay, added to the gradient as torch does", lo=0.0)
-    nesterov: bool = run_option(False, "sgd: Nesterov momentum")
-    batch_size: int | None = run_option(None, "client minibatch size", minimum=1)
-    local_epochs: int = run_option(1, "local epochs of each client's training in a round", minimum=1)
-    augment: str = run_option(
+    lr: float | None = option(None, "client learning rate", lo=0.0, lo_open=True)
+    momentum: float | None = option(None, "client SGD momentum", lo=0.0, hi=1.0)
+    weight_decay: float | None = option(None, "client weight decay, added to the gradient as torch does", lo=0.0)
+    nesterov: bool = option(False, "sgd: Nesterov momentum")
+    batch_size: int | None = option(None, "client minibatch size", minimum=1)
+    local_epochs: int = option(1, "local epochs of each client's training in a round", minimum=1)
+    augment: str = option(
         "none", "training-time image augmentation of every local minibatch (jaxfl.ops.augment; images only): none | "
                 "crop_flip[:pad=4] (zero-pad, random crop, horizontal flip: FedSelect's CIFAR-10 and DapperFL's "
                 "official code) | flip_rotate[:degrees=30] (horizontal flip, random rotation: FedPick's and "
@@ -151,55 +142,55 @@ class ClientTraining(ConfigGroup):
 @dataclasses.dataclass(frozen=True)
 class Cohort(ConfigGroup):
     title = "cohort"
-    clients_per_round: int | None = run_option(None, "clients sampled per round (default: every client)", minimum=1)
-    participation: float | None = run_option(None, "fraction of clients sampled per round", lo=0.0, hi=1.0,
+    clients_per_round: int | None = option(None, "clients sampled per round (default: every client)", minimum=1)
+    participation: float | None = option(None, "fraction of clients sampled per round", lo=0.0, hi=1.0,
                                              lo_open=True)
     # fixed: exactly k clients a round (without replacement) | poisson: each client with probability k / N
-    cohort_sampling: str = run_option(
+    cohort_sampling: str = option(
         "fixed", "fixed (exactly --clients-per-round / --participation of the clients each round, drawn without "
                  "replacement) | poisson (each client joins a round with probability q = that fraction, "
                  "independently: a cohort of Binomial(N, q) clients, the sampling DP-FedAvg's add/remove "
                  "accounting assumes)", choices=SAMPLINGS)
-    stragglers: float = run_option(
+    stragglers: float = option(
         0.0, "systems heterogeneity (FedProx): the chance that a client of the round is a straggler, which runs a "
              "uniformly random 1..E-1 of its E local epochs (of each local training phase; FedSelect: its LocalAlt "
              "alternations, pFedHN and pFedGP: their inner steps); 0: none", lo=0.0, hi=1.0)
-    weighting: str = run_option("samples", "how the cohort's models are weighted in the aggregate: by training "
+    weighting: str = option("samples", "how the cohort's models are weighted in the aggregate: by training "
                                            "samples | uniform", choices=WEIGHTINGS)
 
 
 @dataclasses.dataclass(frozen=True)
 class Server(ConfigGroup):
     title = "server"
-    server_opt: str = run_option(
+    server_opt: str = option(
         "none", "server optimizer of the averaging algorithms (FedOpt: the cohort's mean as a pseudo-gradient "
                 "step): none (the plain mean) | sgd (with --server-momentum: FedAvgM) | adagrad | adam | yogi",
         choices=SERVER_OPTIMIZERS)
-    server_lr: float | None = run_option(None, "server learning rate (default: 1 for sgd, 0.1 for adagrad, 0.01 "
+    server_lr: float | None = option(None, "server learning rate (default: 1 for sgd, 0.1 for adagrad, 0.01 "
                                                "for adam and yogi)", lo=0.0, lo_open=True)
-    server_momentum: float = run_option(0.0, "server sgd momentum (FedAvgM)", lo=0.0, hi=1.0)
-    server_beta1: float = run_option(0.9, "adagrad/adam/yogi: first-moment decay", lo=0.0, hi=1.0)
-    server_beta2: float = run_option(0.99, "adam/yogi: second-moment decay", lo=0.0, hi=1.0)
-    server_tau: float = run_option(1e-3, "adagrad/adam/yogi: adaptivity tau (added to sqrt(v))", lo=0.0,
+    server_momentum: float = option(0.0, "server sgd momentum (FedAvgM)", lo=0.0, hi=1.0)
+    server_beta1: float = option(0.9, "adagrad/adam/yogi: first-moment decay", lo=0.0, hi=1.0)
+    server_beta2: float = option(0.99, "adam/yogi: second-moment decay", lo=0.0, hi=1.0)
+    server_tau: float = option(1e-3, "adagrad/adam/yogi: adaptivity tau (added to sqrt(v))", lo=0.0,
                                    lo_open=True)
-    aggregator: str = run_option(
+    aggregator: str = option(
         "mean", "robust aggregation of the averaging algorithms' shared parameters, over the cohort's updates "
                 "(jaxfl.ops.robust_aggregation): mean (the algorithm's own) | median | trimmed_mean[:beta=0.1] | "
                 "krum[:f=1] | multi_krum[:f=1,m=0 (k - f)] | bulyan[:f=1] | geometric_median[:iters=8] | "
                 "norm_bound[:bound=1.0] | centered_clip[:tau=1.0,iters=1]")
-    compression: str = run_option(
+    compression: str = option(
         "none", "how clients encode their update of the shared parameters (averaging algorithms; "
                 "jaxfl.ops.compression): none | topk[:fraction=0.01] | randk[:fraction=0.1] | "
                 "quantize[:bits=4,rotate=0 (1: Walsh-Hadamard rotation first)] | qsgd[:levels=16] | sign; each "
                 "takes feedback=1 (error feedback: a client keeps its residual; randk and qsgd are then scaled by "
                 "1/(1+variance) to be contractive); metrics.jsonl logs each client's upload_bits")
-    attack: str = run_option(
+    attack: str = option(
         "none", "what the malicious clients do (jaxfl.ops.attacks): none | sign_flip[:scale=1] | scale[:scale=10] "
                 "(model replacement) | gaussian[:std=1] | alie[:z=0 (from the cohort)] | ipm[:eps=0.5] (update "
                 "attacks, averaging algorithms) | label_flip (their training labels y -> C-1-y) | "
                 "backdoor[:target=0,fraction=0.5,size=3] (a white square on a share of their images, relabelled "
                 "target; metrics.jsonl logs backdoor_accuracy)")
-    malicious: float = run_option(0.0, "the fraction of clients that are malicious, fixed for the run (drawn from "
+    malicious: float = option(0.0, "the fraction of clients that are malicious, fixed for the run (drawn from "
                                        "--seed)")
 
 
@@ -208,32 +199,32 @@ class Privacy(ConfigGroup):
     """Differential privacy (``jaxfl.core.privacy``); its checks read the algorithm and the weighting, so they
     are ``validate``'s (``check_privacy``)."""
     title = "privacy"
-    dp_clip: float | None = run_option(
+    dp_clip: float | None = option(
         None, "user-level differential privacy (DP-FedAvg) of the averaging algorithms: clip each client's update "
               "of the shared parameters to this l2 norm C (needs --weighting uniform; default: off)")
     # user: DP-FedAvg (a client's update clipped); sample: DP-SGD in local training (each sample's gradient
     # clipped to dp_clip, noise z C on a step's sum; ``jaxfl.core.dpsgd``)
-    dp_level: str = run_option(
+    dp_level: str = option(
         "user", "user: DP-FedAvg (above); sample: DP-SGD in every client's local training (Poisson-sampled batches "
                 "of rate 1/steps, each sample's gradient clipped to --dp-clip, Gaussian noise of std --dp-noise x C "
                 "on a step's sum; needs a model without BatchNorm; any --weighting; epsilon per sample, each round "
                 "amplified by a fixed-size cohort's draw where clients keep no state, else every client counted "
                 "every round)", choices=DP_LEVELS)
-    dp_noise: float = run_option(
+    dp_noise: float = option(
         0.0, "DP-FedAvg noise multiplier z: Gaussian noise of std z*C/k on the mean of the cohort's k clipped "
              "updates (with --cohort-sampling poisson: z*C/(qN) on their sum over qN); the run reports (epsilon, "
              "delta) by an RDP accountant (0: clipping only)")
-    dp_delta: float | None = run_option(None, "the delta of the reported epsilon (default: N^-1.1 for N clients; "
+    dp_delta: float | None = option(None, "the delta of the reported epsilon (default: N^-1.1 for N clients; "
                                               "--dp-level sample: for N training samples)")
-    dp_epsilon: float | None = run_option(
+    dp_epsilon: float | None = option(
         None, "DP-FedAvg: calibrate the noise: the smallest --dp-noise whose run spends at most this epsilon (at "
               "--dp-delta, over --rounds; the start-up line and config.json give the multiplier found)")
-    dp_quantile: float | None = run_option(
+    dp_quantile: float | None = option(
         None, "DP-FedAvg with adaptive clipping (Andrew et al. 2021): the clipping norm starts at --dp-clip and "
               "tracks this quantile of the clients' update norms, counted privately (default: fixed clipping)")
-    dp_clip_lr: float = run_option(DEFAULT_CLIP_LR, "adaptive clipping: learning rate of the geometric update "
+    dp_clip_lr: float = option(DEFAULT_CLIP_LR, "adaptive clipping: learning rate of the geometric update "
                                                     "C <- C exp(-lr (unclipped - quantile))")
-    dp_count_noise: float | None = run_option(
+    dp_count_noise: float | None = option(
         None, "adaptive clipping: std of the noise on the count of unclipped updates (default: 0.05 x the clients "
               "per round when --dp-noise > 0; the update's noise grows so that the round's privacy is fixed "
               "clipping's at --dp-noise)")
@@ -242,27 +233,27 @@ class Privacy(ConfigGroup):
 @dataclasses.dataclass(frozen=True)
 class Evaluation(ConfigGroup):
     title = "evaluation"
-    eval_every: int = run_option(1, "evaluate every N rounds (and after the last)", minimum=1)
-    eval_point: str | None = run_option(
+    eval_every: int = option(1, "evaluate every N rounds (and after the last)", minimum=1)
+    eval_point: str | None = option(
         None, "aggregated (each client's model after the round) | local (right after its local training, before "
               "aggregation, as FedSelect's code evaluates; needs every client in every round) (default: "
               "aggregated; local for fedselect when every client trains every round, its official protocol)",
         choices=("aggregated", "local"))
-    eval_batch_size: int = run_option(256, "evaluation batch size", minimum=1)
+    eval_batch_size: int = option(256, "evaluation batch size", minimum=1)
     # evaluation protocols (``jaxfl.run.evaluation``): which model, which clients, and clients held out of training
-    eval_model: str = run_option(
+    eval_model: str = option(
         "personal", "which model each evaluation tests: personal (each client's own state) | global (the server's "
                     "own model, for methods whose server holds one) | both (personal in test_*/mean_accuracy, "
                     "global in global_* fields)", choices=EVAL_MODELS)
-    eval_clients: str = run_option(
+    eval_clients: str = option(
         "all", "which clients each evaluation tests: all | cohort (those that trained in the evaluated round; the "
                "others are null in the per-client lists and out of the means)", choices=EVAL_CLIENTS)
-    new_clients: int = run_option(
+    new_clients: int = option(
         0, "hold K clients out of training (drawn from --seed) and evaluate them at every evaluation: with the "
            "global model (new_* fields, where the server holds one) and, for methods that predict with a "
            "just-trained model, after one local update from where a new client starts (new_tuned_* fields); 0: "
            "none")
-    new_client_steps: int | None = run_option(
+    new_client_steps: int | None = option(
         None, "--new-clients: the held-out clients' local update runs at most this many local steps (minibatches; "
               "methods with their own local loop, FedSelect, pFedHN, pFedGP, keep it) (default: the run's "
               "--local-epochs)")
@@ -274,10 +265,10 @@ class Evaluation(ConfigGroup):
 @dataclasses.dataclass(frozen=True)
 class Engine(ConfigGroup):
     title = "engine"
-    strategy: str | None = run_option(
+    strategy: str | None = option(
         None, "vmap | map | chunked (default: map on CPU, vmap on GPU/TPU); on the stacked backend vmap and "
               "chunked sort the cohort by local steps and run chunks of lanes (--lane-segments)", choices=STRATEGIES)
-    backend: str | None = run_option(
+    backend: str | None = option(
         None, "stacked (the whole population on the device, one jitted call per round) | streamed (samples and "
               "states on the host, each cohort sent to the device as a store sized up front and trained in one "
               "call: one program) | ragged (samples on the host, the cohort trained in buckets of similar clients) "
@@ -286,23 +277,23 @@ class Engine(ConfigGroup):
               "modelled to finish sooner with one call per round (its rounds and the programs each backend "
               "compiles: jaxfl.core.cost); else streamed where one call wastes little, ragged where it would or "
               "over several processes; the start-up line names the choice)", choices=BACKENDS)
-    rounds_per_call: int = run_option(1, "stacked backend: rounds run in one jitted call (the host acts between "
+    rounds_per_call: int = option(1, "stacked backend: rounds run in one jitted call (the host acts between "
                                          "calls)", minimum=1)
-    chunk_size: int = run_option(8, "chunked: clients per chunk", minimum=1)
-    lane_segments: int = run_option(
+    chunk_size: int = option(8, "chunked: clients per chunk", minimum=1)
+    lane_segments: int = option(
         3, "stacked and streamed backends under vmap/chunked: the cohort is sorted by local steps inside the round "
            "and run as chunks of lanes, each to its own longest client, in at most this many segments of equal "
            "chunks (jaxfl.core.lanes; 0: one vmap over the cohort, every lane to its longest client)", minimum=0,
         hint="0: one vmap call over the cohort")
-    lane_overhead: float | None = run_option(
+    lane_overhead: float | None = option(
         None, "the cost of one sequential local step in lane-steps that the lane plan weighs against padded lanes "
               "(default: 0 on CPU; on an accelerator derived from jaxfl.core.cost, tau P / (B f))", lo=0.0)
-    devices: int | None = run_option(
+    devices: int | None = option(
         None, "split the clients over this many devices (0: all; clients per round must divide evenly); on a CPU, "
               "N > 1 runs N CPU devices, one block of clients per core (default: on a CPU, one device per core, "
               "the most that divide the cohort; on an accelerator 1)", minimum=0,
         hint="0: all devices, 1: no sharding; unset: on a CPU one device per core when the cohort splits evenly")
-    client_store: str = run_option("auto", "where per-client persistent state lives: auto (device if it fits in a "
+    client_store: str = option("auto", "where per-client persistent state lives: auto (device if it fits in a "
                                            "quarter of its memory) | device | host", choices=PLACEMENTS)
 
     def check(self) -> None:
@@ -314,12 +305,12 @@ class Engine(ConfigGroup):
 @dataclasses.dataclass(frozen=True)
 class Output(ConfigGroup):
     title = "output"
-    out: str | None = run_option(None, "output folder: metrics.jsonl, summary.json, accuracy.png, config.json, "
+    out: str | None = option(None, "output folder: metrics.jsonl, summary.json, accuracy.png, config.json, "
                                        "checkpoints/ (default: a new runs/<algorithm>-<dataset>-<time>); a non-empty "
                                        "folder needs --resume or --overwrite")
-    checkpoint_every: int = run_option(0, "save a checkpoint every N rounds (0: never)", minimum=0)
-    resume: bool = run_option(False, "continue from the newest checkpoint in --out")
-    overwrite: bool = run_option(False, "replace the outputs of the run already in --out")
+    checkpoint_every: int = option(0, "save a checkpoint every N rounds (0: never)", minimum=0)
+    resume: bool = option(False, "continue from the newest checkpoint in --out")
+    overwrite: bool = option(False, "replace the outputs of the run already in --out")
 
     def check(self) -> None:
         if (self.resume or self.checkpoint_every) and not self.out:
