@@ -358,3 +358,39 @@ def test_leaf_sent140_numbers_the_frequent_training_words_and_pads_as_leaf(tmp_p
     assert list(y) == [1, 0] and list(users["u2"][0][1]) == [1, 0] and x.dtype == np.int32
     ds = load_dataset(DataConfig(f"leaf_sent140:{tmp_path}"))
     assert ds.num_classes == 2 and ds.train[0][0].shape == (2, 25)
+
+
+def test_normalize_scales_images_per_channel_and_reaches_the_runs_trainer():
+    """--normalize: (x / 255 - mean) / std with one mean and std per channel (imagenet) or scalars (unit);
+    the run's trainer preprocesses with it; per-channel statistics on grey images are refused in one line."""
+    import jax
+
+    from jaxfl.core.trainer import normalizer
+    from jaxfl.data.federated import NORMALIZATIONS, with_normalization
+    from jaxfl.run.cli import command_config
+    from jaxfl.run.config import validate
+    from jaxfl.run.runner import Experiment
+
+    x = np.random.default_rng(0).integers(0, 256, (2, 4, 4, 3), dtype=np.uint8)
+    mean, std = (np.array(v, np.float64) for v in NORMALIZATIONS["imagenet"])
+    expected = (x / 255.0 - mean) / std
+    out = np.asarray(jax.jit(normalizer(*NORMALIZATIONS["imagenet"]))(x))
+    # float32: x / 255, the subtraction and the division each round once (relative eps32 of their results)
+    atol = 8 * np.finfo(np.float32).eps * np.abs(expected).max()
+    np.testing.assert_allclose(out, expected, rtol=0, atol=atol)
+    assert not np.allclose(out, (x / 255.0 - 0.5) / 0.5, atol=1e-2)  # not the dataset's own scaling
+
+    ds = load_dataset(DataConfig("default", image_size=8))
+    assert with_normalization(ds, "dataset") is ds and ds.normalize == (0.5, 0.5)
+    assert with_normalization(ds, "unit").normalize == (0.0, 1.0)
+    grey = load_dataset(DataConfig("default", image_size=8, channels=1))
+    with pytest.raises(DataError, match=r"--normalize imagenet scales 3 channels; the images of this dataset have "
+                                        r"shape \(8, 8, 1\)"):
+        with_normalization(grey, "imagenet")
+
+    cfg = command_config(["run", "--dataset", "default", "--image-size", "8", "--normalize", "imagenet",
+                          "--rounds", "1", "--samples-per-client", "20", "--test-per-client", "10"])
+    assert cfg.normalize == "imagenet"
+    np.testing.assert_allclose(np.asarray(Experiment(cfg).trainer.preprocess(x)), expected, rtol=0, atol=atol)
+    with pytest.raises(ConfigError, match="unknown normalize 'zscore'; valid: dataset, imagenet, unit"):
+        validate(command_config(["run", "--normalize", "zscore"]))

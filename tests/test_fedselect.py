@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_close, info, make_data, make_trainer, round_function, rounds_tolerance, run_rounds
+from conftest import (assert_trees_close, info, make_data, make_trainer, round_function, rounding_tolerance,
+                      rounds_tolerance, run_rounds)
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms.fedselect import is_maskable, mask_updates
@@ -159,3 +160,47 @@ def test_bad_options_are_named():
         build_algorithm("fedselect", MLP(), make_trainer(), alpha=1.5)
     with pytest.raises(ValueError, match="delta_ref"):
         build_algorithm("fedselect", MLP(), make_trainer(), delta_ref="start")
+
+
+def test_frozen_bn_from_trains_with_the_running_statistics_from_that_round_on():
+    """The official code trains in eval mode from its second round: BatchNorm normalises with the running
+    statistics, which stay as they were. ``frozen_bn_from=1``: round 0 as without the option, round 1 the
+    LocalAlt of the eval-mode loss, with the statistics returned unchanged."""
+    from jaxfl.algorithms._common import ce_loss
+    from jaxfl.algorithms.fedselect import local_alt
+
+    model = small_cnn(num_classes=4, width=4, hidden=(8,))
+    trainer = make_trainer(lr=0.05, momentum=0.5)
+    frozen = build_algorithm("fedselect", model, trainer, frozen_bn_from=1)
+    plain = build_algorithm("fedselect", model, trainer)
+    data = make_data(list(COUNTS))
+    server, clients = init_state(plain, jax.random.key(0), data.x[0], len(COUNTS))
+    client = jax.tree_util.tree_map(lambda a: a[0], clients)
+    row = jax.tree_util.tree_map(lambda a: a[0], data)
+    # stats away from their initial values, as after a first round
+    client = dict(client, batch_stats=jax.tree_util.tree_map(lambda s: s + 0.3, client["batch_stats"]))
+    key = jax.random.key(9)
+
+    def update(alg, r):
+        return jax.jit(alg.local_update)(server, client, row, key, info(r, 0, 10))[0]
+
+    def tol(alg, r):
+        return rounding_tolerance(jax.jit(lambda s, c: alg.local_update(s, c, row, key, info(r, 0, 10))[0]),
+                                  server, client)
+
+    first, trained = update(frozen, 0), update(plain, 0)
+    assert_trees_close(first, trained, atol=tol(plain, 0), rtol=0)
+    moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree_util.tree_leaves(trained["batch_stats"]),
+                                                            jax.tree_util.tree_leaves(client["batch_stats"]))]
+    assert min(moved) > 1e-3  # training mode updates the running statistics
+
+    second = update(frozen, 1)
+    assert_trees_close(second["batch_stats"], client["batch_stats"], atol=0, rtol=0)
+    start = jax.tree_util.tree_map(lambda m, c, s: jnp.where(m, c, s), client["mask"], client["params"],
+                                   server["params"])
+    params, _, _ = jax.jit(lambda p, s: local_alt(trainer, ce_loss(model, train=False), p, s, client["mask"], row,
+                                                  key, 1))(start, client["batch_stats"])
+    assert_trees_close(second["params"], params, atol=tol(frozen, 1)["params"], rtol=0)
+    gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree_util.tree_leaves(second["params"]),
+                                                             jax.tree_util.tree_leaves(update(plain, 1)["params"])))
+    assert gap > 1e-3  # eval-mode training is another trajectory than training mode

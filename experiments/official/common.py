@@ -120,12 +120,12 @@ def jaxfl_inputs(cfg) -> JaxflInputs:
     import jax
 
     from jaxfl.run.config import validate
-    from jaxfl.data.federated import load_dataset
+    from jaxfl.data.federated import load_dataset, with_normalization
     from jaxfl.core.cohort import sample_cohort
     from jaxfl.run.build import cohort_size
 
     cfg = validate(cfg)
-    ds = load_dataset(cfg.data_config())
+    ds = with_normalization(load_dataset(cfg.data_config()), cfg.normalize)
     n = len(ds.client_names)
     k = cohort_size(cfg, n)
     root = jax.random.key(cfg.seed)
@@ -133,9 +133,10 @@ def jaxfl_inputs(cfg) -> JaxflInputs:
     return JaxflInputs(cfg, list(ds.client_names), ds.train, ds.test, ds.num_classes, tuple(ds.normalize), cohorts)
 
 
-def to_nchw_float(images: np.ndarray, normalize: tuple[float, float]) -> np.ndarray:
-    """uint8 [n, H, W, C] -> float32 [n, C, H, W], (x / 255 - mean) / std (jaxfl's ``normalizer``)."""
-    mean, std = normalize
+def to_nchw_float(images: np.ndarray, normalize: tuple) -> np.ndarray:
+    """uint8 [n, H, W, C] -> float32 [n, C, H, W], (x / 255 - mean) / std (jaxfl's ``normalizer``; mean and std
+    scalars or one per channel)."""
+    mean, std = (np.asarray(v, np.float32) for v in normalize)
     x = (images.astype(np.float32) / 255.0 - mean) / std
     return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
 

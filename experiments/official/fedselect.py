@@ -79,12 +79,17 @@ def jaxfl_config(args):
     """The jaxfl RunConfig of the run being matched (experiments/fedselect.py's ``base_config("cifar10")``
     with ``--model fedavg_cnn``, algorithm fedselect, seed ``args.seed``)."""
     from jaxfl.run.config import RunConfig
+    resnet = getattr(args, "model", "fedavg_cnn") == "resnet18"
+    # the official ResNet-18 trains in eval mode from round 2 (the module docstring); the CNN has no BatchNorm
+    frozen = {"frozen_bn_from": 1} if resnet else {}
     return RunConfig(algorithm="fedselect", dataset="cifar10", num_clients=10, partition="shards",
                      classes_per_client=2, samples_per_client=100, test_per_client=args.test_per_client,
                      rounds=args.rounds, lr=args.lr, momentum=0.0, batch_size=args.batch_size, local_epochs=1,
                      options={"fedselect": {"la_epochs": args.la_epochs, "alpha": args.alpha,
-                                            "grow_rate": args.grow_rate, "grow_every": args.grow_every}},
-                     model="fedavg_cnn", eval_every=1, eval_point="local", seed=args.seed)
+                                            "grow_rate": args.grow_rate, "grow_every": args.grow_every, **frozen}},
+                     model="resnet18_imagenet" if resnet else "fedavg_cnn", eval_every=1, eval_point="local",
+                     seed=args.seed, normalize=getattr(args, "normalize", "dataset"),
+                     augment="crop_flip" if getattr(args, "augment", "none") == "official" else "none")
 
 
 def load_official(repo: Path) -> types.ModuleType:
@@ -136,6 +141,66 @@ def fedavg_cnn_torch(num_classes: int, in_channels: int = 3, hw: int = 32):
             return self.fc(nn.functional.relu(self.fc1(x)))
 
     return FedAvgCNN()
+
+
+def resnet18_torch(num_classes: int, in_channels: int = 3):
+    """torchvision's ``resnet18`` (torchvision is not imported here), as the official ``load_model`` builds it:
+    7x7 stride-2 stem, 3x3 stride-2 max-pool, four stages of two BasicBlocks (64, 128, 256, 512 channels, a 1x1
+    convolution + BatchNorm shortcut where the shape changes), global average pool, and ``fc`` replaced by a
+    fresh ``nn.Linear(512, num_classes)``; torchvision's init: convolutions kaiming-normal (fan_out, relu),
+    BatchNorm weight 1 and bias 0, the Linear layer torch's default. The state-dict names are torchvision's."""
+    import torch.nn as nn
+
+    class BasicBlock(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.relu = nn.ReLU(inplace=True)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+            self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                               if stride != 1 or cin != cout else None)
+
+        def forward(self, x):
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            return self.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+    class ResNet18(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
+            self.bn1 = nn.BatchNorm2d(64)
+            self.relu = nn.ReLU(inplace=True)
+            self.maxpool = nn.MaxPool2d(3, 2, 1)
+            widths, cin = (64, 128, 256, 512), 64
+            for i, w in enumerate(widths):
+                stride = 1 if i == 0 else 2
+                setattr(self, f"layer{i + 1}", nn.Sequential(BasicBlock(cin, w, stride), BasicBlock(w, w, 1)))
+                cin = w
+            self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+            for m in self.modules():
+                if isinstance(m, nn.Conv2d):
+                    nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                elif isinstance(m, nn.BatchNorm2d):
+                    nn.init.constant_(m.weight, 1)
+                    nn.init.constant_(m.bias, 0)
+            self.fc = nn.Linear(512, num_classes)  # load_model's replacement head, created last as there
+
+        def forward(self, x):
+            x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+            x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+            return self.fc(self.avgpool(x).flatten(1))
+
+    return ResNet18()
+
+
+def torch_model(name: str, num_classes: int, in_channels: int, hw: int):
+    """The adapter's torch model for ``--model``: ``fedavg_cnn`` (jaxfl's CNN) or ``resnet18`` (the official)."""
+    if name == "resnet18":
+        return resnet18_torch(num_classes, in_channels)
+    return fedavg_cnn_torch(num_classes, in_channels, hw)
 
 
 def jaxfl_to_torch(params) -> dict:
@@ -372,6 +437,12 @@ def main(argv=None) -> None:
     p.add_argument("--grow-rate", type=float, default=0.25, help="p (official --prune_percent / 100)")
     p.add_argument("--grow-every", type=int, default=3, help="K (official --lth_epoch_iters)")
     p.add_argument("--test-per-client", type=int, default=200)
+    p.add_argument("--model", choices=("fedavg_cnn", "resnet18"), default="fedavg_cnn",
+                   help="fedavg_cnn: jaxfl's CNN in torch; resnet18: the official model (torchvision's ResNet-18; "
+                        "jaxfl's side resnet18_imagenet with fedselect.frozen_bn_from=1, the official eval-mode "
+                        "training from round 2)")
+    p.add_argument("--normalize", choices=("dataset", "imagenet"), default="dataset",
+                   help="dataset: jaxfl's (x/255 - 0.5)/0.5; imagenet: the official per-channel mean and std")
     p.add_argument("--augment", choices=("none", "official"), default="none",
                    help="none: jaxfl's pipeline (default); official: RandomCrop(32, 4) + horizontal flip")
     p.add_argument("--init", choices=("torch", "jaxfl"), default="torch",
@@ -398,7 +469,8 @@ def main(argv=None) -> None:
     off = load_official(repo)
     oargs = official_args(args, n)
     off.setup_seed(oargs.seed)  # torch, numpy and random seeds, as the official __main__
-    model = fedavg_cnn_torch(inp.num_classes, inp.train[0][0].shape[-1], inp.train[0][0].shape[1])
+    shape = (inp.num_classes, inp.train[0][0].shape[-1], inp.train[0][0].shape[1])
+    model = torch_model(args.model, *shape)
     if args.init == "jaxfl":
         load_jaxfl_init(model, inp.cfg)
     oargs.device = torch.device("cpu")
@@ -410,13 +482,14 @@ def main(argv=None) -> None:
     test_tensors = [(torch.from_numpy(to_nchw_float(x, inp.normalize)), torch.as_tensor(np.asarray(y), dtype=torch.long))
                     for x, y in inp.test]
     counts = [len(y) for _, y in inp.test]
-    eval_model = fedavg_cnn_torch(inp.num_classes, inp.train[0][0].shape[-1], inp.train[0][0].shape[1])
+    eval_model = torch_model(args.model, *shape)
 
     config = {"adapter": "experiments/official/fedselect.py", "official_repo": REPO, "official_path": str(repo),
               "adapter_args": vars(args), "official_args": {k: str(v) for k, v in vars(oargs).items()},
               "jaxfl_config": inp.cfg.resolved().to_dict(), "clients": inp.client_names,
               "train_sizes": [len(y) for _, y in inp.train], "test_sizes": counts,
-              "model": "fedavg_cnn (torch, this adapter)", "normalize": list(inp.normalize)}
+              "model": f"{args.model} (torch, this adapter)", "normalize": [list(np.atleast_1d(v).tolist())
+                                                                          for v in inp.normalize]}
     log = MetricsLog(args.out, inp.client_names, config)
 
     # hooks around the official functions (called by name from fedselect_algorithm's globals): record the

@@ -29,15 +29,21 @@ def in_part(*parts: str) -> PathPredicate:
     return lambda path: path[0] in parts
 
 
-def ce_loss(model, prox_mu: float = 0.0):
+def ce_loss(model, prox_mu: float = 0.0, train: bool = True):
     """loss_fn(params, stats, x, y, w, key, anchor) = weighted CE + prox_mu/2 ||params - anchor||^2.
 
     Returns (loss, (new_batch_stats, logits)), the LocalTrainer contract; ``anchor`` (the parameters the
     client started the round from) enters only when prox_mu != 0; ``key`` drives dropout, if the model has any.
+    ``train=False`` runs the model as at evaluation (torch's ``model.eval()``: BatchNorm normalises with its
+    running statistics, which the step returns unchanged; no dropout) while the gradient still flows.
     """
     def loss_fn(params, stats, x, y, w, key, anchor=None):
-        logits, updated = model.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
-                                      mutable=["batch_stats"], rngs=None if key is None else {"dropout": key})
+        if train:
+            logits, updated = model.apply({"params": params, "batch_stats": stats}, x, train=True, mask=w,
+                                          mutable=["batch_stats"], rngs=None if key is None else {"dropout": key})
+        else:
+            logits, updated = model.apply({"params": params, "batch_stats": stats}, x, train=False), \
+                {"batch_stats": stats}
         loss = weighted_mean_loss(cross_entropy(logits, y), w)
         if prox_mu:
             loss = loss + 0.5 * prox_mu * optax.tree.norm(optax.tree.sub(params, anchor), squared=True)

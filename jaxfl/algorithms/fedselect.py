@@ -22,6 +22,10 @@ Deviations:
   (``"round_start"``).
 - Evaluation after rounds other than the last sees the models after the broadcast; the official code logs
   them before it.
+- The official code calls ``model.eval()`` to evaluate after its first round and never ``model.train()``
+  again, so from its second round on every client trains with BatchNorm normalising by its running statistics,
+  which stay at their first-round values. jaxfl trains in training mode throughout (the paper's method);
+  ``frozen_bn_from=1`` reproduces the official behaviour (no effect on models without BatchNorm).
 """
 from __future__ import annotations
 
@@ -107,6 +111,9 @@ class FedSelectOptions(Options):
     mask_biases: bool = option(False, "biases can become personal too (default: always global, the code)")
     aggregate_batch_stats: bool = option(False, "average BatchNorm statistics over the round's clients "
                                          "(default local)")
+    frozen_bn_from: int = option(0, "from this round index on (0-based), local training normalises with the "
+                                 "BatchNorm running statistics and leaves them unchanged, as the official code "
+                                 "does from its second round (1); 0: never (the paper)", minimum=0)
 
 
 @register(FedSelectOptions)
@@ -119,6 +126,8 @@ def fedselect(model, trainer: LocalTrainer, o: FedSelectOptions, ctx: RunContext
     alpha, grow_rate, grow_every, la_epochs, delta_ref = o.alpha, o.grow_rate, o.grow_every, o.la_epochs, o.delta_ref
     weight_by_n, mask_biases, aggregate_batch_stats = o.weight_by_n, o.mask_biases, o.aggregate_batch_stats
     loss_fn = ce_loss(model)
+    frozen_bn_from = o.frozen_bn_from
+    frozen_loss_fn = ce_loss(model, train=False)
 
     def init(key, sample_x):
         v = init_variables(model, trainer, key, sample_x)
@@ -132,7 +141,14 @@ def fedselect(model, trainer: LocalTrainer, o: FedSelectOptions, ctx: RunContext
         # Global entries come from the server (a no-op under full participation, where the broadcast already
         # wrote them; a client sampled after a pause catches up here).
         start = jax.tree_util.tree_map(lambda m, c, s: jnp.where(m, c, s), mask, client["params"], server["params"])
-        params, stats, metrics = local_alt(trainer, loss_fn, start, client["batch_stats"], mask, data, key, la_epochs)
+        args = (start, client["batch_stats"], mask, data, key, la_epochs)
+        if frozen_bn_from:
+            # one branch runs (the round index is the cohort's, not a vmapped value, so this stays a cond)
+            params, stats, metrics = jax.lax.cond(info.round >= frozen_bn_from,
+                                                  lambda: local_alt(trainer, frozen_loss_fn, *args),
+                                                  lambda: local_alt(trainer, loss_fn, *args))
+        else:
+            params, stats, metrics = local_alt(trainer, loss_fn, *args)
         r = info.round
         grow_now = (r % grow_every == 0) & (r > 0)
         ref = client["ref"] if delta_ref == "snapshot" else start

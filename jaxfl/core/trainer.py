@@ -8,6 +8,7 @@ from typing import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ..data.clients import ClientData
@@ -56,11 +57,15 @@ def client_optimizer(name: str = "sgd", lr: float = 0.01, momentum: float = 0.0,
     return ClientOptimizer(name, lr, momentum, weight_decay, nesterov).transform()
 
 
-def normalizer(mean: float = 0.5, std: float = 0.5) -> Callable:
-    """uint8 images -> float32 (x / 255 - mean) / std; other inputs (floats, token ids) pass through unchanged."""
+def normalizer(mean: float | tuple[float, ...] = 0.5, std: float | tuple[float, ...] = 0.5) -> Callable:
+    """uint8 images -> float32 (x / 255 - mean) / std; other inputs (floats, token ids) pass through unchanged.
+    ``mean``, ``std``: scalars, or one value per channel (the images' last axis)."""
+    per_channel = not isinstance(mean, (int, float)) or not isinstance(std, (int, float))
+    m, s = (np.asarray(mean, np.float32), np.asarray(std, np.float32)) if per_channel else (mean, std)
+
     def preprocess(x):
         if x.dtype == jnp.uint8:
-            return (x.astype(jnp.float32) / 255.0 - mean) / std
+            return (x.astype(jnp.float32) / 255.0 - m) / s
         return x
     return preprocess
 

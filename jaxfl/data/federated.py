@@ -275,6 +275,25 @@ PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": 
             "tff_emnist:": _tff_emnist, "tff_shakespeare:": _tff_shakespeare, "tff_cifar100:": _tff_cifar100,
             "tff_stackoverflow:": _tff_stackoverflow}
 # token ids, for the char_lstm, word_lstm and sent_lstm models
+# Input scalings of uint8 images a run can choose instead of its dataset's own (``FederatedDataset.normalize``):
+# (mean, std) of x / 255, scalars or one value per channel.
+NORMALIZATIONS = {"imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # torchvision's ImageNet statistics
+                  "unit": (0.0, 1.0)}
+
+
+def with_normalization(ds: FederatedDataset, name: str) -> FederatedDataset:
+    """``ds`` scaled by ``NORMALIZATIONS[name]`` ("dataset": as it is); DataError where per-channel statistics
+    do not match its images' channels."""
+    if name == "dataset":
+        return ds
+    mean, std = NORMALIZATIONS[name]
+    channels = ds.input_shape[-1] if len(ds.input_shape) == 3 else None
+    if isinstance(mean, tuple) and channels != len(mean):
+        raise DataError(f"--normalize {name} scales {len(mean)} channels; the images of this dataset have shape "
+                         f"{ds.input_shape} (for grey images use --channels 3, or --normalize unit)")
+    return dataclasses.replace(ds, normalize=(mean, std))
+
+
 TEXT_DATASETS = ("synthetic_text", "text:", "leaf:", "leaf_sent140:", "tff_shakespeare:",
                  "tff_stackoverflow:")
 TFDS_NAMES = ("mnist", "svhn_cropped", "cifar10", "cifar100", "domainnet")

@@ -45,7 +45,7 @@ from ..core.server_opt import with_server_optimizer
 from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm
 from ..data import load_dataset
-from ..data.federated import FederatedDataset
+from ..data.federated import FederatedDataset, with_normalization
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError
 from ..ops.attacks import (UPDATE_ATTACKS, backdoor_samples, backdoor_test, flip_labels, malicious_clients,
@@ -385,7 +385,7 @@ def check_device_count(cfg: RunConfig) -> None:
 def load_run_data(cfg: RunConfig) -> tuple[FederatedDataset, FederatedDataset | None]:
     """(the training population's dataset, the held-out clients' or None): the run's dataset, with
     ``--new-clients K`` clients drawn from the seed held out of training (``evaluation.held_out``)."""
-    ds = load_dataset(cfg.data_config())
+    ds = with_normalization(load_dataset(cfg.data_config()), cfg.normalize)
     if not cfg.new_clients:
         return ds, None
     total = len(ds.client_names)
