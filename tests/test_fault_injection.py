@@ -44,7 +44,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("point", FAILPOINTS)
-@pytest.mark.parametrize("sig", ["TERM", "KILL"])
+@pytest.mark.parametrize("sig", ["TERM", "INT", "KILL"])
 def test_a_signal_at_each_point_ends_in_one_line_and_the_resume_equals_an_uninterrupted_sweep(
         tmp_path, uninterrupted, point, sig):
     root = tmp_path / "sweep"
