@@ -1,7 +1,7 @@
 """The FedOpt paper's settings (Reddi et al., "Adaptive Federated Optimization", ICLR 2021) on TFF's files:
 FedAvg, FedAvgM, FedAdagrad, FedAdam and FedYogi (client SGD, a server optimizer: ``jaxfl.core.server_opt``) on
-EMNIST character recognition, Shakespeare next-character prediction, Stack Overflow next-word prediction and
-CIFAR-100.
+EMNIST character recognition, Shakespeare next-character prediction, Stack Overflow next-word prediction, Stack
+Overflow tag prediction (multi-label logistic regression, scored by recall@5) and CIFAR-100.
 
 Source of every number below: google-research/federated, ``optimization/docs/hyperparameters.md`` (commit
 0f29cad, "Best hyperparameters", base-10 logarithms) and ``optimization/README.md`` (the tasks' models): one
@@ -15,6 +15,7 @@ not results.
     emnist_cr    fed_emnist_{train,test}.h5 (62 classes)     cnn_dropout    10      20     1500
     shakespeare  shakespeare_{train,test}.h5                 char_lstm      10      4      1200
     stackoverflow_nwp  stackoverflow_{train,test}.h5         word_lstm      50      16     1500
+    stackoverflow_lr   stackoverflow_{train,test}.h5         bow_logreg     10      100    1500
     cifar100     fed_cifar100_{train,test}.h5                resnet18_gn    10      20     4000
 
 Deviations: jaxfl's server optimizers follow the paper's Algorithm 2 (no bias correction, v_-1 = tau^2) where the
@@ -24,7 +25,11 @@ reports for EMNIST and Shakespeare); CIFAR-100's test clients are other clients,
 split is a fifth of its own images (``jaxfl.data.tff``), and its images are not cropped to 24 x 24. Shakespeare
 and Stack Overflow predict the token after each window (80 characters, 20 words), where the FedOpt tasks
 predict every position; Stack Overflow's vocabulary comes from the users read (``--num-clients``, all by
-default) and its accuracy counts every target (``jaxfl.data.tff``).
+default) and its accuracy counts every target (``jaxfl.data.tff``). Stack Overflow tag prediction: the client
+learning rate is FedOpt's 10^2 times the batch size 100, since TFF's task sums a batch's losses where jaxfl
+averages them (the same step on full batches; a client's last, partial batch takes a larger one); its score
+(the table's accuracy) is recall@5 averaged over posts, where TFF's Keras Recall pools the posts' tags, and its
+vocabularies come from the users read (``jaxfl.data.tff``).
 
     python experiments/fedopt.py --write experiments/configs/fedopt      # one TOML per (task, method)
     jaxfl run --config experiments/configs/fedopt/emnist_cr_fedadam.toml --dataset tff_emnist:DATA --out runs/x
@@ -69,6 +74,13 @@ TASKS = {
                           "client_lr": {m: -0.5 for m in ("fedadagrad", "fedadam", "fedyogi", "fedavgm", "fedavg")},
                           "server_lr": {"fedadagrad": -1.5, "fedadam": -2, "fedyogi": -2, "fedavgm": 0, "fedavg": 0},
                           "epsilon": {"fedadagrad": -4, "fedadam": -5, "fedyogi": -5}},
+    # the client lr is FedOpt's 10^2 times the batch size: TFF's tag-prediction task sums the per-post losses of a
+    # batch (Keras' Reduction.SUM), jaxfl's trainer averages them (the same step on a full batch of 100)
+    "stackoverflow_lr": {"prefix": "tff_stackoverflow_tags", "file": "stackoverflow_train.h5",
+                         "run": {"model": "bow_logreg", "clients_per_round": 10, "batch_size": 100, "rounds": 1500},
+                         "client_lr": {m: 4 for m in ("fedadagrad", "fedadam", "fedyogi", "fedavgm", "fedavg")},
+                         "server_lr": {"fedadagrad": 1, "fedadam": -0.5, "fedyogi": -0.5, "fedavgm": 0, "fedavg": 0},
+                         "epsilon": {"fedadagrad": -2, "fedadam": -5, "fedyogi": -5}},
     "cifar100": {"prefix": "tff_cifar100", "file": "fed_cifar100_train.h5",
                  "run": {"model": "resnet18_gn", "clients_per_round": 10, "batch_size": 20, "rounds": 4000},
                  "client_lr": {"fedadagrad": -1, "fedadam": -1.5, "fedyogi": -1.5, "fedavgm": -1.5, "fedavg": -1},

@@ -301,3 +301,18 @@ def test_sent_lstm_is_leafs_sent140_network():
     v = build_model("sent_lstm", 2).init(jax.random.key(0), jnp.zeros((2, 25), jnp.int32), train=False)
     lstm = lambda i: 4 * (i * 100 + 100 * 100 + 100)  # noqa: E731
     assert count_params(v["params"]) == 10001 * 100 + lstm(100) + lstm(100) + 100 * 128 + 128 + 128 * 2 + 2
+
+
+def test_resnet18_imagenet_initialises_its_convolutions_as_torchvision():
+    """kaiming_normal_(mode="fan_out", nonlinearity="relu"): N(0, 2 / (kh kw C_out)); the other ResNets keep
+    PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    from jaxfl.models import resnet18, resnet18_imagenet
+    x = jnp.zeros((1, 32, 32, 3), jnp.uint8)
+    conv = resnet18_imagenet(10).init(jax.random.key(0), x)["params"]["encoder"]["layer2_0"]["conv2"]["kernel"]
+    k = np.asarray(conv, np.float64)  # 3x3, 128 -> 128: 147,456 draws
+    std = np.sqrt(2 / (9 * 128))
+    # the sample std of n normal draws is within 5 standard errors (std / sqrt(2n)) of the std
+    assert abs(k.std() - std) < 5 * std / np.sqrt(2 * k.size) and abs(k.mean()) < 5 * std / np.sqrt(k.size)
+    plain = np.asarray(resnet18(10).init(jax.random.key(0), x)["params"]["encoder"]["layer2_0"]["conv2"]["kernel"])
+    bound = 1 / np.sqrt(9 * 128)
+    assert np.abs(plain).max() <= bound and plain.std() == pytest.approx(bound / np.sqrt(3), rel=0.02)

@@ -47,6 +47,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedAMPOptions(Options):
     name = "fedamp"
+    multilabel = True
     server_client_rows = True  # (the server's table, one row per training client)
     sharing = ("its trained model, kept in the server's table of all N personal models; it receives u_i, an "
                "attention-weighted combination of them", "its BN statistics")

@@ -21,6 +21,7 @@ from ._registry import register
 class FedAvgOptions(Options):
     """FedAvg has no options of its own."""
     name = "fedavg"
+    multilabel = True
     sample_dp = True
     server_optimizer = True
     user_dp = True

@@ -20,6 +20,7 @@ from ._registry import register
 class FedBNOptions(Options):
     """FedBN has no options of its own."""
     name = "fedbn"
+    multilabel = True
     server_optimizer = True
     user_dp = True
     sharing = ("all but BatchNorm", "BatchNorm scale/bias and statistics")

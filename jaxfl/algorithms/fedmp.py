@@ -41,6 +41,7 @@ from ._submodel import DEVICE_RATIOS, check_ratios, client_ratio, masked_loss, p
 @dataclasses.dataclass(frozen=True)
 class FedMPOptions(Options):
     name = "fedmp"
+    multilabel = True
     sharing = ("everything (global model), each client's update masked by its magnitude pruning mask; pruned "
                "entries recovered from the global model (R2SP)", "nothing (its pruning ratio follows from its id)")
     device_ratios: tuple[float, ...] = option(DEVICE_RATIOS, "pruning ratio per device level, comma-separated; "

@@ -64,6 +64,7 @@ def normalized_average(params, trained, weights, a_norm):
 class FedNovaOptions(Options):
     """FedNova has no options of its own (its a_i follow the client optimizer's momentum)."""
     name = "fednova"
+    multilabel = True
     server_optimizer = True
     sharing = ("all parameters (normalized by local steps) and BN statistics", "nothing")
 

@@ -23,6 +23,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedProxOptions(LocalBNOption):
     name = "fedprox"
+    multilabel = True
     sample_dp = True
     server_optimizer = True
     user_dp = True

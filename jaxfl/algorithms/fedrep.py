@@ -40,6 +40,7 @@ def head_then_body(head_epochs: int):
 @dataclasses.dataclass(frozen=True)
 class FedRepOptions(LocalBNOption):
     name = "fedrep"
+    multilabel = True
     server_optimizer = True
     user_dp = True
     sharing = ("encoder (body), trained after head_epochs of head-only training", "head")

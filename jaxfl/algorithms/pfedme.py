@@ -48,6 +48,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class PFedMeOptions(Options):
     name = "pfedme"
+    multilabel = True
     sharing = ("the local copies w_i of the global model (and BN statistics), mixed in with weight beta",
                "its personalized model theta_i (Moreau-envelope solution around w)")
     lam: float = option(15.0, "lambda, weight of lambda/2 ||theta - w||^2 (the Moreau envelope)", lo=0.0)

@@ -49,6 +49,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class ScaffoldOptions(Options):
     name = "scaffold"
+    multilabel = True
     sharing = ("all parameters and BN statistics, and each round's change of its control variate",
                "its control variate c_i")
     global_lr: float = option(1.0, "server learning rate lr_g: x <- x + lr_g * mean(y_i - x)", lo=0.0, lo_open=True)

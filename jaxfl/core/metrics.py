@@ -1,5 +1,6 @@
 """What the engine computes on every batch, and the input checks of per-sample functions: per-sample
-cross-entropy, the weighted batch mean, correct counts (weights: 1 for real samples, 0 for padding)."""
+cross-entropy, the weighted batch mean, correct counts (weights: 1 for real samples, 0 for padding). Labels are
+class ids [B], or multi-hot [B, C] for a multi-label task (``multilabel``: binary cross-entropy and recall@5)."""
 from __future__ import annotations
 
 import jax
@@ -25,11 +26,36 @@ def check_positive(value, name: str, where: str) -> None:
         raise ValueError(f"{where}: {name}={value} must be > 0")
 
 
+def multilabel(logits, labels) -> bool:
+    """Whether ``labels`` are multi-hot (one 0/1 entry per class, [B, C]: a multi-label task) rather than class
+    ids [B]; decided by their rank, so statically under jit."""
+    return jnp.ndim(labels) == jnp.ndim(logits)
+
+
 def cross_entropy(logits, labels):
-    """Per-sample CE: -log softmax(logits)[y]. logits [B, C], labels int [B] in [0, C) -> [B]."""
+    """Per-sample cross-entropy, logits [B, C] -> [B]. Class ids, labels int [B] in [0, C): -log softmax(z)[y].
+    Multi-hot labels [B, C] (a multi-label task, ``multilabel``): the binary cross-entropy of each class's
+    sigmoid, averaged over the C classes, (1/C) sum_c [softplus(z_c) - y_c z_c] (Keras' BinaryCrossentropy of
+    sigmoid outputs, computed from the logits)."""
+    if multilabel(logits, labels):
+        y = labels.astype(logits.dtype)
+        return jnp.mean(jax.nn.softplus(logits) - y * logits, axis=-1)
     check_labels(labels, logits.shape[-1], "cross_entropy")
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
+
+
+RECALL_AT = 5  # the multi-label score: recall among the top 5 classes (FedOpt's Stack Overflow tag prediction)
+
+
+def recall_at_k(logits, labels, k: int = RECALL_AT):
+    """Per-sample recall@k of multi-hot labels: |top-k classes of logits ∩ true classes| / |true classes|, 0 for a
+    sample without a true class. logits [B, C], labels 0/1 [B, C] -> [B] in [0, 1]; k is capped at C."""
+    k = min(k, logits.shape[-1])
+    top = jax.lax.top_k(logits, k)[1]  # [B, k]
+    hits = jnp.take_along_axis(labels, top, axis=-1).astype(jnp.float32).sum(-1)
+    true = labels.astype(jnp.float32).sum(-1)
+    return jnp.where(true > 0, hits / jnp.maximum(true, 1.0), 0.0)
 
 
 def weighted_mean_loss(per_sample, weights):
@@ -41,7 +67,10 @@ def weighted_mean_loss(per_sample, weights):
 
 def correct_count(logits, labels, weights):
     """Number of real samples whose argmax prediction equals the label: logits [B, C], labels int [B],
-    weights [B] (1 real, 0 padding) -> [] (float)."""
+    weights [B] (1 real, 0 padding) -> [] (float). Multi-hot labels [B, C]: the sum of the real samples'
+    ``recall_at_k`` (so the engine's "accuracy", this over the sample count, is the sample-averaged recall@5)."""
+    if multilabel(logits, labels):
+        return jnp.sum(weights * recall_at_k(logits, labels))
     return jnp.sum(weights * (jnp.argmax(logits, -1) == labels))
 
 

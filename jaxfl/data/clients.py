@@ -24,8 +24,8 @@ class ClientData:
         return self.count.shape[0]
 
     def sample_mask(self):
-        """1.0 for real samples, 0.0 for padding: [..., M]."""
-        m = self.y.shape[-1]
+        """1.0 for real samples, 0.0 for padding: [..., M] (y is [..., M], or [..., M, C] multi-hot)."""
+        m = self.y.shape[jnp.ndim(self.count)]
         return (jnp.arange(m) < self.count[..., None]).astype(jnp.float32)
 
     def take(self, ids) -> "ClientData":

@@ -41,6 +41,7 @@ class FederatedDataset:
     test: list[tuple[np.ndarray, np.ndarray]]
     num_classes: int
     normalize: tuple[float, float] = (0.5, 0.5)
+    multilabel: bool = False  # labels are multi-hot rows [n, num_classes] (``core.metrics.multilabel``)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -262,6 +263,14 @@ def _tff_stackoverflow(cfg, rng, path):
     return FederatedDataset(Path(path).name, list(users), train, test, classes)
 
 
+def _tff_stackoverflow_tags(cfg, rng, path):
+    from .tff import load_tff_stackoverflow_tags
+    users, tags = load_tff_stackoverflow_tags(path, max_clients=cfg.num_clients)
+    train = [_cap(*tr, cfg.samples_per_client, rng) for tr, _ in users.values()]
+    test = [_cap(*te, cfg.test_per_client, rng) for _, te in users.values()]
+    return FederatedDataset(Path(path).name, list(users), train, test, tags, multilabel=True)
+
+
 PRESETS = {
     "default": _default,
     "digits": _digits,
@@ -273,8 +282,7 @@ PRESETS = {
 PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": _leaf, "leaf_femnist:": _leaf_femnist,
             "leaf_celeba:": _leaf_celeba, "leaf_sent140:": _leaf_sent140,
             "tff_emnist:": _tff_emnist, "tff_shakespeare:": _tff_shakespeare, "tff_cifar100:": _tff_cifar100,
-            "tff_stackoverflow:": _tff_stackoverflow}
-# token ids, for the char_lstm, word_lstm and sent_lstm models
+            "tff_stackoverflow:": _tff_stackoverflow, "tff_stackoverflow_tags:": _tff_stackoverflow_tags}
 # Input scalings of uint8 images a run can choose instead of its dataset's own (``FederatedDataset.normalize``):
 # (mean, std) of x / 255, scalars or one value per channel.
 NORMALIZATIONS = {"imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # torchvision's ImageNet statistics
@@ -294,14 +302,17 @@ def with_normalization(ds: FederatedDataset, name: str) -> FederatedDataset:
     return dataclasses.replace(ds, normalize=(mean, std))
 
 
+# token ids, for the char_lstm, word_lstm, sent_lstm and bow_logreg models
 TEXT_DATASETS = ("synthetic_text", "text:", "leaf:", "leaf_sent140:", "tff_shakespeare:",
-                 "tff_stackoverflow:")
+                 "tff_stackoverflow:", "tff_stackoverflow_tags:")
+# multi-hot labels [n, classes]: a multi-label task (binary cross-entropy per class, recall@5)
+MULTILABEL_DATASETS = ("tff_stackoverflow_tags:",)
 TFDS_NAMES = ("mnist", "svhn_cropped", "cifar10", "cifar100", "domainnet")
 # what follows each prefix
 PREFIX_ARGUMENT = {"tfds:": "NAME", "folder:": "PATH", "text:": "PATH", "leaf:": "PATH", "leaf_femnist:": "PATH",
                    "leaf_celeba:": "PATH", "leaf_sent140:": "PATH",
                    "tff_emnist:": "PATH", "tff_shakespeare:": "PATH", "tff_cifar100:": "PATH",
-                   "tff_stackoverflow:": "PATH"}
+                   "tff_stackoverflow:": "PATH", "tff_stackoverflow_tags:": "PATH"}
 DATASET_NAMES = tuple(PRESETS) + tuple(p + PREFIX_ARGUMENT[p] for p in PREFIXES)
 
 
@@ -309,8 +320,8 @@ def load_dataset(cfg: DataConfig) -> FederatedDataset:
     """Build a FederatedDataset from a preset name, ``tfds:NAME``, ``folder:PATH`` (images), ``text:PATH`` (a
     folder of per-client .txt files), ``leaf:PATH`` (LEAF's Shakespeare json), ``leaf_femnist:PATH`` (LEAF's
     FEMNIST json, one client per writer: ``jaxfl.data.leaf``) or ``tff_emnist:PATH``, ``tff_shakespeare:PATH``,
-    ``tff_cifar100:PATH``, ``tff_stackoverflow:PATH`` (TFF's HDF5 files, natural clients: ``jaxfl.data.tff``),
-    seeded by cfg.seed."""
+    ``tff_cifar100:PATH``, ``tff_stackoverflow:PATH``, ``tff_stackoverflow_tags:PATH`` (TFF's HDF5 files, natural
+    clients: ``jaxfl.data.tff``), seeded by cfg.seed."""
     rng = np.random.default_rng(cfg.seed)
     if cfg.channels not in (1, 3):
         raise DataError(f"channels={cfg.channels}; allowed: 1 or 3")

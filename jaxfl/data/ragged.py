@@ -59,6 +59,6 @@ class RaggedClients:
         rows = self.offsets[np.maximum(ids, 0)][:, None] + np.where(pos < counts[:, None], pos, 0)
         if not len(self.y):  # nothing to read from
             return ClientData(np.zeros((len(ids), length) + self.x.shape[1:], self.x.dtype),
-                              np.zeros((len(ids), length), np.int32), counts.astype(np.int32))
+                              np.zeros((len(ids), length) + self.y.shape[1:], np.int32), counts.astype(np.int32))
         rows = np.minimum(rows, len(self.y) - 1)  # an empty last client points past the end
         return ClientData(self.x[rows], self.y[rows], counts.astype(np.int32))

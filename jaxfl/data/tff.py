@@ -12,11 +12,11 @@ group per client id, holding that client's arrays, one row per example:
         [n, 32, 32, 3], ``label`` int [n] in [0, 100) (``coarse_label`` unused); 500 training clients of 100
         images and 100 test clients, different ids.
     Stack Overflow                                  stackoverflow_train.h5 / stackoverflow_test.h5: ``tokens``,
-        each post's sentence as space-separated words (bytes) [n] (``title``, ``tags``, ... unused); one
-        client per user.
+        each post's sentence as space-separated words (bytes) [n], ``title`` (bytes) [n], ``tags``, its tags
+        joined by "|" (bytes) [n] (``score``, ``type``, ... unused); one client per user.
 
 What jaxfl makes of them (``--dataset tff_emnist:PATH``, ``tff_shakespeare:PATH``, ``tff_cifar100:PATH``,
-``tff_stackoverflow:PATH``; PATH is the
+``tff_stackoverflow:PATH``, ``tff_stackoverflow_tags:PATH``; PATH is the
 folder holding both files, or the training file itself, whose test file is the same name with ``train`` ->
 ``test``):
 
@@ -35,6 +35,16 @@ folder holding both files, or the training file itself, whose test file is the s
   vocabulary comes from the selected users' training sentences (FedOpt reads TFF's word counts of the whole
   training split), and every target counts in the accuracy (FedOpt leaves out pad, OOV and the sentence
   marks) and each window has one target (FedOpt predicts every position).
+
+- Stack Overflow tags (``tff_stackoverflow_tags:PATH``): FedOpt's tag prediction ("Stack Overflow LR"), a
+  multi-label task: a user's first 1,000 posts of each split, each post's ``tokens`` and ``title`` as word ids
+  into the 10,000 most frequent words (``bow_logreg`` makes the normalised bag of words of them: the mean
+  one-hot over the words and one OOV id, the OOV entry dropped, as FedOpt's pipeline), its ``tags`` as a
+  multi-hot row over the 500 most frequent tags; trained with the per-tag binary cross-entropy, scored by
+  recall@5 (``core.metrics``). Both vocabularies come from the selected users' training posts (FedOpt reads
+  TFF's word and tag counts of the whole corpus); the score is recall@5 averaged over posts (Keras' Recall
+  adds the hits and the tags of all posts before dividing), and test posts without any of the 500 tags are
+  left out.
 
 ``--num-clients N`` keeps the first N clients by id (all by default), and only those are read from the files.
 
@@ -241,3 +251,47 @@ def load_tff_stackoverflow(path: str | Path, vocab_size: int = 10000, seq_len: i
             np.zeros(0, np.int32)
         return text.windows(stream, seq_len)
     return {u: (windows(splits[0][u]), windows(splits[1][u])) for u in users}, classes
+
+
+# Stack Overflow tag prediction (FedOpt's "Stack Overflow LR"): a post's words as ids into the V most frequent
+# words (OOV: V; padding: -1), its tags as a multi-hot row over the T most frequent tags
+def load_tff_stackoverflow_tags(path: str | Path, vocab_size: int = 10000, tag_vocab_size: int = 500,
+                                max_examples: int = 1000, max_clients: int | None = None
+                                ) -> tuple[dict[str, tuple[Split, Split]], int]:
+    """({user: ((x_train, y_train), (x_test, y_test))}, T) of TFF's Stack Overflow for tag prediction: each
+    user's first ``max_examples`` posts of each split; a post's words are its ``tokens`` and ``title`` joined by
+    a space, as ids into the ``vocab_size`` most frequent words of the selected users' training posts (an
+    out-of-vocabulary word: ``vocab_size``), padded with -1 to the longest post read (int32 [n, L], what
+    ``models.BagOfWordsEncoder`` reads); its ``tags`` ("|"-separated) as a multi-hot uint8 row [n, T] over the
+    ``tag_vocab_size`` most frequent tags of those training posts (other tags are dropped). Test posts with none
+    of the T tags are left out (their recall is undefined). Users in both splits, sorted (the first
+    ``max_clients``)."""
+    train_file, test_file = split_files(path, "stackoverflow")
+    users = shared_clients(train_file, test_file, max_clients)
+    fields = ("tokens", "title", "tags")
+    splits = []
+    for f in (train_file, test_file):
+        posts = {}
+        for u, d in read_examples(f, fields, users).items():
+            words, titles, tags = (_strings(d[k], str(f), u, k)[:max_examples] for k in fields)
+            if not len(words) == len(titles) == len(tags):
+                raise DataError(f"{str(f)!r}: client {u!r} has {len(words)} tokens, {len(titles)} titles and "
+                                f"{len(tags)} tags; each post has one of each")
+            posts[u] = ([f"{w} {t}".split() for w, t in zip(words, titles)], [[t for t in g.split("|") if t]
+                                                                               for g in tags])
+        splits.append(posts)
+    vocab = {w: i for i, w in enumerate(text.frequent_words(
+        (w for sents, _ in splits[0].values() for s in sents for w in s), vocab_size))}
+    tag_vocab = {t: i for i, t in enumerate(text.frequent_words(
+        (t for _, tags in splits[0].values() for g in tags for t in g), tag_vocab_size))}
+    longest = max([len(s) for posts in splits for sents, _ in posts.values() for s in sents] + [1])
+
+    def arrays(sentences, tags, test: bool):
+        x = np.full((len(sentences), longest), -1, np.int32)
+        y = np.zeros((len(sentences), tag_vocab_size), np.uint8)
+        for i, (s, g) in enumerate(zip(sentences, tags)):
+            x[i, :len(s)] = [vocab.get(w, vocab_size) for w in s]
+            y[i, [tag_vocab[t] for t in g if t in tag_vocab]] = 1
+        keep = y.any(1) if test else np.ones(len(y), bool)
+        return x[keep], y[keep]
+    return {u: (arrays(*splits[0][u], False), arrays(*splits[1][u], True)) for u in users}, tag_vocab_size

@@ -7,6 +7,7 @@ algorithms can share or keep parts by path.
 """
 from .encoders import (
                        AlexNetEncoder,
+                       BagOfWordsEncoder,
                        CharLSTMEncoder,
                        Classifier,
                        DigitsEncoder,
@@ -32,6 +33,7 @@ from .layers import (
                        adaptive_avg_pool,
                        adaptive_pool_matrix,
                        conv2d_matmul,
+                       kaiming_fan_out_init,
                        lstm_recurrence,
                        max_last,
                        max_pool,
@@ -43,6 +45,7 @@ from .registry import (
                        MODELS,
                        TEXT_MODELS,
                        alexnet_bn,
+                       bow_logreg,
                        build_model,
                        char_lstm,
                        cnn_dropout,

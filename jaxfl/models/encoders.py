@@ -91,6 +91,24 @@ class FlattenEncoder(nn.Module):
         return x.reshape(x.shape[0], -1)
 
 
+class BagOfWordsEncoder(nn.Module):
+    """Word ids [B, L] -> the normalised bag of words z [B, V]: z_v = (number of tokens with id v) / (number of
+    tokens), ids in [0, V) are words, id V is an out-of-vocabulary word (counted in the length, no entry), a
+    negative id is padding (not counted). FedOpt's Stack Overflow tag-prediction features (the mean one-hot of
+    the post's words over V + 1 ids, its OOV column dropped); no parameters. The words' ids stay compact in
+    memory ([n, L] int32 instead of [n, V] floats); the [B, V] vector exists one batch at a time."""
+    vocab: int = 10000
+
+    def __call__(self, x, train: bool = False, mask=None):
+        ids = x.astype(jnp.int32)
+        word = (ids >= 0) & (ids < self.vocab)
+        length = jnp.maximum(jnp.sum(ids >= 0, axis=-1, keepdims=True), 1).astype(jnp.float32)
+        rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+        counts = jnp.zeros((ids.shape[0], self.vocab), jnp.float32).at[rows, jnp.clip(ids, 0, self.vocab - 1)].add(
+            word.astype(jnp.float32))
+        return counts / length
+
+
 class MLPEncoder(nn.Module):
     """flatten - (Dense(h) - ReLU) for each h in ``hidden``: McMahan et al.'s "2NN" body is (200, 200)."""
     hidden: Sequence[int] = (200, 200)
@@ -177,24 +195,27 @@ class ResNetEncoder(nn.Module):
 
     stem="cifar": conv3x3(64, s1) - BN - ReLU (no max-pool; DapperFL's backbone).
     stem="imagenet": conv7x7(64, s2, p3) - BN - ReLU - maxpool3/s2/p1 (torchvision).
-    Stages of BasicBlocks, widths 64/128/256/512, strides 1/2/2/2; convs have no bias.
+    Stages of BasicBlocks, widths 64/128/256/512, strides 1/2/2/2; convs have no bias. ``conv_init``: the
+    convolutions' init, PyTorch's default ("torch") or torchvision's ResNet init ("kaiming_fan_out").
     """
     blocks: Sequence[int] = (2, 2, 2, 2)
     stem: str = "cifar"
     widths: Sequence[int] = (64, 128, 256, 512)
+    conv_init: str = "torch"
 
     @nn.compact
     def __call__(self, x, train: bool = False, mask=None):
         if self.stem == "cifar":
-            x = Conv(self.widths[0], 3, 1, 1, use_bias=False, name="conv_stem")(x)
+            x = Conv(self.widths[0], 3, 1, 1, use_bias=False, init=self.conv_init, name="conv_stem")(x)
             x = nn.relu(BatchNorm(name="bn_stem")(x, train, mask))
         else:
-            x = Conv(self.widths[0], 7, 2, 3, use_bias=False, name="conv_stem")(x)
+            x = Conv(self.widths[0], 7, 2, 3, use_bias=False, init=self.conv_init, name="conv_stem")(x)
             x = nn.relu(BatchNorm(name="bn_stem")(x, train, mask))
             x = max_pool(x, 3, 2, 1)
         for s, (n, w) in enumerate(zip(self.blocks, self.widths)):
             for b in range(n):
-                x = BasicBlock(w, (1 if s == 0 else 2) if b == 0 else 1, name=f"layer{s + 1}_{b}")(x, train, mask)
+                x = BasicBlock(w, (1 if s == 0 else 2) if b == 0 else 1, self.conv_init,
+                               name=f"layer{s + 1}_{b}")(x, train, mask)
         return jnp.mean(x, axis=(1, 2))
 
 

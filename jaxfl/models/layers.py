@@ -17,6 +17,16 @@ def torch_kernel_init(key, shape, dtype=jnp.float32):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
+def kaiming_fan_out_init(key, shape, dtype=jnp.float32):
+    """torchvision's ResNet kernel init (``kaiming_normal_(mode="fan_out", nonlinearity="relu")``): N(0, 2 /
+    fan_out), fan_out = kh kw C_out of an HWIO kernel."""
+    std = math.sqrt(2.0 / (math.prod(shape[:-2]) * shape[-1]))
+    return std * jax.random.normal(key, shape, dtype)
+
+
+CONV_INITS = {"torch": torch_kernel_init, "kaiming_fan_out": kaiming_fan_out_init}
+
+
 def torch_bias_init(fan_in: int) -> Callable:
     """PyTorch's default bias init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
     bound = 1.0 / math.sqrt(fan_in)
@@ -57,7 +67,8 @@ def conv2d_matmul(x, kernel, stride: int = 1, padding: int = 0):
 
 
 class Conv(nn.Module):
-    """2-D convolution (NHWC, HWIO kernel) with PyTorch-default init and symmetric zero padding.
+    """2-D convolution (NHWC, HWIO kernel) with PyTorch-default init (``init="kaiming_fan_out"``: torchvision's
+    ResNet init, ``CONV_INITS``) and symmetric zero padding.
 
     ``impl="matmul"`` uses ``conv2d_matmul`` (fast in loops and under vmap on CPU); ``"lax"`` uses
     ``lax.conv_general_dilated``. Both give the same numbers up to float rounding.
@@ -68,11 +79,12 @@ class Conv(nn.Module):
     padding: int = 0
     impl: str = "matmul"
     use_bias: bool = True
+    init: str = "torch"
 
     @nn.compact
     def __call__(self, x):
         ci = x.shape[-1]
-        k = self.param("kernel", torch_kernel_init, (self.kernel, self.kernel, ci, self.features))
+        k = self.param("kernel", CONV_INITS[self.init], (self.kernel, self.kernel, ci, self.features))
         b = (self.param("bias", torch_bias_init(ci * self.kernel * self.kernel), (self.features,))
              if self.use_bias else 0.0)
         if self.impl == "matmul":
@@ -289,18 +301,20 @@ class LSTMLayer(nn.Module):
 
 
 class BasicBlock(nn.Module):
-    """ResNet basic block: conv3x3-BN-ReLU-conv3x3-BN + shortcut (1x1 conv + BN when shape changes), ReLU."""
+    """ResNet basic block: conv3x3-BN-ReLU-conv3x3-BN + shortcut (1x1 conv + BN when shape changes), ReLU;
+    ``conv_init``: the convolutions' init (``CONV_INITS``)."""
     features: int
     stride: int = 1
+    conv_init: str = "torch"
 
     @nn.compact
     def __call__(self, x, train: bool = False, mask=None):
-        y = Conv(self.features, 3, self.stride, 1, use_bias=False, name="conv1")(x)
+        y = Conv(self.features, 3, self.stride, 1, use_bias=False, init=self.conv_init, name="conv1")(x)
         y = nn.relu(BatchNorm(name="bn1")(y, train, mask))
-        y = Conv(self.features, 3, 1, 1, use_bias=False, name="conv2")(y)
+        y = Conv(self.features, 3, 1, 1, use_bias=False, init=self.conv_init, name="conv2")(y)
         y = BatchNorm(name="bn2")(y, train, mask)
         if self.stride != 1 or x.shape[-1] != self.features:
-            x = Conv(self.features, 1, self.stride, 0, use_bias=False, name="conv_shortcut")(x)
+            x = Conv(self.features, 1, self.stride, 0, use_bias=False, init=self.conv_init, name="conv_shortcut")(x)
             x = BatchNorm(name="bn_shortcut")(x, train, mask)
         return nn.relu(x + y)
 

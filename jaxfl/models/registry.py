@@ -6,6 +6,7 @@ from typing import Sequence
 from ..errors import check_choice
 from .encoders import (
     AlexNetEncoder,
+    BagOfWordsEncoder,
     CharLSTMEncoder,
     Classifier,
     DigitsEncoder,
@@ -53,6 +54,14 @@ def cnn_dropout(num_classes: int = 10) -> Classifier:
 def logreg(num_classes: int = 10) -> Classifier:
     """Multinomial logistic regression: logits = W flatten(x) + b (7,850 parameters on 28x28 inputs, C = 10)."""
     return Classifier(encoder=FlattenEncoder(), head=MLPHead((), num_classes))
+
+
+def bow_logreg(num_classes: int = 500, vocab: int = 10000) -> Classifier:
+    """FedOpt's Stack Overflow tag-prediction model: logistic regression, logits = W z + b, on the normalised
+    bag of words z of ``vocab`` words (``BagOfWordsEncoder``; inputs are word ids [B, L]), one logit per tag,
+    trained with the per-tag binary cross-entropy of multi-hot labels (5,000,500 parameters at 500 tags).
+    Deviation: the kernel is initialised as torch's Linear (FedOpt's Keras Dense: Glorot uniform)."""
+    return Classifier(encoder=BagOfWordsEncoder(vocab), head=MLPHead((), num_classes))
 
 
 def mlp_2nn(num_classes: int = 10) -> Classifier:
@@ -104,9 +113,10 @@ def resnet10_slim(num_classes: int = 10, stem: str = "cifar") -> Classifier:
                       head=MLPHead((), num_classes))
 
 
-def resnet18(num_classes: int = 10, stem: str = "cifar") -> Classifier:
-    """ResNet-18 ([2, 2, 2, 2]) + Dense(C): 11,173,962 parameters (cifar stem), 11,181,642 (imagenet stem)."""
-    return Classifier(encoder=ResNetEncoder((2, 2, 2, 2), stem), head=MLPHead((), num_classes))
+def resnet18(num_classes: int = 10, stem: str = "cifar", conv_init: str = "torch") -> Classifier:
+    """ResNet-18 ([2, 2, 2, 2]) + Dense(C): 11,173,962 parameters (cifar stem), 11,181,642 (imagenet stem);
+    PyTorch's default init (``conv_init="kaiming_fan_out"``: torchvision's)."""
+    return Classifier(encoder=ResNetEncoder((2, 2, 2, 2), stem, conv_init=conv_init), head=MLPHead((), num_classes))
 
 
 def resnet18_gn(num_classes: int = 100) -> Classifier:
@@ -115,8 +125,10 @@ def resnet18_gn(num_classes: int = 100) -> Classifier:
 
 
 def resnet18_imagenet(num_classes: int = 10) -> Classifier:
-    """torchvision's ResNet-18 as FedSelect's code runs it on 32x32 inputs: ``resnet18(stem="imagenet")``."""
-    return resnet18(num_classes, stem="imagenet")
+    """torchvision's ResNet-18 as FedSelect's code runs it on 32x32 inputs (``resnet18(stem="imagenet",
+    conv_init="kaiming_fan_out")``): its architecture and init (convolutions N(0, 2 / fan_out), BatchNorm
+    weight 1 and bias 0), the classifier a fresh Linear layer (PyTorch's default init), as the code replaces it."""
+    return resnet18(num_classes, stem="imagenet", conv_init="kaiming_fan_out")
 
 
 def vit_small(num_classes: int = 10, depth: int = 8, **kw) -> Classifier:
@@ -134,11 +146,11 @@ MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg
           "resnet18": resnet18, "resnet18_gn": resnet18_gn, "resnet18_imagenet": resnet18_imagenet,
           "vit_small": vit_small, "vit_tiny": vit_tiny,
           "logreg": logreg, "mlp_2nn": mlp_2nn, "femnist_cnn": femnist_cnn, "char_lstm": char_lstm,
-          "word_lstm": word_lstm, "sent_lstm": sent_lstm}
+          "word_lstm": word_lstm, "sent_lstm": sent_lstm, "bow_logreg": bow_logreg}
 
 
 # the models whose inputs are token ids [B, T]; every other one reads images
-TEXT_MODELS = ("char_lstm", "word_lstm", "sent_lstm")
+TEXT_MODELS = ("char_lstm", "word_lstm", "sent_lstm", "bow_logreg")
 
 
 def build_model(name: str, num_classes: int) -> Classifier:

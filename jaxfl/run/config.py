@@ -22,7 +22,7 @@ from ..ops.robust_aggregation import parse_aggregator
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
-from ..data.federated import NORMALIZATIONS, PREFIX_ARGUMENT, TEXT_DATASETS, DataConfig
+from ..data.federated import MULTILABEL_DATASETS, NORMALIZATIONS, PREFIX_ARGUMENT, TEXT_DATASETS, DataConfig
 from ..errors import ConfigError, check_choice, check_range
 from .evaluation import EVAL_CLIENTS, EVAL_MODELS
 from .lock import LOCK_NAME, check_free
@@ -427,15 +427,19 @@ class RunConfig(Output, Engine, Evaluation, Privacy, Server, Cohort, ClientTrain
                                 self.server_beta2, self.server_tau)
 
 
-DEFAULT_MODEL = {"default": "digits_cnn", "digits": "digits_cnn", "pacs": "digits_cnn"}
+# a dataset's model when neither --model nor the algorithm names one (a key ending in ":" is a prefix)
+DEFAULT_MODEL = {"default": "digits_cnn", "digits": "digits_cnn", "pacs": "digits_cnn",
+                 "tff_stackoverflow_tags:": "bow_logreg"}
 
 
 def model_name(cfg: RunConfig) -> str:
-    """--model, else the first model the algorithm allows, else the dataset's default (small_cnn otherwise;
-    char_lstm for text)."""
+    """--model, else the first model the algorithm allows, else the dataset's default (``DEFAULT_MODEL``;
+    small_cnn otherwise, char_lstm for text)."""
     from ..algorithms import options_class
     allowed = options_class(cfg.algorithm).models
-    default = "char_lstm" if is_text(cfg.dataset) else DEFAULT_MODEL.get(cfg.dataset, "small_cnn")
+    prefixed = [m for key, m in DEFAULT_MODEL.items() if key.endswith(":") and cfg.dataset.startswith(key)]
+    default = DEFAULT_MODEL.get(cfg.dataset) or (prefixed[0] if prefixed else
+                                                 "char_lstm" if is_text(cfg.dataset) else "small_cnn")
     return cfg.model or (allowed[0] if allowed else default)
 
 
@@ -459,6 +463,17 @@ def check_modality(cfg: RunConfig) -> None:
                  f"{cfg.algorithm} runs on images only (its models: {', '.join(allowed)})")
         raise ConfigError(f"--dataset {cfg.dataset} holds text (token ids) and {which}; text needs --model "
                           f"{' or '.join(TEXT_MODELS)}")
+    if any(cfg.dataset.startswith(p) for p in MULTILABEL_DATASETS):
+        from ..algorithms import REGISTRY
+        if not options_class(cfg.algorithm).multilabel:
+            able = sorted(n for n in REGISTRY if options_class(n).multilabel)
+            raise ConfigError(f"--dataset {cfg.dataset} is a multi-label task (multi-hot labels) and {cfg.algorithm} "
+                              f"reads its labels as class ids; multi-label runs need an algorithm whose loss is "
+                              f"the per-sample cross-entropy: {', '.join(able)}")
+        attack = parse_attack(cfg.attack)[0]
+        if attack not in ("none", *UPDATE_ATTACKS):
+            raise ConfigError(f"--attack {cfg.attack} changes class labels, and --dataset {cfg.dataset} has multi-hot "
+                              f"labels; use an update attack ({', '.join(UPDATE_ATTACKS)})")
     if not text and model in TEXT_MODELS:
         raise ConfigError(f"--model {model} reads text (token ids) and --dataset {cfg.dataset} holds images; use "
                           f"a text dataset ({dataset_names(TEXT_DATASETS)}) "
@@ -475,7 +490,8 @@ DATASET_KINDS = {
     "files": ("has one client per file (text:) or user (leaf:, leaf_femnist:, leaf_celeba:, leaf_sent140:)",
               ("text:", "leaf:", "leaf_femnist:", "leaf_celeba:", "leaf_sent140:"), ()),
     "natural": ("has its natural clients (--num-clients N keeps the first N by id)",
-                ("tff_emnist:", "tff_shakespeare:", "tff_cifar100:", "tff_stackoverflow:"), ("num_clients",)),
+                ("tff_emnist:", "tff_shakespeare:", "tff_cifar100:", "tff_stackoverflow:", "tff_stackoverflow_tags:"),
+                ("num_clients",)),
 }
 
 
