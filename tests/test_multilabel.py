@@ -168,3 +168,52 @@ def test_fedopts_stack_overflow_tag_setting_runs_on_fabricated_files(tmp_path, c
     assert "| stackoverflow_lr | fedadagrad | 1 |" in (tmp_path / "out" / "table.md").read_text()
     cfg = json.loads((tmp_path / "out" / "stackoverflow_lr" / "fedadagrad" / "fedavg" / "config.json").read_text())
     assert (cfg["model"], cfg["server_opt"], cfg["batch_size"], cfg["lr"]) == ("bow_logreg", "adagrad", 100, 1e4)
+
+
+def flair_file(path, users=("u0", "u1"), n=(10, 6), labels=("animal", "food", "plant"), size=8, seed=0):
+    """pfl-research's FLAIR file, small: /train/<user>/{images, labels_row, labels_col, ...} and the label
+    mapping; image i of a user has labels {i mod 3} and, for even i, also {(i + 1) mod 3}."""
+    import h5py
+    rng = np.random.default_rng(seed)
+    with h5py.File(path, "w") as f:
+        for u, k in zip(users, n):
+            rows = [i for i in range(k) for _ in range(1 if i % 2 else 2)]
+            cols = [c for i in range(k) for c in ([i % 3] if i % 2 else [i % 3, (i + 1) % 3])]
+            f[f"/train/{u}/images"] = rng.integers(0, 256, (k, size, size, 3), dtype=np.uint8)
+            f[f"/train/{u}/labels_row"] = np.asarray(rows, np.uint16)
+            f[f"/train/{u}/labels_col"] = np.asarray(cols, np.uint8)
+            f[f"/train/{u}/fine_grained_labels_row"] = np.asarray(rows, np.uint16)
+            f[f"/train/{u}/fine_grained_labels_col"] = np.asarray(cols, np.uint16)
+            f[f"/train/{u}/image_ids"] = np.asarray([f"{u}_{i}" for i in range(k)], dtype="S")
+        f["/val/v0/images"] = rng.integers(0, 256, (2, size, size, 3), dtype=np.uint8)  # other users: not read
+        f["/metadata/label_mapping"] = json.dumps({name: i for i, name in enumerate(labels)})
+        f["/metadata/fine_grained_label_mapping"] = json.dumps({name: i for i, name in enumerate(labels)})
+
+
+def test_flair_users_become_clients_with_multi_hot_coarse_labels(tmp_path, capsys):
+    pytest.importorskip("h5py")
+    from jaxfl.data.flair import load_flair
+    flair_file(tmp_path / "flair_federated.hdf5")
+    users, labels = load_flair(tmp_path / "flair_federated.hdf5", np.random.default_rng(0))
+    assert labels == 3 and list(users) == ["u0", "u1"]
+    (x, y), (vx, vy) = users["u0"]
+    assert len(y) == 8 and len(vy) == 2 and x.shape[1:] == (8, 8, 3) and x.dtype == np.uint8
+    # every image's labels, wherever the split put it: the image index is recovered from its pixels
+    with __import__("h5py").File(tmp_path / "flair_federated.hdf5", "r") as f:
+        images = np.asarray(f["/train/u0/images"])
+    for xs, ys in ((x, y), (vx, vy)):
+        for img, row in zip(xs, ys):
+            i = int(np.flatnonzero((images == img).all(axis=(1, 2, 3)))[0])
+            expected = {i % 3} | ({(i + 1) % 3} if i % 2 == 0 else set())
+            assert set(np.flatnonzero(row)) == expected
+    assert len(load_flair(tmp_path / "flair_federated.hdf5", np.random.default_rng(0), max_clients=1)[0]) == 1
+    # through the CLI: a multi-label run, and a file that is not FLAIR's in one line
+    out = tmp_path / "run"
+    assert main(["run", "--dataset", f"flair:{tmp_path / 'flair_federated.hdf5'}", "--model", "small_cnn",
+                 "--rounds", "1", "--batch-size", "4", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["clients"] == ["u0", "u1"]
+    write_tff(tmp_path / "other.hdf5", {"c": {"x": np.zeros(3)}})
+    capsys.readouterr()
+    assert main(["run", "--dataset", f"flair:{tmp_path / 'other.hdf5'}", "--out", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not pfl-research's FLAIR file" in err[0], err

@@ -271,6 +271,16 @@ def _tff_stackoverflow_tags(cfg, rng, path):
     return FederatedDataset(Path(path).name, list(users), train, test, tags, multilabel=True)
 
 
+def _flair(cfg, rng, path):
+    from .flair import load_flair
+    users, labels = load_flair(path, rng, max_clients=cfg.num_clients)
+    def fit(x):  # (FLAIR's images are 256x256: --image-size resizes them)
+        return prepare(x, cfg.image_size or x.shape[1], cfg.channels)
+    train = [_cap(fit(x), y, cfg.samples_per_client, rng) for (x, y), _ in users.values()]
+    test = [_cap(fit(x), y, cfg.test_per_client, rng) for _, (x, y) in users.values()]
+    return FederatedDataset(Path(path).name, list(users), train, test, labels, multilabel=True)
+
+
 PRESETS = {
     "default": _default,
     "digits": _digits,
@@ -282,7 +292,8 @@ PRESETS = {
 PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": _leaf, "leaf_femnist:": _leaf_femnist,
             "leaf_celeba:": _leaf_celeba, "leaf_sent140:": _leaf_sent140,
             "tff_emnist:": _tff_emnist, "tff_shakespeare:": _tff_shakespeare, "tff_cifar100:": _tff_cifar100,
-            "tff_stackoverflow:": _tff_stackoverflow, "tff_stackoverflow_tags:": _tff_stackoverflow_tags}
+            "tff_stackoverflow:": _tff_stackoverflow, "tff_stackoverflow_tags:": _tff_stackoverflow_tags,
+            "flair:": _flair}
 # Input scalings of uint8 images a run can choose instead of its dataset's own (``FederatedDataset.normalize``):
 # (mean, std) of x / 255, scalars or one value per channel.
 NORMALIZATIONS = {"imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # torchvision's ImageNet statistics
@@ -306,13 +317,13 @@ def with_normalization(ds: FederatedDataset, name: str) -> FederatedDataset:
 TEXT_DATASETS = ("synthetic_text", "text:", "leaf:", "leaf_sent140:", "tff_shakespeare:",
                  "tff_stackoverflow:", "tff_stackoverflow_tags:")
 # multi-hot labels [n, classes]: a multi-label task (binary cross-entropy per class, recall@5)
-MULTILABEL_DATASETS = ("tff_stackoverflow_tags:",)
+MULTILABEL_DATASETS = ("tff_stackoverflow_tags:", "flair:")
 TFDS_NAMES = ("mnist", "svhn_cropped", "cifar10", "cifar100", "domainnet")
 # what follows each prefix
 PREFIX_ARGUMENT = {"tfds:": "NAME", "folder:": "PATH", "text:": "PATH", "leaf:": "PATH", "leaf_femnist:": "PATH",
                    "leaf_celeba:": "PATH", "leaf_sent140:": "PATH",
                    "tff_emnist:": "PATH", "tff_shakespeare:": "PATH", "tff_cifar100:": "PATH",
-                   "tff_stackoverflow:": "PATH", "tff_stackoverflow_tags:": "PATH"}
+                   "tff_stackoverflow:": "PATH", "tff_stackoverflow_tags:": "PATH", "flair:": "PATH"}
 DATASET_NAMES = tuple(PRESETS) + tuple(p + PREFIX_ARGUMENT[p] for p in PREFIXES)
 
 
@@ -321,7 +332,8 @@ def load_dataset(cfg: DataConfig) -> FederatedDataset:
     folder of per-client .txt files), ``leaf:PATH`` (LEAF's Shakespeare json), ``leaf_femnist:PATH`` (LEAF's
     FEMNIST json, one client per writer: ``jaxfl.data.leaf``) or ``tff_emnist:PATH``, ``tff_shakespeare:PATH``,
     ``tff_cifar100:PATH``, ``tff_stackoverflow:PATH``, ``tff_stackoverflow_tags:PATH`` (TFF's HDF5 files, natural
-    clients: ``jaxfl.data.tff``), seeded by cfg.seed."""
+    clients: ``jaxfl.data.tff``) or ``flair:PATH`` (pfl-research's FLAIR file: ``jaxfl.data.flair``), seeded by
+    cfg.seed."""
     rng = np.random.default_rng(cfg.seed)
     if cfg.channels not in (1, 3):
         raise DataError(f"channels={cfg.channels}; allowed: 1 or 3")

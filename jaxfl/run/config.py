@@ -490,8 +490,8 @@ DATASET_KINDS = {
     "files": ("has one client per file (text:) or user (leaf:, leaf_femnist:, leaf_celeba:, leaf_sent140:)",
               ("text:", "leaf:", "leaf_femnist:", "leaf_celeba:", "leaf_sent140:"), ()),
     "natural": ("has its natural clients (--num-clients N keeps the first N by id)",
-                ("tff_emnist:", "tff_shakespeare:", "tff_cifar100:", "tff_stackoverflow:", "tff_stackoverflow_tags:"),
-                ("num_clients",)),
+                ("tff_emnist:", "tff_shakespeare:", "tff_cifar100:", "tff_stackoverflow:", "tff_stackoverflow_tags:",
+                 "flair:"), ("num_clients",)),
 }
 
 
