@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
-from .tff import Split, _h5py
+from .tff import Split, _h5py, own_test_split
 
 
 def load_flair(path: str | Path, rng: np.random.Generator, test_fraction: float = 0.2,
@@ -59,10 +59,7 @@ def load_flair(path: str | Path, rng: np.random.Generator, test_fraction: float 
                                     f"{labels} labels")
                 y = np.zeros((len(x), labels), np.uint8)
                 y[rows, cols] = 1
-                order = rng.permutation(len(y))
-                cut = len(y) - max(1, int(round(test_fraction * len(y)))) if len(y) > 1 else len(y)
-                tr, te = np.sort(order[:cut]), np.sort(order[cut:])
-                out[u] = ((x[tr], y[tr]), (x[te], y[te]))
+                out[u] = own_test_split(x, y, rng, test_fraction)
             return out, labels
     except DataError:
         raise

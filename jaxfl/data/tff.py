@@ -209,12 +209,17 @@ def load_tff_cifar100(path: str | Path, rng: np.random.Generator, test_fraction:
         if x.ndim != 4 or x.shape[1:] != (32, 32, 3) or x.dtype != np.uint8:
             raise DataError(f"{str(train_file)!r}: client {cid!r} has images of shape {x.shape} and type {x.dtype}; "
                             f"CIFAR-100's are uint8 [n, 32, 32, 3]")
-        y = _labels(d["label"], 100, str(train_file), cid)
-        order = rng.permutation(len(y))
-        cut = len(y) - max(1, int(round(test_fraction * len(y)))) if len(y) > 1 else len(y)
-        tr, te = np.sort(order[:cut]), np.sort(order[cut:])
-        out[cid] = ((x[tr], y[tr]), (x[te], y[te]))
+        out[cid] = own_test_split(x, _labels(d["label"], 100, str(train_file), cid), rng, test_fraction)
     return out
+
+
+def own_test_split(x: np.ndarray, y: np.ndarray, rng: np.random.Generator, fraction: float) -> tuple[Split, Split]:
+    """((x_train, y_train), (x_test, y_test)) of one client: a ``fraction`` of its samples (at least one, none of a
+    client with one sample) drawn from ``rng`` for testing, both parts in their original order."""
+    order = rng.permutation(len(y))
+    cut = len(y) - max(1, int(round(fraction * len(y)))) if len(y) > 1 else len(y)
+    tr, te = np.sort(order[:cut]), np.sort(order[cut:])
+    return (x[tr], y[tr]), (x[te], y[te])
 
 
 # Stack Overflow next-word prediction: the token ids FedOpt's task uses (pad 0, the V words 1..V, one OOV id,
