@@ -48,7 +48,15 @@ clients' ``train_loss``, ``train_personal_fraction``, ``test_accuracy``, ``test_
 and ``--out/cross_client_acc.json`` (the official final cross-client matrix, batch-mean accuracies).
 
 Diagnostics (each switches one element of the protocol; default = the official protocol on jaxfl's inputs):
-``--augment official``, ``--init jaxfl`` (jaxfl's initial parameters of ``--seed`` instead of torch's draw).
+``--augment official``, ``--init jaxfl`` (jaxfl's initial parameters of ``--seed`` instead of torch's draw),
+``--train-mode always`` (the model back in training mode after each evaluation: the paper's method, where the
+code trains in eval mode from its second round).
+
+The official configuration: ``--model resnet18 --normalize imagenet --augment official`` runs the code's own
+model (torchvision's ResNet-18 architecture and init, built here since torchvision is not imported), ImageNet
+normalisation and crop + flip; the matching jaxfl run is ``jaxfl_config``'s (``resnet18_imagenet``,
+``--normalize imagenet``, ``--augment crop_flip``, and ``fedselect.frozen_bn_from=1`` for the code's eval-mode
+training unless ``--train-mode always``).
 
 Two more modes, no training run:
 ``--check``: exactness checks of the official mask growth, aggregation + broadcast and one LocalAlt alternation
@@ -81,7 +89,7 @@ def jaxfl_config(args):
     from jaxfl.run.config import RunConfig
     resnet = getattr(args, "model", "fedavg_cnn") == "resnet18"
     # the official ResNet-18 trains in eval mode from round 2 (the module docstring); the CNN has no BatchNorm
-    frozen = {"frozen_bn_from": 1} if resnet else {}
+    frozen = {"frozen_bn_from": 1} if resnet and getattr(args, "train_mode", "official") == "official" else {}
     return RunConfig(algorithm="fedselect", dataset="cifar10", num_clients=10, partition="shards",
                      classes_per_client=2, samples_per_client=100, test_per_client=args.test_per_client,
                      rounds=args.rounds, lr=args.lr, momentum=0.0, batch_size=args.batch_size, local_epochs=1,
@@ -441,6 +449,10 @@ def main(argv=None) -> None:
                    help="fedavg_cnn: jaxfl's CNN in torch; resnet18: the official model (torchvision's ResNet-18; "
                         "jaxfl's side resnet18_imagenet with fedselect.frozen_bn_from=1, the official eval-mode "
                         "training from round 2)")
+    p.add_argument("--train-mode", choices=("official", "always"), default="official",
+                   help="official: the code's own (eval mode from round 2 on: BatchNorm frozen at round 1's "
+                        "statistics); always: the model is put back in training mode after each evaluation (the "
+                        "paper's method; jaxfl's side without frozen_bn_from) -- a diagnostic")
     p.add_argument("--normalize", choices=("dataset", "imagenet"), default="dataset",
                    help="dataset: jaxfl's (x/255 - 0.5)/0.5; imagenet: the official per-channel mean and std")
     p.add_argument("--augment", choices=("none", "official"), default="none",
@@ -534,6 +546,15 @@ def main(argv=None) -> None:
         state["losses"] = {}
         return acc
 
+    if args.train_mode == "always":  # a diagnostic: the model back in training mode after each evaluation
+        orig_evaluate = off.evaluate
+
+        def evaluate(model_, *a, **kw):
+            try:
+                return orig_evaluate(model_, *a, **kw)
+            finally:
+                model_.train()
+        off.evaluate = evaluate
     off.train_personalized, off.delta_update, off.cross_client_eval = train_personalized, delta_update, cross_client_eval
     off.fedselect_algorithm(model, oargs, ds_train, ds_test, dict_train, dict_test, np.array([]), list(range(n)))
 
