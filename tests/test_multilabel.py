@@ -138,6 +138,7 @@ def test_the_cli_learns_stack_overflow_tags_and_refuses_methods_that_read_class_
     out = tmp_path / "run"
     assert main(["run", "--dataset", f"tff_stackoverflow_tags:{tmp_path}", "--algorithm", "fedavg", "--rounds", "6",
                  "--lr", "1000", "--batch-size", "10", "--local-epochs", "2", "--out", str(out)]) == 0
+    assert "is a multi-label task (500 labels)" in capsys.readouterr().err
     config = json.loads((out / "config.json").read_text())
     assert config["model"] in (None, "bow_logreg")
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -445,6 +445,10 @@ def run_one(cfg: RunConfig, quiet: bool, cache: str | None, stop=()):
         print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {population}, strategy {exp.strategy}{plan}, backend "
               f"{exp.backend_name}, {devices_note(exp)}, compile cache {cache or 'off'}; writing to {cfg.out}",
               file=sys.stderr)
+        if exp.dataset.multilabel:
+            print(f"jaxfl: {cfg.dataset} is a multi-label task ({exp.dataset.num_classes} labels): its loss is the "
+                  f"per-label binary cross-entropy and its 'accuracy' the recall@5 averaged over samples",
+                  file=sys.stderr)
         if exp.privacy is not None:
             adapt = "" if cfg.dp_quantile is None else (f" (at first; then the {cfg.dp_quantile:g} quantile of the "
                                                         f"update norms, lr {cfg.dp_clip_lr:g})")
