@@ -220,6 +220,111 @@ def jaxfl_to_torch(params) -> dict:
             "fc.weight": np.asarray(head["fc1"]["linear"]["kernel"]).T, "fc.bias": head["fc1"]["linear"]["bias"]}
 
 
+def resnet_jaxfl_to_torch(variables) -> dict:
+    """jaxfl ``resnet18_imagenet`` variables ({"params", "batch_stats"}, or a pytree of that structure) as
+    torchvision ResNet-18 state-dict arrays: kernels HWIO -> OIHW, Dense (in, out) -> (out, in), BatchNorm
+    scale/bias/mean/var -> weight/bias/running_mean/running_var, a block's shortcut -> ``downsample.0/1``."""
+    out = {}
+    bn_names = {"scale": "weight", "bias": "bias", "mean": "running_mean", "var": "running_var"}
+    for kind in ("params", "batch_stats"):
+        for path, v in jax_leaves(variables.get(kind, {})):
+            if path[0] == "head":
+                out[f"fc.{'weight' if path[-1] == 'kernel' else 'bias'}"] = (np.asarray(v).T if path[-1] == "kernel"
+                                                                             else np.asarray(v))
+                continue
+            module, leaf = path[-2], path[-1]
+            block = path[1] if len(path) == 4 else None  # encoder/layerS_B/module/leaf
+            prefix = "" if block is None else "layer{}.{}.".format(*block[len("layer"):].split("_"))
+            name = {"conv_stem": "conv1", "bn_stem": "bn1", "conv_shortcut": "downsample.0",
+                    "bn_shortcut": "downsample.1"}.get(module, module)
+            out[prefix + name + "." + (bn_names[leaf] if leaf in bn_names else "weight")] = (
+                np.transpose(np.asarray(v), (3, 2, 0, 1)) if leaf == "kernel" else np.asarray(v))
+    return out
+
+
+def jax_leaves(tree) -> list[tuple[tuple[str, ...], object]]:
+    """[(path of dict keys, leaf)] of a nested dict."""
+    import jax
+    return [(tuple(k.key for k in p), v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def resnet_local_alt_check(local_alt, MaskLocalAltSGD, n: int = 100, modes=("train", "eval")) -> None:
+    """4-5. One LocalAlt alternation of the official ResNet-18 (torchvision's architecture, ImageNet stem) in
+    training mode and in eval mode (the code's rounds from its second on; jaxfl ``frozen_bn_from``), official
+    ``MaskLocalAltSGD`` + ``local_alt`` vs jaxfl's ``local_alt`` from the same parameters, BatchNorm statistics
+    and mask, the DataLoader fed jaxfl's minibatch orders: parameters and running statistics after it. Both
+    sides compute in float64: in float32 a ReLU input within rounding of 0 takes the other side in one code
+    and not the other (at ResNet-18's 1x1 layer-4 maps one such sample moves a BatchNorm bias gradient by ~10%
+    of its largest entry), which hides the comparison of the rules behind the luck of the rounding."""
+    from jax import enable_x64
+
+    with enable_x64():
+        _resnet_local_alt_check(local_alt, MaskLocalAltSGD, n, modes)
+
+
+def _resnet_local_alt_check(local_alt, MaskLocalAltSGD, n, modes) -> None:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import torch
+    from jaxfl.algorithms._common import ce_loss
+    from jaxfl.algorithms.fedselect import local_alt as jaxfl_local_alt
+    from jaxfl.core.trainer import LocalTrainer, epoch_permutation
+    from jaxfl.data.clients import ClientData
+    from jaxfl.models import resnet18_imagenet
+
+    rng = np.random.default_rng(1)
+    bs, lr = 32, 0.05
+    x, y = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, n)
+    jmodel = resnet18_imagenet(10)
+    v = jmodel.init(jax.random.key(1), jnp.zeros((1, 32, 32, 3)), train=False)
+    v = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), v)
+    # running statistics away from their initial values, as after a first round
+    stats = jax.tree_util.tree_map(lambda s: s + jnp.asarray(rng.uniform(0.1, 0.5, s.shape), s.dtype),
+                                   v["batch_stats"])
+    mask = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.random(p.shape) < (0.4 if p.ndim > 1 else 0.0)),
+                                  v["params"])
+    key = jax.random.key(7)
+    norm = (0.5, 0.5)
+    trainer = LocalTrainer(optax.sgd(lr), bs, 1, lambda x: (x.astype(jnp.float64) / 255.0 - norm[0]) / norm[1])
+    order = lambda k: np.asarray(epoch_permutation(jax.random.fold_in(jax.random.fold_in(k, 0), 0), n, n)).tolist()
+    for mode in modes:
+        loss_fn = ce_loss(jmodel, train=mode == "train")
+        params, new_stats, metrics = jaxfl_local_alt(trainer, loss_fn, v["params"], stats, mask,
+                                                     ClientData(jnp.asarray(x), jnp.asarray(y), jnp.int32(n)), key, 1)
+        orders = [order(jax.random.fold_in(key, 1)), order(key)]
+
+        class Orders(torch.utils.data.Sampler):
+            def __iter__(self):
+                return iter(orders.pop(0))
+
+            def __len__(self):
+                return n
+        tmodel = resnet18_torch(10).double()
+        start = {k: torch.from_numpy(np.array(a, np.float64))
+                 for k, a in resnet_jaxfl_to_torch({"params": v["params"], "batch_stats": stats}).items()}
+        tmodel.load_state_dict(start, strict=False)  # (num_batches_tracked stays torch's)
+        tmodel.train() if mode == "train" else tmodel.eval()
+        tmask = {k: torch.from_numpy(np.array(a, np.float32))
+                 for k, a in resnet_jaxfl_to_torch({"params": mask}).items()}
+        tmask = {k: tmask[k] for k, _ in tmodel.named_parameters()}
+        inputs = (x.astype(np.float64) / 255.0 - norm[0]) / norm[1]
+        ldr = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.from_numpy(inputs.transpose(0, 3, 1, 2).copy()), torch.from_numpy(y)),
+            batch_size=bs, sampler=Orders())
+        loss = local_alt(tmodel, torch.nn.CrossEntropyLoss(), MaskLocalAltSGD(tmodel.parameters(), tmask, lr=lr), ldr,
+                         torch.device("cpu"))
+        ref = resnet_jaxfl_to_torch({"params": params, "batch_stats": new_stats})
+        got = tmodel.state_dict()
+        moved = max(float(np.abs(ref[k] - start[k].numpy()).max()) for k in ref)
+        rel = max(float(np.abs(got[k].numpy() - ref[k]).max() / max(np.abs(ref[k]).max(), 1e-12)) for k in ref)
+        worst = max(ref, key=lambda k: float(np.abs(got[k].numpy() - ref[k]).max()))
+        print(f"{4 if mode == 'train' else 5}. one LocalAlt alternation of ResNet-18 in {mode} mode: parameters and "
+              f"statistics move by up to {moved:.2e}; max |official - jaxfl| relative to the tensor's largest entry "
+              f"{rel:.2e} (largest absolute at {worst}); train loss official {loss:.6f} (mean of batch losses), "
+              f"jaxfl {float(metrics['loss']):.6f}")
+
+
 def load_jaxfl_init(model, cfg) -> None:
     """Copy the initial parameters of the jaxfl run of ``cfg`` (``Experiment.init``) into the torch CNN."""
     import torch
@@ -382,6 +487,7 @@ def self_check(repo: Path) -> None:
     print(f"3. one LocalAlt alternation (40% personal weights): parameters move by up to {moved:.2e}; max |official - "
           f"jaxfl| = {diff:.2e}; train loss official {loss:.6f} (mean of batch losses), jaxfl "
           f"{float(metrics['loss']):.6f} (mean over samples)")
+    resnet_local_alt_check(local_alt, MaskLocalAltSGD)
 
 
 def load_histories(root: Path, seeds: list[int], variant: str = "fedselect") -> list[list[dict]]:
