@@ -112,6 +112,11 @@ COMPARISONS: list[Comparison] = [
     Comparison("FedSelect", f"{OFFICIAL}/fedselect/seed*/fedselect", f"{LOGS}/fedselect_seeds/seed*/fedselect",
                "mean_accuracy", "CIFAR-10, FedAvg CNN, 15 rounds; single rounds swing by 5-10 points",
                "agree (final +5.60, bound 6.53)", "fedselect.md"),
+    Comparison("FedSelect, official configuration, training mode kept",
+               f"{OFFICIAL}/fedselect_resnet/train_mode/seed*/fedselect",
+               f"{LOGS}/fedselect_resnet_official/train_mode/seed*/fedselect", "mean_accuracy",
+               "CIFAR-10, torchvision's ResNet-18, ImageNet normalisation, crop + flip, 15 LocalAlt alternations, "
+               "3 rounds (the window is all 3)", "none (the paired test only)", "fedselect.md"),
     Comparison("DapperFL vs jaxfl's released-code preset, 20 rounds", f"{OFFICIAL}/dapperfl/seed*/dapperfl",
                f"{LOGS}/dapperfl_seeds/seed*/{DAPPER_RELEASED}", "mean_accuracy",
                "`digits`, `resnet10_slim`; exact ties among BN scales are pruned differently by the two codes; jaxfl "
