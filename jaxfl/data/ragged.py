@@ -23,7 +23,7 @@ class RaggedClients:
 
     @classmethod
     def from_clients(cls, clients) -> "RaggedClients":
-        """[(x_i [n_i, ...], y_i [n_i])] -> one flat store (copies each client's arrays once)."""
+        """[(x_i [n_i, ...], y_i [n_i] or multi-hot [n_i, C])] -> one flat store (copies each client's arrays once)."""
         if not clients:
             raise DataError("no clients to store")
         shape = clients[0][0].shape[1:]
@@ -35,7 +35,8 @@ class RaggedClients:
         counts = np.array([len(y) for _, y in clients], np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         x = np.concatenate([xi for xi, _ in clients]) if counts.sum() else np.zeros((0,) + shape, clients[0][0].dtype)
-        y = np.concatenate([np.asarray(yi, np.int32) for _, yi in clients])
+        # class ids as int32; multi-hot rows [n, C] keep their (small) dtype
+        y = np.concatenate([np.asarray(yi, np.int32) if np.ndim(yi) == 1 else np.asarray(yi) for _, yi in clients])
         return cls(x, y, offsets, counts)
 
     @property
@@ -59,6 +60,6 @@ class RaggedClients:
         rows = self.offsets[np.maximum(ids, 0)][:, None] + np.where(pos < counts[:, None], pos, 0)
         if not len(self.y):  # nothing to read from
             return ClientData(np.zeros((len(ids), length) + self.x.shape[1:], self.x.dtype),
-                              np.zeros((len(ids), length) + self.y.shape[1:], np.int32), counts.astype(np.int32))
+                              np.zeros((len(ids), length) + self.y.shape[1:], self.y.dtype), counts.astype(np.int32))
         rows = np.minimum(rows, len(self.y) - 1)  # an empty last client points past the end
         return ClientData(self.x[rows], self.y[rows], counts.astype(np.int32))
