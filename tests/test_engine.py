@@ -289,3 +289,20 @@ def test_batchnorm_local_training_runs_with_64_bit_types_enabled():
         trained, metrics = jax.jit(cohort_train(alg, clients="map"))(
             server, clients, data, jnp.arange(2), 0, jax.random.key(0))
     assert np.all(np.isfinite(np.asarray(metrics["loss"]))) and metrics["seen"].tolist() == [5, 9]
+
+
+def test_the_evaluation_loss_is_each_clients_mean_cross_entropy_of_its_predictions():
+    """``make_evaluate``'s loss over stacked clients [k, M] against the formula in float64 from the same
+    predictions: each client's mean over its real samples of -log softmax(z)[y] (and the accuracy likewise)."""
+    from jaxfl.core.evaluate import make_predict
+    data = conftest.make_data([5, 7, 3], m=8)
+    alg = build_algorithm("fedavg", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer())
+    server, clients = init_state(alg, jax.random.key(0), data.x[0], 3)
+    ev = jax.jit(make_evaluate(alg, eval_batch_size=8))(server, clients, data)
+    logits = np.asarray(jax.jit(make_predict(alg, eval_batch_size=8))(server, clients, data)[0], np.float64)
+    y, w, n = np.asarray(data.y), np.asarray(data.sample_mask()), np.asarray(data.count)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ce = -np.take_along_axis(logp, y[..., None], -1)[..., 0]
+    # a log-softmax and a mean of at most 8 terms in float32: a few eps32 of the largest term
+    np.testing.assert_allclose(ev["loss"], (w * ce).sum(-1) / n, rtol=0, atol=32 * np.finfo(np.float32).eps * ce.max())
+    np.testing.assert_allclose(ev["accuracy"], (w * (logits.argmax(-1) == y)).sum(-1) / n, rtol=0, atol=1e-6)

@@ -33,8 +33,9 @@ def multilabel(logits, labels) -> bool:
 
 
 def cross_entropy(logits, labels):
-    """Per-sample cross-entropy, logits [B, C] -> [B]. Class ids, labels int [B] in [0, C): -log softmax(z)[y].
-    Multi-hot labels [B, C] (a multi-label task, ``multilabel``): the binary cross-entropy of each class's
+    """Per-sample cross-entropy, logits [..., B, C] -> [..., B] (leading axes: e.g. the clients of a stacked
+    evaluation). Class ids, labels int [..., B] in [0, C): -log softmax(z)[y].
+    Multi-hot labels [..., B, C] (a multi-label task, ``multilabel``): the binary cross-entropy of each class's
     sigmoid, averaged over the C classes, (1/C) sum_c [softplus(z_c) - y_c z_c] (Keras' BinaryCrossentropy of
     sigmoid outputs, computed from the logits)."""
     if multilabel(logits, labels):
@@ -42,7 +43,7 @@ def cross_entropy(logits, labels):
         return jnp.mean(jax.nn.softplus(logits) - y * logits, axis=-1)
     check_labels(labels, logits.shape[-1], "cross_entropy")
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
+    return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
 
 
 RECALL_AT = 5  # the multi-label score: recall among the top 5 classes (FedOpt's Stack Overflow tag prediction)
