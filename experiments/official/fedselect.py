@@ -248,6 +248,25 @@ def jax_leaves(tree) -> list[tuple[tuple[str, ...], object]]:
     return [(tuple(k.key for k in p), v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def local_alt_orders(key, n: int):
+    """A torch Sampler that yields jaxfl's minibatch orders of one LocalAlt alternation of a client with n
+    samples and round key ``key``, one per pass: the personal pass's (``fold_in(key, 1)``), then the global
+    pass's (``key``); LocalTrainer's epoch 0 draws from ``fold_in(fold_in(k, 0), 0)``."""
+    import jax
+    import torch
+    from jaxfl.core.trainer import epoch_permutation
+    order = lambda k: np.asarray(epoch_permutation(jax.random.fold_in(jax.random.fold_in(k, 0), 0), n, n)).tolist()
+    orders = [order(jax.random.fold_in(key, 1)), order(key)]
+
+    class Orders(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter(orders.pop(0))
+
+        def __len__(self):
+            return n
+    return Orders()
+
+
 def resnet_local_alt_check(local_alt, MaskLocalAltSGD, n: int = 100, modes=("train", "eval")) -> None:
     """4-5. One LocalAlt alternation of the official ResNet-18 (torchvision's architecture, ImageNet stem) in
     training mode and in eval mode (the code's rounds from its second on; jaxfl ``frozen_bn_from``), official
@@ -269,7 +288,7 @@ def _resnet_local_alt_check(local_alt, MaskLocalAltSGD, n, modes) -> None:
     import torch
     from jaxfl.algorithms._common import ce_loss
     from jaxfl.algorithms.fedselect import local_alt as jaxfl_local_alt
-    from jaxfl.core.trainer import LocalTrainer, epoch_permutation
+    from jaxfl.core.trainer import LocalTrainer
     from jaxfl.data.clients import ClientData
     from jaxfl.models import resnet18_imagenet
 
@@ -287,19 +306,11 @@ def _resnet_local_alt_check(local_alt, MaskLocalAltSGD, n, modes) -> None:
     key = jax.random.key(7)
     norm = (0.5, 0.5)
     trainer = LocalTrainer(optax.sgd(lr), bs, 1, lambda x: (x.astype(jnp.float64) / 255.0 - norm[0]) / norm[1])
-    order = lambda k: np.asarray(epoch_permutation(jax.random.fold_in(jax.random.fold_in(k, 0), 0), n, n)).tolist()
     for mode in modes:
         loss_fn = ce_loss(jmodel, train=mode == "train")
         params, new_stats, metrics = jaxfl_local_alt(trainer, loss_fn, v["params"], stats, mask,
                                                      ClientData(jnp.asarray(x), jnp.asarray(y), jnp.int32(n)), key, 1)
-        orders = [order(jax.random.fold_in(key, 1)), order(key)]
-
-        class Orders(torch.utils.data.Sampler):
-            def __iter__(self):
-                return iter(orders.pop(0))
-
-            def __len__(self):
-                return n
+        sampler = local_alt_orders(key, n)
         tmodel = resnet18_torch(10).double()
         start = {k: torch.from_numpy(np.array(a, np.float64))
                  for k, a in resnet_jaxfl_to_torch({"params": v["params"], "batch_stats": stats}).items()}
@@ -311,7 +322,7 @@ def _resnet_local_alt_check(local_alt, MaskLocalAltSGD, n, modes) -> None:
         inputs = (x.astype(np.float64) / 255.0 - norm[0]) / norm[1]
         ldr = torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(torch.from_numpy(inputs.transpose(0, 3, 1, 2).copy()), torch.from_numpy(y)),
-            batch_size=bs, sampler=Orders())
+            batch_size=bs, sampler=sampler)
         loss = local_alt(tmodel, torch.nn.CrossEntropyLoss(), MaskLocalAltSGD(tmodel.parameters(), tmask, lr=lr), ldr,
                          torch.device("cpu"))
         ref = resnet_jaxfl_to_torch({"params": params, "batch_stats": new_stats})
@@ -407,7 +418,7 @@ def self_check(repo: Path) -> None:
     from jaxfl.core.aggregation import masked_mean
     from jaxfl.algorithms._common import ce_loss
     from jaxfl.algorithms.fedselect import local_alt as jaxfl_local_alt
-    from jaxfl.core.trainer import LocalTrainer, epoch_permutation, normalizer
+    from jaxfl.core.trainer import LocalTrainer, normalizer
     from jaxfl.data.clients import ClientData
     from jaxfl.ops.masks import grow_mask
     from jaxfl.models import fedavg_cnn
@@ -463,22 +474,13 @@ def self_check(repo: Path) -> None:
     trainer = LocalTrainer(optax.sgd(lr), bs, 1, normalizer(0.5, 0.5))
     trained, _, metrics = jaxfl_local_alt(trainer, ce_loss(jmodel), params, {}, mask,
                                           ClientData(jnp.asarray(x), jnp.asarray(y), jnp.int32(n)), key, 1)
-    # jaxfl's orders: personal pass fold_in(key, 1), global pass key; LocalTrainer epoch 0: fold_in(fold_in(k, 0), 0)
-    order = lambda k: np.asarray(epoch_permutation(jax.random.fold_in(jax.random.fold_in(k, 0), 0), n, n)).tolist()
-    orders = [order(jax.random.fold_in(key, 1)), order(key)]
-
-    class Orders(torch.utils.data.Sampler):
-        def __iter__(self):
-            return iter(orders.pop(0))
-
-        def __len__(self):
-            return n
     tmodel = fedavg_cnn_torch(10)
     to_torch = lambda tree: {k: torch.from_numpy(np.array(v, np.float32)) for k, v in jaxfl_to_torch(tree).items()}
     tmodel.load_state_dict(to_torch(params))
     tmask = to_torch(mask)
     ldr = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.from_numpy(to_nchw_float(x, (0.5, 0.5))),
-                                                                     torch.from_numpy(y)), batch_size=bs, sampler=Orders())
+                                                                     torch.from_numpy(y)), batch_size=bs,
+                                      sampler=local_alt_orders(key, n))
     loss = local_alt(tmodel, torch.nn.CrossEntropyLoss(), MaskLocalAltSGD(tmodel.parameters(), tmask, lr=lr), ldr,
                      torch.device("cpu"))
     ref, start = to_torch(trained), to_torch(params)
