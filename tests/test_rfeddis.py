@@ -110,9 +110,12 @@ def test_without_local_head_and_dis_it_is_fedbn_with_an_evidential_head():
 
 @bit_identity("in round 0 the annealing weight is 0: the KL and disentanglement terms add exact zeros")
 def test_annealing_enters_only_after_the_first_round():
-    """In round 0 lam = 0: the KL and L_Dis terms are off, so use_dis makes no difference; later it does."""
+    """In round 0 lam = 0: the KL and L_Dis terms are off, so use_dis makes no difference; later it does. (The two
+    settings compile to different programs, which XLA may fuse and round differently: equal up to float32
+    rounding of the round, not bit for bit.)"""
     on, off = (run_rounds(*setup(use_dis=flag), ROOT, rounds=2, every_round=True) for flag in (True, False))
-    assert_trees_close(on[0][1]["params"], off[0][1]["params"], atol=0, rtol=0)
+    tol = rounds_tolerance(*setup(use_dis=False), ROOT, rounds=1, num_rounds=2)[1]["params"]
+    assert_trees_close(on[0][1]["params"], off[0][1]["params"], atol=tol, rtol=0)
     assert not np.allclose(on[1][2]["loss"], off[1][2]["loss"])
 
 
