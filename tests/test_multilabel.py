@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_trainer, run_rounds, write_tff
+from conftest import EPS32, make_trainer, run_rounds, write_tff
 
 from jaxfl.algorithms import REGISTRY, build_algorithm, options_class
 from jaxfl.core.metrics import correct_count, cross_entropy, multilabel, recall_at_k
@@ -17,7 +17,6 @@ from jaxfl.data.clients import ClientData
 from jaxfl.models import BagOfWordsEncoder, Classifier, MLPEncoder, MLPHead
 from jaxfl.run.cli import main
 
-EPS32 = float(np.finfo(np.float32).eps)
 
 
 def sigmoid_bce(z, y):

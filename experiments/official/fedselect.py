@@ -224,10 +224,13 @@ def resnet_jaxfl_to_torch(variables) -> dict:
     """jaxfl ``resnet18_imagenet`` variables ({"params", "batch_stats"}, or a pytree of that structure) as
     torchvision ResNet-18 state-dict arrays: kernels HWIO -> OIHW, Dense (in, out) -> (out, in), BatchNorm
     scale/bias/mean/var -> weight/bias/running_mean/running_var, a block's shortcut -> ``downsample.0/1``."""
+    import jax
+    from jaxfl.core.trees import leaf_paths
     out = {}
     bn_names = {"scale": "weight", "bias": "bias", "mean": "running_mean", "var": "running_var"}
     for kind in ("params", "batch_stats"):
-        for path, v in jax_leaves(variables.get(kind, {})):
+        tree = variables.get(kind, {})
+        for path, v in zip(leaf_paths(tree), jax.tree_util.tree_leaves(tree)):
             if path[0] == "head":
                 out[f"fc.{'weight' if path[-1] == 'kernel' else 'bias'}"] = (np.asarray(v).T if path[-1] == "kernel"
                                                                              else np.asarray(v))
@@ -240,12 +243,6 @@ def resnet_jaxfl_to_torch(variables) -> dict:
             out[prefix + name + "." + (bn_names[leaf] if leaf in bn_names else "weight")] = (
                 np.transpose(np.asarray(v), (3, 2, 0, 1)) if leaf == "kernel" else np.asarray(v))
     return out
-
-
-def jax_leaves(tree) -> list[tuple[tuple[str, ...], object]]:
-    """[(path of dict keys, leaf)] of a nested dict."""
-    import jax
-    return [(tuple(k.key for k in p), v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def local_alt_orders(key, n: int):

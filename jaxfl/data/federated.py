@@ -228,57 +228,50 @@ def _leaf_sent140(cfg, rng, path):
     return FederatedDataset(Path(path).name, list(users), train, test, 2)
 
 
+def _natural(path, clients: dict, classes: int, cfg, rng, fit=None, multilabel: bool = False) -> FederatedDataset:
+    """The dataset of a file's natural clients {name: ((x_train, y_train), (x_test, y_test))}: each split's
+    inputs through ``fit`` (resizing, channels; None: as they are), then capped by --samples-per-client and
+    --test-per-client (every client's training split, then every test split, drawing from ``rng``)."""
+    fit = fit or (lambda x: x)
+    train = [_cap(fit(x), y, cfg.samples_per_client, rng) for (x, y), _ in clients.values()]
+    test = [_cap(fit(x), y, cfg.test_per_client, rng) for _, (x, y) in clients.values()]
+    return FederatedDataset(Path(path).name, list(clients), train, test, classes, multilabel=multilabel)
+
+
 def _tff_emnist(cfg, rng, path):
     from .tff import load_tff_emnist
     users, classes = load_tff_emnist(path, max_clients=cfg.num_clients)
-    size = cfg.image_size or 28
-    train = [_cap(prepare(x, size, cfg.channels), y, cfg.samples_per_client, rng) for (x, y), _ in users.values()]
-    test = [_cap(prepare(x, size, cfg.channels), y, cfg.test_per_client, rng) for _, (x, y) in users.values()]
-    return FederatedDataset(Path(path).name, list(users), train, test, classes)
+    return _natural(path, users, classes, cfg, rng, lambda x: prepare(x, cfg.image_size or 28, cfg.channels))
 
 
 def _tff_shakespeare(cfg, rng, path):
     from . import text
     from .tff import load_tff_shakespeare
-    roles = load_tff_shakespeare(path, max_clients=cfg.num_clients)
-    train = [_cap(*tr, cfg.samples_per_client, rng) for tr, _ in roles.values()]
-    test = [_cap(*te, cfg.test_per_client, rng) for _, te in roles.values()]
-    return FederatedDataset(Path(path).name, list(roles), train, test, text.VOCAB)
+    return _natural(path, load_tff_shakespeare(path, max_clients=cfg.num_clients), text.VOCAB, cfg, rng)
 
 
 def _tff_cifar100(cfg, rng, path):
     from .tff import load_tff_cifar100
     clients = load_tff_cifar100(path, rng, max_clients=cfg.num_clients)
-    size = cfg.image_size or 32
-    train = [_cap(prepare(x, size, cfg.channels), y, cfg.samples_per_client, rng) for (x, y), _ in clients.values()]
-    test = [_cap(prepare(x, size, cfg.channels), y, cfg.test_per_client, rng) for _, (x, y) in clients.values()]
-    return FederatedDataset(Path(path).name, list(clients), train, test, 100)
+    return _natural(path, clients, 100, cfg, rng, lambda x: prepare(x, cfg.image_size or 32, cfg.channels))
 
 
 def _tff_stackoverflow(cfg, rng, path):
     from .tff import load_tff_stackoverflow
-    users, classes = load_tff_stackoverflow(path, max_clients=cfg.num_clients)
-    train = [_cap(*tr, cfg.samples_per_client, rng) for tr, _ in users.values()]
-    test = [_cap(*te, cfg.test_per_client, rng) for _, te in users.values()]
-    return FederatedDataset(Path(path).name, list(users), train, test, classes)
+    return _natural(path, *load_tff_stackoverflow(path, max_clients=cfg.num_clients), cfg, rng)
 
 
 def _tff_stackoverflow_tags(cfg, rng, path):
     from .tff import load_tff_stackoverflow_tags
-    users, tags = load_tff_stackoverflow_tags(path, max_clients=cfg.num_clients)
-    train = [_cap(*tr, cfg.samples_per_client, rng) for tr, _ in users.values()]
-    test = [_cap(*te, cfg.test_per_client, rng) for _, te in users.values()]
-    return FederatedDataset(Path(path).name, list(users), train, test, tags, multilabel=True)
+    return _natural(path, *load_tff_stackoverflow_tags(path, max_clients=cfg.num_clients), cfg, rng, multilabel=True)
 
 
 def _flair(cfg, rng, path):
     from .flair import load_flair
     users, labels = load_flair(path, rng, max_clients=cfg.num_clients)
-    def fit(x):  # (FLAIR's images are 256x256: --image-size resizes them)
-        return prepare(x, cfg.image_size or x.shape[1], cfg.channels)
-    train = [_cap(fit(x), y, cfg.samples_per_client, rng) for (x, y), _ in users.values()]
-    test = [_cap(fit(x), y, cfg.test_per_client, rng) for _, (x, y) in users.values()]
-    return FederatedDataset(Path(path).name, list(users), train, test, labels, multilabel=True)
+    # (FLAIR's images are 256x256: --image-size resizes them)
+    return _natural(path, users, labels, cfg, rng, lambda x: prepare(x, cfg.image_size or x.shape[1], cfg.channels),
+                    multilabel=True)
 
 
 PRESETS = {
