@@ -129,7 +129,7 @@ def run_synthetic(setting: dict, rounds: int) -> dict:
 
     from jaxfl.algorithms import build_algorithm
     from jaxfl.core.backends import Stacked
-    from jaxfl.core.cohort import default_strategy
+    from jaxfl.core.cohort import client_map, default_strategy
     from jaxfl.core.distributed import client_mesh
     from jaxfl.core.trainer import LocalTrainer, client_optimizer
     from jaxfl.models import build_model
@@ -140,8 +140,8 @@ def run_synthetic(setting: dict, rounds: int) -> dict:
     devices = resolve_devices(None, cohort, "fixed")
     alg = build_algorithm("fedavg", build_model("cnn_dropout", setting["classes"]),
                           LocalTrainer(client_optimizer("sgd", setting["lr"]), setting["batch"], 1))
-    sim = Stacked(alg, data, batch_size=setting["batch"], clients=default_strategy(), cohort_size=cohort,
-                  mesh=client_mesh(devices) if devices > 1 else None)
+    sim = Stacked(alg, data, batch_size=setting["batch"], cohort_size=cohort,
+                  clients=client_map(default_strategy(), mesh=client_mesh(devices) if devices > 1 else None))
     server, store = sim.init(jax.random.key(0), data.x[:1])
     root = jax.random.key(1)
     t = time.perf_counter()

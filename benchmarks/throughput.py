@@ -387,7 +387,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
 
     from jaxfl.algorithms import build_algorithm
     from jaxfl.core.backends import Ragged, Stacked, Streamed
-    from jaxfl.core.cohort import sample_cohort
+    from jaxfl.core.cohort import client_map, sample_cohort
     from jaxfl.core.distributed import client_mesh
     from jaxfl.core.trainer import LocalTrainer
     from jaxfl.models import build_model
@@ -432,8 +432,8 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
         mesh = client_mesh(devices) if devices > 1 else None
         if kind == "stacked":
             strategy, kk = opt[0], int(opt[1][1:])
-            sim = Stacked(alg, data, batch_size=batch, clients=strategy, cohort_size=cohort, rounds_per_call=kk,
-                          mesh=mesh, **lane_options(runner))
+            sim = Stacked(alg, data, batch_size=batch, clients=client_map(strategy, mesh=mesh), cohort_size=cohort,
+                          rounds_per_call=kk, **lane_options(runner))
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             if kk == 1:
@@ -458,8 +458,8 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
                                     "lanes": None if sim.lanes is None else [list(g) for g in sim.lanes.segments]})
             del sim, store
         elif kind in ("ragged", "streamed"):
-            sim = (Ragged if kind == "ragged" else Streamed)(alg, data, batch_size=batch, clients=opt[0],
-                                                             cohort_size=cohort, mesh=mesh)
+            sim = (Ragged if kind == "ragged" else Streamed)(alg, data, batch_size=batch,
+                                                             clients=client_map(opt[0], mesh=mesh), cohort_size=cohort)
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             for r in range(rounds):  # compile every bucket shape of these cohorts

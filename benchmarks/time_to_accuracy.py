@@ -174,11 +174,12 @@ def run_jaxfl(cfg: dict, train, test, lr: float, k: int, rounds: int, seed: int,
     import jax
 
     from jaxfl.core.backends import Stacked
+    from jaxfl.core.cohort import client_map
     from jaxfl.core.distributed import client_mesh
     from jaxfl.core.evaluate import Evaluator
     alg = jaxfl_algorithm(cfg["model"], lr, cfg["batch"], cfg["epochs"])
     sim = Stacked(alg, train, batch_size=cfg["batch"], cohort_size=k,
-                  mesh=client_mesh(devices) if devices > 1 else None)
+                  clients=client_map(None, mesh=client_mesh(devices) if devices > 1 else None))
     server, store = sim.init(jax.random.key(seed), train.x[:1])
     root = jax.random.key(seed + 1)
     evaluator = Evaluator(alg, test, eval_batch_size=EVAL_BATCH, preprocess=preprocess())

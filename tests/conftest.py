@@ -268,16 +268,16 @@ BACKENDS = ("stacked", "ragged")
 
 
 def make_backend(alg, data, backend="stacked", *, clients="vmap", cohort_size=None,
-                 weighting="samples", mesh=None, num_rounds=None, batch_size=8, **kw):
+                 weighting="samples", num_rounds=None, batch_size=8, **kw):
     """A ``Stacked``, ``Streamed`` or ``Ragged`` backend of ``alg`` over the real samples of padded ``data`` (the
-    runner's engine); ``clients``: its ``ClientMap`` or the map's name; ``batch_size`` only sets the padding grid
-    (use the trainer's); ``kw`` go to the backend (e.g. ``stragglers``)."""
+    runner's engine); ``clients``: its ``ClientMap`` (with its mesh, if any) or the map's name; ``batch_size``
+    only sets the padding grid (use the trainer's); ``kw`` go to the backend (e.g. ``stragglers``)."""
     from jaxfl.core.backends import Ragged, Stacked, Streamed
     cls = {"stacked": Stacked, "streamed": Streamed, "ragged": Ragged}[backend]
     if backend in ("ragged", "streamed"):
         kw = {"client_store": "device", **kw}
     return cls(alg, ragged(data), batch_size=batch_size, clients=clients, cohort_size=cohort_size,
-               weighting=weighting, mesh=mesh, num_rounds=num_rounds, **kw)
+               weighting=weighting, num_rounds=num_rounds, **kw)
 
 
 def run_rounds(alg, data, server, states, root, rounds=1, backend="stacked", keep_rows=False, every_round=False,

@@ -12,6 +12,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import make_backend, make_data, make_trainer, ragged  # noqa: E402
 from jaxfl.algorithms import build_algorithm  # noqa: E402
+from jaxfl.core.cohort import Map, client_map  # noqa: E402
 from jaxfl.core.distributed import client_mesh  # noqa: E402
 from jaxfl.core.evaluate import Evaluator  # noqa: E402
 from jaxfl.models import small_cnn  # noqa: E402
@@ -23,13 +24,14 @@ assert jax.device_count() == 4, jax.devices()
 def run(name, strategy, mesh=None, rounds=2, cohort=None, backend="stacked", epochs=1, stragglers=0.0):
     data = make_data(COUNTS)
     alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(epochs=epochs))
-    engine = make_backend(alg, data, backend, clients=strategy, mesh=mesh, cohort_size=cohort, num_rounds=rounds,
+    clients = client_map(strategy, mesh=mesh)  # (the client axis split over mesh; None: one device)
+    engine = make_backend(alg, data, backend, clients=clients, cohort_size=cohort, num_rounds=rounds,
                           stragglers=stragglers)
     server, store = engine.init(jax.random.key(0), data.x[0])
     for r in range(rounds):
         server, metrics = engine.round(server, store, r, jax.random.key(1))
-    ev = Evaluator(alg, ragged(data), eval_batch_size=8, preprocess=make_trainer().preprocess, clients=strategy,
-                   mesh=mesh).metrics(server, store)
+    ev = Evaluator(alg, ragged(data), eval_batch_size=8, preprocess=make_trainer().preprocess,
+                   clients=clients).metrics(server, store)
     return jax.device_get((server, store.state, metrics["loss"], ev["accuracy"]))
 
 
@@ -51,7 +53,7 @@ for name, strategy, meshes, backends in (("fedavg", "vmap", (2,), ("stacked", "s
 # states stay there round after round (an array on one device would be copied to the others in every round)
 data = make_data(COUNTS)
 engine = make_backend(build_algorithm("fedbn", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer()), data,
-                      "stacked", clients="map", mesh=client_mesh(2))
+                      "stacked", clients=Map(mesh=client_mesh(2)))
 server, store = engine.init(jax.random.key(0), data.x[0])
 for r in range(2):
     server, _ = engine.round(server, store, r, jax.random.key(1))

@@ -21,6 +21,35 @@ def test_sharded_rounds_equal_single_device_rounds():
     assert len(lines) == 12 and all(line.endswith("equal") for line in lines), out.stdout
 
 
+def test_client_map_carries_its_mesh():
+    """The mesh is part of the ``ClientMap`` value: ``on`` and ``client_map(..., mesh=)`` keep the map and its
+    settings, ``devices`` counts the mesh, ``place`` and ``replicate`` put rows and the server on it, and ``over``
+    on a one-device mesh (``shard_map``) gives what the map gives without one (the same program per device)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxfl.core.cohort import Chunked, Map, Vmap, client_map
+    mesh = client_mesh(1)
+    assert Vmap().devices == 1 and Vmap().mesh is None
+    assert Chunked(3).on(mesh) == Chunked(3, mesh=mesh) and Chunked(3).on(mesh).size == 3
+    assert client_map("chunked", 5, mesh=mesh) == Chunked(5, mesh=mesh)
+    assert client_map(Map(), mesh=mesh).mesh is mesh and client_map(Map(mesh=mesh)).mesh is mesh
+    assert client_map("map", mesh=mesh).devices == 1 and Vmap(mesh=mesh) != Vmap()
+    rows = np.arange(12, dtype=np.float32).reshape(4, 3)
+    placed = Vmap(mesh=mesh).place(rows)
+    assert placed.sharding.spec == jax.sharding.PartitionSpec("clients")
+    assert Vmap(mesh=mesh).replicate(jnp.ones(2)).sharding.is_fully_replicated
+    assert Vmap().replicate(rows) is rows and len(Vmap().place(rows).sharding.device_set) == 1
+
+    def fn(shared, x, n, bound=None):
+        return shared * x.sum() + n + (0 if bound is None else bound)
+    n = jnp.array([1, 4, 2, 3])
+    for m in (Vmap(), Map(), Chunked(3)):
+        want = m.over(fn, bound_arg=1)(2.0, placed, n)
+        got = jax.jit(m.on(mesh).over(fn, bound_arg=1))(2.0, placed, n)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_mesh_asks_for_available_devices():
     with pytest.raises(ValueError, match="num_devices=99"):
         client_mesh(99)

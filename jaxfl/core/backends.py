@@ -51,7 +51,7 @@ from ..errors import ConfigError, DeviceMemoryError, check_choice, first_line
 from .buckets import BucketGrid, bucket_grid, cohort_samples_bound, grid_ceil, padded_work, plan_buckets
 from .cohort import (SAMPLINGS, Chunked, ClientMap, Sampling, client_map, poisson_cohort, poisson_members,
                      poisson_rows, sample_cohort)
-from .distributed import client_sharding, fetch, place_rows
+from .distributed import client_sharding, fetch
 from .lanes import LanePlan, expected_sorted_steps, plan_lanes
 from .step import Weighting, init_state, make_step, with_round_metrics
 from .trainer import ClientRows
@@ -136,8 +136,9 @@ class ClientStore:
 class _Backend:
     """What both backends share: the step, the cohort draw, the initial state and the per-round report.
 
-    clients: how a call runs its clients, a ``cohort.ClientMap`` (``Vmap()``, ``Map()``, ``Chunked(size)``) or
-    its name (``cohort.client_map``; None: the platform's default).
+    clients: how a call runs its clients, a ``cohort.ClientMap`` (``Vmap()``, ``Map()``, ``Chunked(size)``,
+    each optionally split over a device mesh: ``Vmap(mesh=client_mesh(2))``) or its name (``cohort.client_map``;
+    None: the platform's default, one device).
 
     sampling: ``fixed`` (``cohort_size`` = k clients a round, drawn without replacement: ``sample_cohort``) or
     ``poisson`` (each client joins a round with probability q = ``rate``, default k / N, on its own stream:
@@ -146,7 +147,7 @@ class _Backend:
     ``make_step(padded=True)`` gives weight 0, and the metrics report its members only)."""
 
     def __init__(self, alg: Algorithm, train: RaggedClients, *, batch_size: int, clients: ClientMap | str | None = None,
-                 cohort_size: int | None = None, weighting: Weighting = "samples", mesh=None,
+                 cohort_size: int | None = None, weighting: Weighting = "samples",
                  num_rounds: int | None = None, stragglers: float = 0.0, sampling: Sampling = "fixed",
                  rate: float | None = None):
         check_choice("sampling", sampling, SAMPLINGS)
@@ -156,15 +157,20 @@ class _Backend:
             raise ConfigError(f"cohort_size={cohort_size!r} must be an integer >= 1 (None: every client)")
         self.alg, self.train, self.batch_size = alg, train, batch_size
         self.clients = client_map(clients)
-        self.weighting, self.mesh, self.num_rounds = weighting, mesh, num_rounds
+        self.weighting, self.num_rounds = weighting, num_rounds
         self.num_clients = train.num_clients
         self.cohort_size = min(cohort_size or self.num_clients, self.num_clients)
         self.sampling, self.rate = sampling, self.cohort_size / self.num_clients if rate is None else rate
-        self.devices = 1 if mesh is None else mesh.devices.size
+        self.devices = self.clients.devices
         self.row_multiple = 8 * self.devices  # a padded Poisson cohort's rows: a multiple of this
         self.stragglers = stragglers
         self.step = self.make_step()
         self.device_s = 0.0  # seconds spent in jitted computations (``timed``), for ``host_share``
+
+    @property
+    def mesh(self):
+        """The device mesh the client axis is split over (the client map's; None: one device)."""
+        return self.clients.mesh
 
     @property
     def strategy(self) -> str:
@@ -173,7 +179,7 @@ class _Backend:
 
     def make_step(self, lanes: LanePlan | None = None):
         """The round's ``step.Step`` for this backend's settings (``lanes``: the cohort's ``LanePlan``)."""
-        return make_step(self.alg, clients=self.clients, mesh=self.mesh,
+        return make_step(self.alg, clients=self.clients,
                          num_rounds=self.num_rounds, weighting=self.weighting, stragglers=self.stragglers,
                          padded=self.sampling == "poisson", lanes=lanes)
 
@@ -219,9 +225,7 @@ class _Backend:
             raise ConfigError(f"sample_x has shape {tuple(np.shape(sample_x))}; the clients' inputs are {want} a "
                               f"sample: pass a batch of them, e.g. train.x[:1]")
         server, clients = init_state(self.alg, key, sample_x, self.num_clients)
-        if self.mesh is not None:
-            server = jax.device_put(server, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
-        return server, clients
+        return self.clients.replicate(server), clients
 
     def report(self, plan, ids) -> dict:
         """Per-round metrics: ``padded_work`` (computed / real samples of an epoch) and ``buckets``."""
@@ -234,7 +238,7 @@ class Ragged(_Backend):
     """Rounds over a ragged population of any size (see the module docstring).
 
     clients: ``Map()`` (one call, every client its own step count), ``Vmap()`` (buckets of similar clients, the
-    classes of a ``BucketGrid``) or ``Chunked(size)`` (the same, at most ``size`` lanes a bucket). ``mesh``
+    classes of a ``BucketGrid``) or ``Chunked(size)`` (the same, at most ``size`` lanes a bucket). The map's mesh
     splits every call's lanes over devices (lanes are then multiples of the device count; the cohort must be
     one too).
     client_store: where the persistent states live (``ClientStore``).
@@ -353,9 +357,9 @@ class Ragged(_Backend):
         real = positions >= 0
         bid = np.where(real, ids[np.maximum(positions, 0)] if len(ids) else 0, -1)
         data = self.train.gather(bid, steps * self.batch_size)
-        return (server, place_rows(store.gather(np.maximum(bid, 0)), self.mesh), place_rows(data, self.mesh),
-                place_rows(np.maximum(bid, 0).astype(np.int32), self.mesh),
-                place_rows(np.where(real, positions, rows), self.mesh), round_idx, root)
+        return (server, self.clients.place(store.gather(np.maximum(bid, 0))), self.clients.place(data),
+                self.clients.place(np.maximum(bid, 0).astype(np.int32)),
+                self.clients.place(np.where(real, positions, rows)), round_idx, root)
 
     def _empty_buffer(self, args, rows: int):
         if rows not in self._make_buffer:  # the output rows' shapes do not depend on the bucket: trace once
@@ -711,7 +715,7 @@ class Streamed(Stacked):
         clients = store.gather(np.concatenate([ids, np.zeros(rows - k, ids.dtype)]))
         self.shapes.add((rows, size))
         x, y = jax.device_put((self.train.x[index], self.train.y[index]), self.replicated)
-        return (place_rows(clients, self.mesh), x, y, place_rows(counts, self.mesh), place_rows(row_ids, self.mesh))
+        return (self.clients.place(clients), x, y, self.clients.place(counts), self.clients.place(row_ids))
 
     def round(self, server, store: ClientStore, round_idx: int, root, before_aggregate=None):
         """One round in one jitted call (two around ``before_aggregate``, which sees the trained rows);

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ..errors import ConfigError, check_choice
-from .distributed import CLIENT_AXIS
+from .distributed import CLIENT_AXIS, place_rows
 
 
 # Measured on a 2-core CPU (docs/design.md, "Client strategies"): vmap of convolutions over per-client kernels
@@ -34,11 +34,24 @@ class ClientMap:
     """How a one-client function runs over the leading client axis of stacked clients inside one jit (FedJAX's
     ``for_each_client`` backends, as values): ``Vmap()`` all clients at once, ``Map()`` one after another
     (``lax.map``), ``Chunked(size)`` vmap over chunks of ``size`` clients, chunks one after another (bounded
-    memory). Results do not depend on the map: each client's randomness comes from its own key."""
+    memory). ``mesh`` (keyword, e.g. ``Vmap(mesh=client_mesh(2))`` or ``Map().on(mesh)``): a 1-D device mesh
+    over which the client axis is split, each device running its own block of clients the same way (None: one
+    device). Results do not depend on the map or the mesh: each client's randomness comes from its own key."""
     name: ClassVar[str] = ""
+    mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, kw_only=True)
+
+    @property
+    def devices(self) -> int:
+        """The number of devices the client axis is split over (1 without a mesh)."""
+        return 1 if self.mesh is None else int(self.mesh.devices.size)
+
+    def on(self, mesh: jax.sharding.Mesh | None) -> ClientMap:
+        """The same map with the client axis split over ``mesh`` (None: one device)."""
+        return dataclasses.replace(self, mesh=mesh)
 
     def apply(self, fn: Callable, bound_arg: int | None = None) -> Callable:
-        """``fn`` over the leading client axis of all its arguments. bound_arg: the position of an int argument
+        """``fn`` over the leading client axis of all its arguments, on one device (``over`` splits it over the
+        mesh). bound_arg: the position of an int argument
         [k] (e.g. sample counts) whose largest value among the clients run together (one client under ``Map``,
         all of them otherwise) ``fn`` gets as the keyword ``bound``: a scalar not batched under vmap, so ``fn``
         can pick a static size by it (``trainer.epoch_permutation``)."""
@@ -52,6 +65,47 @@ class ClientMap:
     def lanes(self, clients: int) -> int:
         """Clients of ``clients`` that one call runs side by side (vmap lanes)."""
         raise NotImplementedError
+
+    def over(self, fn: Callable, lanes=None, bound_arg: int | None = None) -> Callable:
+        """fn(shared, *stacked) -> stacked outputs, one client per row. Without a mesh: ``apply``; with one,
+        every device applies it to its own block of clients (``jax.shard_map``) and ``shared`` (e.g. the
+        server state) is replicated. The number of clients must divide evenly.
+
+        lanes: a ``lanes.LanePlan`` instead of the map: the returned function then takes the rows' sort key
+        first, ``(shared, key, *stacked)``, and every device runs its block as the plan says (sorted by the key,
+        chunks of ``vmap`` lanes one after another; ``LanePlan.apply``). bound_arg: as in ``apply`` (an index
+        into ``stacked``; under a plan the largest value of each chunk of lanes)."""
+        def local(shared, *stacked):
+            one = lambda *a, **kw: fn(shared, *a, **kw)  # noqa: E731
+            if lanes is not None:
+                key, rows = stacked[0], stacked[1:]
+                return lanes.apply(one, key, *rows, bound=None if bound_arg is None else rows[bound_arg])
+            return self.apply(one, bound_arg)(*stacked)
+        mesh = self.mesh
+        if mesh is None:
+            return local
+        P = jax.sharding.PartitionSpec
+
+        def sharded(shared, *stacked):
+            n, d = jax.tree_util.tree_leaves(stacked)[0].shape[0], mesh.devices.size
+            if n % d:
+                raise ValueError(f"{n} clients per round cannot be split evenly over {d} devices; "
+                                 f"choose a cohort size that is a multiple of {d}")
+            in_specs = (P(),) + (P(CLIENT_AXIS),) * len(stacked)
+            # check_vma=False: scans inside local updates carry per-client values that start from replicated ones
+            return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(CLIENT_AXIS),
+                                 check_vma=False)(shared, *stacked)
+        return sharded
+
+    def place(self, tree):
+        """Host rows [lanes, ...] -> device arrays, the lanes split over the mesh's devices (``place_rows``)."""
+        return place_rows(tree, self.mesh)
+
+    def replicate(self, tree):
+        """``tree`` on every device of the mesh (unchanged without one), e.g. the server state."""
+        if self.mesh is None:
+            return tree
+        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,14 +155,15 @@ CLIENT_MAPS = {"vmap": Vmap, "map": Map, "chunked": Chunked}
 STRATEGIES = tuple(CLIENT_MAPS)
 
 
-def client_map(clients: ClientMap | str | None = None, chunk_size: int = 8) -> ClientMap:
+def client_map(clients: ClientMap | str | None = None, chunk_size: int = 8, mesh=None) -> ClientMap:
     """A ``ClientMap`` from itself or a strategy name (``vmap`` | ``map`` | ``chunked``, the latter with chunks of
-    ``chunk_size`` clients; None: ``default_strategy()``, the platform's)."""
+    ``chunk_size`` clients; None: ``default_strategy()``, the platform's), split over ``mesh`` if one is given
+    (a given map keeps its own mesh otherwise)."""
     if isinstance(clients, ClientMap):
-        return clients
+        return clients if mesh is None else clients.on(mesh)
     name = clients or default_strategy()
     check_choice("strategy", name, STRATEGIES)
-    return Chunked(chunk_size) if name == "chunked" else CLIENT_MAPS[name]()
+    return (Chunked(chunk_size) if name == "chunked" else CLIENT_MAPS[name]()).on(mesh)
 
 
 def map_clients(fn: Callable, clients: ClientMap | str | None = None, chunk_size: int = 8,
@@ -116,37 +171,6 @@ def map_clients(fn: Callable, clients: ClientMap | str | None = None, chunk_size
     """``client_map(clients, chunk_size).apply(fn, bound_arg)``: a one-client function over the leading client
     axis of all its arguments (``ClientMap.apply``)."""
     return client_map(clients, chunk_size).apply(fn, bound_arg)
-
-
-def over_clients(fn: Callable, clients: ClientMap, mesh=None, lanes=None, bound_arg: int | None = None) -> Callable:
-    """fn(shared, *stacked) -> stacked outputs, one client per row. Without a mesh: ``clients.apply``; with
-    one, every device applies it to its own block of clients (``jax.shard_map``) and ``shared`` (e.g. the
-    server state) is replicated. The number of clients must divide evenly.
-
-    lanes: a ``lanes.LanePlan`` instead of the client map: the returned function then takes the rows' sort key
-    first, ``(shared, key, *stacked)``, and every device runs its block as the plan says (sorted by the key,
-    chunks of ``vmap`` lanes one after another; ``LanePlan.apply``). bound_arg: as in ``ClientMap.apply`` (an
-    index into ``stacked``; under a plan the largest value of each chunk of lanes)."""
-    def local(shared, *stacked):
-        one = lambda *a, **kw: fn(shared, *a, **kw)  # noqa: E731
-        if lanes is not None:
-            key, rows = stacked[0], stacked[1:]
-            return lanes.apply(one, key, *rows, bound=None if bound_arg is None else rows[bound_arg])
-        return clients.apply(one, bound_arg)(*stacked)
-    if mesh is None:
-        return local
-    P = jax.sharding.PartitionSpec
-
-    def sharded(shared, *stacked):
-        n, d = jax.tree_util.tree_leaves(stacked)[0].shape[0], mesh.devices.size
-        if n % d:
-            raise ValueError(f"{n} clients per round cannot be split evenly over {d} devices; "
-                             f"choose a cohort size that is a multiple of {d}")
-        in_specs = (P(),) + (P(CLIENT_AXIS),) * len(stacked)
-        # check_vma=False: scans inside local updates carry per-client values that start from replicated ones
-        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(CLIENT_AXIS),
-                             check_vma=False)(shared, *stacked)
-    return sharded
 
 
 def client_keys(root, round_idx, client_ids):

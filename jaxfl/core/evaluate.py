@@ -20,8 +20,8 @@ from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, check_choice
 from .buckets import grid_ceil
-from .cohort import ClientMap, client_map, over_clients
-from .distributed import fetch, place_rows
+from .cohort import ClientMap, client_map
+from .distributed import fetch
 from .metrics import correct_count, cross_entropy
 from .trainer import normalizer
 from .types import Algorithm, split_output
@@ -31,13 +31,14 @@ PREDICTS = ("aggregated", "trained")  # the model after the round, or right afte
 
 
 def make_predict(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | str | None = None,
-                 preprocess: Callable = normalizer(), transform: Callable | None = None, mesh=None) -> Callable:
+                 preprocess: Callable = normalizer(), transform: Callable | None = None) -> Callable:
     """Build predict_all(server, clients, data, key=None, ids=None, train=None) -> (logits [N, M, K],
     {name: [N, M]}).
 
     Every client predicts its own inputs in evaluation mode, in batches of ``eval_batch_size`` (M must be a
     multiple of it), running only the ceil(count / B) batches that hold real samples (under ``vmap``: its
-    group's largest), the clients run by ``clients`` (a ``ClientMap`` or its name: ``cohort.client_map``); rows
+    group's largest), the clients run by ``clients`` (a ``ClientMap`` or its name: ``cohort.client_map``; split
+    over its mesh if it has one); rows
     past ``data.count`` are padding, zero where no batch ran (mask them with ``data.sample_mask()``). ids [N]:
     the rows' client ids (default 0..N-1). ``transform(x, key)`` changes each preprocessed batch (e.g. input
     noise); batch j of client i gets ``fold_in(fold_in(key, i), j)``.
@@ -79,15 +80,14 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | st
         if alg.prepare_predict is not None:
             if train is None:
                 raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
-            return over_clients(one, clients_map, mesh)((server, key), clients, data.x, data.count, ids,
-                                                                 train)
-        return over_clients(one, clients_map, mesh)((server, key), clients, data.x, data.count, ids)
+            return clients_map.over(one)((server, key), clients, data.x, data.count, ids, train)
+        return clients_map.over(one)((server, key), clients, data.x, data.count, ids)
 
     return predict_all
 
 
 def make_evaluate(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | str | None = None,
-                  preprocess: Callable = normalizer(), mesh=None) -> Callable:
+                  preprocess: Callable = normalizer()) -> Callable:
     """Build evaluate(server, clients, data, ids=None, train=None) -> {"loss", "accuracy", "count", ...} per
     client [N].
 
@@ -96,8 +96,7 @@ def make_evaluate(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | s
     returns (logits, {name: [B]}), each diagnostic is averaged the same way under its name. train: the clients'
     training sets, for an algorithm with ``prepare_predict``.
     """
-    predict_all = make_predict(alg, eval_batch_size=eval_batch_size, clients=clients, preprocess=preprocess,
-                               mesh=mesh)
+    predict_all = make_predict(alg, eval_batch_size=eval_batch_size, clients=clients, preprocess=preprocess)
 
     def evaluate(server, clients, data: ClientData, ids=None, train: ClientData | None = None):
         logits, extra = predict_all(server, clients, data, ids=ids, train=train)
@@ -130,18 +129,18 @@ class Evaluator:
     """
 
     def __init__(self, alg: Algorithm, test: RaggedClients, *, eval_batch_size: int, preprocess: Callable,
-                 clients: ClientMap | str | None = None, mesh=None, block: int = 64,
+                 clients: ClientMap | str | None = None, block: int = 64,
                  train: RaggedClients | None = None, first_id: int = 0):
         if alg.prepare_predict is not None and train is None:
             raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
         if not isinstance(eval_batch_size, int) or eval_batch_size < 1:
             raise ConfigError(f"eval_batch_size={eval_batch_size!r} must be an integer >= 1")
-        self.alg, self.test, self.train, self.mesh, self.first_id = alg, test, train, mesh, first_id
+        self.alg, self.test, self.train, self.first_id = alg, test, train, first_id
+        self.clients = client_map(clients)
         self.eval_batch_size = eval_batch_size
-        devices = 1 if mesh is None else mesh.devices.size
+        devices = self.clients.devices
         self.block = max(devices, -(-min(block, test.num_clients) // devices) * devices)
-        self._kw = dict(eval_batch_size=eval_batch_size, clients=client_map(clients), preprocess=preprocess,
-                        mesh=mesh)
+        self._kw: dict[str, Any] = dict(eval_batch_size=eval_batch_size, clients=self.clients, preprocess=preprocess)
         self._fns: dict[Any, Callable] = {}
 
     def _fn(self, kind: str, predict: str, transform=None):
@@ -179,12 +178,12 @@ class Evaluator:
 
     def _run(self, fn, server, states, inputs_shift: int = 0, rows=None, tune: Callable | None = None, **kw):
         for ids, real, data, train in self._blocks(inputs_shift, rows, with_train=tune is not None):
-            block_ids = place_rows((ids + self.first_id).astype(np.int32), self.mesh)
-            block_states = place_rows(stacked_rows(states, ids), self.mesh)
+            block_ids = self.clients.place((ids + self.first_id).astype(np.int32))
+            block_states = self.clients.place(stacked_rows(states, ids))
             if tune is not None:  # every row's local update first (on its training set), then the evaluation
-                block_states = tune(server, block_states, place_rows(train, self.mesh), block_ids)
-            extra = {} if self.alg.prepare_predict is None else {"train": place_rows(train, self.mesh)}
-            out = fn(server, block_states, place_rows(data, self.mesh), ids=block_ids, **kw, **extra)
+                block_states = tune(server, block_states, self.clients.place(train), block_ids)
+            extra = {} if self.alg.prepare_predict is None else {"train": self.clients.place(train)}
+            out = fn(server, block_states, self.clients.place(data), ids=block_ids, **kw, **extra)
             yield real, data, fetch(out)
 
     def metrics(self, server, states, predict: str = "aggregated", rows=None,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from ..data.clients import ClientData
 from ..errors import check_choice
 from .aggregation import broadcast_clients
-from .cohort import ClientMap, client_keys, client_map, over_clients, straggler_work
+from .cohort import ClientMap, client_keys, client_map, straggler_work
 from .lanes import LanePlan
 from .trainer import ClientRows
 from .trees import tree_all_finite
@@ -44,7 +44,7 @@ def aggregation_weights(counts, weighting: Weighting):
     return counts if weighting == "samples" else jnp.ones_like(counts)
 
 
-def cohort_train(alg: Algorithm, *, clients: ClientMap | str | None = None, mesh=None, num_rounds: int | None = None,
+def cohort_train(alg: Algorithm, *, clients: ClientMap | str | None = None, num_rounds: int | None = None,
                  stragglers: float = 0.0, lanes: LanePlan | None = None) -> Callable:
     """train(server, clients, data, ids, round_idx, root) -> (trained, metrics), one row per client.
 
@@ -52,14 +52,14 @@ def cohort_train(alg: Algorithm, *, clients: ClientMap | str | None = None, mesh
     with rows [k, M] into a flat store (each client then gets its ``ClientRows``); ids [k]: their
     client ids (their PRNG streams, ``client_keys``, and ``RoundInfo.client_id``). The clients run by the
     ``ClientMap`` ``clients`` (``cohort.client_map``: a name is read as ``vmap`` | ``map`` | ``chunked``; None:
-    the platform's default). metrics per client:
+    the platform's default), split over its mesh's devices if it has one. metrics per client:
     ``loss``, ``accuracy``, ``seen``, ``steps`` (and what the algorithm adds) and ``finite`` (loss and new
     state all finite). num_rounds: T, for ``RoundInfo`` (algorithms with schedules need it). stragglers: the
     probability that a client is a straggler this round (``cohort.straggler_work``: its data then carries the
     share of its local epochs it runs, ``ClientData.work``); 0: every client runs all its epochs.
-    lanes: a ``LanePlan`` for the cohort's rows (per device under ``mesh``), which replaces ``clients``: the
-    clients sorted by their local steps run as chunks of ``vmap`` lanes, each chunk to its own longest client
-    (the same per-client results: only the order of the work changes).
+    lanes: a ``LanePlan`` for the cohort's rows (per device under the map's mesh), which replaces how ``clients``
+    runs them: the clients sorted by their local steps run as chunks of ``vmap`` lanes, each chunk to its own
+    longest client (the same per-client results: only the order of the work changes).
     """
     clients_map = client_map(clients)
 
@@ -84,11 +84,11 @@ def cohort_train(alg: Algorithm, *, clients: ClientMap | str | None = None, mesh
         if isinstance(data, ClientRows):  # rows [k, M] into one flat store, shared by the clients
             # bound: the longest client among the lanes run together, so each epoch's shuffle sorts a length
             # near it instead of the population's longest (``trainer.epoch_permutation``)
-            return over_clients(one_rows, clients_map, mesh, lanes, bound_arg=2)(
+            return clients_map.over(one_rows, lanes, bound_arg=2)(
                 (server, round_idx, data.store_x, data.store_y), *order, clients, data.rows, data.count, keys, ids,
                 work)
-        return over_clients(one, clients_map, mesh, lanes)((server, round_idx), *order, clients, data.x, data.y,
-                                                           data.count, keys, ids, work)
+        return clients_map.over(one, lanes)((server, round_idx), *order, clients, data.x, data.y, data.count, keys,
+                                            ids, work)
 
     return train
 
@@ -130,11 +130,11 @@ def drop_padding(trained, counts):
         lambda t: jnp.where(real.reshape((-1,) + (1,) * (t.ndim - 1)), t, jnp.zeros((), t.dtype)), trained)
 
 
-def make_step(alg: Algorithm, *, clients: ClientMap | str | None = None, mesh=None, num_rounds: int | None = None,
+def make_step(alg: Algorithm, *, clients: ClientMap | str | None = None, num_rounds: int | None = None,
               weighting: Weighting = "samples", stragglers: float = 0.0, padded: bool = False,
               lanes: LanePlan | None = None) -> Step:
     """The cohort step of ``alg``: clients run by the ``ClientMap`` ``clients`` (or its name; None: the
-    platform's default), split over ``mesh``'s devices if given (the aggregation's reductions over clients then
+    platform's default), split over the map's mesh if it has one (the aggregation's reductions over clients then
     become all-reduces); aggregation weights by ``weighting``; num_rounds: T, given to the algorithm in its
     ``RoundInfo``; stragglers: the chance a client runs only part of its local epochs (``cohort_train``).
     padded: the cohort may carry padding rows (count 0; Poisson sampling pads its cohort to a size class):
@@ -165,5 +165,5 @@ def make_step(alg: Algorithm, *, clients: ClientMap | str | None = None, mesh=No
             raise ValueError(f"{alg.name}'s round_metrics must be scalars: {', '.join(bad)} are not")
         return out
 
-    return Step(cohort_train(alg, clients=clients, mesh=mesh, num_rounds=num_rounds, stragglers=stragglers,
-                             lanes=lanes), aggregate, round_metrics)
+    return Step(cohort_train(alg, clients=clients, num_rounds=num_rounds, stragglers=stragglers, lanes=lanes),
+                aggregate, round_metrics)

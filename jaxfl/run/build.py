@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from ..core.backends import Ragged, Stacked, Streamed, device_memory_bytes
+from ..core.cohort import ClientMap
 from ..core.cost import backend_programs, backend_seconds, run_seconds, train_flops_per_sample
 from ..core.cost import lane_overhead as cost_lane_overhead
 from ..core.distributed import client_mesh, cpu_cores, use_cpu_devices
@@ -319,18 +320,19 @@ def _on_the_host(cfg: RunConfig, backend: str, why: str) -> str:
     return backend
 
 
-def make_backend(name: str, cfg: RunConfig, alg, train: RaggedClients, cohort: int, rate: float, mesh,
+def make_backend(name: str, cfg: RunConfig, alg, train: RaggedClients, cohort: int, rate: float, clients: ClientMap,
                  overhead: float | None):
     """The data backend ``name`` (``choose_backend``'s choice) for the run's settings: ``Stacked`` (with K rounds
     per call and the lane plan), ``Streamed`` (the lane plan, the state store) or ``Ragged`` (the state store);
-    ``overhead``: the lane plan's step overhead (``lane_overhead``)."""
+    ``clients``: the run's client map, with its mesh; ``overhead``: the lane plan's step overhead
+    (``lane_overhead``)."""
     lanes = {"lane_segments": cfg.lane_segments, "lane_overhead": overhead}
     kw = {"stacked": dict(lanes, rounds_per_call=cfg.rounds_per_call),
           "streamed": dict(lanes, client_store=cfg.client_store),
           "ragged": {"client_store": cfg.client_store}}[name]
     return {"stacked": Stacked, "streamed": Streamed, "ragged": Ragged}[name](
-        alg, train, batch_size=cfg.batch_size, clients=cfg.client_map(),
-        cohort_size=cohort, weighting=cfg.weighting, mesh=mesh, num_rounds=cfg.rounds, stragglers=cfg.stragglers,
+        alg, train, batch_size=cfg.batch_size, clients=clients,
+        cohort_size=cohort, weighting=cfg.weighting, num_rounds=cfg.rounds, stragglers=cfg.stragglers,
         sampling=cfg.cohort_sampling, rate=rate, **kw)
 
 
@@ -340,7 +342,7 @@ def backend_for(cfg: RunConfig, alg: Algorithm, train: RaggedClients, place: Pla
     (the lane plan's step overhead, ``lane_overhead``, only for the backends that plan lanes)."""
     name = choose_backend(cfg, train, alg, sample_x, model, preprocess, place.cohort, place.devices)
     overhead = lane_overhead(cfg, model, sample_x, preprocess) if name in ("stacked", "streamed") else None
-    return name, make_backend(name, cfg, alg, train, place.cohort, place.rate, place.mesh, overhead)
+    return name, make_backend(name, cfg, alg, train, place.cohort, place.rate, cfg.client_map(place.mesh), overhead)
 
 
 def lane_overhead(cfg: RunConfig, model, sample_x, preprocess) -> float | None:

@@ -405,10 +405,11 @@ class RunConfig(Output, Engine, Evaluation, Privacy, Server, Cohort, ClientTrain
         """The client strategy: ``strategy``, else ``map`` on CPU and ``vmap`` on accelerators."""
         return self.strategy or default_strategy()
 
-    def client_map(self) -> ClientMap:
+    def client_map(self, mesh=None) -> ClientMap:
         """How the run's calls run their clients (``core.cohort.ClientMap``): ``strategy_or_default`` with
-        ``chunk_size``."""
-        return client_map(self.strategy_or_default(), self.chunk_size)
+        ``chunk_size``, the client axis split over ``mesh`` (the run's placement, ``build.client_placement``;
+        None: one device)."""
+        return client_map(self.strategy_or_default(), self.chunk_size, mesh)
 
     def resolved(self) -> "RunConfig":
         """This config with the run's algorithm table written out in full (every option, presets applied) and

@@ -147,7 +147,7 @@ class Experiment:
         self.malicious = malicious_of(cfg, n)
         self.algorithm = server_side(self.algorithm, cfg, self.malicious)
         poison_data(cfg, self.train_data, self.malicious, ds.num_classes)
-        self.clients = clients = cfg.client_map()
+        self.clients = clients = cfg.client_map(self.mesh)  # (the client axis split over the placement's mesh)
         self.strategy = clients.name
         if cfg.eval_point == "local":  # the models right after local training, before aggregation
             if self.algorithm.predict_trained is None:
@@ -155,13 +155,12 @@ class Experiment:
             if self.cohort != n:
                 raise ConfigError("--eval-point local evaluates every client right after its local training, so "
                                   "every client must train every round (drop --clients-per-round/--participation)")
-        check_cohort_memory(cfg, self.algorithm, sample_x, self.cohort, n,
-                            self.mesh.devices.size if self.mesh is not None else 1)
+        check_cohort_memory(cfg, self.algorithm, sample_x, self.cohort, n, clients.devices)
         self.backend_name, self.backend = backend_for(cfg, self.algorithm, self.train_data, place, self.model,
                                                       sample_x, preprocess)
         self.root = jax.random.key(cfg.seed)
         evaluator = lambda alg, test, **kw: Evaluator(  # noqa: E731  (every evaluation of the run: these settings)
-            alg, test, eval_batch_size=eval_bs, preprocess=preprocess, clients=clients, mesh=self.mesh, **kw)
+            alg, test, eval_batch_size=eval_bs, preprocess=preprocess, clients=clients, **kw)
         self.evaluator = evaluator(self.algorithm, self.test_data, train=self.train_data)
         backdoor = backdoor_test_data(cfg, self.test_data)  # (--attack backdoor: the triggered test sets)
         self.backdoor_evaluator = None if backdoor is None else evaluator(self.algorithm, backdoor,
@@ -192,7 +191,7 @@ class Experiment:
             if tuner.predict_trained is not None:
                 self.new_evaluator = evaluator(tuner, new_test, first_id=n,
                                                train=RaggedClients.from_clients(self.new_dataset.train))
-                local = cohort_train(tuner, clients=clients, mesh=self.mesh, num_rounds=cfg.rounds)
+                local = cohort_train(tuner, clients=clients, num_rounds=cfg.rounds)
                 self._tune = jax.jit(lambda server, clients, data, ids, r, root:
                                      local(server, clients, data, ids, r, root)[0])
             if self.new_global_evaluator is None and self.new_evaluator is None:
