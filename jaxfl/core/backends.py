@@ -519,9 +519,10 @@ class Stacked(_Backend):
         self.data = self._place(train)
 
     def _place(self, train: RaggedClients):
-        """The population's flat samples, offsets and counts on the device (on every device of the mesh)."""
-        return jax.device_put((train.x, train.y, train.offsets.astype(np.int32), train.counts.astype(np.int32)),
-                              self.replicated)
+        """The population's flat samples, offsets and counts on the device (on every device of the mesh; inputs
+        read lazily, ``data.lazy``, are all read here)."""
+        return jax.device_put((np.asarray(train.x), train.y, train.offsets.astype(np.int32),
+                               train.counts.astype(np.int32)), self.replicated)
 
     def init(self, key, sample_x):
         """(server, store): the server state and every client's initial persistent state, on the device."""

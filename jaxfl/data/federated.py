@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ from ..errors import DataError, check_choice
 from . import partition as part
 from .embedded import load_embedded
 from .sources import data_dir, load_image_folder, load_npz, load_tfds, npz_path
+from .lazy import LazyArray, apply, take
 from .transforms import prepare
 
 
@@ -29,6 +31,7 @@ class DataConfig:
     test_per_client: int | None = None      # test samples per client (cap)
     image_size: int | None = None
     channels: int = 3
+    lazy_inputs: str = "auto"               # natural-client files: read inputs when used (yes) | at load (no) | auto
     seed: int = 0
 
 
@@ -52,9 +55,9 @@ class FederatedDataset:
 
 
 def _cap(x, y, n, rng):
-    """The first n samples of a seeded permutation (all if n is None or larger)."""
-    idx = rng.permutation(len(y))[: len(y) if n is None else n]
-    return x[np.sort(idx)], y[np.sort(idx)]
+    """The first n samples of a seeded permutation (all if n is None or larger); a lazy ``x`` stays lazy."""
+    idx = np.sort(rng.permutation(len(y))[: len(y) if n is None else n])
+    return take(x, idx), y[idx]
 
 
 def _domain_clients(name, domains: dict, cfg: DataConfig, rng, num_classes, size, defaults=None):
@@ -228,13 +231,32 @@ def _leaf_sent140(cfg, rng, path):
     return FederatedDataset(Path(path).name, list(users), train, test, 2)
 
 
+LAZY_INPUTS = ("auto", "yes", "no")
+LAZY_SHARE = 4  # auto: inputs read when used once they would take more than 1 / LAZY_SHARE of the host's memory
+
+
+def host_memory_bytes() -> int:
+    """The host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _natural(path, clients: dict, classes: int, cfg, rng, fit=None, multilabel: bool = False) -> FederatedDataset:
     """The dataset of a file's natural clients {name: ((x_train, y_train), (x_test, y_test))}: each split's
     inputs through ``fit`` (resizing, channels; None: as they are), then capped by --samples-per-client and
-    --test-per-client (every client's training split, then every test split, drawing from ``rng``)."""
-    fit = fit or (lambda x: x)
-    train = [_cap(fit(x), y, cfg.samples_per_client, rng) for (x, y), _ in clients.values()]
-    test = [_cap(fit(x), y, cfg.test_per_client, rng) for _, (x, y) in clients.values()]
+    --test-per-client (every client's training split, then every test split, drawing from ``rng``).
+
+    Inputs a loader gives as ``lazy.LazyArray`` stay lazy (read when a round or an evaluation uses them) under
+    ``cfg.lazy_inputs`` yes, and under auto where all of them would take more than 1 / ``LAZY_SHARE`` of the
+    host's memory; otherwise they are read here."""
+    train = [_cap(x if fit is None else apply(fit, x), y, cfg.samples_per_client, rng)
+             for (x, y), _ in clients.values()]
+    test = [_cap(x if fit is None else apply(fit, x), y, cfg.test_per_client, rng) for _, (x, y) in clients.values()]
+    inputs = [x for x, _ in train + test]
+    if any(isinstance(x, LazyArray) for x in inputs):
+        size = sum(x.nbytes for x in inputs)
+        lazy = {"yes": True, "no": False}.get(cfg.lazy_inputs, size * LAZY_SHARE > host_memory_bytes())
+        if not lazy:
+            train, test = ([(np.asarray(x), y) for x, y in split] for split in (train, test))
     return FederatedDataset(Path(path).name, list(clients), train, test, classes, multilabel=multilabel)
 
 

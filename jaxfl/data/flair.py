@@ -11,7 +11,8 @@ partition (sorted; ``--num-clients N`` keeps the first N and reads only those), 
 [n, 17] of its coarse labels (a multi-label task: ``core.metrics``' per-label binary cross-entropy and recall@5);
 each client's test split is a seeded 20% of its own images, as for TFF's CIFAR-100, since FLAIR's ``val`` and
 ``test`` users are other users (pfl-research evaluates them centrally). Deviations: FLAIR's benchmark reports
-averaged precision, not recall@5; the fine-grained labels are not read.
+averaged precision, not recall@5; the fine-grained labels are not read. The images are read lazily
+(``jaxfl.data.lazy``: their shapes at load time, their values when used), the labels at load time.
 """
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
-from .tff import Split, _h5py, own_test_split
+from .tff import Split, _h5py, lazy_dataset, own_test_split
 
 
 def load_flair(path: str | Path, rng: np.random.Generator, test_fraction: float = 0.2,
                max_clients: int | None = None) -> tuple[dict[str, tuple[Split, Split]], int]:
     """({user: ((x_train, y_train), (x_test, y_test))}, labels) of pfl-research's FLAIR file: the ``train``
-    users (the first ``max_clients``, sorted), uint8 images [n, H, W, 3], multi-hot uint8 coarse labels [n, L]
+    users (the first ``max_clients``, sorted), uint8 images [n, H, W, 3] (``lazy.LazyArray``s, read when used),
+    multi-hot uint8 coarse labels [n, L]
     (L from ``/metadata/label_mapping``); each user's test split a ``test_fraction`` of its images drawn from
     ``rng``. DataError naming the file for anything not in that layout."""
     h5py = _h5py()
@@ -48,7 +50,7 @@ def load_flair(path: str | Path, rng: np.random.Generator, test_fraction: float 
                 missing = [k for k in ("images", "labels_row", "labels_col") if k not in g]
                 if missing:
                     raise DataError(f"{str(p)!r}: user {u!r} has no {', '.join(missing)}")
-                x = np.asarray(g["images"])
+                x = lazy_dataset(p, ("train", u, "images"), g["images"].shape, g["images"].dtype)
                 rows, cols = np.asarray(g["labels_row"], np.int64), np.asarray(g["labels_col"], np.int64)
                 if x.ndim != 4 or x.shape[-1] != 3 or x.dtype != np.uint8:
                     raise DataError(f"{str(p)!r}: user {u!r} has images of shape {x.shape} and type {x.dtype}; "

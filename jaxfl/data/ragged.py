@@ -11,19 +11,22 @@ import numpy as np
 
 from ..errors import DataError
 from .clients import ClientData
+from .lazy import LazyArray, LazyRows
 
 
 @dataclasses.dataclass(frozen=True)
 class RaggedClients:
-    """Host arrays: x [S, ...] and y [S] with client i's samples at rows offsets[i] : offsets[i] + counts[i]."""
-    x: np.ndarray
+    """Host arrays: x [S, ...] and y [S] with client i's samples at rows offsets[i] : offsets[i] + counts[i] (x may
+    be a ``lazy.LazyRows``, indexed the same way)."""
+    x: np.ndarray | LazyRows
     y: np.ndarray
     offsets: np.ndarray
     counts: np.ndarray
 
     @classmethod
     def from_clients(cls, clients) -> "RaggedClients":
-        """[(x_i [n_i, ...], y_i [n_i] or multi-hot [n_i, C])] -> one flat store (copies each client's arrays once)."""
+        """[(x_i [n_i, ...], y_i [n_i] or multi-hot [n_i, C])] -> one flat store (copies each client's arrays once;
+        inputs given as ``lazy.LazyArray`` become ``lazy.LazyRows``, read when indexed)."""
         if not clients:
             raise DataError("no clients to store")
         shape = clients[0][0].shape[1:]
@@ -34,7 +37,12 @@ class RaggedClients:
                 raise DataError(f"client {i} has {len(xi)} images and {len(yi)} labels")
         counts = np.array([len(y) for _, y in clients], np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        x = np.concatenate([xi for xi, _ in clients]) if counts.sum() else np.zeros((0,) + shape, clients[0][0].dtype)
+        if any(isinstance(xi, LazyArray) for xi, _ in clients):  # read when a round or an evaluation uses them
+            x = LazyRows([xi for xi, _ in clients], offsets)
+        elif counts.sum():
+            x = np.concatenate([xi for xi, _ in clients])
+        else:
+            x = np.zeros((0,) + shape, clients[0][0].dtype)
         # class ids as int32; multi-hot rows [n, C] keep their (small) dtype
         y = np.concatenate([np.asarray(yi, np.int32) if np.ndim(yi) == 1 else np.asarray(yi) for _, yi in clients])
         return cls(x, y, offsets, counts)

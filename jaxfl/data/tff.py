@@ -48,7 +48,9 @@ folder holding both files, or the training file itself, whose test file is the s
 
 ``--num-clients N`` keeps the first N clients by id (all by default), and only those are read from the files.
 
-Deviations: the chosen clients are read into memory whole (EMNIST-62 is about 0.5 GB as uint8).
+The images of EMNIST and CIFAR-100 are read lazily (``jaxfl.data.lazy``): at load time only their shapes,
+and their values when a round, an evaluation or ``--lazy-inputs no`` (read them all at load) needs them; the
+labels and the text datasets, whose vocabularies need every training sentence, are read at load time.
 Nothing is downloaded: TFF's ``tff.simulation.datasets.*.load_data`` caches these files (or FedML's download
 scripts fetch them); h5py reads them (``pip install h5py``).
 """
@@ -60,6 +62,7 @@ import numpy as np
 
 from ..errors import DataError
 from . import text
+from .lazy import LazyArray, apply, take
 
 FILES = {"emnist": "fed_emnist_train.h5", "shakespeare": "shakespeare_train.h5", "cifar100": "fed_cifar100_train.h5",
          "stackoverflow": "stackoverflow_train.h5"}
@@ -107,9 +110,27 @@ def client_ids(path: Path) -> list[str]:
         raise DataError(f"{str(path)!r} is not a TFF HDF5 file ({e})") from None
 
 
-def read_examples(path: Path, fields: tuple[str, ...], ids=None) -> dict[str, dict[str, np.ndarray]]:
+def lazy_dataset(path: Path, keys: tuple[str, ...], shape, dtype) -> LazyArray:
+    """The HDF5 dataset ``path``/keys[0]/keys[1]/... as a ``LazyArray`` (read when used: the file is opened
+    for each read); DataError naming the file if it cannot be read then."""
+    def read():
+        h5py = _h5py()
+        try:
+            with h5py.File(path, "r") as f:
+                node = f
+                for k in keys:
+                    node = node[k]
+                return node[()]
+        except (OSError, KeyError, TypeError) as e:
+            raise DataError(f"{str(path)!r}: cannot read {'/'.join(keys)} ({e})") from None
+    return LazyArray(read, shape, dtype)
+
+
+def read_examples(path: Path, fields: tuple[str, ...], ids=None,
+                  lazy: tuple[str, ...] = ()) -> dict[str, dict]:
     """{client id: {field: its array}} of a TFF HDF5 file (``examples/<client>/<field>``), clients sorted; only
-    the clients ``ids`` (default all) are read. DataError naming the file for one that is not HDF5, has no
+    the clients ``ids`` (default all) are read, and the fields in ``lazy`` only as ``lazy.LazyArray`` (their
+    shape and dtype now, their values when used). DataError naming the file for one that is not HDF5, has no
     ``examples`` group, or lacks a field."""
     h5py = _h5py()
     wanted = client_ids(path) if ids is None else sorted(ids)
@@ -122,7 +143,8 @@ def read_examples(path: Path, fields: tuple[str, ...], ids=None) -> dict[str, di
                 if missing:
                     raise DataError(f"{str(path)!r}: client {cid!r} has no {', '.join(missing)} (it has "
                                     f"{', '.join(sorted(group)) or 'nothing'}); expected {', '.join(fields)}")
-                out[cid] = {k: group[k][()] for k in fields}
+                out[cid] = {k: lazy_dataset(path, ("examples", cid, k), group[k].shape, group[k].dtype) if k in lazy
+                            else group[k][()] for k in fields}
             return out
     except DataError:
         raise
@@ -152,6 +174,7 @@ def _labels(y, classes: int, where: str, cid: str) -> np.ndarray:
 
 
 def _emnist_images(pixels, where: str, cid: str) -> np.ndarray:
+    """TFF's EMNIST pixels (float [n, 28, 28] in [0, 1], 1 is paper) as uint8 images [n, 28, 28, 1], ink high."""
     x = np.asarray(pixels, np.float32)
     if x.ndim != 3 or x.shape[1:] != (28, 28):
         raise DataError(f"{where}: client {cid!r} has pixels of shape {x.shape}; EMNIST's are [n, 28, 28]")
@@ -163,12 +186,18 @@ def _emnist_images(pixels, where: str, cid: str) -> np.ndarray:
 
 def load_tff_emnist(path: str | Path, max_clients: int | None = None) -> tuple[dict[str, tuple[Split, Split]], int]:
     """({writer: ((x_train, y_train), (x_test, y_test))}, classes) of TFF's EMNIST: uint8 [n, 28, 28, 1] images
-    (ink high), int32 labels; writers in both splits, sorted (the first ``max_clients`` of them)."""
+    (ink high; ``lazy.LazyArray``s, read when used), int32 labels; writers in both splits, sorted (the first
+    ``max_clients`` of them)."""
     train_file, test_file = split_files(path, "emnist")
     classes = 10 if "digitsonly" in train_file.name else 62
     users = shared_clients(train_file, test_file, max_clients)
-    splits = [read_examples(f, ("pixels", "label"), users) for f in (train_file, test_file)]
-    return {u: tuple((_emnist_images(s[u]["pixels"], str(f), u), _labels(s[u]["label"], classes, str(f), u))
+    splits = [read_examples(f, ("pixels", "label"), users, lazy=("pixels",)) for f in (train_file, test_file)]
+
+    def images(pixels, where, cid):  # (bound now: the lazy reads run later)
+        if len(pixels.shape) != 3 or pixels.shape[1:] != (28, 28):  # (the shape is known before the values)
+            raise DataError(f"{where}: client {cid!r} has pixels of shape {pixels.shape}; EMNIST's are [n, 28, 28]")
+        return apply(lambda p: _emnist_images(p, where, cid), pixels)
+    return {u: tuple((images(s[u]["pixels"], str(f), u), _labels(s[u]["label"], classes, str(f), u))
                      for s, f in zip(splits, (train_file, test_file))) for u in users}, classes
 
 
@@ -199,13 +228,13 @@ def load_tff_shakespeare(path: str | Path, seq_len: int = 80,
 def load_tff_cifar100(path: str | Path, rng: np.random.Generator, test_fraction: float = 0.2,
                       max_clients: int | None = None) -> dict[str, tuple[Split, Split]]:
     """{client: ((x_train, y_train), (x_test, y_test))} of TFF's CIFAR-100 training clients (the first
-    ``max_clients``, sorted): uint8 [n, 32, 32, 3] images, int32 fine labels; each client's test split a
-    ``test_fraction`` of its images drawn from ``rng``."""
+    ``max_clients``, sorted): uint8 [n, 32, 32, 3] images (``lazy.LazyArray``s, read when used), int32 fine
+    labels; each client's test split a ``test_fraction`` of its images drawn from ``rng``."""
     train_file, _ = split_files(path, "cifar100")
     out = {}
     ids = client_ids(train_file)[:max_clients] if max_clients else None
-    for cid, d in read_examples(train_file, ("image", "label"), ids).items():
-        x = np.asarray(d["image"])
+    for cid, d in read_examples(train_file, ("image", "label"), ids, lazy=("image",)).items():
+        x = d["image"]
         if x.ndim != 4 or x.shape[1:] != (32, 32, 3) or x.dtype != np.uint8:
             raise DataError(f"{str(train_file)!r}: client {cid!r} has images of shape {x.shape} and type {x.dtype}; "
                             f"CIFAR-100's are uint8 [n, 32, 32, 3]")
@@ -215,11 +244,12 @@ def load_tff_cifar100(path: str | Path, rng: np.random.Generator, test_fraction:
 
 def own_test_split(x: np.ndarray, y: np.ndarray, rng: np.random.Generator, fraction: float) -> tuple[Split, Split]:
     """((x_train, y_train), (x_test, y_test)) of one client: a ``fraction`` of its samples (at least one, none of a
-    client with one sample) drawn from ``rng`` for testing, both parts in their original order."""
+    client with one sample) drawn from ``rng`` for testing, both parts in their original order (``x`` may be a
+    ``lazy.LazyArray``: its parts are then lazy too)."""
     order = rng.permutation(len(y))
     cut = len(y) - max(1, int(round(fraction * len(y)))) if len(y) > 1 else len(y)
     tr, te = np.sort(order[:cut]), np.sort(order[cut:])
-    return (x[tr], y[tr]), (x[te], y[te])
+    return (take(x, tr), y[tr]), (take(x, te), y[te])
 
 
 # Stack Overflow next-word prediction: the token ids FedOpt's task uses (pad 0, the V words 1..V, one OOV id,

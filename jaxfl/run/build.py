@@ -47,6 +47,7 @@ from ..core.trainer import LocalTrainer
 from ..core.types import Algorithm
 from ..data import load_dataset
 from ..data.federated import FederatedDataset, with_normalization
+from ..data.lazy import is_lazy
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError
 from ..ops.attacks import (UPDATE_ATTACKS, backdoor_samples, backdoor_test, flip_labels, malicious_clients,
@@ -165,6 +166,10 @@ def poison_data(cfg: RunConfig, train: RaggedClients, malicious: np.ndarray | No
     attack, params = parse_attack(cfg.attack)
     if attack not in ("label_flip", "backdoor"):
         return
+    if attack == "backdoor" and is_lazy(train.x):
+        raise ConfigError(f"--attack backdoor rewrites the malicious clients' training images in memory, but "
+                          f"--dataset {cfg.dataset} reads them from its file when used (--lazy-inputs "
+                          f"{cfg.lazy_inputs}); give --lazy-inputs no")
     rng = np.random.default_rng([cfg.seed, ATTACK_STREAM])
     for i in np.flatnonzero(malicious):
         rows = slice(train.offsets[i], train.offsets[i] + train.counts[i])

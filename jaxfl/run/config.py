@@ -22,7 +22,8 @@ from ..ops.robust_aggregation import parse_aggregator
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
-from ..data.federated import MULTILABEL_DATASETS, NORMALIZATIONS, PREFIX_ARGUMENT, TEXT_DATASETS, DataConfig
+from ..data.federated import (LAZY_INPUTS, MULTILABEL_DATASETS, NORMALIZATIONS, PREFIX_ARGUMENT, TEXT_DATASETS,
+                             DataConfig)
 from ..errors import ConfigError, check_choice, check_range
 from .evaluation import EVAL_CLIENTS, EVAL_MODELS
 from .lock import LOCK_NAME, check_free
@@ -111,6 +112,10 @@ class Data(ConfigGroup):
                                               "own size)", minimum=1)
     channels: int = option(3, "the channels images are converted to: 3 (grey repeated to RGB) or 1 (RGB to "
                                   "grey by 601 luma)")
+    lazy_inputs: str = option("auto", "natural-client image files (tff_emnist:, tff_cifar100:, flair:): read a "
+                                      "client's inputs from the file each time a round or an evaluation uses "
+                                      "them (yes), all at load (no), or auto: yes where they would take more "
+                                      "than a quarter of the host's memory", choices=LAZY_INPUTS)
     normalize: str = option("dataset", "how uint8 images are scaled: dataset (its own: (x/255 - 0.5)/0.5 for most) "
                                        "| imagenet (torchvision's per-channel ImageNet mean and std; 3 channels) | "
                                        "unit (x/255)", choices=("dataset", *NORMALIZATIONS))
