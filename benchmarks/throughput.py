@@ -272,6 +272,11 @@ SMALL = {
                         skip=("stacked/vmap/K10",), max_rounds=1),
     "char_lstm": dict(model="char_lstm", input="text", classes=80, batch=10, median=10, sigma=1.15, lr=0.01,
                       skip=("stacked/vmap/K10",), max_rounds=1),
+    # the label-skewed FedAvg CNN of SKEWED (batch 32; client sizes of jaxfl's Dirichlet(0.3) split of 50,000
+    # samples over the workload's clients) in this harness, whose /D2 runners split the cohort over the cores
+    "fedavg_cnn_dir0.3": dict(model="fedavg_cnn", input="image", classes=10, batch=32, dirichlet=0.3,
+                              samples=50_000, median=None, sigma=None, lr=0.01, skip=("stacked/vmap/K10",),
+                              max_rounds=1),
 }
 # skip: runners left out by default (a vmapped round of CNN / LSTM clients runs to the cohort's longest client
 # and is slower than map on a CPU: see ragged/vmap); max_rounds: at most this many rounds timed per runner.
@@ -398,7 +403,8 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     w["median"] = median or w["median"]
     w["sigma"] = sigma if sigma is not None else w["sigma"]
     peak, bandwidth = matmul_peak_gflops(), copy_bandwidth_gbs()
-    counts = lognormal_counts(n_clients, w["median"], w["sigma"])
+    counts = (skewed_counts(w["dirichlet"], n_clients, w["samples"]) if "dirichlet" in w
+              else lognormal_counts(n_clients, w["median"], w["sigma"]))
     data = small_population(w, counts)
     batch = w["batch"]
     trainer = LocalTrainer(optax.sgd(w["lr"]), batch, 1)
@@ -571,6 +577,8 @@ def torch_small_model(w: dict):
     if w["model"] == "mlp_2nn":
         return tnn.Sequential(tnn.Flatten(), tnn.Linear(784, 200), tnn.ReLU(), tnn.Linear(200, 200), tnn.ReLU(),
                               tnn.Linear(200, c))
+    if w["model"] == "fedavg_cnn":
+        return torch_model("fedavg_cnn", (28, 28, 1))
     if w["model"] == "femnist_cnn":
         return tnn.Sequential(tnn.Conv2d(1, 32, 5, padding=2), tnn.ReLU(), tnn.MaxPool2d(2),
                               tnn.Conv2d(32, 64, 5, padding=2), tnn.ReLU(), tnn.MaxPool2d(2), tnn.Flatten(),

@@ -51,10 +51,10 @@ class ClientMap:
 
     def apply(self, fn: Callable, bound_arg: int | None = None) -> Callable:
         """``fn`` over the leading client axis of all its arguments, on one device (``over`` splits it over the
-        mesh). bound_arg: the position of an int argument
-        [k] (e.g. sample counts) whose largest value among the clients run together (one client under ``Map``,
-        all of them otherwise) ``fn`` gets as the keyword ``bound``: a scalar not batched under vmap, so ``fn``
-        can pick a static size by it (``trainer.epoch_permutation``)."""
+        mesh). bound_arg: the position of an int argument [k] (e.g. sample counts) whose largest value among the
+        clients run together (one client under ``Map``, all of them otherwise) ``fn`` gets as the keyword
+        ``bound``: a scalar not batched under vmap, so ``fn`` can pick a static size by it
+        (``trainer.epoch_permutation``)."""
         if bound_arg is not None:  # all clients of the call share the largest value
             return lambda *args: self.apply(functools.partial(fn, bound=jnp.max(args[bound_arg])))(*args)
         return self._apply(fn)
