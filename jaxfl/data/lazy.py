@@ -20,20 +20,10 @@ from typing import Callable
 import numpy as np
 
 
-class LazyArray:
-    """An array [n, ...] whose values come from ``read()`` (called on each use, nothing cached), with its
-    ``shape`` and ``dtype`` known without reading. ``take`` and ``map`` compose lazily; indexing, ``len`` and
-    ``np.asarray`` behave as on the array ``read()`` returns."""
-
-    def __init__(self, read: Callable[[], np.ndarray], shape: tuple[int, ...], dtype):
-        self._read, self.shape, self.dtype = read, tuple(int(s) for s in shape), np.dtype(dtype)
-
-    def read(self) -> np.ndarray:
-        """The values, checked to have the promised shape and dtype."""
-        a = np.asarray(self._read())
-        if a.shape != self.shape or a.dtype != self.dtype:
-            raise ValueError(f"a lazy array read as {a.shape} {a.dtype}, promised {self.shape} {self.dtype}")
-        return a
+class _Shaped:
+    """What a lazy array knows before it is read: its ``shape`` and ``dtype`` (set by the subclass)."""
+    shape: tuple[int, ...]
+    dtype: np.dtype
 
     @property
     def ndim(self) -> int:
@@ -50,6 +40,22 @@ class LazyArray:
 
     def __len__(self) -> int:
         return self.shape[0]
+
+
+class LazyArray(_Shaped):
+    """An array [n, ...] whose values come from ``read()`` (called on each use, nothing cached), with its
+    ``shape`` and ``dtype`` known without reading. ``take`` and ``map`` compose lazily; indexing, ``len`` and
+    ``np.asarray`` behave as on the array ``read()`` returns."""
+
+    def __init__(self, read: Callable[[], np.ndarray], shape: tuple[int, ...], dtype):
+        self._read, self.shape, self.dtype = read, tuple(int(s) for s in shape), np.dtype(dtype)
+
+    def read(self) -> np.ndarray:
+        """The values, checked to have the promised shape and dtype."""
+        a = np.asarray(self._read())
+        if a.shape != self.shape or a.dtype != self.dtype:
+            raise ValueError(f"a lazy array read as {a.shape} {a.dtype}, promised {self.shape} {self.dtype}")
+        return a
 
     def __getitem__(self, index):
         return self.read()[index]
@@ -84,7 +90,7 @@ def apply(fn: Callable[[np.ndarray], np.ndarray], x):
     return x.map(fn) if isinstance(x, LazyArray) else fn(x)
 
 
-class LazyRows:
+class LazyRows(_Shaped):
     """The flat inputs [S, ...] of ragged clients (client i at rows offsets[i] : offsets[i] + len(parts[i])),
     each part an array or a ``LazyArray``. ``rows[index]`` reads only the parts the index falls in, each once."""
 
@@ -99,21 +105,6 @@ class LazyRows:
         self.shape = (int(self.counts.sum()),) + trailing.pop()
         self.dtype = dtypes.pop()
         self.reads = np.zeros(len(self.parts), np.int64)  # times each part was read (what a run touched)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def __len__(self) -> int:
-        return self.shape[0]
 
     def __getitem__(self, index) -> np.ndarray:
         if isinstance(index, slice):
