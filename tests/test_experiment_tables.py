@@ -319,13 +319,16 @@ def test_the_fedopt_settings_run_end_to_end_on_fabricated_tff_files(tmp_path, ca
     import fedopt
     from conftest import emnist_files
     emnist_files(tmp_path / "data", writers=tuple(f"w{i:02d}" for i in range(10)), n=(6,) * 10)  # (cohort 10)
-    fedopt.main(["--data", str(tmp_path / "data"), "--tasks", "emnist_cr,shakespeare", "--methods", "fedyogi,fedavg",
-                 "--rounds", "1", "--out", str(tmp_path / "out")])
+    fedopt.main(["--data", str(tmp_path / "data"), "--tasks", "emnist_cr,emnist_ae,shakespeare",
+                 "--methods", "fedyogi,fedavg", "--rounds", "1", "--out", str(tmp_path / "out")])
     out = capsys.readouterr().out
     assert "shakespeare: skipped, missing" in out and "shakespeare_train.h5" in out
     table = (tmp_path / "out" / "table.md").read_text()
     assert "| emnist_cr | fedyogi | 1 |" in table
     rows = {line.split(" | ")[1]: line for line in table.splitlines() if line.startswith("| emnist_cr |")}
     assert rows["fedavg"].endswith("| 84.9 |") and rows["fedyogi"].endswith("|  |")  # (the paper's FedAvg only)
+    assert "| emnist_ae | fedyogi | 1 |" in table  # (the autoencoder: the same files, float targets)
+    cfg = json.loads((tmp_path / "out" / "emnist_ae" / "fedyogi" / "fedavg" / "config.json").read_text())
+    assert cfg["model"] == "emnist_ae" and cfg["dataset"].startswith("tff_emnist_ae:") and cfg["lr"] == 10.0
     cfg = json.loads((tmp_path / "out" / "emnist_cr" / "fedyogi" / "fedavg" / "config.json").read_text())
     assert cfg["server_opt"] == "yogi" and cfg["model"] == "cnn_dropout" and cfg["batch_size"] == 20

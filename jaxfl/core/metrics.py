@@ -1,6 +1,8 @@
 """What the engine computes on every batch, and the input checks of per-sample functions: per-sample
 cross-entropy, the weighted batch mean, correct counts (weights: 1 for real samples, 0 for padding). Labels are
-class ids [B], or multi-hot [B, C] for a multi-label task (``multilabel``: binary cross-entropy and recall@5)."""
+class ids [B], multi-hot [B, C] for a multi-label task (``multilabel``: binary cross-entropy and recall@5), or
+float targets in [0, 1] [B, D] for a reconstruction task (``reconstruction``: squared error of sigmoid outputs,
+scored by 1 - MSE)."""
 from __future__ import annotations
 
 import jax
@@ -27,9 +29,21 @@ def check_positive(value, name: str, where: str) -> None:
 
 
 def multilabel(logits, labels) -> bool:
-    """Whether ``labels`` are multi-hot (one 0/1 entry per class, [B, C]: a multi-label task) rather than class
-    ids [B]; decided by their rank, so statically under jit."""
-    return jnp.ndim(labels) == jnp.ndim(logits)
+    """Whether ``labels`` are multi-hot (one 0/1 integer entry per class, [B, C]: a multi-label task) rather than
+    class ids [B]; decided by their rank and dtype, so statically under jit."""
+    return jnp.ndim(labels) == jnp.ndim(logits) and not jnp.issubdtype(jnp.result_type(labels), jnp.floating)
+
+
+def reconstruction(logits, labels) -> bool:
+    """Whether ``labels`` are float targets [B, D], one per output (a reconstruction task, e.g. an autoencoder's
+    inputs), rather than class ids or multi-hot rows; decided by rank and dtype, statically under jit."""
+    return jnp.ndim(labels) == jnp.ndim(logits) and jnp.issubdtype(jnp.result_type(labels), jnp.floating)
+
+
+def squared_error(logits, targets):
+    """Per-sample mean squared error of sigmoid outputs: (1/D) sum_d (sigmoid(z_d) - t_d)^2, logits and targets
+    [..., B, D] -> [..., B] (Keras' MeanSquaredError of a sigmoid output layer, as FedOpt's EMNIST autoencoder)."""
+    return jnp.mean(jnp.square(jax.nn.sigmoid(logits) - targets.astype(logits.dtype)), axis=-1)
 
 
 def cross_entropy(logits, labels):
@@ -37,7 +51,10 @@ def cross_entropy(logits, labels):
     evaluation). Class ids, labels int [..., B] in [0, C): -log softmax(z)[y].
     Multi-hot labels [..., B, C] (a multi-label task, ``multilabel``): the binary cross-entropy of each class's
     sigmoid, averaged over the C classes, (1/C) sum_c [softplus(z_c) - y_c z_c] (Keras' BinaryCrossentropy of
-    sigmoid outputs, computed from the logits)."""
+    sigmoid outputs, computed from the logits). Float targets [..., B, D] (a reconstruction task,
+    ``reconstruction``): the loss is their ``squared_error`` instead (the name says what a class task computes)."""
+    if reconstruction(logits, labels):
+        return squared_error(logits, labels)
     if multilabel(logits, labels):
         y = labels.astype(logits.dtype)
         return jnp.mean(jax.nn.softplus(logits) - y * logits, axis=-1)
@@ -69,7 +86,10 @@ def weighted_mean_loss(per_sample, weights):
 def correct_count(logits, labels, weights):
     """Number of real samples whose argmax prediction equals the label: logits [B, C], labels int [B],
     weights [B] (1 real, 0 padding) -> [] (float). Multi-hot labels [B, C]: the sum of the real samples'
-    ``recall_at_k`` (so the engine's "accuracy", this over the sample count, is the sample-averaged recall@5)."""
+    ``recall_at_k`` (so the engine's "accuracy", this over the sample count, is the sample-averaged recall@5).
+    Float targets [B, D]: the sum of the real samples' 1 - ``squared_error`` (the "accuracy" is 1 - MSE)."""
+    if reconstruction(logits, labels):
+        return jnp.sum(weights * (1.0 - squared_error(logits, labels)))
     if multilabel(logits, labels):
         return jnp.sum(weights * recall_at_k(logits, labels))
     return jnp.sum(weights * (jnp.argmax(logits, -1) == labels))

@@ -73,8 +73,9 @@ class Options:
     # augmentation (``--augment``, ``LocalTrainer.augment``) would not reach it: refused for these
     own_minibatches: ClassVar[bool] = False
     # the method reads labels only through ``core.metrics``' loss and score (``cross_entropy``, ``correct_count``),
-    # so the multi-hot labels of a multi-label dataset (``--dataset tff_stackoverflow_tags:``) work; any other
-    # method is refused there (tests/test_multilabel.py runs every method that sets it on multi-hot labels)
+    # so the multi-hot labels of a multi-label dataset (``--dataset tff_stackoverflow_tags:``) and the float
+    # targets of a reconstruction task (``--dataset tff_emnist_ae:``) work; any other method is refused there
+    # (tests/test_multilabel.py runs every method that sets it on multi-hot labels)
     multilabel: ClassVar[bool] = False
 
     # -- construction ------------------------------------------------------------------------------------

@@ -44,7 +44,9 @@ class FederatedDataset:
     test: list[tuple[np.ndarray, np.ndarray]]
     num_classes: int
     normalize: tuple[float, float] = (0.5, 0.5)
-    multilabel: bool = False  # labels are multi-hot rows [n, num_classes] (``core.metrics.multilabel``)
+    # what the labels are: class ids [n] (classification), multi-hot rows [n, num_classes] (multilabel:
+    # ``core.metrics.multilabel``) or float targets [n, num_classes] (reconstruction: ``core.metrics.reconstruction``)
+    task: str = "classification"
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -240,7 +242,7 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _natural(path, clients: dict, classes: int, cfg, rng, fit=None, multilabel: bool = False) -> FederatedDataset:
+def _natural(path, clients: dict, classes: int, cfg, rng, fit=None, task: str = "classification") -> FederatedDataset:
     """The dataset of a file's natural clients {name: ((x_train, y_train), (x_test, y_test))}: each split's
     inputs through ``fit`` (resizing, channels; None: as they are), then capped by --samples-per-client and
     --test-per-client (every client's training split, then every test split, drawing from ``rng``).
@@ -257,13 +259,24 @@ def _natural(path, clients: dict, classes: int, cfg, rng, fit=None, multilabel: 
         lazy = {"yes": True, "no": False}.get(cfg.lazy_inputs, size * LAZY_SHARE > host_memory_bytes())
         if not lazy:
             train, test = ([(np.asarray(x), y) for x, y in split] for split in (train, test))
-    return FederatedDataset(Path(path).name, list(clients), train, test, classes, multilabel=multilabel)
+    return FederatedDataset(Path(path).name, list(clients), train, test, classes, task=task)
 
 
 def _tff_emnist(cfg, rng, path):
     from .tff import load_tff_emnist
     users, classes = load_tff_emnist(path, max_clients=cfg.num_clients)
     return _natural(path, users, classes, cfg, rng, lambda x: prepare(x, cfg.image_size or 28, cfg.channels))
+
+
+def _tff_emnist_ae(cfg, rng, path):
+    from .tff import load_tff_emnist_ae
+    if cfg.image_size not in (None, 28):
+        raise DataError(f"--dataset {cfg.dataset}: the autoencoder reconstructs EMNIST's 28 x 28 pixels; drop "
+                        f"--image-size {cfg.image_size}")
+    ds = _natural(path, load_tff_emnist_ae(path, max_clients=cfg.num_clients), 28 * 28, cfg, rng,
+                  lambda x: prepare(x, 28, cfg.channels), task="reconstruction")
+    ds.normalize = (0.0, 1.0)  # the input FedOpt feeds: 1 - pixels in [0, 1] (here x / 255)
+    return ds
 
 
 def _tff_shakespeare(cfg, rng, path):
@@ -285,7 +298,8 @@ def _tff_stackoverflow(cfg, rng, path):
 
 def _tff_stackoverflow_tags(cfg, rng, path):
     from .tff import load_tff_stackoverflow_tags
-    return _natural(path, *load_tff_stackoverflow_tags(path, max_clients=cfg.num_clients), cfg, rng, multilabel=True)
+    return _natural(path, *load_tff_stackoverflow_tags(path, max_clients=cfg.num_clients), cfg, rng,
+                    task="multilabel")
 
 
 def _flair(cfg, rng, path):
@@ -293,7 +307,7 @@ def _flair(cfg, rng, path):
     users, labels = load_flair(path, rng, max_clients=cfg.num_clients)
     # (FLAIR's images are 256x256: --image-size resizes them)
     return _natural(path, users, labels, cfg, rng, lambda x: prepare(x, cfg.image_size or x.shape[1], cfg.channels),
-                    multilabel=True)
+                    task="multilabel")
 
 
 PRESETS = {
@@ -306,7 +320,8 @@ PRESETS = {
 }
 PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": _leaf, "leaf_femnist:": _leaf_femnist,
             "leaf_celeba:": _leaf_celeba, "leaf_sent140:": _leaf_sent140,
-            "tff_emnist:": _tff_emnist, "tff_shakespeare:": _tff_shakespeare, "tff_cifar100:": _tff_cifar100,
+            "tff_emnist:": _tff_emnist, "tff_emnist_ae:": _tff_emnist_ae, "tff_shakespeare:": _tff_shakespeare,
+            "tff_cifar100:": _tff_cifar100,
             "tff_stackoverflow:": _tff_stackoverflow, "tff_stackoverflow_tags:": _tff_stackoverflow_tags,
             "flair:": _flair}
 # Input scalings of uint8 images a run can choose instead of its dataset's own (``FederatedDataset.normalize``):
@@ -333,11 +348,13 @@ TEXT_DATASETS = ("synthetic_text", "text:", "leaf:", "leaf_sent140:", "tff_shake
                  "tff_stackoverflow:", "tff_stackoverflow_tags:")
 # multi-hot labels [n, classes]: a multi-label task (binary cross-entropy per class, recall@5)
 MULTILABEL_DATASETS = ("tff_stackoverflow_tags:", "flair:")
+# float targets [n, D] in [0, 1]: a reconstruction task (squared error of sigmoid outputs, scored by 1 - MSE)
+RECONSTRUCTION_DATASETS = ("tff_emnist_ae:",)
 TFDS_NAMES = ("mnist", "svhn_cropped", "cifar10", "cifar100", "domainnet")
 # what follows each prefix
 PREFIX_ARGUMENT = {"tfds:": "NAME", "folder:": "PATH", "text:": "PATH", "leaf:": "PATH", "leaf_femnist:": "PATH",
                    "leaf_celeba:": "PATH", "leaf_sent140:": "PATH",
-                   "tff_emnist:": "PATH", "tff_shakespeare:": "PATH", "tff_cifar100:": "PATH",
+                   "tff_emnist:": "PATH", "tff_emnist_ae:": "PATH", "tff_shakespeare:": "PATH", "tff_cifar100:": "PATH",
                    "tff_stackoverflow:": "PATH", "tff_stackoverflow_tags:": "PATH", "flair:": "PATH"}
 DATASET_NAMES = tuple(PRESETS) + tuple(p + PREFIX_ARGUMENT[p] for p in PREFIXES)
 
@@ -345,7 +362,8 @@ DATASET_NAMES = tuple(PRESETS) + tuple(p + PREFIX_ARGUMENT[p] for p in PREFIXES)
 def load_dataset(cfg: DataConfig) -> FederatedDataset:
     """Build a FederatedDataset from a preset name, ``tfds:NAME``, ``folder:PATH`` (images), ``text:PATH`` (a
     folder of per-client .txt files), ``leaf:PATH`` (LEAF's Shakespeare json), ``leaf_femnist:PATH`` (LEAF's
-    FEMNIST json, one client per writer: ``jaxfl.data.leaf``) or ``tff_emnist:PATH``, ``tff_shakespeare:PATH``,
+    FEMNIST json, one client per writer: ``jaxfl.data.leaf``) or ``tff_emnist:PATH``, ``tff_emnist_ae:PATH``
+    (FedOpt's autoencoder task), ``tff_shakespeare:PATH``,
     ``tff_cifar100:PATH``, ``tff_stackoverflow:PATH``, ``tff_stackoverflow_tags:PATH`` (TFF's HDF5 files, natural
     clients: ``jaxfl.data.tff``) or ``flair:PATH`` (pfl-research's FLAIR file: ``jaxfl.data.flair``), seeded by
     cfg.seed."""

@@ -23,6 +23,9 @@ folder holding both files, or the training file itself, whose test file is the s
 - EMNIST: one client per writer present in both splits; images as uint8 255 (1 - pixels), rounded, so ink is
   high and paper 0 as in MNIST (FedML's loader inverts them the same way); 62 classes (10 for a digits-only
   file, named ``digitsonly``).
+- EMNIST autoencoder (``tff_emnist_ae:PATH``, FedOpt's EMNIST AE): the same clients and images as inputs, and
+  as labels the reconstruction targets FedOpt's task uses, 1 - pixels flattened (float32 [n, 784] in [0, 1]):
+  a reconstruction task (``core.metrics.squared_error`` of sigmoid outputs).
 - Shakespeare: one client per role present in both splits; its snippets joined by newlines, each split's text
   cut into every 80-character window and the character after it (``text.windows`` over LEAF's vocabulary,
   ``text.encode``: the ``char_lstm`` task of the LEAF loader), where FedOpt's TFF pipeline predicts every
@@ -199,6 +202,23 @@ def load_tff_emnist(path: str | Path, max_clients: int | None = None) -> tuple[d
         return apply(lambda p: _emnist_images(p, where, cid), pixels)
     return {u: tuple((images(s[u]["pixels"], str(f), u), _labels(s[u]["label"], classes, str(f), u))
                      for s, f in zip(splits, (train_file, test_file))) for u in users}, classes
+
+
+def load_tff_emnist_ae(path: str | Path, max_clients: int | None = None) -> dict[str, tuple[Split, Split]]:
+    """{writer: ((x_train, t_train), (x_test, t_test))} of TFF's EMNIST as FedOpt's autoencoder task: the inputs
+    as ``load_tff_emnist``'s images (uint8 [n, 28, 28, 1], ink high), the targets FedOpt's 1 - pixels
+    flattened (its ``_reshape_for_autoencoder``), float32 [n, 784] in [0, 1]; the labels are not read. Writers in
+    both splits, sorted (the first ``max_clients``). Read at load time (the targets are the labels the loss
+    reads: 3 KB a sample)."""
+    train_file, test_file = split_files(path, "emnist")
+    users = shared_clients(train_file, test_file, max_clients)
+    splits = [read_examples(f, ("pixels",), users) for f in (train_file, test_file)]
+
+    def pair(pixels, where, cid):
+        x = _emnist_images(pixels, where, cid)  # (checks the shape and the range [0, 1])
+        return x, (1 - np.asarray(pixels, np.float32)).reshape(len(x), 28 * 28)
+    return {u: tuple(pair(s[u]["pixels"], str(f), u) for s, f in zip(splits, (train_file, test_file)))
+            for u in users}
 
 
 def _strings(values, where: str, cid: str, field: str) -> list[str]:

@@ -121,6 +121,23 @@ class MLPEncoder(nn.Module):
         return x
 
 
+class BottleneckEncoder(nn.Module):
+    """flatten - Dense(h) for each h in ``hidden`` with a sigmoid after each, except the ``linear`` one (the
+    bottleneck code): the body of FedOpt's EMNIST autoencoder, (1000, 500, 250, 30, 250, 500, 1000) with the
+    30-unit code linear (its head decodes to the 784 pixels). Kernels Glorot-normal, biases 0, as Keras' Dense
+    with the model's GlorotNormal initializer."""
+    hidden: Sequence[int] = (1000, 500, 250, 30, 250, 500, 1000)
+    linear: int = 3
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None):
+        x = x.reshape(x.shape[0], -1)
+        for i, h in enumerate(self.hidden):
+            x = nn.Dense(h, kernel_init=nn.initializers.glorot_normal(), name=f"fc{i + 1}")(x)
+            x = x if i == self.linear else nn.sigmoid(x)
+        return x
+
+
 class CharLSTMEncoder(nn.Module):
     """LEAF's Shakespeare model body: token ids x [B, T] -> Embedding(vocab, embed) -> ``layers`` stacked
     LSTMs of ``hidden`` units -> the last time step's hidden state z [B, hidden] (next-character prediction).

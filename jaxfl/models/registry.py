@@ -7,6 +7,7 @@ from ..errors import check_choice
 from .encoders import (
     AlexNetEncoder,
     BagOfWordsEncoder,
+    BottleneckEncoder,
     CharLSTMEncoder,
     Classifier,
     DigitsEncoder,
@@ -62,6 +63,15 @@ def bow_logreg(num_classes: int = 500, vocab: int = 10000) -> Classifier:
     trained with the per-tag binary cross-entropy of multi-hot labels (5,000,500 parameters at 500 tags).
     Deviation: the kernel is initialised as torch's Linear (FedOpt's Keras Dense: Glorot uniform)."""
     return Classifier(encoder=BagOfWordsEncoder(vocab), head=MLPHead((), num_classes))
+
+
+def emnist_ae(num_classes: int = 784) -> Classifier:
+    """FedOpt's EMNIST autoencoder (google-research/federated ``utils/models/emnist_ae_models.py``): 784-1000-500-
+    250-30-250-500-1000-784, sigmoid after every layer but the 30-unit code, Glorot-normal kernels; the last
+    layer's sigmoid is in the loss (``core.metrics.squared_error`` of a reconstruction task), so the model returns
+    its pre-sigmoid outputs [B, ``num_classes``] (784: the 28 x 28 pixels). Deviation: the output layer is
+    initialised as torch's Linear (``MLPHead``; FedOpt's: Glorot normal like the others)."""
+    return Classifier(encoder=BottleneckEncoder(), head=MLPHead((), num_classes))
 
 
 def mlp_2nn(num_classes: int = 10) -> Classifier:
@@ -145,7 +155,8 @@ MODELS = {"digits_cnn": digits_cnn, "small_cnn": small_cnn, "fedavg_cnn": fedavg
           "cnn_dropout": cnn_dropout, "alexnet_bn": alexnet_bn, "resnet10": resnet10, "resnet10_slim": resnet10_slim,
           "resnet18": resnet18, "resnet18_gn": resnet18_gn, "resnet18_imagenet": resnet18_imagenet,
           "vit_small": vit_small, "vit_tiny": vit_tiny,
-          "logreg": logreg, "mlp_2nn": mlp_2nn, "femnist_cnn": femnist_cnn, "char_lstm": char_lstm,
+          "logreg": logreg, "mlp_2nn": mlp_2nn, "emnist_ae": emnist_ae, "femnist_cnn": femnist_cnn,
+          "char_lstm": char_lstm,
           "word_lstm": word_lstm, "sent_lstm": sent_lstm, "bow_logreg": bow_logreg}
 
 

@@ -445,9 +445,13 @@ def run_one(cfg: RunConfig, quiet: bool, cache: str | None, stop=()):
         print(f"jaxfl: {cfg.algorithm} on {cfg.dataset}: {population}, strategy {exp.strategy}{plan}, backend "
               f"{exp.backend_name}, {devices_note(exp)}, compile cache {cache or 'off'}; writing to {cfg.out}",
               file=sys.stderr)
-        if exp.dataset.multilabel:
+        if exp.dataset.task == "multilabel":
             print(f"jaxfl: {cfg.dataset} is a multi-label task ({exp.dataset.num_classes} labels): its loss is the "
                   f"per-label binary cross-entropy and its 'accuracy' the recall@5 averaged over samples",
+                  file=sys.stderr)
+        elif exp.dataset.task == "reconstruction":
+            print(f"jaxfl: {cfg.dataset} is a reconstruction task ({exp.dataset.num_classes} targets a sample): its "
+                  f"loss is the mean squared error of the sigmoid outputs and its 'accuracy' 1 - that error",
                   file=sys.stderr)
         if exp.privacy is not None:
             adapt = "" if cfg.dp_quantile is None else (f" (at first; then the {cfg.dp_quantile:g} quantile of the "

@@ -22,8 +22,8 @@ from ..ops.robust_aggregation import parse_aggregator
 from ..core.server_opt import DEFAULT_SERVER_LR, SERVER_OPTIMIZERS, server_optimizer
 from ..core.step import WEIGHTINGS
 from ..core.trainer import OPTIMIZERS
-from ..data.federated import (LAZY_INPUTS, MULTILABEL_DATASETS, NORMALIZATIONS, PREFIX_ARGUMENT, TEXT_DATASETS,
-                             DataConfig)
+from ..data.federated import (LAZY_INPUTS, MULTILABEL_DATASETS, NORMALIZATIONS, PREFIX_ARGUMENT,
+                             RECONSTRUCTION_DATASETS, TEXT_DATASETS, DataConfig)
 from ..errors import ConfigError, check_choice, check_range
 from .evaluation import EVAL_CLIENTS, EVAL_MODELS
 from .lock import LOCK_NAME, check_free
@@ -435,7 +435,7 @@ class RunConfig(Output, Engine, Evaluation, Privacy, Server, Cohort, ClientTrain
 
 # a dataset's model when neither --model nor the algorithm names one (a key ending in ":" is a prefix)
 DEFAULT_MODEL = {"default": "digits_cnn", "digits": "digits_cnn", "pacs": "digits_cnn",
-                 "tff_stackoverflow_tags:": "bow_logreg"}
+                 "tff_stackoverflow_tags:": "bow_logreg", "tff_emnist_ae:": "emnist_ae"}
 
 
 def model_name(cfg: RunConfig) -> str:
@@ -469,17 +469,20 @@ def check_modality(cfg: RunConfig) -> None:
                  f"{cfg.algorithm} runs on images only (its models: {', '.join(allowed)})")
         raise ConfigError(f"--dataset {cfg.dataset} holds text (token ids) and {which}; text needs --model "
                           f"{' or '.join(TEXT_MODELS)}")
-    if any(cfg.dataset.startswith(p) for p in MULTILABEL_DATASETS):
+    labels = ("multi-label task (multi-hot labels)" if any(cfg.dataset.startswith(p) for p in MULTILABEL_DATASETS)
+              else "reconstruction task (float targets)"
+              if any(cfg.dataset.startswith(p) for p in RECONSTRUCTION_DATASETS) else None)
+    if labels:
         from ..algorithms import REGISTRY
-        if not options_class(cfg.algorithm).multilabel:
+        if not options_class(cfg.algorithm).multilabel:  # (the methods that read labels only through the loss)
             able = sorted(n for n in REGISTRY if options_class(n).multilabel)
-            raise ConfigError(f"--dataset {cfg.dataset} is a multi-label task (multi-hot labels) and {cfg.algorithm} "
-                              f"reads its labels as class ids; multi-label runs need an algorithm whose loss is "
-                              f"the per-sample cross-entropy: {', '.join(able)}")
+            raise ConfigError(f"--dataset {cfg.dataset} is a {labels} and {cfg.algorithm} reads its labels as "
+                              f"class ids; such runs need an algorithm whose loss is the per-sample loss of "
+                              f"jaxfl.core.metrics: {', '.join(able)}")
         attack = parse_attack(cfg.attack)[0]
         if attack not in ("none", *UPDATE_ATTACKS):
-            raise ConfigError(f"--attack {cfg.attack} changes class labels, and --dataset {cfg.dataset} has multi-hot "
-                              f"labels; use an update attack ({', '.join(UPDATE_ATTACKS)})")
+            raise ConfigError(f"--attack {cfg.attack} changes class labels, and --dataset {cfg.dataset} is a "
+                              f"{labels}; use an update attack ({', '.join(UPDATE_ATTACKS)})")
     if not text and model in TEXT_MODELS:
         raise ConfigError(f"--model {model} reads text (token ids) and --dataset {cfg.dataset} holds images; use "
                           f"a text dataset ({dataset_names(TEXT_DATASETS)}) "
