@@ -21,6 +21,8 @@ conv5x5(32)-pool-conv5x5(64)-pool-512-10, 28x28x1) inside one jitted call, timed
   <path>+ynn           with XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=+individual_convolution
   <path>+fastmath      with XLA_FLAGS=--xla_cpu_enable_fast_math=true
   <path>+vec512        with XLA_FLAGS=--xla_cpu_prefer_vector_width=512
+  <path>+onednn        with XLA_FLAGS=--xla_cpu_use_onednn=true (oneDNN for XLA:CPU's dots and convolutions)
+  <path>+xnnpack       with XLA_FLAGS=--xla_cpu_use_xnnpack=true
   torch/1, torch/2     the same S steps in PyTorch, 1 and 2 intra-op threads
 
     python benchmarks/conv_paths.py --json benchmarks/results/conv_paths.json      # ~10 min on the 2-core CPU
@@ -39,7 +41,8 @@ PATHS = ["matmul/loop", "matmul/unrolled", "lax/loop", "lax/unrolled", "xla/loop
          "nchw/loop", "vjp/loop",
          "lax/unrolled+ynn", "lax/loop+ynn", "matmul/loop+fastmath", "matmul/loop+vec512", "torch/1", "torch/2"]
 FLAGS = {"ynn": "--xla_cpu_experimental_ynn_fusion_type=+individual_convolution",
-         "fastmath": "--xla_cpu_enable_fast_math=true", "vec512": "--xla_cpu_prefer_vector_width=512"}
+         "fastmath": "--xla_cpu_enable_fast_math=true", "vec512": "--xla_cpu_prefer_vector_width=512",
+         "onednn": "--xla_cpu_use_onednn=true", "xnnpack": "--xla_cpu_use_xnnpack=true"}
 MODELS = {"fedavg_cnn": dict(hidden=512, classes=10), "femnist_cnn": dict(hidden=2048, classes=62)}
 
 
