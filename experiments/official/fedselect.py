@@ -334,10 +334,23 @@ def _resnet_local_alt_check(local_alt, MaskLocalAltSGD, n, modes) -> None:
 
 
 def load_jaxfl_init(model, cfg) -> None:
-    """Copy the initial parameters of the jaxfl run of ``cfg`` (``Experiment.init``) into the torch CNN."""
+    """Copy the initial parameters of the jaxfl run of ``cfg`` (``Experiment.init``) into the torch model: the
+    CNN's parameters, or every parameter and BatchNorm statistic of the ResNet-18 (``resnet_jaxfl_to_torch``)."""
     import torch
     from jaxfl.run.runner import Experiment
     server, _ = Experiment(cfg).init()
+    if "conv_stem" in server["params"].get("encoder", {}):  # (resnet18_imagenet)
+        pairs = resnet_jaxfl_to_torch({"params": server["params"], "batch_stats": server.get("batch_stats", {})})
+        state = model.state_dict()
+        missing = [k for k, t in state.items() if k not in pairs and t.dtype.is_floating_point
+                   and not (k.endswith("running_mean") or k.endswith("running_var"))]
+        if missing:
+            raise SystemExit(f"official: error: jaxfl's init has no {', '.join(missing[:5])}")
+        with torch.no_grad():
+            for name, t in state.items():
+                if name in pairs:
+                    t.copy_(torch.from_numpy(np.array(pairs[name], np.float32)))
+        return
     pairs = jaxfl_to_torch(server["params"])
     with torch.no_grad():
         for name, t in model.named_parameters():
