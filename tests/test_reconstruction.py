@@ -54,6 +54,8 @@ def test_emnist_writers_become_autoencoder_clients_with_fedopts_targets(tmp_path
     assert all(len(x) == len(t) <= 5 for x, t in ds.train)
     with pytest.raises(DataError, match="drop --image-size 32"):
         load_dataset(DataConfig(f"tff_emnist_ae:{tmp_path}", image_size=32))
+    with pytest.raises(DataError, match="does not exist; --dataset tff_emnist_ae:PATH takes the folder"):
+        load_tff_emnist_ae(tmp_path / "nowhere")
 
 
 def test_fedopts_autoencoder_is_the_default_model_of_the_task_and_has_its_layers(tmp_path):

@@ -72,12 +72,14 @@ FILES = {"emnist": "fed_emnist_train.h5", "shakespeare": "shakespeare_train.h5",
 Split = tuple[np.ndarray, np.ndarray]
 
 
-def split_files(path: str | Path, kind: str) -> tuple[Path, Path]:
+def split_files(path: str | Path, kind: str, prefix: str | None = None) -> tuple[Path, Path]:
     """(train file, test file) of ``kind`` at ``path``: a folder holding ``FILES[kind]`` and its test twin, or a
-    training file (its test file: the same name with ``train`` -> ``test``). DataError naming what is missing."""
+    training file (its test file: the same name with ``train`` -> ``test``). DataError naming what is missing and
+    the ``--dataset`` prefix (default ``tff_<kind>``)."""
+    prefix = prefix or f"tff_{kind}"
     p = Path(path)
     if not p.exists():
-        raise DataError(f"TFF path {str(p)!r} does not exist; --dataset tff_{kind}:PATH takes the folder holding "
+        raise DataError(f"TFF path {str(p)!r} does not exist; --dataset {prefix}:PATH takes the folder holding "
                         f"{FILES[kind]} and {FILES[kind].replace('train', 'test')}, or the training file")
     train = p / FILES[kind] if p.is_dir() else p
     if "train" not in train.name:
@@ -86,7 +88,7 @@ def split_files(path: str | Path, kind: str) -> tuple[Path, Path]:
     test = train.with_name(train.name.replace("train", "test"))
     for f in (train, test):
         if not f.is_file():
-            raise DataError(f"TFF file {str(f)!r} does not exist; --dataset tff_{kind}:PATH needs "
+            raise DataError(f"TFF file {str(f)!r} does not exist; --dataset {prefix}:PATH needs "
                             f"{train.name} and {test.name} in one folder (TFF's load_data caches them)")
     return train, test
 
@@ -210,7 +212,7 @@ def load_tff_emnist_ae(path: str | Path, max_clients: int | None = None) -> dict
     flattened (its ``_reshape_for_autoencoder``), float32 [n, 784] in [0, 1]; the labels are not read. Writers in
     both splits, sorted (the first ``max_clients``). Read at load time (the targets are the labels the loss
     reads: 3 KB a sample)."""
-    train_file, test_file = split_files(path, "emnist")
+    train_file, test_file = split_files(path, "emnist", prefix="tff_emnist_ae")
     users = shared_clients(train_file, test_file, max_clients)
     splits = [read_examples(f, ("pixels",), users) for f in (train_file, test_file)]
 
@@ -321,7 +323,7 @@ def load_tff_stackoverflow_tags(path: str | Path, vocab_size: int = 10000, tag_v
     ``tag_vocab_size`` most frequent tags of those training posts (other tags are dropped). Test posts with none
     of the T tags are left out (their recall is undefined). Users in both splits, sorted (the first
     ``max_clients``)."""
-    train_file, test_file = split_files(path, "stackoverflow")
+    train_file, test_file = split_files(path, "stackoverflow", prefix="tff_stackoverflow_tags")
     users = shared_clients(train_file, test_file, max_clients)
     fields = ("tokens", "title", "tags")
     splits = []
