@@ -341,13 +341,14 @@ def make_backend(name: str, cfg: RunConfig, alg, train: RaggedClients, cohort: i
         sampling=cfg.cohort_sampling, rate=rate, **kw)
 
 
-def backend_for(cfg: RunConfig, alg: Algorithm, train: RaggedClients, place: Placement, model, sample_x,
-                preprocess):
+def backend_for(cfg: RunConfig, alg: Algorithm, train: RaggedClients, place: Placement, clients: ClientMap, model,
+                sample_x, preprocess):
     """(name, the built backend): ``choose_backend``'s choice for the run's placement, built by ``make_backend``
-    (the lane plan's step overhead, ``lane_overhead``, only for the backends that plan lanes)."""
+    with the run's client map ``clients`` (``cfg.client_map(place.mesh)``; the lane plan's step overhead,
+    ``lane_overhead``, only for the backends that plan lanes)."""
     name = choose_backend(cfg, train, alg, sample_x, model, preprocess, place.cohort, place.devices)
     overhead = lane_overhead(cfg, model, sample_x, preprocess) if name in ("stacked", "streamed") else None
-    return name, make_backend(name, cfg, alg, train, place.cohort, place.rate, cfg.client_map(place.mesh), overhead)
+    return name, make_backend(name, cfg, alg, train, place.cohort, place.rate, clients, overhead)
 
 
 def lane_overhead(cfg: RunConfig, model, sample_x, preprocess) -> float | None:

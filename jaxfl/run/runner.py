@@ -156,8 +156,8 @@ class Experiment:
                 raise ConfigError("--eval-point local evaluates every client right after its local training, so "
                                   "every client must train every round (drop --clients-per-round/--participation)")
         check_cohort_memory(cfg, self.algorithm, sample_x, self.cohort, n, clients.devices)
-        self.backend_name, self.backend = backend_for(cfg, self.algorithm, self.train_data, place, self.model,
-                                                      sample_x, preprocess)
+        self.backend_name, self.backend = backend_for(cfg, self.algorithm, self.train_data, place, clients,
+                                                      self.model, sample_x, preprocess)
         self.root = jax.random.key(cfg.seed)
         evaluator = lambda alg, test, **kw: Evaluator(  # noqa: E731  (every evaluation of the run: these settings)
             alg, test, eval_batch_size=eval_bs, preprocess=preprocess, clients=clients, **kw)
