@@ -178,11 +178,16 @@ def _labels(y, classes: int, where: str, cid: str) -> np.ndarray:
     return y.astype(np.int32)
 
 
+def _check_emnist_shape(shape, where: str, cid: str) -> None:
+    """DataError unless ``shape`` is EMNIST's pixels' [n, 28, 28] (known before the values of a lazy read)."""
+    if len(shape) != 3 or tuple(shape[1:]) != (28, 28):
+        raise DataError(f"{where}: client {cid!r} has pixels of shape {tuple(shape)}; EMNIST's are [n, 28, 28]")
+
+
 def _emnist_images(pixels, where: str, cid: str) -> np.ndarray:
     """TFF's EMNIST pixels (float [n, 28, 28] in [0, 1], 1 is paper) as uint8 images [n, 28, 28, 1], ink high."""
     x = np.asarray(pixels, np.float32)
-    if x.ndim != 3 or x.shape[1:] != (28, 28):
-        raise DataError(f"{where}: client {cid!r} has pixels of shape {x.shape}; EMNIST's are [n, 28, 28]")
+    _check_emnist_shape(x.shape, where, cid)
     if not (np.isfinite(x).all() and (x >= 0).all() and (x <= 1).all()):
         raise DataError(f"{where}: client {cid!r} has pixel values outside [0, 1] (or NaN); TFF's EMNIST stores "
                         f"floats in [0, 1]")
@@ -199,8 +204,7 @@ def load_tff_emnist(path: str | Path, max_clients: int | None = None) -> tuple[d
     splits = [read_examples(f, ("pixels", "label"), users, lazy=("pixels",)) for f in (train_file, test_file)]
 
     def images(pixels, where, cid):  # (bound now: the lazy reads run later)
-        if len(pixels.shape) != 3 or pixels.shape[1:] != (28, 28):  # (the shape is known before the values)
-            raise DataError(f"{where}: client {cid!r} has pixels of shape {pixels.shape}; EMNIST's are [n, 28, 28]")
+        _check_emnist_shape(pixels.shape, where, cid)  # (with the file's row count, before any value is read)
         return apply(lambda p: _emnist_images(p, where, cid), pixels)
     return {u: tuple((images(s[u]["pixels"], str(f), u), _labels(s[u]["label"], classes, str(f), u))
                      for s, f in zip(splits, (train_file, test_file))) for u in users}, classes
