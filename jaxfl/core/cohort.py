@@ -101,11 +101,16 @@ class ClientMap:
         """Host rows [lanes, ...] -> device arrays, the lanes split over the mesh's devices (``place_rows``)."""
         return place_rows(tree, self.mesh)
 
+    @property
+    def replicated(self) -> jax.sharding.NamedSharding | None:
+        """The sharding of an array held whole on every device of the mesh (None without one)."""
+        if self.mesh is None:
+            return None
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
     def replicate(self, tree):
         """``tree`` on every device of the mesh (unchanged without one), e.g. the server state."""
-        if self.mesh is None:
-            return tree
-        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        return tree if self.mesh is None else jax.device_put(tree, self.replicated)
 
 
 @dataclasses.dataclass(frozen=True)
