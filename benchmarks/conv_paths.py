@@ -8,6 +8,8 @@ conv5x5(32)-pool-conv5x5(64)-pool-512-10, 28x28x1) inside one jitted call, timed
   matmul/loop          jaxfl's default: im2col by shifted slices + one matmul (``models.conv2d_matmul``), the
                        steps in a ``fori_loop`` with a traced trip count (as ``LocalTrainer``)
   matmul/unrolled      the same, the S steps unrolled (a static step count, as one bucket of the ragged engine has)
+  autodiff/loop        the same im2col and matmul differentiated by JAX's own rules (``conv_autodiff``): the kernel
+                       gradient as cols^T dY, which ``models.patch_matmul`` computes as (dY^T cols)^T
   lax/loop             XLA's own convolution (``lax.conv_general_dilated``) in the ``fori_loop``
   lax/unrolled         XLA's convolution with the steps unrolled (every convolution at the top level)
   xla/loop             XLA's convolution with its backward convolutions written in the canonical NHWC/HWIO form
@@ -37,13 +39,23 @@ import subprocess
 import sys
 import time
 
-PATHS = ["matmul/loop", "matmul/unrolled", "lax/loop", "lax/unrolled", "xla/loop", "xla/unrolled", "shiftsum/loop",
-         "nchw/loop", "vjp/loop",
+PATHS = ["matmul/loop", "matmul/unrolled", "autodiff/loop", "lax/loop", "lax/unrolled", "xla/loop", "xla/unrolled",
+         "shiftsum/loop", "nchw/loop", "vjp/loop",
          "lax/unrolled+ynn", "lax/loop+ynn", "matmul/loop+fastmath", "matmul/loop+vec512", "torch/1", "torch/2"]
 FLAGS = {"ynn": "--xla_cpu_experimental_ynn_fusion_type=+individual_convolution",
          "fastmath": "--xla_cpu_enable_fast_math=true", "vec512": "--xla_cpu_prefer_vector_width=512",
          "onednn": "--xla_cpu_use_onednn=true", "xnnpack": "--xla_cpu_use_xnnpack=true"}
 MODELS = {"fedavg_cnn": dict(hidden=512, classes=10), "femnist_cnn": dict(hidden=2048, classes=62)}
+
+
+def conv_autodiff(x, k, padding):
+    """``models.conv2d_matmul`` without its custom gradient (``patch_matmul``): im2col and one plain matmul."""
+    import jax.numpy as jnp
+    kh, kw, ci, co = k.shape
+    x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    ho, wo = x.shape[1] - kh + 1, x.shape[2] - kw + 1
+    cols = jnp.concatenate([x[:, i:i + ho, j:j + wo, :] for i in range(kh) for j in range(kw)], axis=-1)
+    return cols @ k.reshape(kh * kw * ci, co)
 
 
 def conv_shiftsum(x, k, padding):
@@ -152,6 +164,8 @@ def jax_path(path: str, model: str, batch: int, steps: int, reps: int) -> dict:
             return xla_conv(x, k)
         if impl == "shiftsum":
             return conv_shiftsum(x, k, 2)
+        if impl == "autodiff":
+            return conv_autodiff(x, k, 2)
         if impl == "nchw":
             return conv_nchw(x, k, 2)
         return vjp_conv(x, k)

@@ -8,6 +8,8 @@ from conftest import rounding_tolerance
 from jaxfl.core.trees import count_params
 from jaxfl.errors import ConfigError
 from jaxfl.models import BatchNorm, build_model, conv2d_matmul, digits_cnn, max_pool2
+from jaxfl.models import patch_matmul
+from jaxfl.models.layers import TRANSPOSED_KERNEL_GRAD_MIN
 
 
 @pytest.mark.parametrize("stride,padding,k", [(1, 2, 5), (1, 1, 3), (2, 1, 3), (4, 2, 11)])
@@ -23,6 +25,30 @@ def test_conv_matmul_equals_lax_conv(stride, padding, k):
     g2 = jax.grad(lambda w: jnp.sum(jnp.sin(jax.lax.conv_general_dilated(
         x, w, (stride, stride), ((padding, padding),) * 2, dimension_numbers=("NHWC", "HWIO", "NHWC")))))(w)
     np.testing.assert_allclose(g1, g2, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [27, 288])  # either side of TRANSPOSED_KERNEL_GRAD_MIN
+def test_patch_matmul_gradients_are_the_matmuls(k):
+    """d cols = g w^T and d w = cols^T g, however the kernel's product is ordered, under jit, vmap and grad."""
+    assert (k >= TRANSPOSED_KERNEL_GRAD_MIN) == (k == 288)
+    rng = np.random.default_rng(0)
+    cols = jnp.asarray(rng.normal(size=(2, 6, 6, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(k, 5)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(2, 6, 6, 5)), jnp.float32)
+    formula = jax.jit(lambda c, w, g: (g @ w.T, c.reshape(-1, k).T @ g.reshape(-1, 5)))
+    got = jax.jit(lambda c, w, g: jax.vjp(patch_matmul, c, w)[1](g))
+    np.testing.assert_array_equal(patch_matmul(cols, w), cols @ w)
+    for a, b, t in zip(got(cols, w, g), formula(cols, w, g), rounding_tolerance(formula, cols, w, g)):
+        np.testing.assert_allclose(a, b, atol=t, rtol=0)
+    stacked = [jnp.stack([a, a * 0.5]) for a in (cols, w, g)]  # two clients on a vmapped axis
+    for a, b, t in zip(jax.vmap(got)(*stacked), jax.vmap(formula)(*stacked),
+                       rounding_tolerance(jax.jit(jax.vmap(formula)), *stacked)):
+        np.testing.assert_allclose(a, b, atol=t, rtol=0)
+    # second order (a gradient through the gradient, as meta-learning takes it): the same as the plain matmul's
+    second = lambda mm: jax.jit(jax.grad(lambda w: jnp.sum(jnp.sin(jax.grad(  # noqa: E731
+        lambda w: jnp.sum(jnp.sin(mm(cols, w))))(w)))))
+    want = second(jnp.matmul)
+    np.testing.assert_allclose(second(patch_matmul)(w), want(w), atol=rounding_tolerance(want, w), rtol=0)
 
 
 def test_max_pool2():

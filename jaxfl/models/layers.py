@@ -63,7 +63,45 @@ def conv2d_matmul(x, kernel, stride: int = 1, padding: int = 0):
     wo = (x.shape[2] - kw) // stride + 1
     cols = [x[:, i:i + stride * (ho - 1) + 1:stride, j:j + stride * (wo - 1) + 1:stride, :]
             for i in range(kh) for j in range(kw)]
-    return jnp.concatenate(cols, axis=-1) @ kernel.reshape(kh * kw * ci, co)
+    return patch_matmul(jnp.concatenate(cols, axis=-1), kernel.reshape(kh * kw * ci, co))
+
+
+# Below this patch length K the default kernel gradient cols^T g is as fast or faster (measured on XLA:CPU).
+TRANSPOSED_KERNEL_GRAD_MIN = 256
+
+
+@jax.custom_vjp
+def patch_matmul(cols, w):
+    """cols [..., K] @ w [K, O] -> [..., O], the matmul of ``conv2d_matmul``, with its gradients
+
+        d cols = g w^T,    d w = cols^T g = (g^T cols)^T   (cols, g flattened to [N, K], [N, O]),
+
+    the kernel's computed as (g^T cols)^T for K >= ``TRANSPOSED_KERNEL_GRAD_MIN``. Why: XLA:CPU's dot with the
+    contracted axis leading on the left ([N, K]^T [N, O], N = batch x positions, large) runs at ~2/3 of the
+    matmul rate of g^T cols (~0.6 against ~0.95 of peak on a FedAvg-CNN conv2 gradient), and XLA folds a plain
+    transpose of the product back into the slow form, so an optimization barrier keeps the product as written
+    (``benchmarks/RESULTS.md``, "The kernel gradient of a convolution on XLA:CPU"). The sums are the same up to
+    float reassociation.
+    """
+    return cols @ w
+
+
+def _patch_matmul_fwd(cols, w):
+    return cols @ w, (cols, w)
+
+
+def _patch_matmul_bwd(res, g):
+    cols, w = res
+    k, o = w.shape
+    flat_cols, flat_g = cols.reshape(-1, k), g.reshape(-1, o)
+    if k >= TRANSPOSED_KERNEL_GRAD_MIN:
+        dw = jax.lax.optimization_barrier(flat_g.T @ flat_cols).T
+    else:
+        dw = flat_cols.T @ flat_g
+    return g @ w.T, dw
+
+
+patch_matmul.defvjp(_patch_matmul_fwd, _patch_matmul_bwd)
 
 
 class Conv(nn.Module):
