@@ -122,3 +122,13 @@ def test_the_robust_cost_benchmark_times_each_rule_beside_a_baseline_checkout(ca
     for name in ["mean", *robust_cost.RULES]:
         assert f"| {name} |" in table
     assert table.count("|") > 6 * len(robust_cost.RULES)
+
+
+def test_step_profile_names_the_operations_of_a_step_with_their_shapes():
+    import step_profile
+    assert step_profile.op_shapes("  %dot.20 = f32[800,64]{1,0} dot(%a, %b)\n  ROOT %t = (f32[2]{0}) tuple()") == \
+        {"dot.20": "f32[800,64]"}
+    res = step_profile.profile("logreg", batch=4, steps=2, reps=1, shape=(4, 4, 1), classes=3)
+    assert res["step_s"] > 0 and res["ops"], res
+    assert not any(step_profile.WRAPPERS.match(op["name"]) for op in res["ops"])
+    assert any(op["shape"].startswith("f32[") for op in res["ops"])  # the operations are the compiled module's

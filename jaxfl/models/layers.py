@@ -76,12 +76,13 @@ def patch_matmul(cols, w):
 
         d cols = g w^T,    d w = cols^T g = (g^T cols)^T   (cols, g flattened to [N, K], [N, O]),
 
-    the kernel's computed as (g^T cols)^T for K >= ``TRANSPOSED_KERNEL_GRAD_MIN``. Why: XLA:CPU's dot with the
-    contracted axis leading on the left ([N, K]^T [N, O], N = batch x positions, large) runs at ~2/3 of the
-    matmul rate of g^T cols (~0.6 against ~0.95 of peak on a FedAvg-CNN conv2 gradient), and XLA folds a plain
-    transpose of the product back into the slow form, so an optimization barrier keeps the product as written
-    (``benchmarks/RESULTS.md``, "The kernel gradient of a convolution on XLA:CPU"). The sums are the same up to
-    float reassociation.
+    the kernel's computed as (g^T cols)^T for K >= ``TRANSPOSED_KERNEL_GRAD_MIN``. Why: XLA:CPU runs autodiff's
+    form, a dot contracting the leading axis of the patch matrix ([N, K]^T [N, O], N = batch x positions), well
+    below its matmul rate (in a FedAvg-CNN step it was the slowest operation, slower than the forward product
+    of the same size: ``benchmarks/step_profile.py``), and folds a plain transpose of g^T cols back into that
+    form, so an optimization barrier keeps the product as written (``benchmarks/RESULTS.md``, "The kernel
+    gradient of a convolution on XLA:CPU"). The sums are the same up to float reassociation. Like ``max_last``,
+    a custom VJP: reverse mode to any order, no forward mode (``jax.jvp``).
     """
     return cols @ w
 

@@ -1,0 +1,124 @@
+"""Where one local training step's time goes, operation by operation, as XLA runs it.
+
+    python benchmarks/step_profile.py --model fedavg_cnn --batch 32            # both cores
+    taskset -c 0 python benchmarks/step_profile.py --model fedavg_cnn --batch 32   # one core
+
+``--steps`` SGD steps of a jaxfl model (``jaxfl.models.build_model``; no BatchNorm: parameters only) on random
+inputs, inside one jitted ``fori_loop`` as the engine's local training runs them, are traced with
+``jax.profiler`` (``--reps`` calls after a compiling one). The trace's operation events are summed by name and
+printed per step, largest first, with each operation's output shape from the compiled HLO and its share of the
+step's wall time. ``--kernel-grad-min`` sets ``models.layers.TRANSPOSED_KERNEL_GRAD_MIN`` for the run (e.g.
+10**9: the convolutions' kernel gradients as autodiff writes them). On a CPU the operations are XLA:CPU's
+thunks (fusions, dots, concatenations); with several threads an operation's events can overlap, so the shares
+may add up to more than 100 %.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# trace events that wrap the program rather than being one of its operations
+WRAPPERS = re.compile(r"^(\$|ThunkExecutor|while|PjRt|TfrtCpu|XlaModule|ExecuteHelper)")
+
+
+def op_shapes(hlo_text: str) -> dict[str, str]:
+    """{operation name: its output shape} from a compiled module's text (``%name = f32[...]{...} op(``)."""
+    shapes = {}
+    for m in re.finditer(r"%([\w.-]+) = ([a-z0-9]+\[[0-9,]*\])", hlo_text):
+        shapes.setdefault(m.group(1), m.group(2))
+    return shapes
+
+
+def profile(model: str, batch: int, steps: int, reps: int, shape: tuple[int, ...], classes: int,
+            kernel_grad_min: int | None = None) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from jaxfl.models import build_model, layers
+
+    if kernel_grad_min is not None:  # read by patch_matmul's backward when the step is traced
+        layers.TRANSPOSED_KERNEL_GRAD_MIN = kernel_grad_min
+
+    mdl = build_model(model, classes)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(-1, 1, (steps, batch) + shape).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, classes, (steps, batch)).astype(np.int32))
+    variables = mdl.init(jax.random.key(0), x[0, :1])
+    if set(variables) != {"params"}:
+        raise SystemExit(f"jaxfl: error: --model {model} has state besides parameters ({sorted(variables)}); "
+                         f"profile a model without BatchNorm")
+    tx = optax.sgd(0.01)
+
+    def loss(p, xb, yb):
+        return optax.softmax_cross_entropy_with_integer_labels(mdl.apply({"params": p}, xb), yb).mean()
+
+    def step(t, p):
+        g = jax.grad(loss)(p, x[t], y[t])
+        return optax.apply_updates(p, tx.update(g, tx.init(p), p)[0])
+
+    run = jax.jit(lambda p, n: jax.lax.fori_loop(0, n, step, p))
+    params = variables["params"]
+    jax.block_until_ready(run(params, steps))  # compile
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        jax.block_until_ready(run(params, steps))
+    step_s = (time.perf_counter() - t0) / reps / steps
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(reps):
+                jax.block_until_ready(run(params, steps))
+        [trace] = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+        events = json.load(gzip.open(trace))["traceEvents"]
+    total = collections.defaultdict(float)
+    for e in events:
+        if e.get("ph") == "X" and not WRAPPERS.match(e["name"]):
+            total[e["name"]] += e["dur"] * 1e-6
+    shapes = op_shapes(run.lower(params, steps).compile().as_text())
+    ops = sorted(((name, sec / reps / steps) for name, sec in total.items()), key=lambda kv: -kv[1])
+    return {"model": model, "batch": batch, "steps": steps, "reps": reps, "step_s": step_s,
+            "transposed_kernel_grad_min": layers.TRANSPOSED_KERNEL_GRAD_MIN,
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "ops": [{"name": n, "shape": shapes.get(n, ""), "s_per_step": s} for n, s in ops]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="fedavg_cnn")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--shape", default="28,28,1", help="one input's shape (H,W,C)")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--top", type=int, default=20, help="operations printed")
+    p.add_argument("--kernel-grad-min", type=int, default=None,
+                   help="models.layers.TRANSPOSED_KERNEL_GRAD_MIN for this run (a large value: every convolution's "
+                        "kernel gradient as autodiff writes it, cols^T dY)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    shape = tuple(int(s) for s in args.shape.split(","))
+    res = profile(args.model, args.batch, args.steps, args.reps, shape, args.classes, args.kernel_grad_min)
+    res["command"] = "benchmarks/step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"{args.model}, batch {args.batch}: {res['step_s'] * 1e3:.1f} ms a step ({res['device']}, jax {res['jax']})")
+    print("| operation | output shape | ms a step | share of the step |")
+    print("|---|---|---|---|")
+    for op in res["ops"][:args.top]:
+        ms, share = op["s_per_step"] * 1e3, op["s_per_step"] / res["step_s"]
+        print(f"| {op['name']} | {op['shape']} | {ms:.2f} | {share:.1%} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
