@@ -49,6 +49,43 @@ for name, strategy, meshes, backends in (("fedavg", "vmap", (2,), ("stacked", "s
                      for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
             failed |= not ok
             print(f"{name} {strategy} {backend} devices={n}: {'equal' if ok else 'DIFFERENT'}", flush=True)
+# over a mesh the rows are ordered for the devices (device_balanced_order: here [0, 2, 1, 3], steps 3, 3, 2, 3);
+# the per-client metrics above came back in cohort order, and so do the rows a round's hook sees (the personal
+# models right after local training), with their ids, on a full and on a Poisson cohort
+def hooked(mesh, backend, **kw):
+    data = make_data(COUNTS)
+    alg = build_algorithm("fedbn", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer())
+    engine = make_backend(alg, data, backend, clients=client_map("map", mesh=mesh), num_rounds=2, **kw)
+    server, store = engine.init(jax.random.key(0), data.x[0])
+    seen = []
+
+    def hook(server, trained, ids):
+        seen.append((jax.device_get(trained), np.asarray(ids)))
+
+    for r in range(2):
+        server, metrics = engine.round(server, store, r, jax.random.key(1), before_aggregate=hook)
+    return seen, jax.device_get((server, store.state, metrics["loss"], metrics["client_id"]))
+
+
+for backend in ("stacked", "streamed"):
+    for kw in ({}, dict(sampling="poisson", cohort_size=2)):
+        (seen_ref, ref), (seen, out) = (hooked(mesh, backend, **kw) for mesh in (None, client_mesh(2)))
+        ok = all(np.array_equal(a[1], b[1]) for a, b in zip(seen_ref, seen)) and all(
+            np.allclose(x, y, atol=1e-5, rtol=1e-5) for x, y in zip(jax.tree_util.tree_leaves((seen_ref, ref)),
+                                                                     jax.tree_util.tree_leaves((seen, out))))
+        failed |= not ok
+        print(f"{backend} {kw.get('sampling', 'fixed')} hook rows devices=2: {'equal' if ok else 'DIFFERENT'}",
+              flush=True)
+# the ragged backend's map bucket over 2 devices: each device's half of the lanes gets its share of the steps
+# (sorted longest first, the first half would hold the two long clients: 11 steps against 4)
+steps = np.array([5, 1, 1, 1, 4, 1, 1, 1])
+engine = make_backend(build_algorithm("fedavg", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer()),
+                      make_data(list(steps * 8)), "ragged", clients=Map(mesh=client_mesh(2)))
+[bucket] = engine.plan(np.arange(8))
+halves = steps[bucket.positions].reshape(2, -1).sum(1)
+ok = sorted(bucket.positions) == list(range(8)) and sorted(halves) == [7, 8]
+failed |= not ok
+print(f"ragged map bucket balanced over devices=2: {'equal' if ok else 'DIFFERENT ' + str(halves)}", flush=True)
 # the stacked backend places the population (samples and states) once on every device of the mesh, and the
 # states stay there round after round (an array on one device would be copied to the others in every round)
 data = make_data(COUNTS)

@@ -8,7 +8,7 @@ from conftest import (assert_trees_close, bit_identity, make_trainer, rounding_t
 
 from jaxfl.algorithms import build_algorithm
 from jaxfl.algorithms._common import is_batchnorm
-from jaxfl.core.cohort import client_keys, client_map, map_clients, sample_cohort
+from jaxfl.core.cohort import client_keys, client_map, device_balanced_order, map_clients, sample_cohort
 from jaxfl.core.evaluate import make_evaluate
 from jaxfl.core.step import cohort_train, init_state, make_step
 from jaxfl.core.trainer import epoch_permutation, permutation_lengths
@@ -169,6 +169,25 @@ def test_cohorts_are_uniform_sorted_draws_without_replacement_keyed_by_round():
     np.testing.assert_array_equal(sample_cohort(ROOT, 7, 5, 5), np.arange(5))  # a full cohort is everyone
     big = np.asarray(sample_cohort(ROOT, 0, 100_000, 100))
     assert len(np.unique(big)) == 100 and big.max() < 100_000
+
+
+def test_device_balanced_order_deals_ranked_rows_to_the_devices_in_a_snake():
+    work = jnp.array([1.0, 9.0, 4.0, 4.0, 7.0, 2.0, 0.0, 3.0])
+    # ranked: 9 (row 1), 7 (4), 4 (2), 4 (3), 3 (7), 2 (5), 1 (0), 0 (6); laps 0, 2 go 0 -> 1, laps 1, 3 go 1 -> 0
+    np.testing.assert_array_equal(device_balanced_order(work, 2), [1, 3, 7, 6, 4, 2, 5, 0])
+    np.testing.assert_array_equal(jax.jit(device_balanced_order, static_argnums=1)(work, 2),
+                                  device_balanced_order(work, 2))
+    np.testing.assert_array_equal(device_balanced_order(work, 1), np.arange(8))
+    rng = np.random.default_rng(0)
+    for devices in (2, 3, 4):
+        for _ in range(50):  # log-normal local steps, as clients' sizes are
+            steps = np.ceil(rng.lognormal(2.0, 1.0, 12 * devices))
+            order = np.asarray(device_balanced_order(steps, devices))
+            assert sorted(order) == list(range(len(steps)))  # a permutation
+            totals = steps[order].reshape(devices, -1).sum(1)
+            assert totals.max() - totals.min() <= steps.max()  # the docstring's bound
+    with pytest.raises(ValueError, match="do not split"):
+        device_balanced_order(jnp.ones(7), 2)
 
 
 def test_client_keys_depend_on_id_not_position():

@@ -19,7 +19,10 @@ Both keep per client only what the algorithm keeps (``Algorithm.init``'s client 
 FedBN its BatchNorm leaves); both give every client its own step count, so padding costs memory, not compute
 (under ``vmap`` a call runs until its longest client is done: ``Ragged`` groups similar clients for that).
 Results agree up to float reassociation: per-client keys depend on the client id only, and the trained
-states are aggregated in cohort order (sorted ids). Interface of both:
+states are aggregated in cohort order (sorted ids); over a mesh, ``Stacked`` and ``Streamed`` order the rows so
+that each device's block gets an equal share of the local steps (``cohort.device_balanced_order``: one device
+would otherwise wait for the other's larger clients), aggregate in that order and report the clients' metrics in
+cohort order. Interface of both:
 
     init(key, sample_x) -> (server, store)
     round(server, store, round_idx, root, before_aggregate=None) -> (server, metrics)
@@ -48,9 +51,9 @@ import numpy as np
 from ..data.clients import ClientData
 from ..data.ragged import RaggedClients
 from ..errors import ConfigError, DeviceMemoryError, check_choice, first_line
-from .buckets import BucketGrid, bucket_grid, cohort_samples_bound, grid_ceil, padded_work, plan_buckets
-from .cohort import (SAMPLINGS, Chunked, ClientMap, Sampling, client_map, poisson_cohort, poisson_members,
-                     poisson_rows, sample_cohort)
+from .buckets import Bucket, BucketGrid, bucket_grid, cohort_samples_bound, grid_ceil, padded_work, plan_buckets
+from .cohort import (SAMPLINGS, Chunked, ClientMap, Sampling, client_map, device_balanced_order, poisson_cohort,
+                     poisson_members, poisson_rows, sample_cohort)
 from .distributed import client_sharding, fetch
 from .lanes import LanePlan, expected_sorted_steps, plan_lanes
 from .step import Weighting, init_state, make_step, with_round_metrics
@@ -277,8 +280,10 @@ class Ragged(_Backend):
         counts and the expected cohort (at most ``chunk_size`` lanes a call under ``chunked``, ``lane_cap``
         after running out of memory), so a run compiles at most ``max_classes`` bucket shapes."""
         steps = -(-self.train.counts[ids] // self.batch_size)
-        if self.strategy == "map":
-            return plan_buckets(steps, max_lanes=len(ids), lane_multiple=self.devices, single=True)
+        if self.strategy == "map":  # (over a mesh its lanes ordered so that each device gets its share of the steps)
+            [bucket] = plan_buckets(steps, max_lanes=len(ids), lane_multiple=self.devices, single=True)
+            work = np.where(bucket.positions >= 0, steps[np.maximum(bucket.positions, 0)], 0)
+            return [Bucket(bucket.positions[np.asarray(device_balanced_order(work, self.devices))], bucket.steps)]
         if self.grid is None:
             cohort = self.cohort_size if self.sampling == "fixed" else max(round(self.rate * self.num_clients), 1)
             max_lanes = self.clients.size * self.devices if isinstance(self.clients, Chunked) else cohort
@@ -447,11 +452,16 @@ class Stacked(_Backend):
         def counts_of(data, ids):  # sample counts of the cohort's rows; a padding row (id N) has none
             return jnp.where(ids < n, data[3][jnp.minimum(ids, n - 1)], 0)
 
+        def balanced(ids, data):  # over a mesh: each device's block of rows gets its share of the local steps
+            if self.devices == 1:
+                return ids
+            return ids[device_balanced_order(-(-counts_of(data, ids) // self.batch_size), self.devices)]
+
         def cohort(states, data, round_idx, root):
             if self.sampling == "fixed":
-                ids = sample_cohort(root, round_idx, n, c).astype(jnp.int32)
+                ids = balanced(sample_cohort(root, round_idx, n, c).astype(jnp.int32), data)
                 return ids, jax.tree_util.tree_map(lambda a: a[ids], states), client_rows(data, ids, self.length)
-            ids = poisson_cohort(root, round_idx, n, self.rate, rows)  # members, then padding rows (id N)
+            ids = balanced(poisson_cohort(root, round_idx, n, self.rate, rows), data)  # members, padding (id N)
             at = jnp.minimum(ids, n - 1)
             cdata = client_rows(data, at, self.length)
             cdata = cdata.replace(count=counts_of(data, ids))
@@ -539,9 +549,8 @@ class Stacked(_Backend):
         else:
             ids, trained, metrics = self.timed(self._train, server, store.state, self.data, round_idx, root)
             t = time.perf_counter()
-            ids = np.asarray(ids)
-            k = int((ids < self.num_clients).sum())  # a Poisson cohort's members come first
-            before_aggregate(server, jax.tree_util.tree_map(lambda a: a[:k], trained), ids[:k])
+            rows = cohort_order(np.asarray(ids), self.num_clients)
+            before_aggregate(server, jax.tree_util.tree_map(lambda a: a[rows], trained), np.asarray(ids)[rows])
             t0 += time.perf_counter() - t  # evaluation is not part of the round
             server, store.state, own = self.timed(self._finish, server, store.state, trained, ids, self.data,
                                                   round_idx)
@@ -579,6 +588,9 @@ class Stacked(_Backend):
         members = metrics["client_id"] < self.num_clients  # a Poisson cohort's padding rows are left out
         if not members.all():  # (per-client rows only: the algorithm's round metrics are scalars)
             metrics = {k: v[members] if v.ndim else v for k, v in metrics.items()}
+        if self.devices > 1:  # the rows were ordered for the devices (``device_balanced_order``): cohort order
+            order = np.argsort(metrics["client_id"], kind="stable")
+            metrics = {k: v[order] if v.ndim else v for k, v in metrics.items()}
         ids = metrics["client_id"]
         host = 1.0 - (self.device_s - d0) / max(time.perf_counter() - t0, 1e-9)
         if self.lanes is None:  # one call of the cohort's rows: map (every client its own steps) or one vmap,
@@ -622,8 +634,16 @@ class Stacked(_Backend):
         steps = -(-self.train.counts[ids] // self.batch_size)
         rows = plan.rows * self.devices
         steps = np.concatenate([steps, np.zeros(rows - len(steps), steps.dtype)])
+        steps = steps[np.asarray(device_balanced_order(steps, self.devices))]  # each device's block, as trained
         done = sum(int(plan.work(block)) for block in steps.reshape(self.devices, -1))
         return done * self.batch_size / max(int(self.train.counts[ids].sum()), 1)
+
+
+def cohort_order(row_ids: np.ndarray, num_clients: int) -> np.ndarray:
+    """The positions of a call's member rows (id < N; id N: padding) in cohort order (ascending ids): the rows
+    a backend ordered for its devices (``device_balanced_order``) put back for what reads them by cohort."""
+    members = np.flatnonzero(row_ids < num_clients)
+    return members[np.argsort(row_ids[members], kind="stable")]
 
 
 def cohort_sample_index(train: RaggedClients, ids) -> np.ndarray:
@@ -702,18 +722,28 @@ class Streamed(Stacked):
         server, clients = self.init_states(key, sample_x)
         return server, ClientStore(clients, self.placement, sharded=self.mesh is not None)
 
-    def cohort_args(self, store: ClientStore, ids):
-        """(clients, x, y, counts, row ids) of cohort ``ids`` on the device: its rows (a Poisson cohort's padded
-        with rows of count 0 and id N) and its samples, padded to the sample grid."""
-        k = len(ids)
-        rows = self.rows if self.sampling == "poisson" else k
-        index = cohort_sample_index(self.train, ids)
+    def row_ids(self, ids) -> np.ndarray:
+        """The call's rows for cohort ``ids``: its ids (a Poisson cohort's padded with id N to ``rows``), over a
+        mesh in the order that gives each device its share of the local steps (``device_balanced_order``, as
+        ``Stacked`` orders them on the device). -> int32 [rows]."""
+        rows = self.rows if self.sampling == "poisson" else len(ids)
+        row_ids = np.concatenate([ids, np.full(rows - len(ids), self.num_clients)]).astype(np.int32)
+        if self.devices > 1:
+            n = self.num_clients
+            counts = np.where(row_ids < n, self.train.counts[np.minimum(row_ids, n - 1)], 0)
+            row_ids = row_ids[np.asarray(device_balanced_order(-(-counts // self.batch_size), self.devices))]
+        return row_ids
+
+    def cohort_args(self, store: ClientStore, row_ids):
+        """(clients, x, y, counts, row ids) of the rows ``row_ids`` (``row_ids``; id N: an empty row) on the
+        device: their states and their samples in row order, padded to the sample grid."""
+        members = row_ids < self.num_clients
+        index = cohort_sample_index(self.train, row_ids[members])
         size = self.store_samples if len(index) <= self.store_samples else grid_ceil(len(index))
         index = np.concatenate([index, np.zeros(size - len(index), np.int64)])
-        counts = np.concatenate([self.train.counts[ids], np.zeros(rows - k, np.int64)]).astype(np.int32)
-        row_ids = np.concatenate([ids, np.full(rows - k, self.num_clients)]).astype(np.int32)
-        clients = store.gather(np.concatenate([ids, np.zeros(rows - k, ids.dtype)]))
-        self.shapes.add((rows, size))
+        counts = np.where(members, self.train.counts[np.where(members, row_ids, 0)], 0).astype(np.int32)
+        clients = store.gather(np.where(members, row_ids, 0))
+        self.shapes.add((len(row_ids), size))
         x, y = jax.device_put((self.train.x[index], self.train.y[index]), self.replicated)
         return (self.clients.place(clients), x, y, self.clients.place(counts), self.clients.place(row_ids))
 
@@ -727,17 +757,19 @@ class Streamed(Stacked):
         if self.sampling == "poisson" and k > self.rows:  # a cohort past the size class: more rows
             self.rows = poisson_rows(k, self.row_multiple)
             self._build()
-        clients, x, y, counts, row_ids = self.cohort_args(store, ids)
+        host_rows = self.row_ids(ids)
+        rows = cohort_order(host_rows, self.num_clients)  # the members' rows, in cohort order
+        clients, x, y, counts, row_ids = self.cohort_args(store, host_rows)
         if before_aggregate is None:
             server, kept, metrics = self.timed(self._round, server, clients, x, y, counts, row_ids, round_idx, root)
         else:
             trained, metrics = self.timed(self._train, server, clients, x, y, counts, row_ids, round_idx, root)
             t = time.perf_counter()
-            before_aggregate(server, jax.tree_util.tree_map(lambda a: a[:k], trained), ids)
+            before_aggregate(server, jax.tree_util.tree_map(lambda a: a[rows], trained), ids)
             t0 += time.perf_counter() - t  # evaluation is not part of the round
             server, kept, own = self.timed(self._finish, server, trained, counts, row_ids, round_idx)
             metrics = with_round_metrics(metrics, own)
-        store.scatter(ids, jax.tree_util.tree_map(lambda a: a[:k], kept))
+        store.scatter(ids, jax.tree_util.tree_map(lambda a: a[rows], kept))
         report = self._report(fetch(metrics), t0, d0)
         return server, dict(report, compiled_shapes=len(self.shapes))
 

@@ -198,6 +198,26 @@ def straggler_work(root, round_idx, client_ids, fraction: float):
     return jax.vmap(one)(client_keys(jax.random.fold_in(root, 3), round_idx, client_ids)).astype(jnp.float32)
 
 
+def device_balanced_order(work, devices: int):
+    """An order of the k = D m rows of a cohort whose D blocks of m consecutive positions (one block a device,
+    as ``ClientMap.over`` splits the client axis over a mesh) carry nearly equal work: the rows ranked by
+    ``work``, largest first (ties by position), dealt to the blocks in a snake, 0, 1, ..., D-1, D-1, ..., 1, 0,
+    0, 1, ..., so that any two blocks' totals differ by at most the largest row's work (in each pair of laps the
+    block that got the larger row of one lap gets the smaller of the other, and the differences telescope).
+
+    work: [k] (k a multiple of D) -> int32 [k], order[j] = the row at position j; D = 1: the identity."""
+    k = work.shape[0]
+    if devices == 1:
+        return jnp.arange(k, dtype=jnp.int32)
+    if k % devices:
+        raise ValueError(f"{k} rows do not split into {devices} equal device blocks")
+    ranked = jnp.argsort(-jnp.asarray(work, jnp.float32), stable=True).astype(jnp.int32)
+    j = jnp.arange(k)
+    lap, r = j // devices, j % devices
+    block = jnp.where(lap % 2 == 0, r, devices - 1 - r)
+    return jnp.zeros(k, jnp.int32).at[block * (k // devices) + lap].set(ranked)
+
+
 def sample_cohort(root, round_idx, num_clients: int, cohort_size: int):
     """Sorted ids of ``cohort_size`` = k clients drawn uniformly without replacement from N (everyone if k >= N).
 
