@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # trace events that wrap the program rather than being one of its operations
-WRAPPERS = re.compile(r"^(\$|ThunkExecutor|while|PjRt|TfrtCpu|XlaModule|ExecuteHelper)")
+WRAPPERS = re.compile(r"^(\$|ThunkExecutor|while|PjRt|TfrtCpu|XlaModule|ExecuteHelper|end: )")
 
 
 def op_shapes(hlo_text: str) -> dict[str, str]:
