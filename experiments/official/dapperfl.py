@@ -34,9 +34,10 @@ released-code preset of ``experiments/logs/dapperfl_seeds/seed<S>``):
 - device levels: ``args.pr_ratios = ['0', '0.2', '0.4', '0.6', '0.8']`` (``best_args.py``, fl_digits), client i
   pruned at ``pr_ratios[i % 5]`` (``dapperfl.py:109``), as jaxfl's ``device_ratios[i % 5]``.
 - model: ``resnet10(10, nf=16)``: widths 16/32/64/128 = jaxfl's ``resnet10_slim`` (the official digits
-  backbone is nf=64, 4.9M parameters). The official ResNet also builds an ``encoder`` MLP (128-128-512, 82,560
-  parameters) that never enters ``forward``/``features``; it is in the state_dict, pruned and averaged, but
-  without effect. Initialisation: PyTorch's default (the same distributions as jaxfl's, other draws).
+  backbone is nf=64, 4.9M parameters: ``--nf 64``, jaxfl's ``resnet10``; the checks stay at nf=16). The
+  official ResNet also builds an ``encoder`` MLP (128-128-512 at nf=16, 82,560 parameters) that never enters
+  ``forward``/``features``; it is in the state_dict, pruned and averaged, but without effect.
+  Initialisation: PyTorch's default (the same distributions as jaxfl's, other draws).
 - seeding: ``utils/conf.py:set_random_seed(--seed)`` (python, numpy, torch) before the nets are built.
 - hard-coded in the official code and kept: SGD(lr=args.local_lr, momentum=0.9, weight_decay=1e-5) rebuilt
   each round (``dapperfl.py:64``; jaxfl's runs use weight decay 0: ``--weight-decay`` patches the module's
@@ -249,7 +250,8 @@ def patch_weight_decay(off, weight_decay: float) -> None:
 
 
 def run(off, inputs, variant: str, seed: int, rounds: int, out: Path, normalize: str, augment: bool,
-        weight_decay: float | None, official_root: Path, jaxfl_config_path: Path, quiet: bool = True) -> list:
+        weight_decay: float | None, official_root: Path, jaxfl_config_path: Path, quiet: bool = True,
+        nf: int = 16) -> list:
     import torch
 
     cfg = inputs.cfg
@@ -265,7 +267,7 @@ def run(off, inputs, variant: str, seed: int, rounds: int, out: Path, normalize:
 
     off.conf.set_random_seed(seed)  # utils/conf.py: random, numpy, torch
     train, test, test_sizes = make_loaders(inputs, args.local_batch_size, normalize, augment)
-    nets = [off.resnet.resnet10(inputs.num_classes, nf=16) for _ in range(n)]  # datasets/digits.py:224-236
+    nets = [off.resnet.resnet10(inputs.num_classes, nf=nf) for _ in range(n)]  # datasets/digits.py:224-236
     out.mkdir(parents=True, exist_ok=True)
     cwd = os.getcwd()
     os.chdir(out)  # FederatedModel.__init__ creates ./checkpoint/<dataset>/ in the working directory
@@ -283,7 +285,7 @@ def run(off, inputs, variant: str, seed: int, rounds: int, out: Path, normalize:
     config = {
         "adapter": "experiments/official/dapperfl.py", "official": "jyzgh/DapperFL",
         "official_commit": official_commit(official_root), "variant": variant, "seed": seed, "rounds": rounds,
-        "backbone": "resnet10(nf=16)", "normalize": normalize, "augment": augment,
+        "backbone": f"resnet10(nf={nf})", "normalize": normalize, "augment": augment,
         "sgd": {"lr": args.local_lr, "momentum": 0.9,
                 "weight_decay": 1e-5 if weight_decay is None else weight_decay},
         "official_args": vars(args), "jaxfl_config": str(jaxfl_config_path), "clients": inputs.client_names,
@@ -577,6 +579,8 @@ def main(argv=None) -> None:
                    "logs/dapperfl_seeds/seed<S>/dapperfl_use_fusionfalse_recover_modezero_bn_statsunmasked)")
     p.add_argument("--normalize", choices=("jaxfl", "official"), default="jaxfl")
     p.add_argument("--augment", action="store_true", help="the official RandomCrop(32, 4) + HorizontalFlip")
+    p.add_argument("--nf", type=int, choices=(16, 64), default=16, help="the ResNet-10's base width: 16 (jaxfl's "
+                   "resnet10_slim) or 64 (the official digits backbone, jaxfl's resnet10)")
     p.add_argument("--weight-decay", type=float, default=None, help="override the official 1e-5 (diagnostic)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--verbose", action="store_true", help="show the official code's prints")
@@ -609,7 +613,8 @@ def main(argv=None) -> None:
         import torch
         torch.set_num_threads(a.threads)
     suffix = ("" if a.weight_decay is None else f"_wd{a.weight_decay:g}") + \
-             ("" if a.normalize == "jaxfl" else "_imagenetnorm") + ("_aug" if a.augment else "")
+             ("" if a.normalize == "jaxfl" else "_imagenetnorm") + ("_aug" if a.augment else "") + \
+             ("" if a.nf == 16 else f"_nf{a.nf}")
     cfg_path = Path(a.config) if a.config else (LOGS / "dapperfl_seeds" / f"seed{a.seed}" /
                                                "dapperfl_use_fusionfalse_recover_modezero_bn_statsunmasked" /
                                                "config.json")
@@ -625,7 +630,7 @@ def main(argv=None) -> None:
     for v in variants:
         t0 = time.perf_counter()
         hist = run(off, inputs, v, a.seed, a.rounds, Path(a.out) / (v + suffix), a.normalize, a.augment,
-                   a.weight_decay, root, cfg_path, quiet=not a.verbose)
+                   a.weight_decay, root, cfg_path, quiet=not a.verbose, nf=a.nf)
         print(f"{v}{suffix} seed {a.seed}: final {hist[-1]['mean_accuracy'] * 100:.2f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
