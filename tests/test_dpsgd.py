@@ -206,9 +206,9 @@ def test_a_sample_dp_run_through_the_cli(tmp_path, capsys):
     assert all(s == 3 for r in recs for s in r["train_steps"]) and all(len(r["train_steps"]) == 2 for r in recs)
 
 
-def test_the_algorithm_is_built_once_on_the_dp_trainer_when_the_noise_is_given(tmp_path, monkeypatch):
-    # a given --dp-noise: the DP-SGD trainer is known before the build, so the algorithm is built once, on it; a
-    # noise calibrated to --dp-epsilon depends on whether the built algorithm's clients keep state: built again
+def test_the_algorithm_is_built_once_on_the_dp_trainer(tmp_path, monkeypatch):
+    # the noise, given (--dp-noise) or calibrated to --dp-epsilon from the method's declared client state, is set
+    # before the build: the algorithm is built once, on the DP-SGD trainer
     from jaxfl.run import runner
     from jaxfl.run.config import RunConfig
     builds = []
@@ -216,13 +216,65 @@ def test_the_algorithm_is_built_once_on_the_dp_trainer_when_the_noise_is_given(t
     monkeypatch.setattr(runner, "build_algorithm",
                         lambda options, model, trainer, ctx: builds.append(trainer.dp) or real(options, model, trainer,
                                                                                                  ctx))
-    base = dict(algorithm="fedavg", model="logreg", dataset="default", image_size=12, samples_per_client=40,
-                test_per_client=30, batch_size=16, rounds=1, dp_level="sample", dp_clip=1.0)
-    exp = runner.Experiment(RunConfig(**base, dp_noise=1.5, out=str(tmp_path / "a")))
+    base = dict(model="logreg", dataset="default", image_size=12, samples_per_client=40, test_per_client=30,
+                batch_size=16, rounds=1, dp_level="sample", dp_clip=1.0, clients_per_round=2)
+    exp = runner.Experiment(RunConfig(**base, algorithm="fedavg", dp_noise=1.5, out=str(tmp_path / "a")))
     assert [b.noise_multiplier for b in builds] == [1.5] and exp.trainer.dp.noise_multiplier == 1.5
-    builds.clear()
-    exp = runner.Experiment(RunConfig(**base, dp_epsilon=8.0, out=str(tmp_path / "b")))
-    assert builds[0] is None and builds[1] == exp.trainer.dp and len(builds) == 2
+    noises = {}
+    for name in ("fedavg", "fedper"):  # clients without and with state: the draw amplifies only the first
+        builds.clear()
+        exp = runner.Experiment(RunConfig(**base, algorithm=name, dp_epsilon=8.0, out=str(tmp_path / name)))
+        assert builds == [exp.trainer.dp] and exp.privacy.cohort_fraction == (1.0 if name == "fedper" else 2 / 3)
+        noises[name] = exp.trainer.dp.noise_multiplier
+    assert noises["fedavg"] < noises["fedper"]
+
+
+def test_every_method_declares_whether_its_clients_keep_state():
+    """``Options.keeps_client_state`` (which sets DP-SGD's noise before the build) equals what ``init`` says, on a
+    model without BatchNorm, for every algorithm at its defaults and with each choice of each of its bool and
+    choice options, and with every pair of them where a method's declaration reads its options."""
+    import dataclasses
+    import itertools
+
+    from jaxfl.algorithms import build_algorithm
+    from jaxfl.algorithms._registry import REGISTRY
+    from jaxfl.core.options import Options
+    from jaxfl.core.trainer import ClientOptimizer
+    from jaxfl.core.types import RunContext
+    from jaxfl.models import build_model
+    trainer = LocalTrainer(ClientOptimizer(lr=0.1), 4, 1)
+    ctx = RunContext(num_clients=4, num_rounds=2)
+    checked = 0
+    for name, reg in sorted(REGISTRY.items()):
+        model = reg.options.models[0] if reg.options.models else "fedavg_cnn"
+        shape = (1, 32, 32, 3) if model.startswith(("vit", "resnet", "digits")) else (1, 28, 28, 1)
+        sample_x = jnp.zeros(shape, jnp.uint8)
+        switches = [[(f.name, c) for c in (f.metadata["choices"] or ())] if f.metadata.get("choices") else
+                    [(f.name, not f.default)] for f in dataclasses.fields(reg.options)
+                    if f.metadata.get("choices") or isinstance(f.default, bool)]
+        settings = [{}] + [dict([s]) for group in switches for s in group]
+        if reg.options.keeps_client_state is not Options.keeps_client_state:  # read from the options
+            settings += [dict([a, b]) for g, h in itertools.combinations(switches, 2) for a in g for b in h]
+        for values in settings:
+            opts = reg.options(**values)
+            alg = build_algorithm(opts, build_model(model, 10), trainer, ctx)
+            keeps = privacy.clients_keep_state(alg, jax.random.key(0), sample_x)
+            assert opts.keeps_client_state() == keeps, (name, values, keeps)
+            checked += 1
+    assert checked > len(REGISTRY)
+
+
+def test_a_wrong_client_state_declaration_stops_a_sample_dp_run(tmp_path, monkeypatch):
+    # the accounting would be wrong (amplified where clients keep state): the built algorithm is checked against it
+    from jaxfl.algorithms.fedavg import FedAvgOptions
+    from jaxfl.run import runner
+    from jaxfl.run.config import RunConfig
+    monkeypatch.setattr(FedAvgOptions, "client_state", True)
+    cfg = RunConfig(algorithm="fedavg", model="logreg", dataset="default", image_size=12, samples_per_client=40,
+                    test_per_client=30, batch_size=16, rounds=1, dp_level="sample", dp_clip=1.0, dp_noise=1.0,
+                    out=str(tmp_path / "run"))
+    with pytest.raises(AssertionError, match="fedavg's options say its clients keep state"):
+        runner.Experiment(cfg)
 
 
 def test_bad_sample_dp_options_get_one_line(tmp_path, capsys):

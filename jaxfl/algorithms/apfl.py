@@ -50,6 +50,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class APFLOptions(Options):
     name = "apfl"
+    client_state = True
     server_optimizer = True
     user_dp = True
     sharing = ("the global model w (all parameters and BN statistics, FedAvg)",

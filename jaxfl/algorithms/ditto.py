@@ -27,6 +27,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class DittoOptions(Options):
     name = "ditto"
+    client_state = True
     multilabel = True
     sharing = ("a global FedAvg model", "a personal model trained toward it (lambda/2 ||v - w||^2)")
     lam: float = option(0.1, "lambda, the weight of lambda/2 ||v - w_global||^2 on the personal model", lo=0.0)

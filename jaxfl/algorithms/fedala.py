@@ -50,6 +50,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedALAOptions(Options):
     name = "fedala"
+    client_state = True
     server_optimizer = True
     user_dp = True
     sharing = ("all parameters (FedAvg)",

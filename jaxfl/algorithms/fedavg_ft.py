@@ -38,6 +38,7 @@ from .fedavg import FedAvgOptions, fedavg
 @dataclasses.dataclass(frozen=True)
 class FedAvgFTOptions(Options):
     name = "fedavg_ft"
+    client_state = True
     multilabel = True
     server_optimizer = True
     sharing = ("all parameters and BN statistics (FedAvg)",

@@ -38,6 +38,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedBABUOptions(Options):
     name = "fedbabu"
+    client_state = True
     multilabel = True
     sharing = ("body (encoder) and BN statistics; the head stays at its random init",
                "the global model fine-tuned ft_epochs on its data (evaluated)")

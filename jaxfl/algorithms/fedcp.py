@@ -59,6 +59,7 @@ MMD_BANDWIDTHS = (20.0, 30.0, 40.0, 100.0)  # 2 x the official {10, 15, 20, 50}:
 @dataclasses.dataclass(frozen=True)
 class FedCPOptions(Options):
     name = "fedcp"
+    client_state = True
     sharing = ("the encoder, the policy network and 0.5 personal + 0.5 global head (each averaged)",
                "its personal head, its copies of the global head and policy, its context vector, BN statistics")
     lam: float = option(5.0, "weight of MMD^2 between its features and the received encoder's", lo=0.0)

@@ -48,6 +48,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedDBEOptions(Options):
     name = "feddbe"
+    client_state = True
     server_optimizer = True
     sharing = ("encoder and head parameters (FedAvg); once, the representations' mean (round 0)",
                "its representation bias (PRBM) and BN statistics")

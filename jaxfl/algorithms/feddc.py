@@ -56,6 +56,7 @@ def dc_term(params, anchor, drift, correction, alpha: float):
 @dataclasses.dataclass(frozen=True)
 class FedDCOptions(Options):
     name = "feddc"
+    client_state = True
     multilabel = True
     sharing = ("all parameters and BN statistics (the server adds the clients' mean drift), and each round's "
                "change of its gradient-correction variate", "its local drift h_i and its variate G_i")

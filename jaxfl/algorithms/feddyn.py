@@ -55,6 +55,7 @@ def dyn_term(params, anchor, drift, alpha: float):
 @dataclasses.dataclass(frozen=True)
 class FedDynOptions(Options):
     name = "feddyn"
+    client_state = True
     multilabel = True
     sharing = ("all parameters and BN statistics (the server adds the clients' mean drift)",
                "its gradient term grad_i = -alpha h_i (h_i: its accumulated drift)")

@@ -48,6 +48,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedFomoOptions(Options):
     name = "fedfomo"
+    client_state = True
     server_client_rows = True  # (the server's table, one row per training client)
     sharing = ("its trained model, kept in the server's table; it downloads its own and M others chosen by its "
                "affinities", "theta-bar (the model it last started training from); its validation split")

@@ -84,6 +84,7 @@ def alignment_loss(model, lam: float):
 @dataclasses.dataclass(frozen=True)
 class FedPACOptions(Options):
     name = "fedpac"
+    client_state = True
     sharing = ("body (encoder), class prototypes and feature statistics; heads for the combination",
                "head (a convex combination of the cohort's heads)")
     lam: float = option(1.0, "lambda, weight of the feature-alignment MSE to the global prototypes", lo=0.0)

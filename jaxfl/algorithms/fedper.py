@@ -20,6 +20,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedPerOptions(LocalBNOption):
     name = "fedper"
+    client_state = True
     multilabel = True
     sample_dp = True
     server_optimizer = True

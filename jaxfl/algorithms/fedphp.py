@@ -48,6 +48,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedPHPOptions(Options):
     name = "fedphp"
+    client_state = True
     server_optimizer = True
     user_dp = True
     sharing = ("all parameters and BN statistics (FedAvg)",

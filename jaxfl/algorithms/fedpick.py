@@ -69,6 +69,11 @@ class FedPickOptions(Options):
                                "which the paper's lam_dis was tuned with) | batchmean (K x mean) | sum",
                                choices=KL_REDUCTIONS)
 
+    def keeps_client_state(self) -> bool:
+        """The PFSM stays on the client unless it is dropped (``use_pfsm=False``) or averaged (``share_pfsm``);
+        BatchNorm, the other part it keeps, is not on a model without it."""
+        return self.use_pfsm and not self.share_pfsm
+
 
 def fedpick_objective(out, y, w, lam_lce: float, lam_ent: float, lam_dis: float, kl_reduction: str = "mean"):
     """FedPick's loss on one batch from the network's logits (a_g, a_p, a_u [B, K]), labels y [B], weights w [B]:

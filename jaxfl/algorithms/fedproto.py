@@ -48,6 +48,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedProtoOptions(Options):
     name = "fedproto"
+    client_state = True
     sharing = ("class prototypes (mean representation per class), averaged over the clients holding the class",
                "its whole model")
     lam: float = option(1.0, "weight of the prototype regulariser ||z - P_y||^2 / d", lo=0.0)

@@ -40,6 +40,7 @@ def head_then_body(head_epochs: int):
 @dataclasses.dataclass(frozen=True)
 class FedRepOptions(LocalBNOption):
     name = "fedrep"
+    client_state = True
     multilabel = True
     server_optimizer = True
     user_dp = True

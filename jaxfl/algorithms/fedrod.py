@@ -75,6 +75,7 @@ def fedrod_loss(model, representation: str = "penultimate"):
 @dataclasses.dataclass(frozen=True)
 class FedRoDOptions(Options):
     name = "fedrod"
+    client_state = True
     sharing = ("body + generic head (balanced-softmax loss) and BN statistics", "a linear personal head")
     head_lr: float = option(0.01, "SGD learning rate of the personal head (no momentum, no weight decay)", lo=0.0)
     representation: str = option("penultimate", "the personal head's input: penultimate (input of the generic "

@@ -93,6 +93,7 @@ def local_alt(trainer: LocalTrainer, loss_fn, params, stats, mask, data: ClientD
 @dataclasses.dataclass(frozen=True)
 class FedSelectOptions(Options):
     name = "fedselect"
+    client_state = True
     multilabel = True
     local_work = "la_epochs"
     sharing = ("each entry while it is global for the client (unweighted per-entry mean)",

@@ -45,6 +45,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class FedSROptions(Options):
     name = "fedsr"
+    client_state = True
     sharing = ("all parameters, BN statistics and the representation layer (FedAvg)",
                "its reference distributions r(z|y) (per-class means and scales) and the scale c")
     l2r: float = option(0.01, "alpha_L2R, weight of the mean L2 norm of the representation z", lo=0.0)

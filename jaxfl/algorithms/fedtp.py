@@ -80,6 +80,11 @@ class FedTPOptions(Options):
     hyper_momentum: float = option(0.9, "hypernetwork SGD momentum", lo=0.0, hi=1.0)
     hyper_decay: float = option(1e-3, "hypernetwork weight decay", lo=0.0)
 
+    def keeps_client_state(self) -> bool:
+        """vanilla keeps each client's Q/K/V (unless averaged: ``personalize=False``); hypernet keeps nothing on
+        the client (its embedding row is on the server)."""
+        return self.variant == "vanilla" and self.personalize
+
 
 @register(FedTPOptions)
 def fedtp(model, trainer: LocalTrainer, o: FedTPOptions, ctx: RunContext) -> Algorithm:

@@ -51,6 +51,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class GPFLOptions(Options):
     name = "gpfl"
+    client_state = True
     sharing = ("the encoder, the global category embeddings (GCE) and the conditional valve (CoV), each averaged",
                "its head, its conditional inputs c_p and c_g, BN statistics")
     lam: float = option(0.01, "weight of the magnitude-level term ||f_G - E[y]||", lo=0.0)

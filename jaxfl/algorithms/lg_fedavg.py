@@ -21,6 +21,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class LGFedAvgOptions(LocalBNOption):
     name = "lg_fedavg"
+    client_state = True
     multilabel = True
     sample_dp = True
     server_optimizer = True

@@ -18,6 +18,7 @@ from ._registry import register
 class LocalOptions(Options):
     """Local training has no options."""
     name = "local"
+    client_state = True
     multilabel = True
     sample_dp = True
     sharing = ("nothing", "everything")

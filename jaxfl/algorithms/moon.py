@@ -71,6 +71,7 @@ def moon_loss(model, mu: float, tau: float, representation: str = "penultimate")
 @dataclasses.dataclass(frozen=True)
 class MOONOptions(Options):
     name = "moon"
+    client_state = True
     presets = {"default": {"mu": 1.0}, "cifar10": {"mu": 5.0}, "tfds:cifar10": {"mu": 5.0}}
     preset_default = "default"
     sharing = ("all parameters and BN statistics (FedAvg); local loss + mu * model-contrastive term",

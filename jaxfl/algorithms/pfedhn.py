@@ -55,6 +55,7 @@ HYPER_OPTIMIZERS = ("sgd", "adam")
 @dataclasses.dataclass(frozen=True)
 class PFedHNOptions(Options):
     name = "pfedhn"
+    client_state = True
     own_minibatches = True  # (its inner steps draw their own minibatches: ``--augment`` does not apply)
     server_client_rows = True  # (the server's table, one row per training client)
     local_work = "inner_steps"

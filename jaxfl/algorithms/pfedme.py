@@ -48,6 +48,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class PFedMeOptions(Options):
     name = "pfedme"
+    client_state = True
     multilabel = True
     sharing = ("the local copies w_i of the global model (and BN statistics), mixed in with weight beta",
                "its personalized model theta_i (Moreau-envelope solution around w)")

@@ -76,6 +76,7 @@ def fused_alpha(out, fusion: str = "ds"):
 @dataclasses.dataclass(frozen=True)
 class RFedDisOptions(Options):
     name = "rfeddis"
+    client_state = True
     server_optimizer = True
     user_dp = True
     sharing = ("encoder and global evidential head, without BatchNorm", "BatchNorm, the local evidential head")

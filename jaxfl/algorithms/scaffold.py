@@ -49,6 +49,7 @@ from ._registry import register
 @dataclasses.dataclass(frozen=True)
 class ScaffoldOptions(Options):
     name = "scaffold"
+    client_state = True
     multilabel = True
     sharing = ("all parameters and BN statistics, and each round's change of its control variate",
                "its control variate c_i")

@@ -77,6 +77,17 @@ class Options:
     # targets of a reconstruction task (``--dataset tff_emnist_ae:``) work; any other method is refused there
     # (tests/test_multilabel.py runs every method that sets it on multi-hot labels)
     multilabel: ClassVar[bool] = False
+    # clients keep state between rounds on a model without BatchNorm (``Algorithm.init``'s client state has
+    # leaves); ``keeps_client_state`` reads it, and a method whose options decide it overrides that. DP-SGD's
+    # noise for --dp-epsilon depends on it (a fixed-size cohort's draw amplifies a round only where clients keep
+    # nothing) and is set before the algorithm is built on the DP trainer; checked against ``init`` for every
+    # algorithm and every choice of its options (tests/test_dpsgd.py), and against the built algorithm in a run
+    client_state: ClassVar[bool] = False
+
+    def keeps_client_state(self) -> bool:
+        """Whether this method's clients keep state between rounds on a model without BatchNorm
+        (``client_state``; overridden where an option decides it)."""
+        return self.client_state
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod

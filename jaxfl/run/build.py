@@ -4,9 +4,10 @@
     start_devices, validate, check_output, check_device_count   (before any data is read)
     -> load_run_data (the population, and --new-clients' held-out clients) -> the model
     -> client_placement (cohort k, sampling rate q, devices and mesh)
-    -> the local trainer (build_trainer: DP-SGD's where its noise is given) and the algorithm
+    -> DP-SGD's noise (sample_dp_noise: given, or calibrated from the method's declared client state)
+    -> the local trainer (build_trainer: DP-SGD's with that noise) and the algorithm, built once
        (``algorithms.build_algorithm``)
-    -> with_dp (DP-SGD in local training: with_sample_dp; DP-FedAvg: with_user_dp)
+    -> with_dp (DP-SGD in local training: with_sample_dp checks the built algorithm; DP-FedAvg: with_user_dp)
     -> server_side (the server's wrappers, below) and poison_data (a data attack)
     -> check_cohort_memory, backend_for (choose_backend, make_backend: where the population lives, how a
        round runs)
@@ -29,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Callable
 
 import jax
 import numpy as np
@@ -61,45 +61,49 @@ ATTACK_STREAM, COMPRESSION_STREAM = 7, 8
 DP_STREAM = 4  # fold_in(key(seed), 4): DP-FedAvg's noise
 
 
-def build_trainer(cfg: RunConfig, trainer: LocalTrainer) -> LocalTrainer:
-    """The trainer the algorithm is built on: ``trainer``, or DP-SGD's (``--dp-level sample``) where its noise
-    multiplier is given (``--dp-noise``), so the algorithm is built once; a noise calibrated to ``--dp-epsilon``
-    depends on the built algorithm (``with_sample_dp``), which is then built again on the DP trainer."""
-    if cfg.dp_clip is not None and cfg.dp_level == "sample" and cfg.dp_epsilon is None:
-        return dataclasses.replace(trainer, dp=SampleDP(cfg.dp_clip, cfg.dp_noise))
-    return trainer
-
-
-def with_sample_dp(cfg: RunConfig, alg: Algorithm, rebuild: Callable[[LocalTrainer], Algorithm],
-                   trainer: LocalTrainer, counts: list[int], sample_x, rate: float):
-    """DP-SGD in every client's local training (``--dp-level sample``): (cfg with its noise multiplier, the DP
-    trainer, the algorithm on it, its ``SampleAccountant``). ``alg``, built on ``trainer`` (the DP one already
-    where the noise was given: ``build_trainer``), tells what DP-SGD cannot change: whether a model has BatchNorm
-    (refused: its statistics mix a batch's samples) and whether clients keep state (then a fixed-size cohort's
-    draw does not amplify a round); built on the plain trainer, it is built again by ``rebuild(trainer)`` on the
-    DP one once the noise is calibrated. ``counts``: every client's training samples; ``rate``: the cohort's
-    sampling rate."""
-    key = jax.random.key(0)
-    if has_batch_stats(alg, key, sample_x):
-        raise ConfigError(f"--dp-level sample: {model_name(cfg)} has BatchNorm, whose statistics mix a "
-                          f"batch's samples; use a model without it (logreg, mlp_2nn, femnist_cnn, "
-                          f"fedavg_cnn, pfl_cnn, vit_tiny, ...)")
+def sample_dp_noise(cfg: RunConfig, options, counts: list[int], rate: float):
+    """DP-SGD's noise multiplier and accountant (``--dp-level sample``), before the algorithm is built: (cfg with
+    ``dp_noise`` set, its ``SampleAccountant``), or (cfg, None) without sample-level DP. The noise is ``--dp-noise``
+    or the one that spends ``--dp-epsilon`` over the run; a fixed-size cohort's draw amplifies a round only where
+    the method's clients keep no state (``Options.keeps_client_state``, which ``with_sample_dp`` checks against
+    the built algorithm). ``counts``: every client's training samples; ``rate``: the cohort's sampling rate."""
+    if cfg.dp_clip is None or cfg.dp_level != "sample":
+        return cfg, None
     delta = cfg.dp_delta or default_delta(sum(counts))
-    # the fixed-size cohort's draw amplifies a round only where it depends on the cohort's data alone
-    amplified = cfg.cohort_sampling == "fixed" and not clients_keep_state(alg, key, sample_x)
+    amplified = cfg.cohort_sampling == "fixed" and not options.keeps_client_state()
 
     def spent(z):
         return SampleAccountant(counts, cfg.batch_size, cfg.local_epochs, z, delta, rate if amplified else 1.0)
 
     if cfg.dp_epsilon is not None:
-        noise = calibrate_noise(lambda z: spent(z).epsilon(cfg.rounds), cfg.dp_epsilon,
-                                f"after {cfg.rounds} rounds at delta {delta:g}", delta)
-        cfg = cfg.replace(dp_noise=noise)
-    dp = SampleDP(cfg.dp_clip, cfg.dp_noise)
-    if trainer.dp == dp:  # (built on the DP trainer already: the noise was given)
-        return cfg, trainer, alg, spent(cfg.dp_noise)
-    trainer = dataclasses.replace(trainer, dp=dp)
-    return cfg, trainer, rebuild(trainer), spent(cfg.dp_noise)
+        cfg = cfg.replace(dp_noise=calibrate_noise(lambda z: spent(z).epsilon(cfg.rounds), cfg.dp_epsilon,
+                                                   f"after {cfg.rounds} rounds at delta {delta:g}", delta))
+    return cfg, spent(cfg.dp_noise)
+
+
+def build_trainer(cfg: RunConfig, trainer: LocalTrainer) -> LocalTrainer:
+    """The trainer the algorithm is built on, once: ``trainer``, or with ``--dp-level sample`` DP-SGD's on it
+    (its noise multiplier set by ``sample_dp_noise``)."""
+    if cfg.dp_clip is not None and cfg.dp_level == "sample":
+        assert cfg.dp_noise is not None, "sample_dp_noise sets the noise before the trainer is built"
+        return dataclasses.replace(trainer, dp=SampleDP(cfg.dp_clip, cfg.dp_noise))
+    return trainer
+
+
+def with_sample_dp(cfg: RunConfig, alg: Algorithm, options, sample_x) -> None:
+    """What DP-SGD in every client's local training (``--dp-level sample``) cannot take, checked on ``alg``, built
+    on the DP trainer: a model with BatchNorm (refused: its statistics mix a batch's samples), and clients that
+    keep state where the method's options said they keep none (or the reverse: the accounting of
+    ``sample_dp_noise`` would be wrong; an error in the method's declaration, ``Options.keeps_client_state``)."""
+    key = jax.random.key(0)
+    if has_batch_stats(alg, key, sample_x):
+        raise ConfigError(f"--dp-level sample: {model_name(cfg)} has BatchNorm, whose statistics mix a "
+                          f"batch's samples; use a model without it (logreg, mlp_2nn, femnist_cnn, "
+                          f"fedavg_cnn, pfl_cnn, vit_tiny, ...)")
+    keeps = clients_keep_state(alg, key, sample_x)
+    if keeps != options.keeps_client_state():
+        raise AssertionError(f"{cfg.algorithm}'s options say its clients keep {'no ' * keeps}state between rounds "
+                             f"(Options.keeps_client_state), its init says they keep {'no ' * (not keeps)}state")
 
 
 def with_user_dp(cfg: RunConfig, alg: Algorithm, options, sample_x, num_clients: int, cohort: int, rate: float):
@@ -123,17 +127,18 @@ def with_user_dp(cfg: RunConfig, alg: Algorithm, options, sample_x, num_clients:
     return cfg, alg, Accountant(rate, cfg.dp_noise, delta, cfg.cohort_sampling)
 
 
-def with_dp(cfg: RunConfig, alg: Algorithm, rebuild: Callable[[LocalTrainer], Algorithm], trainer: LocalTrainer,
-            options, counts: list[int], sample_x, cohort: int, rate: float):
-    """The run's differential privacy around ``alg``: (cfg with its noise multiplier, the trainer, the algorithm,
-    its accountant or None): DP-SGD in local training (``--dp-level sample``: ``with_sample_dp``), DP-FedAvg
+def with_dp(cfg: RunConfig, alg: Algorithm, options, sample_x, num_clients: int, cohort: int, rate: float,
+            sample_accountant: SampleAccountant | None):
+    """The run's differential privacy around ``alg``: (cfg with its noise multiplier, the algorithm, its
+    accountant or None): DP-SGD in local training (``--dp-level sample``: the trainer ``alg`` was built on, its
+    accountant ``sample_accountant`` from ``sample_dp_noise``, checked by ``with_sample_dp``), DP-FedAvg
     (``--dp-clip``: ``with_user_dp``), or nothing."""
     if cfg.dp_clip is None:
-        return cfg, trainer, alg, None
-    if cfg.dp_level == "sample":  # DP-SGD in every client's local training
-        return with_sample_dp(cfg, alg, rebuild, trainer, counts, sample_x, rate)
-    cfg, alg, accountant = with_user_dp(cfg, alg, options, sample_x, len(counts), cohort, rate)
-    return cfg, trainer, alg, accountant
+        return cfg, alg, None
+    if cfg.dp_level == "sample":
+        with_sample_dp(cfg, alg, options, sample_x)
+        return cfg, alg, sample_accountant
+    return with_user_dp(cfg, alg, options, sample_x, num_clients, cohort, rate)
 
 
 def malicious_of(cfg: RunConfig, num_clients: int) -> np.ndarray | None:

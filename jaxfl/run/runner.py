@@ -26,7 +26,8 @@ from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stoppe
 from ..models import build_model
 from ..ops.augment import make_augment
 from .build import (backdoor_test_data, backend_for, build_trainer, check_cohort_memory, check_device_count,
-                    client_placement, load_run_data, malicious_of, poison_data, server_side, start_devices, with_dp)
+                    client_placement, load_run_data, malicious_of, poison_data, sample_dp_noise, server_side,
+                    start_devices, with_dp)
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
 from .evaluation import (TUNE_STREAM, InitialStates, holds_model, on_rows, prefixed, server_predict)
 from .lock import RunLock
@@ -133,15 +134,15 @@ class Experiment:
         self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
         self.train_data, self.test_data = RaggedClients.from_clients(ds.train), RaggedClients.from_clients(ds.test)
         preprocess = normalizer(*ds.normalize)
+        self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
+        cfg, sample_accountant = sample_dp_noise(cfg, self.options, [len(y) for _, y in ds.train], self.rate)
         self.trainer = build_trainer(cfg, LocalTrainer(ClientOptimizer(**cfg.client_training()), cfg.batch_size,
                                                        cfg.local_epochs, preprocess, augment=make_augment(cfg.augment)))
-        self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
         self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
         sample_x = ds.train[0][0][:1]
-        cfg, self.trainer, self.algorithm, self.privacy = with_dp(
-            cfg, self.algorithm, lambda trainer: build_algorithm(self.options, self.model, trainer, self.context),
-            self.trainer, self.options, [len(y) for _, y in ds.train], sample_x, self.cohort, self.rate)
+        cfg, self.algorithm, self.privacy = with_dp(cfg, self.algorithm, self.options, sample_x, n, self.cohort,
+                                                    self.rate, sample_accountant)
         self.cfg = cfg
         # the server's wrappers (robust rule, compression, attack, server optimizer) and the data attack
         self.malicious = malicious_of(cfg, n)
