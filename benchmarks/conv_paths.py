@@ -50,12 +50,9 @@ MODELS = {"fedavg_cnn": dict(hidden=512, classes=10), "femnist_cnn": dict(hidden
 
 def conv_autodiff(x, k, padding):
     """``models.conv2d_matmul`` without its custom gradient (``patch_matmul``): im2col and one plain matmul."""
-    import jax.numpy as jnp
+    from jaxfl.models import conv_patches
     kh, kw, ci, co = k.shape
-    x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
-    ho, wo = x.shape[1] - kh + 1, x.shape[2] - kw + 1
-    cols = jnp.concatenate([x[:, i:i + ho, j:j + wo, :] for i in range(kh) for j in range(kw)], axis=-1)
-    return cols @ k.reshape(kh * kw * ci, co)
+    return conv_patches(x, kh, kw, 1, padding) @ k.reshape(kh * kw * ci, co)
 
 
 def conv_shiftsum(x, k, padding):
@@ -83,19 +80,14 @@ def make_conv_vjp():
     import jax
     import jax.numpy as jnp
 
-    from jaxfl.models import conv2d_matmul
-
-    def patches(x, kh, kw, padding):
-        x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
-        ho, wo = x.shape[1] - kh + 1, x.shape[2] - kw + 1
-        return jnp.concatenate([x[:, i:i + ho, j:j + wo, :] for i in range(kh) for j in range(kw)], -1)
+    from jaxfl.models import conv2d_matmul, conv_patches
 
     @jax.custom_vjp
     def conv(x, k):
         return conv2d_matmul(x, k, 1, k.shape[0] // 2)
 
     def fwd(x, k):
-        p = patches(x, k.shape[0], k.shape[1], k.shape[0] // 2)
+        p = conv_patches(x, k.shape[0], k.shape[1], 1, k.shape[0] // 2)
         return p @ k.reshape(-1, k.shape[-1]), (p, k)
 
     def bwd(res, g):
@@ -103,7 +95,7 @@ def make_conv_vjp():
         kh, kw, ci, co = k.shape
         dk = jnp.einsum("bhwk,bhwo->ko", p, g).reshape(k.shape)
         flipped = k[::-1, ::-1].transpose(0, 1, 3, 2)  # [kh, kw, co, ci]
-        dx = patches(g, kh, kw, kh - 1 - kh // 2) @ flipped.reshape(kh * kw * co, ci)
+        dx = conv_patches(g, kh, kw, 1, kh - 1 - kh // 2) @ flipped.reshape(kh * kw * co, ci)
         return dx, dk
 
     conv.defvjp(fwd, bwd)

@@ -33,6 +33,7 @@ from .layers import (
                        adaptive_avg_pool,
                        adaptive_pool_matrix,
                        conv2d_matmul,
+                       conv_patches,
                        kaiming_fan_out_init,
                        lstm_recurrence,
                        max_last,

@@ -57,13 +57,19 @@ def conv2d_matmul(x, kernel, stride: int = 1, padding: int = 0):
     to a batched matmul.
     """
     kh, kw, ci, co = kernel.shape
+    return patch_matmul(conv_patches(x, kh, kw, stride, padding), kernel.reshape(kh * kw * ci, co))
+
+
+def conv_patches(x, kh: int, kw: int, stride: int = 1, padding: int = 0):
+    """im2col: x [B, H, W, C] (NHWC), zero-padded by ``padding`` -> [B, Ho, Wo, kh kw C], the kh x kw window of
+    each output position, taps in row-major order (i, j) and channels innermost, as by shifted strided slices."""
     if padding:
         x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
     ho = (x.shape[1] - kh) // stride + 1
     wo = (x.shape[2] - kw) // stride + 1
     cols = [x[:, i:i + stride * (ho - 1) + 1:stride, j:j + stride * (wo - 1) + 1:stride, :]
             for i in range(kh) for j in range(kw)]
-    return patch_matmul(jnp.concatenate(cols, axis=-1), kernel.reshape(kh * kw * ci, co))
+    return jnp.concatenate(cols, axis=-1)
 
 
 # Below this patch length K the default kernel gradient cols^T g is as fast or faster (measured on XLA:CPU).
