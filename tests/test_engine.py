@@ -182,7 +182,9 @@ def test_device_balanced_order_deals_ranked_rows_to_the_devices_in_a_snake():
     for devices in (2, 3, 4):
         for _ in range(50):  # log-normal local steps, as clients' sizes are
             steps = np.ceil(rng.lognormal(2.0, 1.0, 12 * devices))
-            order = np.asarray(device_balanced_order(steps, devices))
+            order = device_balanced_order(steps, devices)  # (numpy in, numpy out: the host's plans)
+            assert isinstance(order, np.ndarray)
+            np.testing.assert_array_equal(order, device_balanced_order(jnp.asarray(steps), devices))  # jax's
             assert sorted(order) == list(range(len(steps)))  # a permutation
             totals = steps[order].reshape(devices, -1).sum(1)
             assert totals.max() - totals.min() <= steps.max()  # the docstring's bound

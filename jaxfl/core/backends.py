@@ -283,7 +283,7 @@ class Ragged(_Backend):
         if self.strategy == "map":  # (over a mesh its lanes ordered so that each device gets its share of the steps)
             [bucket] = plan_buckets(steps, max_lanes=len(ids), lane_multiple=self.devices, single=True)
             work = np.where(bucket.positions >= 0, steps[np.maximum(bucket.positions, 0)], 0)
-            return [Bucket(bucket.positions[np.asarray(device_balanced_order(work, self.devices))], bucket.steps)]
+            return [Bucket(bucket.positions[device_balanced_order(work, self.devices)], bucket.steps)]
         if self.grid is None:
             cohort = self.cohort_size if self.sampling == "fixed" else max(round(self.rate * self.num_clients), 1)
             max_lanes = self.clients.size * self.devices if isinstance(self.clients, Chunked) else cohort
@@ -634,7 +634,7 @@ class Stacked(_Backend):
         steps = -(-self.train.counts[ids] // self.batch_size)
         rows = plan.rows * self.devices
         steps = np.concatenate([steps, np.zeros(rows - len(steps), steps.dtype)])
-        steps = steps[np.asarray(device_balanced_order(steps, self.devices))]  # each device's block, as trained
+        steps = steps[device_balanced_order(steps, self.devices)]  # each device's block, as trained
         done = sum(int(plan.work(block)) for block in steps.reshape(self.devices, -1))
         return done * self.batch_size / max(int(self.train.counts[ids].sum()), 1)
 
@@ -729,10 +729,14 @@ class Streamed(Stacked):
         rows = self.rows if self.sampling == "poisson" else len(ids)
         row_ids = np.concatenate([ids, np.full(rows - len(ids), self.num_clients)]).astype(np.int32)
         if self.devices > 1:
-            n = self.num_clients
-            counts = np.where(row_ids < n, self.train.counts[np.minimum(row_ids, n - 1)], 0)
-            row_ids = row_ids[np.asarray(device_balanced_order(-(-counts // self.batch_size), self.devices))]
+            steps = -(-self.row_counts(row_ids) // self.batch_size)
+            row_ids = row_ids[device_balanced_order(steps, self.devices)]
         return row_ids
+
+    def row_counts(self, row_ids) -> np.ndarray:
+        """The training samples of the rows ``row_ids`` (an empty row, id N, has none). -> int32 [rows]."""
+        members = row_ids < self.num_clients
+        return np.where(members, self.train.counts[np.where(members, row_ids, 0)], 0).astype(np.int32)
 
     def cohort_args(self, store: ClientStore, row_ids):
         """(clients, x, y, counts, row ids) of the rows ``row_ids`` (``row_ids``; id N: an empty row) on the
@@ -741,7 +745,7 @@ class Streamed(Stacked):
         index = cohort_sample_index(self.train, row_ids[members])
         size = self.store_samples if len(index) <= self.store_samples else grid_ceil(len(index))
         index = np.concatenate([index, np.zeros(size - len(index), np.int64)])
-        counts = np.where(members, self.train.counts[np.where(members, row_ids, 0)], 0).astype(np.int32)
+        counts = self.row_counts(row_ids)
         clients = store.gather(np.where(members, row_ids, 0))
         self.shapes.add((len(row_ids), size))
         x, y = jax.device_put((self.train.x[index], self.train.y[index]), self.replicated)

@@ -14,6 +14,7 @@ from typing import Callable, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..errors import ConfigError, check_choice
 from .distributed import CLIENT_AXIS, place_rows
@@ -205,17 +206,20 @@ def device_balanced_order(work, devices: int):
     0, 1, ..., so that any two blocks' totals differ by at most the largest row's work (in each pair of laps the
     block that got the larger row of one lap gets the smaller of the other, and the differences telescope).
 
-    work: [k] (k a multiple of D) -> int32 [k], order[j] = the row at position j; D = 1: the identity."""
+    work: [k] (k a multiple of D) -> int32 [k], order[j] = the row at position j; D = 1: the identity. A numpy
+    ``work`` (the host's plans) is ordered with numpy, a jax array (inside the jitted round) with jax."""
+    xp = jnp if isinstance(work, jax.Array) else np
     k = work.shape[0]
     if devices == 1:
-        return jnp.arange(k, dtype=jnp.int32)
+        return xp.arange(k, dtype=xp.int32)
     if k % devices:
         raise ValueError(f"{k} rows do not split into {devices} equal device blocks")
-    ranked = jnp.argsort(-jnp.asarray(work, jnp.float32), stable=True).astype(jnp.int32)
-    j = jnp.arange(k)
+    ranked = xp.argsort(-xp.asarray(work, xp.float32), stable=True)
+    j = xp.arange(k)
     lap, r = j // devices, j % devices
-    block = jnp.where(lap % 2 == 0, r, devices - 1 - r)
-    return jnp.zeros(k, jnp.int32).at[block * (k // devices) + lap].set(ranked)
+    block = xp.where(lap % 2 == 0, r, devices - 1 - r)
+    # rank j goes to position block * m + lap: the order is the ranking read through that permutation's inverse
+    return ranked[xp.argsort(block * (k // devices) + lap)].astype(xp.int32)
 
 
 def sample_cohort(root, round_idx, num_clients: int, cohort_size: int):
