@@ -341,20 +341,17 @@ def load_jaxfl_init(model, cfg) -> None:
     server, _ = Experiment(cfg).init()
     if "conv_stem" in server["params"].get("encoder", {}):  # (resnet18_imagenet)
         pairs = resnet_jaxfl_to_torch({"params": server["params"], "batch_stats": server.get("batch_stats", {})})
-        state = model.state_dict()
-        missing = [k for k, t in state.items() if k not in pairs and t.dtype.is_floating_point
-                   and not (k.endswith("running_mean") or k.endswith("running_var"))]
-        if missing:
-            raise SystemExit(f"official: error: jaxfl's init has no {', '.join(missing[:5])}")
-        with torch.no_grad():
-            for name, t in state.items():
-                if name in pairs:
-                    t.copy_(torch.from_numpy(np.array(pairs[name], np.float32)))
-        return
-    pairs = jaxfl_to_torch(server["params"])
+    else:
+        pairs = jaxfl_to_torch(server["params"])
+    state = model.state_dict()  # (its tensors share the model's storage)
+    missing = [k for k, t in state.items() if k not in pairs and t.dtype.is_floating_point
+               and not (k.endswith("running_mean") or k.endswith("running_var"))]
+    if missing:
+        raise SystemExit(f"official: error: jaxfl's init has no {', '.join(missing[:5])}")
     with torch.no_grad():
-        for name, t in model.named_parameters():
-            t.copy_(torch.from_numpy(np.array(pairs[name], np.float32)))
+        for name, t in state.items():
+            if name in pairs:
+                t.copy_(torch.from_numpy(np.array(pairs[name], np.float32)))
 
 
 class ArrayDataset:
