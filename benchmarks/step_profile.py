@@ -46,6 +46,7 @@ def profile(model: str, batch: int, steps: int, reps: int, shape: tuple[int, ...
     import numpy as np
     import optax
 
+    from jaxfl.errors import ConfigError
     from jaxfl.models import build_model, layers
 
     if kernel_grad_min is not None:  # read by patch_matmul's backward when the step is traced
@@ -57,8 +58,8 @@ def profile(model: str, batch: int, steps: int, reps: int, shape: tuple[int, ...
     y = jnp.asarray(rng.integers(0, classes, (steps, batch)).astype(np.int32))
     variables = mdl.init(jax.random.key(0), x[0, :1])
     if set(variables) != {"params"}:
-        raise SystemExit(f"jaxfl: error: --model {model} has state besides parameters ({sorted(variables)}); "
-                         f"profile a model without BatchNorm")
+        raise ConfigError(f"--model {model} has state besides parameters ({sorted(variables)}); profile a model "
+                          f"without BatchNorm")
     tx = optax.sgd(0.01)
 
     def loss(p, xb, yb):
@@ -107,7 +108,11 @@ def main(argv=None):
                         "kernel gradient as autodiff writes it, cols^T dY)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    shape = tuple(int(s) for s in args.shape.split(","))
+    try:
+        shape = tuple(int(s) for s in args.shape.split(","))
+    except ValueError:
+        from jaxfl.errors import ConfigError
+        raise ConfigError(f"--shape {args.shape!r}: give one input's shape as integers H,W,C") from None
     res = profile(args.model, args.batch, args.steps, args.reps, shape, args.classes, args.kernel_grad_min)
     res["command"] = "benchmarks/step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"{args.model}, batch {args.batch}: {res['step_s'] * 1e3:.1f} ms a step ({res['device']}, jax {res['jax']})")
@@ -121,4 +126,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from jaxfl.run.script import run_script
+    raise SystemExit(run_script(main))

@@ -132,3 +132,14 @@ def test_step_profile_names_the_operations_of_a_step_with_their_shapes():
     assert res["step_s"] > 0 and res["ops"], res
     assert not any(step_profile.WRAPPERS.match(op["name"]) for op in res["ops"])
     assert any(op["shape"].startswith("f32[") for op in res["ops"])  # the operations are the compiled module's
+
+
+def test_step_profile_refuses_bad_input_in_one_line(capsys):
+    import step_profile
+
+    from jaxfl.run.script import run_script
+    for argv, said in ((["--shape", "28,x,1"], "--shape '28,x,1': give one input's shape as integers H,W,C"),
+                       (["--model", "small_cnn", "--shape", "8,8,1"], "--model small_cnn has state besides")):
+        assert run_script(step_profile.main, argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
