@@ -372,13 +372,14 @@ def test_normalize_scales_images_per_channel_and_reaches_the_runs_trainer():
     from jaxfl.run.runner import Experiment
 
     x = np.random.default_rng(0).integers(0, 256, (2, 4, 4, 3), dtype=np.uint8)
-    mean, std = (np.array(v, np.float64) for v in NORMALIZATIONS["imagenet"])
-    expected = (x / 255.0 - mean) / std
-    out = np.asarray(jax.jit(normalizer(*NORMALIZATIONS["imagenet"]))(x))
-    # float32: x / 255, the subtraction and the division each round once (relative eps32 of their results)
-    atol = 8 * np.finfo(np.float32).eps * np.abs(expected).max()
-    np.testing.assert_allclose(out, expected, rtol=0, atol=atol)
-    assert not np.allclose(out, (x / 255.0 - 0.5) / 0.5, atol=1e-2)  # not the dataset's own scaling
+    for name in ("cifar10", "imagenet"):  # (imagenet last: the run below checks its expected values)
+        mean, std = (np.array(v, np.float64) for v in NORMALIZATIONS[name])
+        expected = (x / 255.0 - mean) / std
+        out = np.asarray(jax.jit(normalizer(*NORMALIZATIONS[name]))(x))
+        # float32: x / 255, the subtraction and the division each round once (relative eps32 of their results)
+        atol = 8 * np.finfo(np.float32).eps * np.abs(expected).max()
+        np.testing.assert_allclose(out, expected, rtol=0, atol=atol)
+        assert not np.allclose(out, (x / 255.0 - 0.5) / 0.5, atol=1e-2)  # not the dataset's own scaling
 
     ds = load_dataset(DataConfig("default", image_size=8))
     assert with_normalization(ds, "dataset") is ds and ds.normalize == (0.5, 0.5)
@@ -392,5 +393,5 @@ def test_normalize_scales_images_per_channel_and_reaches_the_runs_trainer():
                           "--rounds", "1", "--samples-per-client", "20", "--test-per-client", "10"])
     assert cfg.normalize == "imagenet"
     np.testing.assert_allclose(np.asarray(Experiment(cfg).trainer.preprocess(x)), expected, rtol=0, atol=atol)
-    with pytest.raises(ConfigError, match="unknown normalize 'zscore'; valid: dataset, imagenet, unit"):
+    with pytest.raises(ConfigError, match="unknown normalize 'zscore'; valid: dataset, imagenet, cifar10, unit"):
         validate(command_config(["run", "--normalize", "zscore"]))

@@ -147,7 +147,7 @@ class MetricsLog:
     A rerun into the same directory starts the log afresh (adapters do not resume)."""
 
     def __init__(self, out: str | Path, client_names: list[str], config: dict):
-        self.out = Path(out)
+        self.out = Path(out).resolve()  # (the official loops may change the working directory)
         self.out.mkdir(parents=True, exist_ok=True)
         self.names = client_names
         (self.out / "config.json").write_text(json.dumps(config, indent=2, default=str))

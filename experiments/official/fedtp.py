@@ -18,8 +18,9 @@ what reads data or fixes sizes the command line cannot set:
 
 - ``utils.partition_data`` (utils.py:95) returns jaxfl's clients: every client's train and test arrays from
   ``common.jaxfl_inputs`` (jaxfl's loading, partition, test cap), as float NCHW normalised the way jaxfl does
-  (``(x/255 - 0.5)/0.5``; the official loader uses per-channel CIFAR statistics, utils.py:1292-1298), each
-  client's index map into the concatenated arrays. No augmentation on either side.
+  (``(x/255 - 0.5)/0.5``; the official loader uses per-channel CIFAR statistics, utils.py:1292-1298, which
+  ``--config official`` uses on both sides), each client's index map into the concatenated arrays. No
+  augmentation on either side (the official CIFAR-10 loader has none).
 - ``utils.get_divided_dataloader`` (utils.py:1276) / ``get_dataloader`` (utils.py:1244) build the official
   ``DataLoader``s (train ``shuffle=True, drop_last=False``, test batch 32 unshuffled) over those tensors
   instead of reading ``CIFAR10_truncated`` from disk. The official local training (``local_train_net_per`` ->
@@ -30,6 +31,8 @@ what reads data or fixes sizes the command line cannot set:
   instead (read from ``jaxfl.models.vit_tiny``: patch 4, dim 64, depth 4, 4 heads x 32, MLP 128, dropout 0.1
   and embedding dropout 0.1). The official ViT takes every one of these, so the architecture is the same
   (pre-norm blocks, bias-free fused W_qkv, CLS pooling, LayerNorm+Linear head; 206,794 parameters).
+  ``--config official`` keeps the official widths instead (jaxfl ``vit_small``: dim 128, 8 heads x 64, MLP
+  256) at the paper's depth 8, which the code takes as its own ``--depth``.
   The hypernetwork keeps the official defaults (embedding 128, trunk 150 x 4 linear layers), as jaxfl's.
 - ``numpy.random.shuffle``: the official cohort is ``arr = arange(N); shuffle(arr); arr[:int(N*sample)]``
   (main.py:418-420, :524-526, :1379-1381). A call on ``arange(N)`` puts jaxfl's cohort of that round
@@ -80,20 +83,31 @@ ALGS = {"hypernet": "FedTP", "vanilla": "Personalized-T", "fedavg": "fedavg"}
 OFFICIAL_MODULES = ("utils", "config", "datasets", "constants", "models", "methods", "optimizer", "datastore")
 
 
+# --config: the model and input scaling of both sides. reduced: jaxfl's CPU-sized ViT and its own scaling (the
+# official widths are overridden); official: the official ViT widths (dim 128, 8 heads x 64, MLP 256, as
+# init_nets/init_hyper hard-code them, main.py:116, :169) at the paper's depth 8 (the code's --depth, default 6;
+# the spec follows the paper), and the official per-channel CIFAR-10 scaling (utils.py:1292-1298)
+CONFIGS = {"reduced": {"model": "vit_tiny", "normalize": "dataset"},
+           "official": {"model": "vit_small", "normalize": "cifar10"}}
+
+
 def jaxfl_config(args):
     """The RunConfig of the jaxfl runs compared against (experiments/fedtp.py's pathological settings)."""
     from jaxfl.run.config import RunConfig
-    return RunConfig(algorithm="fedtp", dataset="cifar10", model="vit_tiny", num_clients=args.num_clients,
+    chosen = CONFIGS[getattr(args, "config", "reduced")]
+    return RunConfig(algorithm="fedtp", dataset="cifar10", model=chosen["model"], normalize=chosen["normalize"],
+                     num_clients=args.num_clients,
                      clients_per_round=args.clients_per_round, partition="shards", classes_per_client=2,
                      test_per_client=args.test_per_client, rounds=args.rounds, local_epochs=args.local_epochs,
                      batch_size=64, lr=0.01, momentum=0.9, weight_decay=1e-5, eval_every=args.eval_every,
                      seed=args.seed, checkpoint_every=0, resume=False)
 
 
-def vit_widths():
-    """jaxfl vit_tiny's encoder settings, as the official ViT constructor's keywords."""
-    from jaxfl.models import vit_tiny
-    e = vit_tiny(10).encoder
+def vit_widths(model: str = "vit_tiny"):
+    """The encoder settings of jaxfl's ``model`` (vit_tiny or vit_small), as the official ViT constructor's
+    keywords."""
+    from jaxfl.models import build_model
+    e = build_model(model, 10).encoder
     return dict(patch_size=e.patch, dim=e.dim, depth=e.depth, heads=e.heads, dim_head=e.dim_head,
                 mlp_dim=e.mlp_dim, dropout=e.dropout, emb_dropout=e.dropout)
 
@@ -116,6 +130,9 @@ def main(argv=None) -> None:
     p.add_argument("--num-clients", type=int, default=10)
     p.add_argument("--clients-per-round", type=int, default=5)
     p.add_argument("--test-per-client", type=int, default=500)
+    p.add_argument("--config", choices=list(CONFIGS), default="reduced",
+                   help="reduced: jaxfl's vit_tiny widths and (x/255 - 0.5)/0.5 on both sides; official: the "
+                        "official widths at depth 8 (jaxfl vit_small) and CIFAR-10 per-channel scaling")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -128,7 +145,7 @@ def main(argv=None) -> None:
     inputs = jaxfl_inputs(jaxfl_config(args))
     cfg, n = inputs.cfg, inputs.num_clients
     k = len(inputs.cohorts[0])
-    widths = vit_widths()
+    widths = vit_widths(cfg.model)
     if cfg.eval_every < 2:
         print("official: note: the official code cannot evaluate round 1 (test_round > 1); evaluating from round 2",
               file=sys.stderr)
@@ -205,7 +222,7 @@ def main(argv=None) -> None:
     # ---- per-round bookkeeping: cohort injection, train losses, evaluations -> metrics.jsonl
     run = {"round": 0, "train_loss": {}, "eval": None}
     config = {"official_repo": str(repo), "official_commit": _git_head(repo), "variant": args.variant,
-              "official_alg": ALGS[args.variant], "vit": widths, "stubbed_imports": stubbed,
+              "official_alg": ALGS[args.variant], "config": args.config, "vit": widths, "stubbed_imports": stubbed,
               "jaxfl_config": dataclasses.asdict(cfg), "normalize": list(inputs.normalize)}
     log = MetricsLog(args.out, inputs.client_names, config)
 

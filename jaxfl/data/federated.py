@@ -327,6 +327,9 @@ PREFIXES = {"tfds:": _tfds, "folder:": _folder, "text:": _text_folder, "leaf:": 
 # Input scalings of uint8 images a run can choose instead of its dataset's own (``FederatedDataset.normalize``):
 # (mean, std) of x / 255, scalars or one value per channel.
 NORMALIZATIONS = {"imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # torchvision's ImageNet statistics
+                  # CIFAR-10's per-channel statistics as FedTP's code (utils.py:1292) and many others use them
+                  # (the std is that of a per-image statistic, not the dataset's 0.247, 0.243, 0.261)
+                  "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
                   "unit": (0.0, 1.0)}
 
 

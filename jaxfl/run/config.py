@@ -118,7 +118,8 @@ class Data(ConfigGroup):
                                       "than a quarter of the host's memory", choices=LAZY_INPUTS)
     normalize: str = option("dataset", "how uint8 images are scaled: dataset (its own: (x/255 - 0.5)/0.5 for most) "
                                        "| imagenet (torchvision's per-channel ImageNet mean and std; 3 channels) | "
-                                       "unit (x/255)", choices=("dataset", *NORMALIZATIONS))
+                                       "cifar10 (the per-channel CIFAR-10 statistics FedTP's code uses; 3 channels) "
+                                       "| unit (x/255)", choices=("dataset", *NORMALIZATIONS))
 
     def check(self) -> None:
         check_data_options(self)
