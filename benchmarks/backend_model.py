@@ -50,21 +50,22 @@ def measured_pairs() -> list[dict]:
     import backend_choice
     from jaxfl.data.federated import load_dataset
     from jaxfl.run.cli import command_config
-    parts = [json.loads(part.read_text()) for part in sorted(CHOICE.glob("*.json"))]
     with tempfile.TemporaryDirectory() as tmp:  # (the configs name an output folder; nothing is written there)
-        configs = [(run, r, command_config(["run", *backend_choice.COMMON.split(), *r["flags"].split(), "--out",
-                                            f"{tmp}/run"]))  # the workload's config as `jaxfl run` reads it
-                   for run in parts for r in run["rows"]
-                   if "round_s" in r.get("stacked", {}) and "round_s" in r.get("ragged", {})]
-    for run, r, cfg in configs:
-        ds = load_dataset(cfg.data_config())
-        pairs.append(dict(
-            name=f"{cfg.model} (MNIST Dirichlet {cfg.dirichlet_alpha}, {cfg.num_clients} clients)",
-            cohort=cfg.clients_per_round, batch=cfg.batch_size, counts=np.asarray(ds.train_counts()),
-            model=cfg.model, classes=ds.num_classes, sample_x=ds.train[0][0][:1],
-            preprocess=normalizer(*ds.normalize),
-            stacked_s=r["stacked"]["round_s"], ragged_s=r["ragged"]["round_s"], rounds=run["rounds"],
-            **{f"{b}_{k}": r[b][k] for b in ("stacked", "ragged") for k in ("compile_s", "wall_s")}))
+        for part in sorted(CHOICE.glob("*.json")):
+            run = json.loads(part.read_text())
+            for r in run["rows"]:
+                if "round_s" not in r.get("stacked", {}) or "round_s" not in r.get("ragged", {}):
+                    continue
+                argv = ["run", *backend_choice.COMMON.split(), *r["flags"].split(), "--out", f"{tmp}/run"]
+                cfg = command_config(argv)  # the workload's config as `jaxfl run` reads it
+                ds = load_dataset(cfg.data_config())
+                pairs.append(dict(
+                    name=f"{cfg.model} (MNIST Dirichlet {cfg.dirichlet_alpha}, {cfg.num_clients} clients)",
+                    cohort=cfg.clients_per_round, batch=cfg.batch_size, counts=np.asarray(ds.train_counts()),
+                    model=cfg.model, classes=ds.num_classes, sample_x=ds.train[0][0][:1],
+                    preprocess=normalizer(*ds.normalize),
+                    stacked_s=r["stacked"]["round_s"], ragged_s=r["ragged"]["round_s"], rounds=run["rounds"],
+                    **{f"{b}_{k}": r[b][k] for b in ("stacked", "ragged") for k in ("compile_s", "wall_s")}))
     return pairs
 
 

@@ -94,7 +94,7 @@ CONFIGS = {"reduced": {"model": "vit_tiny", "normalize": "dataset"},
 def jaxfl_config(args):
     """The RunConfig of the jaxfl runs compared against (experiments/fedtp.py's pathological settings)."""
     from jaxfl.run.config import RunConfig
-    chosen = CONFIGS[getattr(args, "config", "reduced")]
+    chosen = CONFIGS[args.config]
     return RunConfig(algorithm="fedtp", dataset="cifar10", model=chosen["model"], normalize=chosen["normalize"],
                      num_clients=args.num_clients,
                      clients_per_round=args.clients_per_round, partition="shards", classes_per_client=2,
@@ -103,7 +103,7 @@ def jaxfl_config(args):
                      seed=args.seed, checkpoint_every=0, resume=False)
 
 
-def vit_widths(model: str = "vit_tiny"):
+def vit_widths(model: str):
     """The encoder settings of jaxfl's ``model`` (vit_tiny or vit_small), as the official ViT constructor's
     keywords."""
     from jaxfl.models import build_model
