@@ -342,8 +342,9 @@ def compare(argv=None) -> None:
     p.add_argument("--figure")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    rows = ["| variant | side | seeds | final (round R) %% | mean of the last %d evaluations %% | rounds 10/20/30/40/50/60 "
-            "(mean) | final diff (official - jaxfl) | criterion max(2 pooled std, 1.5) | verdict |" % args.tail,
+    rows = ["| variant | side | seeds | final (round R) %% | mean of the last %d evaluations %% | "
+            "rounds 10/20/30/40/50/60 (mean) | final diff (official - jaxfl) | criterion max(2 pooled std, 1.5) "
+            "| verdict |" % args.tail,
             "|---|---|---|---|---|---|---|---|---|"]
     curves = {}
     for v in args.variants.split(","):
