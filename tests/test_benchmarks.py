@@ -66,6 +66,31 @@ def test_conv_paths_xla_conv_has_autodiffs_gradients_inside_a_loop():
     np.testing.assert_allclose(conv(x, k), ref(x, k), rtol=1e-5, atol=1e-5)
 
 
+def test_conv_paths_dft_and_winograd_convolutions_are_the_convolution_and_its_gradients():
+    """conv_paths' DFT and Winograd convolutions against lax's (forward, and dx, dk for a random cotangent), odd
+    sizes and paddings included. Tolerance: their constant transform matrices (entries up to ~2 in Winograd's
+    F(2, 5), sums over up to n1 n2 = 324 phases in the DFT) amplify float32 rounding to ~1e-6 of the output's
+    scale; 2e-5 of each result's largest entry leaves room for that and fails on any wrong tap, phase or weight
+    (a 0.1 % error in one transform matrix fails it)."""
+    import conv_paths
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    kx, kk = jax.random.split(jax.random.key(0))
+    for shape, kshape, pad in [((2, 14, 14, 32), (5, 5, 32, 8), 2), ((3, 9, 8, 2), (5, 5, 2, 4), 2),
+                               ((2, 7, 10, 3), (3, 3, 3, 4), 1), ((2, 8, 7, 2), (5, 5, 2, 3), 0)]:
+        x, k = jax.random.normal(kx, shape), jax.random.normal(kk, kshape)
+        ref = lambda x, k: conv_paths.conv_nhwc(x, k, pad)
+        for conv in (conv_paths.conv_dft, conv_paths.conv_winograd):
+            y, back = jax.vjp(lambda x, k: conv(x, k, pad), x, k)
+            y_ref, back_ref = jax.vjp(ref, x, k)
+            cotangent = jax.random.normal(jax.random.key(1), y_ref.shape)  # the gradients of sum(cotangent * y)
+            got, want = [y, *back(cotangent)], [y_ref, *back_ref(cotangent)]
+            for g, w in zip(got, want):
+                assert g.shape == w.shape
+                np.testing.assert_allclose(g, w, atol=2e-5 * float(jnp.abs(w).max()), rtol=0)
+
+
 def test_the_seed_axis_benchmark_compares_the_same_rounds():
     # one round over a seed axis (vmap) and one round per seed train the same models, unequal partitions included
     import seed_axis
