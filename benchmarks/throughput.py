@@ -277,6 +277,10 @@ SMALL = {
     "fedavg_cnn_dir0.3": dict(model="fedavg_cnn", input="image", classes=10, batch=32, dirichlet=0.3,
                               samples=50_000, median=None, sigma=None, lr=0.01, skip=("stacked/vmap/K10",),
                               max_rounds=1),
+    # the same clients at the FedAvg paper's batch B = 10
+    "fedavg_cnn_dir0.3_b10": dict(model="fedavg_cnn", input="image", classes=10, batch=10, dirichlet=0.3,
+                                  samples=50_000, median=None, sigma=None, lr=0.01, skip=("stacked/vmap/K10",),
+                                  max_rounds=1),
 }
 # skip: runners left out by default (a vmapped round of CNN / LSTM clients runs to the cohort's longest client
 # and is slower than map on a CPU: see ragged/vmap); max_rounds: at most this many rounds timed per runner.
