@@ -59,7 +59,8 @@ def measure(name: str, clients: int, samples: int = 100, batch: int = 32) -> dic
     def epoch(p, stats, xc, yc):
         def step(carry, i):
             p, s, o = carry
-            xb, yb = jax.lax.dynamic_slice_in_dim(xc, i * batch, batch), jax.lax.dynamic_slice_in_dim(yc, i * batch, batch)
+            xb, yb = (jax.lax.dynamic_slice_in_dim(xc, i * batch, batch),
+                      jax.lax.dynamic_slice_in_dim(yc, i * batch, batch))
 
             def loss(p):
                 logits, upd = model.apply({"params": p, "batch_stats": s}, xb, True, mutable=["batch_stats"])
@@ -95,7 +96,8 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         r = measure(name, args.clients)
-        print(f"| {r['model']} | {r['clients']} | {r['entries']:,} | {r['grow_s']:.3f} | {r['sort_s']:.3f} | {r['epoch_s']:.3f} | "
+        print(f"| {r['model']} | {r['clients']} | {r['entries']:,} | {r['grow_s']:.3f} | {r['sort_s']:.3f} | "
+              f"{r['epoch_s']:.3f} | "
               f"{r['grow_s'] / r['epoch_s']:.2f} |", flush=True)
 
 

@@ -51,7 +51,8 @@ SUITE = [
 # small models: LEAF-like log-normal clients (throughput.SMALL), the cohort sweep on logreg; first,
 # so that the budget never skips them
 SUITE = [("small:logreg:10000:10", 10), ("small:logreg:10000:100", 100), ("small:logreg:10000:1000", 1000),
-          ("small:2nn:10000:1000", 1000), ("small:femnist_cnn:1000:100", 100), ("small:char_lstm:1000:100", 100)] + SUITE
+          ("small:2nn:10000:1000", 1000), ("small:femnist_cnn:1000:100", 100),
+          ("small:char_lstm:1000:100", 100)] + SUITE
 SMOKE = [("skewed:0.3:40:4:1000", 4), ("skewed:0.3:40:8:1000", 8), ("xdev:8", 8), ("small:logreg:40:8", 8)]
 # the runners of the small workloads on a GPU: the engine vmapped (one call per round, and 10 rounds per call),
 # the streamed and ragged engines (the cohort sent each round: one call; buckets), the per-client loops
@@ -355,8 +356,9 @@ def project_workload(spec: str) -> dict:
     torch_ = None if tl is None else dict(flops=loop["flops"], bytes=loop["bytes"], steps=int(steps.sum()),
                                           launches=int(steps.sum()) * tl + k * 2 * n_leaves + n_leaves)
     out = {"spec": spec, "model": ws["model"], "clients": len(counts), "cohort": k, "batch": b,
-           "real_samples": int(counts[ids].sum()), "step_launches": {"engine_by_lanes": {str(l): cache[l][2] for l in cache if l},
-                                                                      "one_client": cache[0][2], "torch": tl}}
+           "real_samples": int(counts[ids].sum()),
+           "step_launches": {"engine_by_lanes": {str(l): cache[l][2] for l in cache if l},
+                             "one_client": cache[0][2], "torch": tl}}
     for name, r in (("engine/vmap", engine), ("jax_loop", loop), ("torch_loop", torch_)):
         if r is None:
             continue
@@ -429,7 +431,8 @@ def project_main(args) -> None:
 
 
 def project_report(rows) -> str:
-    lines = ["| workload | clients (cohort) | real samples | runner | GFLOP / round | GB / round | kernel launches / round "
+    lines = ["| workload | clients (cohort) | real samples | runner | GFLOP / round | GB / round | "
+             "kernel launches / round "
              "| steps run | compute s (roofline) | launch s | projected H100 round s | x torch_loop |",
              "|---" * 12 + "|"]
     for r in rows:

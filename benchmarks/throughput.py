@@ -479,7 +479,8 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
             server, ms = sim.run_rounds(server, store, 0, rounds, root)
             jax.block_until_ready(server)
             sec = time.perf_counter() - t
-            record(runner, sec, rounds, {"compile_s": first - sec, "padded_work": float(np.mean([m["padded_work"] for m in ms])),
+            record(runner, sec, rounds, {"compile_s": first - sec,
+                                         "padded_work": float(np.mean([m["padded_work"] for m in ms])),
                                          "host_share": float(np.mean([m["host_share"] for m in ms])),
                                          "buckets": int(ms[-1]["buckets"]),
                                          "compiled_shapes": int(ms[-1]["compiled_shapes"]),
@@ -705,7 +706,8 @@ def small_torch_vmap(w: dict, data, cohorts) -> dict | None:
             "torch_device": dev, "padded_work": padded}
 
 
-SMALL_COLUMNS = ("| workload | clients (cohort) | mean size (max/mean) | runner | real samples/s | x torch | x jax_loop | "
+SMALL_COLUMNS = ("| workload | clients (cohort) | mean size (max/mean) | runner | real samples/s | x torch | "
+                 "x jax_loop | "
                  "padded/real | host share | FLOP/s / peak | bytes/s / peak | round s | peak RSS GB |")
 
 
@@ -741,7 +743,8 @@ def report(results: list[dict]) -> str:
                 continue
             v = r[runner]
             if "error" in v:
-                lines.append(f"| {r['workload']} | {r['clients']} ({r['cohort']}) | {r['max_over_mean']:.1f} | {runner} | "
+                lines.append(f"| {r['workload']} | {r['clients']} ({r['cohort']}) | {r['max_over_mean']:.1f} | "
+                             f"{runner} | "
                              f"failed: {v['error'][:120]} |" + " - |" * 6)
                 continue
             work = f"{v['padded_work']:.3f}" if "padded_work" in v else "-"

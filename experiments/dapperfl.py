@@ -25,7 +25,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table, table
+from common import (parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root,
+                    seed_table, table)
 
 from jaxfl.run.config import RunConfig
 
@@ -95,7 +96,8 @@ def main(argv=None) -> None:
         last = results.get("dapperfl", [[{}]])[0][-1]
         if "train_kept_params" in last:  # model volume per client: mask entries kept (all parameter leaves)
             total = max(last["train_kept_params"])  # a rho = 0 client keeps the dense model
-            text += "\n| client | rho | kept parameters | fraction of dense | nominal 1 - rho |\n|---|---|---|---|---|\n"
+            text += ("\n| client | rho | kept parameters | fraction of dense | nominal 1 - rho |\n"
+                     "|---|---|---|---|---|\n")
             text += "\n".join(f"| {n} | {r:.1f} | {int(k):,} | {k / total:.3f} | {1 - r:.1f} |" for n, r, k in
                                zip(names, last["train_ratio"], last["train_kept_params"])) + "\n"
         if args.bn_check:

@@ -1,7 +1,8 @@
 """DapperFL's pruning masks per layer: the fraction of each weight tensor kept at each device level.
 
 For a model (default ``resnet10_slim``, DapperFL's CPU stand-in; ``--model resnet10`` for the paper's width) the
-script builds ``pruning_masks`` of its initial weights (plus N(0, 0.1^2) noise) at every ratio and prints, per masked leaf, the rule
+script builds ``pruning_masks`` of its initial weights (plus N(0, 0.1^2) noise) at every ratio and prints, per masked
+leaf, the rule
 that applies and the kept fraction; with ``--torch`` (needs PyTorch) it also applies the released code's torch
 calls (``prune.ln_structured`` on dim 1 then dim 0 for inner convs, dim 0 only for output-only convs,
 ``l1_unstructured`` on BN scales, ``ln_structured(n=2, dim=1)`` on the Linear) to the same weights and reports

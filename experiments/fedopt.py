@@ -1,6 +1,7 @@
 """The FedOpt paper's settings (Reddi et al., "Adaptive Federated Optimization", ICLR 2021) on TFF's files:
 FedAvg, FedAvgM, FedAdagrad, FedAdam and FedYogi (client SGD, a server optimizer: ``jaxfl.core.server_opt``) on
-EMNIST character recognition, the EMNIST autoencoder (a reconstruction task, scored by 1 - MSE), Shakespeare next-character prediction, Stack Overflow next-word prediction, Stack
+EMNIST character recognition, the EMNIST autoencoder (a reconstruction task, scored by 1 - MSE), Shakespeare
+next-character prediction, Stack Overflow next-word prediction, Stack
 Overflow tag prediction (multi-label logistic regression, scored by recall@5) and CIFAR-100.
 
 Source of every number below: google-research/federated, ``optimization/docs/hyperparameters.md`` (commit

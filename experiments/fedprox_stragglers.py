@@ -20,7 +20,8 @@ straggling on its own stream (``core.cohort.straggler_work``), so their number v
 Writes, under --out: s<s>/[seed<k>/]<variant>/ (the runs), table.md (final, best and last-5 accuracy on the
 pooled test set, mean ± std over seeds) and accuracy.png (one panel per straggler level).
 
-    JAXFL_DATA_DIR=../shared/data python experiments/fedprox_stragglers.py --seeds 0,1,2 --out ../runs/fedprox_stragglers
+    JAXFL_DATA_DIR=../shared/data python experiments/fedprox_stragglers.py --seeds 0,1,2 \\
+        --out ../runs/fedprox_stragglers
 """
 from __future__ import annotations
 

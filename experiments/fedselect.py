@@ -23,7 +23,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from common import parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table
+from common import (parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root,
+                    seed_table)
 
 from jaxfl.core.trees import leaf_paths
 from jaxfl.ops.diagnostics import overlap_ratio

@@ -68,7 +68,8 @@ def main(argv=None) -> None:
     cfg = RunConfig(algorithm=name, dataset=args.dataset, options={name: opts}, **run)
     res = profile(cfg, args.rounds)
     print(f"{res['algorithm']} on {res['dataset']} ({res['clients']} clients, cohort {res['cohort']}, "
-          f"{res['backend']}/{res['strategy']}): train {res['train_s']:.2f} s/round (first {res['train_first_s']:.1f} s), "
+          f"{res['backend']}/{res['strategy']}): train {res['train_s']:.2f} s/round "
+          f"(first {res['train_first_s']:.1f} s), "
           f"evaluation {res['eval_s']:.2f} s (first {res['eval_first_s']:.1f} s, {res['test_samples']} test samples), "
           f"host share {res['host_share']:.3f}")
     if args.json:

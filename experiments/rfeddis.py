@@ -22,8 +22,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from common import (parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root, seed_table, table,
-                    variant_dir)
+from common import (parse_list, parse_seeds, plot_mean_accuracy, run_script, run_seeds, run_variant, seed_root,
+                    seed_table, table, variant_dir)
 
 from jaxfl.run.checkpoint import read_metrics
 from jaxfl.run.config import RunConfig
@@ -88,9 +88,11 @@ def main(argv=None) -> None:
                 _, exp, res = run_variant(spec, base_config(dataset, args).replace(seed=seeds[0]),
                                           seed_root(out, seeds[0], seeds), keep_state=True)
                 reports[spec] = exp.reliability(res.server, res.clients, jax.random.key(seeds[0]), noise_sigma=1.5)
-        text = (f"{dataset}, rounds: {args.rounds}, seeds {args.seeds}; cells: best over evaluated rounds (last round), "
+        text = (f"{dataset}, rounds: {args.rounds}, seeds {args.seeds}; cells: best over evaluated rounds "
+                "(last round), "
                 "mean over seeds\n\n" + table(results, names, PAPER[dataset]) + "\n\nMean accuracy over clients:\n\n"
-                + seed_table(results) + "\n\nReliability after the last round (seed " + str(seeds[0]) + "; noise sigma 1.5 on "
+                + seed_table(results) + "\n\nReliability after the last round (seed " + str(seeds[0])
+                + "; noise sigma 1.5 on "
                 "the normalised input; 'other' = the next client's test inputs):\n\n"
                 + reliability_table(reports, names) + "\n")
         (out / "table.md").write_text(text)

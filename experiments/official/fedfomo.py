@@ -133,7 +133,8 @@ def build_population(inputs, client_module, opts: dict):
     from torch.utils.data import Subset, TensorDataset
 
     def dataset(x, y):
-        return TensorDataset(torch.from_numpy(to_nchw_float(x, inputs.normalize)), torch.from_numpy(np.asarray(y, np.int64)))
+        return TensorDataset(torch.from_numpy(to_nchw_float(x, inputs.normalize)),
+                             torch.from_numpy(np.asarray(y, np.int64)))
 
     population = types.SimpleNamespace(num_clients=inputs.num_clients, num_classes=inputs.num_classes,
                                        num_distributions=5, clients=[], test_data=None)  # 5 clusters: README's -nf 5
@@ -236,7 +237,8 @@ def run(args) -> None:
     def on_round(epoch, clients, fomo):
         by_id = {c.id: c for c in clients}
         acc = [by_id[i].metrics["val_acc"][-1] for i in ids]  # local_train's evaluation on the test split
-        rec = log.round(epoch + 1, sorted(by_id), train_loss=[by_id[i].metrics["train_loss"][-1] for i in sorted(by_id)],
+        rec = log.round(epoch + 1, sorted(by_id),
+                        train_loss=[by_id[i].metrics["train_loss"][-1] for i in sorted(by_id)],
                         test_accuracy=acc, test_count=[len(t[1]) for t in inputs.test],
                         test_loss=[by_id[i].metrics["val_loss"][-1] for i in ids],
                         fomo_accuracy=float(np.mean([fomo[i] for i in ids])),

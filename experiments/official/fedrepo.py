@@ -472,7 +472,8 @@ def stragglers_main(argv) -> None:
     # paired by seed and round (the two sides share cohorts, straggler draws and initial weights): the mean
     # over all evaluations, and the mean |difference| of the two curves at an evaluation
     rows += ["", "| s | FedRepo method | jaxfl run | FedRepo, all 20 evaluations | jaxfl, all 20 evaluations | "
-             "difference | mean abs difference per evaluation | correlation of the curves |", "|---|---|---|---|---|---|---|---|"]
+             "difference | mean abs difference per evaluation | correlation of the curves |",
+             "|---|---|---|---|---|---|---|---|"]
     for (s, method, folder, lr), pairs in groups.items():
         o = np.array([ec.accuracy_curve(o, "weighted_accuracy")[1] for o, _ in pairs]) * 100
         j = np.array([ec.accuracy_curve(j, "weighted_accuracy")[1] for _, j in pairs]) * 100
@@ -481,10 +482,12 @@ def stragglers_main(argv) -> None:
                     f"{np.abs(o - j).mean():.2f} | {corr:.2f} |")
     # the inputs: each round's cohort and each client's step count against the jaxfl log; FedRepo's clip
     rows += ["", "| s | FedRepo method | jaxfl run | rounds with jaxfl's cohort and step counts | clipped steps | "
-             "largest gradient norm | jaxfl's p_i (samples) vs FedRepo's 1/k: max abs difference, mean total variation |",
+             "largest gradient norm | jaxfl's p_i (samples) vs FedRepo's 1/k: max abs difference, "
+             "mean total variation |",
              "|---|---|---|---|---|---|---|"]
     for (s, method, folder, lr), pairs in groups.items():
-        same = sum(a["clients_trained"] == b["clients_trained"] and a["train_steps"] == [int(x) for x in b["train_steps"]]
+        same = sum(a["clients_trained"] == b["clients_trained"]
+                   and a["train_steps"] == [int(x) for x in b["train_steps"]]
                    for o, j in pairs for a, b in zip(o, j))
         clipped = sum(a.get("clipped_steps", 0) for o, _ in pairs for a in o)
         largest = max(a.get("max_grad_norm_seen", 0.0) for o, _ in pairs for a in o)

@@ -454,7 +454,8 @@ def self_check(repo: Path) -> None:
             grown = lt.delta_update(0.25, states[c], prevs[c], masks[c], bound=0.8, invert=True)
         for k in names:
             old = jnp.asarray(masks[c][k].numpy() > 0)
-            ours = grow_mask(old, jnp.asarray((states[c][k] - prevs[c][k]).numpy()), 0.25, 0.8) if "weight" in k else old
+            ours = (grow_mask(old, jnp.asarray((states[c][k] - prevs[c][k]).numpy()), 0.25, 0.8) if "weight" in k
+                    else old)
             differ += int((np.asarray(ours) != (grown[k].cpu().numpy() > 0)).sum())
     print(f"1. mask growth: {differ} mask entries differ (10 clients, {sum(t.numel() for t in model.parameters()):,} "
           f"entries each)")
@@ -606,7 +607,8 @@ def main(argv=None) -> None:
     xte, yte, dict_test = concat_clients(inp.test)
     ds_train = ArrayDataset(xtr, ytr, inp.normalize, augment=args.augment == "official")
     ds_test = ArrayDataset(xte, yte, inp.normalize)
-    test_tensors = [(torch.from_numpy(to_nchw_float(x, inp.normalize)), torch.as_tensor(np.asarray(y), dtype=torch.long))
+    test_tensors = [(torch.from_numpy(to_nchw_float(x, inp.normalize)),
+                     torch.as_tensor(np.asarray(y), dtype=torch.long))
                     for x, y in inp.test]
     counts = [len(y) for _, y in inp.test]
     eval_model = torch_model(args.model, *shape)
@@ -670,7 +672,8 @@ def main(argv=None) -> None:
             finally:
                 model_.train()
         off.evaluate = evaluate
-    off.train_personalized, off.delta_update, off.cross_client_eval = train_personalized, delta_update, cross_client_eval
+    off.train_personalized, off.delta_update, off.cross_client_eval = (train_personalized, delta_update,
+                                                                       cross_client_eval)
     off.fedselect_algorithm(model, oargs, ds_train, ds_test, dict_train, dict_test, np.array([]), list(range(n)))
 
 

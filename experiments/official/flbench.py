@@ -90,7 +90,8 @@ def one_step_accuracy(global_state, model, x, y, tx, ty, lr: float, batch: int, 
 
 
 def run(args) -> None:
-    """One run of FL-bench's Per-FedAvg client on the inputs, lr, seed and rounds of the jaxfl run ``args.jaxfl_run``."""
+    """One run of FL-bench's Per-FedAvg client on the inputs, lr, seed and rounds of the jaxfl run
+    ``args.jaxfl_run``."""
     import warnings
 
     import torch

@@ -384,7 +384,8 @@ def check(argv=None) -> None:
     flat = jax.tree_util.tree_flatten_with_path(m["params"])[0]
     jax_shared = sorted("/".join(str(getattr(q, "key", q)) for q in path) for path, v in flat if v)
     jax_stats = [path for path, v in jax.tree_util.tree_flatten_with_path(m["batch_stats"])[0] if v]
-    off_shared = sorted(k for k in DigitModelDis().state_dict() if "bn" not in k and ("teacher" in k or "features" in k))
+    off_shared = sorted(k for k in DigitModelDis().state_dict()
+                        if "bn" not in k and ("teacher" in k or "features" in k))
     print(f"shared: official {len(off_shared)} entries {off_shared}")
     print(f"shared: jaxfl {len(jax_shared)} leaves {jax_shared}; shared BN statistics: {len(jax_stats)}")
 
