@@ -329,6 +329,19 @@ def test_sent_lstm_is_leafs_sent140_network():
     assert count_params(v["params"]) == 10001 * 100 + lstm(100) + lstm(100) + 100 * 128 + 128 + 128 * 2 + 2
 
 
+def test_vit_attention_projections_initialise_as_torchs_linear():
+    """FedTP's ViT code builds W_qkv as nn.Linear(128, 1536, bias=False): U(-1/sqrt(128), 1/sqrt(128)), uniform
+    draws of std bound / sqrt(3) (Xavier-uniform's bound sqrt(6 / (128 + 1536)) = 0.060 is 0.68 of it)."""
+    from jaxfl.models import vit_small
+    params = vit_small(10, depth=2).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]["encoder"]
+    w = np.asarray(params["attn1"]["qkv"], np.float64)  # [128, 1536]: 196,608 draws
+    bound = 1 / np.sqrt(128)
+    assert w.shape == (128, 1536) and np.abs(w).max() <= bound
+    # the sample std of n uniform draws is within 5 standard errors (std sqrt(0.8) / sqrt(4 n)) of bound / sqrt(3)
+    std = bound / np.sqrt(3)
+    assert abs(w.std() - std) < 5 * std * np.sqrt(0.8 / (4 * w.size))
+
+
 def test_resnet18_imagenet_initialises_its_convolutions_as_torchvision():
     """kaiming_normal_(mode="fan_out", nonlinearity="relu"): N(0, 2 / (kh kw C_out)); the other ResNets keep
     PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""

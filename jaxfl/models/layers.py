@@ -387,7 +387,8 @@ class PreActGNBlock(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention with a bias-free fused projection W_qkv [D, 3 * heads * dim_head].
 
-    ``qkv`` supplies W_qkv from outside (FedTP's hypernetwork); otherwise it is this module's parameter.
+    ``qkv`` supplies W_qkv from outside (FedTP's hypernetwork); otherwise it is this module's parameter,
+    initialised as PyTorch's ``nn.Linear(D, 3 I, bias=False)`` (U(+-1/sqrt(D)), as FedTP's ViT code does).
     softmax(q k^T / sqrt(dim_head)) v, heads concatenated, then Dense(D) and dropout.
     """
     heads: int = 8
@@ -398,7 +399,7 @@ class Attention(nn.Module):
     def __call__(self, x, train: bool = False, qkv=None):
         b, n, d = x.shape
         inner = self.heads * self.dim_head
-        w = qkv if qkv is not None else self.param("qkv", nn.initializers.xavier_uniform(), (d, 3 * inner))
+        w = qkv if qkv is not None else self.param("qkv", torch_kernel_init, (d, 3 * inner))
         q, k, v = jnp.split(x @ w, 3, axis=-1)
         split = lambda t: t.reshape(b, n, self.heads, self.dim_head)
         att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) * self.dim_head ** -0.5, -1)
