@@ -110,9 +110,13 @@ COMPARISONS: list[Comparison] = [
                "CIFAR-10 pathological, vit_tiny, 60 rounds evaluated every 2nd",
                "agree (final +0.05, bound 1.89)", "fedtp.md"),
     Comparison("FedTP vanilla (personalized-T), official configuration", f"{OFFICIAL}/fedtp_official_cfg/seed*/vanilla",
-               f"{LOGS}/fedtp_official_cfg/seed*/fedtp_variantvanilla", "weighted_accuracy",
+               f"{LOGS}/fedtp_official_cfg_torchinit/seed*/fedtp_variantvanilla", "weighted_accuracy",
                "CIFAR-10 pathological, the official ViT widths at depth 8 (vit_small), the official per-channel "
                "scaling, 20 rounds evaluated every 2nd", "none (the paired test only)", "fedtp.md"),
+    Comparison("FedTP vanilla, official configuration, jaxfl's W_qkv Xavier-uniform (library at c16aff8)",
+               f"{OFFICIAL}/fedtp_official_cfg/seed*/vanilla", f"{LOGS}/fedtp_official_cfg/seed*/fedtp_variantvanilla",
+               "weighted_accuracy", "as above, jaxfl's attention projections drawn from another law than the "
+               "official code's (a diagnostic)", "none (the paired test only)", "fedtp.md"),
     Comparison("FedSelect", f"{OFFICIAL}/fedselect/seed*/fedselect", f"{LOGS}/fedselect_seeds/seed*/fedselect",
                "mean_accuracy", "CIFAR-10, FedAvg CNN, 15 rounds; single rounds swing by 5-10 points",
                "agree (final +5.60, bound 6.53)", "fedselect.md"),
