@@ -707,8 +707,7 @@ def small_torch_vmap(w: dict, data, cohorts) -> dict | None:
 
 
 SMALL_COLUMNS = ("| workload | clients (cohort) | mean size (max/mean) | runner | real samples/s | x torch | "
-                 "x jax_loop | "
-                 "padded/real | host share | FLOP/s / peak | bytes/s / peak | round s | peak RSS GB |")
+                 "x jax_loop | padded/real | host share | FLOP/s / peak | bytes/s / peak | round s | peak RSS GB |")
 
 
 def small_report(results: list[dict]) -> str:
@@ -744,8 +743,7 @@ def report(results: list[dict]) -> str:
             v = r[runner]
             if "error" in v:
                 lines.append(f"| {r['workload']} | {r['clients']} ({r['cohort']}) | {r['max_over_mean']:.1f} | "
-                             f"{runner} | "
-                             f"failed: {v['error'][:120]} |" + " - |" * 6)
+                             f"{runner} | failed: {v['error'][:120]} |" + " - |" * 6)
                 continue
             work = f"{v['padded_work']:.3f}" if "padded_work" in v else "-"
             shapes = f"{v['buckets']} ({v['compiled_shapes']})" if "buckets" in v else "-"

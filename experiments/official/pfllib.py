@@ -25,8 +25,8 @@ drop-last training batches).
 What is replaced, and how it is matched:
 - Data. PFLlib's generated ``dataset/MNIST`` folders are replaced by the clients of the jaxfl run named by
   ``--jaxfl-run`` (``common.jaxfl_inputs`` of its ``config.json``; in ``pfl_methods.py``'s setting: MNIST, one
-  channel, 20 clients, Dirichlet(0.1)
-  labels, at most 500 training images, a test set following each client's label mix), written in PFLlib's
+  channel, 20 clients, Dirichlet(0.1) labels, at most 500 training images, a test set following each client's
+  label mix), written in PFLlib's
   format (``train/<i>.npz`` and ``test/<i>.npz`` holding ``{"x": float NCHW, "y": int64}``), normalised as jaxfl
   does, under ``--data-root``. PFLlib reads them through ``--dataset`` given as that absolute path.
 - Model. PFLlib's MNIST models are the 4-layer CNN and a 1-hidden-layer DNN; ``pfl_setting.two_nn`` is jaxfl's
@@ -41,8 +41,8 @@ What is replaced, and how it is matched:
 - Hyperparameters. Every method runs with jaxfl's defaults mapped onto PFLlib's arguments (``METHODS``: e.g.
   FedCP ``lamda`` 5, GPFL ``lamda`` 0.01 and ``mu`` 0.1, FedDBE ``momentum`` 1 and ``kl_weight`` 50, FedAMP
   ``sigma`` 1e4), the jaxfl run's client learning rate (the one jaxfl's grid chose for the method), batch 10, one
-  local epoch, every
-  client every round; every other argument keeps PFLlib ``main.py``'s default (``PFLLIB_DEFAULTS``).
+  local epoch, every client every round; every other argument keeps PFLlib ``main.py``'s default
+  (``PFLLIB_DEFAULTS``).
 - Rounds. PFLlib evaluates at the start of round i (before training, after sending the models: the state after
   i rounds), FedPHP after local training (after i + 1 rounds); the adapter logs each evaluation under the number
   of rounds trained and stops the loop once round ``--rounds`` is logged (PFLlib would train one round more).
