@@ -182,8 +182,8 @@ def make_loaders(inputs, batch_size: int, normalize: str, augment: bool):
         return torch.from_numpy(np.ascontiguousarray(x, np.float32))
 
     if normalize == "jaxfl":
-        m, s = inputs.normalize
-        pad = torch.full((3, 1, 1), (0.0 - m) / s)
+        m, s = (np.broadcast_to(np.asarray(v, np.float32), (3,)) for v in inputs.normalize)
+        pad = torch.from_numpy(((0.0 - m) / s).reshape(3, 1, 1).copy())  # a black pixel, scalar or per channel
     else:
         pad = torch.tensor([(0.0 - a) / b for a, b in zip(*IMAGENET)]).reshape(3, 1, 1)
     train, test, sizes = [], [], []
@@ -398,9 +398,9 @@ def check_semantics(off, inputs, clients: int = 5, samples: int = 64, rounds: in
 
 
 def jaxfl_to_torch(params, stats) -> dict:
-    """jaxfl ``resnet10_slim`` variables as the official ``resnet10(nf=16)`` state dict (numpy): conv kernels
-    HWIO -> OIHW, BatchNorm scale/bias/statistics -> weight/bias/running_*, the head's Dense kernel
-    transposed. Names: encoder/conv_stem -> conv1, bn_stem -> bn1, layerK_0/{conv,bn}{1,2} ->
+    """jaxfl ``resnet10_slim`` / ``resnet10`` variables as the official ``resnet10(nf=16 / 64)`` state dict
+    (numpy): conv kernels HWIO -> OIHW, BatchNorm scale/bias/statistics -> weight/bias/running_*, the head's
+    Dense kernel transposed. Names: encoder/conv_stem -> conv1, bn_stem -> bn1, layerK_0/{conv,bn}{1,2} ->
     layerK.0.{conv,bn}{1,2}, conv_shortcut / bn_shortcut -> layerK.0.shortcut.{0,1}, head/fc1 -> linear."""
     enc, st = params["encoder"], stats["encoder"]
     sd = {}
@@ -460,12 +460,16 @@ def use_jaxfl_tie_rule(off) -> None:
     prune.l1_unstructured, prune._jaxfl_ties = l1_unstructured, True
 
 
+NF = {"resnet10_slim": 16, "resnet10": 64}  # jaxfl's model -> the official resnet10's base width
+
+
 def check_weights(off, inputs, rounds: int = 2, epochs: int = 3, samples: int = 64,
                   jaxfl_ties: bool = False) -> dict:
     """Weight-level differential check of whole rounds (``--check-weights``): the official DapperFL loop and
     jaxfl's released-code preset from the *same* initial weights (jaxfl's init copied into every official net)
     on the same clients, each client cut to ``samples`` = one batch of 64 (so both codes see the same batch in
-    every epoch whatever their shuffles), ``epochs`` local epochs (1 dense, the rest masked: momentum across the
+    every epoch whatever their shuffles), without augmentation, the official ResNet-10's width from the config's
+    model (``NF``), ``epochs`` local epochs (1 dense, the rest masked: momentum across the
     pruning, the masked steps), weight decay 1e-5 on both sides (the official value), every client every round.
     Returns per round the largest difference of the global model's entries (relative to the entry's largest
     magnitude), split into parameters and BN running statistics, and the global models' test accuracy."""
@@ -475,8 +479,10 @@ def check_weights(off, inputs, rounds: int = 2, epochs: int = 3, samples: int = 
 
     from jaxfl.run.runner import Experiment
 
+    nf = NF[inputs.cfg.model]
     cfg = dataclasses.replace(inputs.cfg, samples_per_client=samples, local_epochs=epochs, rounds=rounds,
-                              weight_decay=1e-5, eval_every=1, out=None, resume=False, checkpoint_every=0)
+                              weight_decay=1e-5, eval_every=1, out=None, resume=False, checkpoint_every=0,
+                              augment="none")
     assert cfg.batch_size == samples, "one batch per client and epoch"
     sub = jaxfl_inputs(cfg)
     exp = Experiment(cfg)
@@ -484,7 +490,7 @@ def check_weights(off, inputs, rounds: int = 2, epochs: int = 3, samples: int = 
     args = official_args(0, rounds, epochs, sub.num_clients, "dapperfl", off.best_args)
     off.conf.set_random_seed(0)
     train, test, _ = make_loaders(sub, args.local_batch_size, "jaxfl", False)
-    nets = [off.resnet.resnet10(sub.num_classes, nf=16) for _ in range(sub.num_clients)]
+    nets = [off.resnet.resnet10(sub.num_classes, nf=nf) for _ in range(sub.num_clients)]
     sd0 = jaxfl_to_torch(server["params"], server["batch_stats"])
     with torch.no_grad():
         own = nets[0].state_dict()
@@ -519,7 +525,8 @@ def check_weights(off, inputs, rounds: int = 2, epochs: int = 3, samples: int = 
         report.append({"round": r + 1, "max_relative_difference": worst,
                        "official_mean_accuracy": float(np.mean(accs)) / 100.0,
                        "jaxfl_mean_accuracy": ev["mean_accuracy"]})
-    return {"clients": sub.num_clients, "samples_per_client": samples, "epochs": epochs, "rounds": report}
+    return {"model": cfg.model, "nf": nf, "clients": sub.num_clients, "samples_per_client": samples,
+            "epochs": epochs, "rounds": report}
 
 
 JAXFL_RUNS = {"dapperfl": "jaxfl dapperfl (spec preset)",
