@@ -290,7 +290,9 @@ SMALL_PLAN = [("logreg", 1000, 100), ("2nn", 1000, 100), ("femnist_cnn", 1000, 1
 SMALL_RUNNERS = ("stacked/map/K1", "stacked/map/K10", "stacked/map/K1/D2", "stacked/map/K10/D2", "stacked/vmap/K10",
                  "ragged/map", "ragged/vmap", "jax_loop", "torch_loop")
 # /D2 (stacked and ragged runners): the cohort split over 2 devices (on a CPU, 2 CPU devices: one block of clients
-# per core); /S<n>, /O<x> (stacked): the lane plan's segments and step overhead (``lane_options``)
+# per core); /S<n>, /O<x> (stacked): the lane plan's segments and step overhead (``lane_options``); /T (stacked, last):
+# each client's partial last batch computed at the smallest of B, B/2, B/4, B/8 that holds it
+# (``LocalTrainer.tail_sizes``; the CLI's --tail-batches)
 SEQ_LEN = 80  # LEAF Shakespeare's input: 80 characters
 
 
@@ -390,6 +392,8 @@ def train_step_cost(w: dict, batch: int | None = None) -> dict:
 def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS, rounds: int = 2,
                   k: int = 10, median: float | None = None, sigma: float | None = None) -> dict:
     """One small-model workload: every runner of ``runners`` on the same cohorts (see the module docstring)."""
+    import dataclasses
+
     import jax
     import numpy as np
     import optax
@@ -398,7 +402,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     from jaxfl.core.backends import Ragged, Stacked, Streamed
     from jaxfl.core.cohort import client_map, sample_cohort
     from jaxfl.core.distributed import client_mesh
-    from jaxfl.core.trainer import LocalTrainer
+    from jaxfl.core.trainer import LocalTrainer, tail_sizes
     from jaxfl.models import build_model
 
     w = dict(SMALL[name])
@@ -442,8 +446,11 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
         mesh = client_mesh(devices) if devices > 1 else None
         if kind == "stacked":
             strategy, kk = opt[0], int(opt[1][1:])
-            sim = Stacked(alg, data, batch_size=batch, clients=client_map(strategy, mesh=mesh), cohort_size=cohort,
-                          rounds_per_call=kk, **lane_options(runner))
+            tails = tail_sizes(batch) if runner.endswith("/T") else None  # a partial last batch at B, B/2, ...
+            tr = dataclasses.replace(trainer, tail_sizes=tails, tail_log=[])
+            sim = Stacked(build_algorithm("fedavg", build_model(w["model"], w["classes"]), tr) if tails else alg,
+                          data, batch_size=batch, clients=client_map(strategy, mesh=mesh), cohort_size=cohort,
+                          rounds_per_call=kk, trainer=tr, **lane_options(runner))
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             if kk == 1:
@@ -810,7 +817,7 @@ def subprocess_run(spec: str, strategies: str, rounds: int, env=None, timeout=No
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-RUNNER = re.compile(r"stacked/(map|vmap|chunked)/K[1-9][0-9]*(/D[1-9][0-9]*)?(/S[0-9]+)?(/O[0-9]+(\.[0-9]+)?)?"
+RUNNER = re.compile(r"stacked/(map|vmap|chunked)/K[1-9][0-9]*(/D[1-9][0-9]*)?(/S[0-9]+)?(/O[0-9]+(\.[0-9]+)?)?(/T)?"
                     r"|(ragged|streamed)/(map|vmap|chunked)(/D[1-9][0-9]*)?|jax_loop|torch_loop|torch_vmap")
 
 
@@ -829,8 +836,9 @@ def check_args(args) -> None:
         check_at_least("--alphas", parse_list(args.alphas, "--alphas", float), 0, strict=True)
     bad = [r for r in args.runners.split(",") if not RUNNER.fullmatch(r)]
     if bad:
-        raise ConfigError(f"--runners: {', '.join(map(repr, bad))} is not stacked/STRATEGY/K<k>[/D<d>][/S<n>][/O<x>], "
-                          f"ragged/STRATEGY[/D<d>], streamed/STRATEGY[/D<d>], jax_loop, torch_loop or torch_vmap")
+        raise ConfigError(f"--runners: {', '.join(map(repr, bad))} is not "
+                          f"stacked/STRATEGY/K<k>[/D<d>][/S<n>][/O<x>][/T], ragged/STRATEGY[/D<d>], "
+                          f"streamed/STRATEGY[/D<d>], jax_loop, torch_loop or torch_vmap")
     for item in (args.plan.split(",") if args.plan else []):
         name, *sizes = item.split(":")
         if name not in SMALL or len(sizes) != 2 or not all(s.isdigit() and int(s) > 0 for s in sizes):

@@ -149,9 +149,10 @@ def make_separable(counts, m=None, shape=(8, 8, 3), seed=0, classes=4):
     return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(np.array(counts, np.int32)))
 
 
-def make_trainer(batch_size=8, epochs=1, lr=0.05, momentum=0.5):
-    """SGD as the CLI builds it (``ClientOptimizer``: the trainer carries its learning rate and momentum)."""
-    return LocalTrainer(ClientOptimizer("sgd", lr, momentum), batch_size, epochs)
+def make_trainer(batch_size=8, epochs=1, lr=0.05, momentum=0.5, tail_sizes=None):
+    """SGD as the CLI builds it (``ClientOptimizer``: the trainer carries its learning rate and momentum);
+    ``tail_sizes``: the sizes a partial last batch may run at (``LocalTrainer.tail_sizes``)."""
+    return LocalTrainer(ClientOptimizer("sgd", lr, momentum), batch_size, epochs, tail_sizes=tail_sizes)
 
 
 def assert_trees_close(a, b, atol=1e-5, rtol=1e-5):

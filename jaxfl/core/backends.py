@@ -139,6 +139,9 @@ class ClientStore:
 class _Backend:
     """What both backends share: the step, the cohort draw, the initial state and the per-round report.
 
+    trainer: the ``LocalTrainer`` the algorithm was built on, if given: under ``map`` ``padded_work`` counts the
+    partial last batches at the sizes it computed them at (``LocalTrainer.tails_in_use``).
+
     clients: how a call runs its clients, a ``cohort.ClientMap`` (``Vmap()``, ``Map()``, ``Chunked(size)``,
     each optionally split over a device mesh: ``Vmap(mesh=client_mesh(2))``) or its name (``cohort.client_map``;
     None: the platform's default, one device).
@@ -152,7 +155,7 @@ class _Backend:
     def __init__(self, alg: Algorithm, train: RaggedClients, *, batch_size: int, clients: ClientMap | str | None = None,
                  cohort_size: int | None = None, weighting: Weighting = "samples",
                  num_rounds: int | None = None, stragglers: float = 0.0, sampling: Sampling = "fixed",
-                 rate: float | None = None):
+                 rate: float | None = None, trainer=None):
         check_choice("sampling", sampling, SAMPLINGS)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1")
@@ -167,6 +170,7 @@ class _Backend:
         self.devices = self.clients.devices
         self.row_multiple = 8 * self.devices  # a padded Poisson cohort's rows: a multiple of this
         self.stragglers = stragglers
+        self.trainer = trainer  # (optional: its ``tails_in_use`` for ``padded_work`` under ``map``)
         self.step = self.make_step()
         self.device_s = 0.0  # seconds spent in jitted computations (``timed``), for ``host_share``
 
@@ -232,8 +236,9 @@ class _Backend:
 
     def report(self, plan, ids) -> dict:
         """Per-round metrics: ``padded_work`` (computed / real samples of an epoch) and ``buckets``."""
+        tails = self.trainer.tails_in_use() if self.trainer is not None and self.strategy == "map" else ()
         done, real = padded_work(plan, self.train.counts[ids], self.batch_size,
-                                 per_client_trips=self.strategy == "map")
+                                 per_client_trips=self.strategy == "map", tail_sizes=tails)
         return {"padded_work": done / max(real, 1), "buckets": len(plan)}
 
 

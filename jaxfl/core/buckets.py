@@ -111,17 +111,24 @@ def _pad(positions, lanes):
     return np.concatenate([positions, np.full(lanes - len(positions), -1, np.int64)]).astype(np.int64)
 
 
-def padded_work(buckets: list[Bucket], counts, batch_size: int, *, per_client_trips: bool) -> tuple[int, int]:
+def padded_work(buckets: list[Bucket], counts, batch_size: int, *, per_client_trips: bool,
+                tail_sizes: tuple[int, ...] = ()) -> tuple[int, int]:
     """(computed samples, real samples) of one epoch of a plan; their ratio is the padding overhead.
 
     A step computes a whole batch, so a client of n samples costs ceil(n / B) * B under ``lax.map``
-    (``per_client_trips``: every client runs exactly its own steps); under ``vmap`` every lane of a bucket,
-    empty ones included, runs as many steps as the bucket's longest client.
+    (``per_client_trips``: every client runs exactly its own steps), or with ``tail_sizes`` (ascending, B last:
+    ``LocalTrainer.tail_sizes``) (ceil(n / B) - 1) B plus the smallest size that holds its last batch; under
+    ``vmap`` every lane of a bucket, empty ones included, runs as many steps as the bucket's longest client.
     """
     counts = np.asarray(counts, np.int64)
     steps = -(-counts // batch_size)
     if per_client_trips:
-        return int(steps.sum()) * batch_size, int(counts.sum())
+        if not tail_sizes:
+            return int(steps.sum()) * batch_size, int(counts.sum())
+        sizes = np.asarray(tail_sizes, np.int64)
+        last = counts - (steps - 1) * batch_size  # the last batch's real samples (1..B; 0 steps: none)
+        tail = np.where(steps > 0, sizes[np.minimum(np.searchsorted(sizes, last), len(sizes) - 1)], 0)
+        return int(((steps - 1).clip(0) * batch_size + tail).sum()), int(counts.sum())
     done = 0
     for b in buckets:
         present = b.positions[b.positions >= 0]

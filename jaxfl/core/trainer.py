@@ -188,6 +188,26 @@ def scan_first(body, carry, xs, runs):
 AUGMENT_STREAM = 0x61756700  # fold_in(step key, this): a minibatch's augmentation draws (apart from the loss's)
 
 
+def tail_sizes(batch_size: int, classes: int = 4) -> tuple[int, ...]:
+    """The batch sizes a client's partial last batch may be computed at (``LocalTrainer.tail_sizes``): B and its
+    halvings ceil(B / 2^k), k < ``classes``, down to 2 (ascending). A last batch of r real samples runs at the
+    smallest size >= r, so it computes at most about 2r samples instead of B."""
+    sizes = {-(-batch_size // 2 ** k) for k in range(classes)}
+    return tuple(sorted(s for s in sizes if s >= 2 or s == batch_size))
+
+
+def draws_from_key(loss_fn, *args) -> bool:
+    """Whether ``loss_fn(*args)``'s outputs depend on its last argument (the step key: dropout, a sampled
+    representation, ...), read off its jaxpr after dead-code elimination. True when that cannot be told."""
+    try:
+        from jax._src.interpreters import partial_eval as pe
+        closed = jax.make_jaxpr(loss_fn)(*args)
+        _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+        return bool(used[-1])
+    except Exception:  # (a jax without this internal API, or a function make_jaxpr cannot trace alone)
+        return True
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalTrainer:
     """Minibatch optimisation of one client, as PyTorch's DataLoader(shuffle=True, drop_last=False) would.
@@ -207,6 +227,13 @@ class LocalTrainer:
     divides by the learning rate then takes it as its own option).
     ``augment``: ``augment(key, x) -> x``, applied to every training minibatch's raw inputs before ``preprocess``
     (``jaxfl.ops.augment``), its key ``fold_in(step key, AUGMENT_STREAM)`` (None: the inputs as they are).
+    ``tail_sizes``: batch sizes (ascending, the last B; ``tail_sizes(B)``) a partial last batch may run at: a
+    step of r < B real samples is computed on the smallest that holds them (``lax.switch``), its padding masked
+    as in a full batch, so the same step up to float reassociation at a fraction of the work. For clients run
+    one at a time (``lax.map``): under ``vmap`` a switch computes every branch. Used only where the step cannot
+    tell the difference: no augmentation and a loss that draws nothing from its key (``draws_from_key``; a
+    draw's shape would change with the batch); () or None: every step at B. ``tail_log``: a list each traced
+    ``run`` appends the sizes it used to (``tails_in_use``: what the engine's ``padded_work`` counts).
     """
     tx: optax.GradientTransformation
     batch_size: int
@@ -216,11 +243,35 @@ class LocalTrainer:
     max_steps: int | None = None
     optimizer: ClientOptimizer | None = None
     augment: Callable | None = None
+    tail_sizes: tuple[int, ...] | None = None
+    tail_log: list | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if isinstance(self.tx, ClientOptimizer):
             object.__setattr__(self, "optimizer", self.tx)
             object.__setattr__(self, "tx", self.tx.transform())
+
+    def usable_tail_sizes(self, loss_fn, params, state, data, key) -> tuple[int, ...]:
+        """``tail_sizes`` where a smaller last batch computes the same step (no DP-SGD, no augmentation, a loss
+        that draws nothing from its key; sizes above B dropped, B last), else () (every step at B)."""
+        b = self.batch_size
+        sizes = tuple(s for s in (self.tail_sizes or ()) if s < b)
+        if sizes and self.dp is None and self.augment is None:
+            x, y = batch_of(data, jnp.zeros(b, jnp.int32))
+            if draws_from_key(loss_fn, params, state, self.preprocess(x), y, jnp.ones(b, jnp.float32), key):
+                sizes = ()
+        else:
+            sizes = ()
+        if self.tail_log is not None:  # (what ``tails_in_use`` reads: one entry a traced call)
+            self.tail_log.append(sizes + (b,) if sizes else ())
+        return sizes + (b,) if sizes else ()
+
+    def tails_in_use(self) -> tuple[int, ...]:
+        """The sizes every ``run`` traced so far computed its partial last batches at (``tail_sizes`` with B
+        last), or () if one of them ran every step at B, none was traced, or no ``tail_log`` was given (a list
+        the trainer appends its choice to at each trace; shared by ``dataclasses.replace`` copies)."""
+        log = self.tail_log or [()]
+        return log[0] if all(entry == log[0] for entry in log) else ()
 
     def augmented(self, batch, step_key):
         """A minibatch (x, y) with ``augment`` applied to x (its key: ``fold_in(step_key, AUGMENT_STREAM)``)."""
@@ -266,26 +317,38 @@ class LocalTrainer:
 
             return jax.lax.fori_loop(0, steps_in(e), step, carry)
 
+        sizes = self.usable_tail_sizes(loss_fn, params, state, data, key)
+
         def epoch(e, carry):
             ekey = jax.random.fold_in(key, e)
             perm = epoch_permutation(jax.random.fold_in(ekey, 0), data.count, m, getattr(data, "bound", None))
             perm = jnp.pad(perm, (0, slots - m))
 
-            def step(t, carry):
-                params, state, opt_state, sums = carry
-                start = t * b
-                idx = jax.lax.dynamic_slice(perm, (start,), (b,))
-                w = ((start + jnp.arange(b)) < data.count).astype(jnp.float32)
-                skey = jax.random.fold_in(ekey, t + 1)
-                x, y = self.augmented(batch_of(data, idx), skey)
-                (loss, (new_state, logits)), grads = grad_fn(params, state, self.preprocess(x), y, w, skey)
-                # (under jax_enable_x64 BatchNorm's statistics come back float64: the carry keeps its types)
-                state = jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), new_state, state)
-                updates, opt_state = self.tx.update(grads, opt_state, params)
-                params = optax.apply_updates(params, updates)
-                n = jnp.sum(w)
-                sums = sums + jnp.stack([loss * n, correct_count(logits, y, w), n, 1.0]).astype(sums.dtype)
-                return params, state, opt_state, sums
+            def step_at(size):  # a step on the ``size`` slots from t * b (the real ones first, the rest masked)
+                def step(t, carry):
+                    params, state, opt_state, sums = carry
+                    start = t * b
+                    idx = jax.lax.dynamic_slice(perm, (start,), (size,))
+                    w = ((start + jnp.arange(size)) < data.count).astype(jnp.float32)
+                    skey = jax.random.fold_in(ekey, t + 1)
+                    x, y = self.augmented(batch_of(data, idx), skey)
+                    (loss, (new_state, logits)), grads = grad_fn(params, state, self.preprocess(x), y, w, skey)
+                    # (under jax_enable_x64 BatchNorm's statistics come back float64: the carry keeps its types)
+                    state = jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), new_state, state)
+                    updates, opt_state = self.tx.update(grads, opt_state, params)
+                    params = optax.apply_updates(params, updates)
+                    n = jnp.sum(w)
+                    sums = sums + jnp.stack([loss * n, correct_count(logits, y, w), n, 1.0]).astype(sums.dtype)
+                    return params, state, opt_state, sums
+                return step
+
+            if len(sizes) <= 1:
+                step = step_at(b)
+            else:
+                def step(t, carry):  # the smallest size that holds the step's real samples
+                    real = jnp.clip(data.count - t * b, 1, b)
+                    which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), real.astype(jnp.int32))
+                    return jax.lax.switch(which, [step_at(s) for s in sizes], t, carry)
 
             return jax.lax.fori_loop(0, steps_in(e), step, carry)
 

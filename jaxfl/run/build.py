@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from ..core.backends import Ragged, Stacked, Streamed, device_memory_bytes
+from ..core.buckets import padded_work
 from ..core.cohort import ClientMap
 from ..core.cost import backend_programs, backend_seconds, run_seconds, train_flops_per_sample
 from ..core.cost import lane_overhead as cost_lane_overhead
@@ -43,7 +44,7 @@ from ..core.dpsgd import SampleDP
 from ..core.privacy import (Accountant, SampleAccountant, bn_stats_shared, calibrate_noise, clients_keep_state,
                             default_delta, has_batch_stats, noise_for_epsilon, with_privacy)
 from ..core.server_opt import with_server_optimizer
-from ..core.trainer import LocalTrainer
+from ..core.trainer import LocalTrainer, tail_sizes
 from ..core.types import Algorithm
 from ..data import load_dataset
 from ..data.federated import FederatedDataset, with_normalization
@@ -79,6 +80,33 @@ def sample_dp_noise(cfg: RunConfig, options, counts: list[int], rate: float):
         cfg = cfg.replace(dp_noise=calibrate_noise(lambda z: spent(z).epsilon(cfg.rounds), cfg.dp_epsilon,
                                                    f"after {cfg.rounds} rounds at delta {delta:g}", delta))
     return cfg, spent(cfg.dp_noise)
+
+
+# --tail-batches auto: the least cut of an epoch's computed samples, and the fewest rounds, worth the extra branches
+# (they about double the local step's compile time: +3 s for the FedAvg CNN on a CPU, where a 14% cut saved 0.2 s
+# a round and a 6% cut 0.02 s; benchmarks/RESULTS.md)
+TAIL_GAIN, TAIL_MIN_ROUNDS = 0.10, 10
+
+
+def tail_batch_sizes(cfg: RunConfig, counts) -> tuple[int, ...] | None:
+    """``--tail-batches``: the sizes the run's trainer may compute a client's partial last batch at
+    (``LocalTrainer.tail_sizes``, ``trainer.tail_sizes``): only under ``map`` (one client at a time, where the
+    ``lax.switch`` runs one branch), without augmentation or DP-SGD; with ``on``, or with ``auto`` in a run of
+    ``TAIL_MIN_ROUNDS`` rounds or more where they cut the computed samples of an epoch over the population
+    (``counts``) by ``TAIL_GAIN`` or more; else None."""
+    if (cfg.tail_batches == "off" or cfg.strategy_or_default() != "map" or cfg.augment != "none"
+            or (cfg.dp_clip is not None and cfg.dp_level == "sample")):
+        return None
+    sizes = tail_sizes(cfg.batch_size)
+    if len(sizes) < 2:
+        return None
+    if cfg.tail_batches == "on":
+        return sizes
+    if cfg.rounds < TAIL_MIN_ROUNDS:
+        return None
+    full, _ = padded_work([], counts, cfg.batch_size, per_client_trips=True)
+    cut, _ = padded_work([], counts, cfg.batch_size, per_client_trips=True, tail_sizes=sizes)
+    return sizes if cut <= (1.0 - TAIL_GAIN) * full else None
 
 
 def build_trainer(cfg: RunConfig, trainer: LocalTrainer) -> LocalTrainer:
@@ -331,7 +359,7 @@ def _on_the_host(cfg: RunConfig, backend: str, why: str) -> str:
 
 
 def make_backend(name: str, cfg: RunConfig, alg, train: RaggedClients, cohort: int, rate: float, clients: ClientMap,
-                 overhead: float | None):
+                 overhead: float | None, trainer: LocalTrainer | None = None):
     """The data backend ``name`` (``choose_backend``'s choice) for the run's settings: ``Stacked`` (with K rounds
     per call and the lane plan), ``Streamed`` (the lane plan, the state store) or ``Ragged`` (the state store);
     ``clients``: the run's client map, with its mesh; ``overhead``: the lane plan's step overhead
@@ -343,17 +371,18 @@ def make_backend(name: str, cfg: RunConfig, alg, train: RaggedClients, cohort: i
     return {"stacked": Stacked, "streamed": Streamed, "ragged": Ragged}[name](
         alg, train, batch_size=cfg.batch_size, clients=clients,
         cohort_size=cohort, weighting=cfg.weighting, num_rounds=cfg.rounds, stragglers=cfg.stragglers,
-        sampling=cfg.cohort_sampling, rate=rate, **kw)
+        sampling=cfg.cohort_sampling, rate=rate, trainer=trainer, **kw)
 
 
 def backend_for(cfg: RunConfig, alg: Algorithm, train: RaggedClients, place: Placement, clients: ClientMap, model,
-                sample_x, preprocess):
+                sample_x, preprocess, trainer: LocalTrainer | None = None):
     """(name, the built backend): ``choose_backend``'s choice for the run's placement, built by ``make_backend``
     with the run's client map ``clients`` (``cfg.client_map(place.mesh)``; the lane plan's step overhead,
-    ``lane_overhead``, only for the backends that plan lanes)."""
+    ``lane_overhead``, only for the backends that plan lanes; ``trainer``: the one ``alg`` was built on, whose
+    partial-batch sizes the backend's ``padded_work`` counts)."""
     name = choose_backend(cfg, train, alg, sample_x, model, preprocess, place.cohort, place.devices)
     overhead = lane_overhead(cfg, model, sample_x, preprocess) if name in ("stacked", "streamed") else None
-    return name, make_backend(name, cfg, alg, train, place.cohort, place.rate, clients, overhead)
+    return name, make_backend(name, cfg, alg, train, place.cohort, place.rate, clients, overhead, trainer)
 
 
 def lane_overhead(cfg: RunConfig, model, sample_x, preprocess) -> float | None:

@@ -27,7 +27,7 @@ from ..models import build_model
 from ..ops.augment import make_augment
 from .build import (backdoor_test_data, backend_for, build_trainer, check_cohort_memory, check_device_count,
                     client_placement, load_run_data, malicious_of, poison_data, sample_dp_noise, server_side,
-                    start_devices, with_dp)
+                    start_devices, tail_batch_sizes, with_dp)
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
 from .evaluation import (TUNE_STREAM, InitialStates, holds_model, on_rows, prefixed, server_predict)
 from .lock import RunLock
@@ -136,8 +136,10 @@ class Experiment:
         preprocess = normalizer(*ds.normalize)
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
         cfg, sample_accountant = sample_dp_noise(cfg, self.options, [len(y) for _, y in ds.train], self.rate)
-        self.trainer = build_trainer(cfg, LocalTrainer(ClientOptimizer(**cfg.client_training()), cfg.batch_size,
-                                                       cfg.local_epochs, preprocess, augment=make_augment(cfg.augment)))
+        self.trainer = build_trainer(cfg, LocalTrainer(
+            ClientOptimizer(**cfg.client_training()), cfg.batch_size, cfg.local_epochs, preprocess,
+            augment=make_augment(cfg.augment), tail_sizes=tail_batch_sizes(cfg, [len(y) for _, y in ds.train]),
+            tail_log=[]))
         self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
         sample_x = ds.train[0][0][:1]
@@ -158,7 +160,7 @@ class Experiment:
                                   "every client must train every round (drop --clients-per-round/--participation)")
         check_cohort_memory(cfg, self.algorithm, sample_x, self.cohort, n, clients.devices)
         self.backend_name, self.backend = backend_for(cfg, self.algorithm, self.train_data, place, clients,
-                                                      self.model, sample_x, preprocess)
+                                                      self.model, sample_x, preprocess, self.trainer)
         self.root = jax.random.key(cfg.seed)
         evaluator = lambda alg, test, **kw: Evaluator(  # noqa: E731  (every evaluation of the run: these settings)
             alg, test, eval_batch_size=eval_bs, preprocess=preprocess, clients=clients, **kw)
