@@ -99,16 +99,27 @@ def test_the_seed_axis_benchmark_compares_the_same_rounds():
     assert r["max_param_diff"] <= 1e-6
 
 
+def test_the_tail_batch_benchmark_times_the_same_training_with_less_padding():
+    import tail_batches
+    r = tail_batches.measure("logreg", clients=40, cohort=6, reps=1)
+    full, tails = r["runs"].values()
+    assert tails["padded_work"] < full["padded_work"] and all(v["median_s"] > 0 for v in (full, tails))
+    assert r["max_abs_param_diff"] <= 1e-5  # the same training up to float rounding (logreg weights ~1e-2)
+
+
 def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkeypatch):
     import backend_choice
     import peer_settings
     import seed_axis
+    import tail_batches
     import time_to_accuracy
 
     from jaxfl.run.script import run_script
     monkeypatch.setattr(sys, "argv", ["script.py"])
     cases = [(seed_axis.main, ["--workload", "nosuch"], "--workload 'nosuch': give comma-separated values from"),
              (seed_axis.main, ["--seeds", "0"], "--seeds 0: give a number >= 1"),
+             (tail_batches.main, ["--reps", "0"], "--reps 0: give a number >= 1"),
+             (tail_batches.main, ["--workload", "nosuch"], "--workload 'nosuch': give comma-separated values from"),
              (throughput.main, ["--strategies", "foo"], "--strategies 'foo': give comma-separated values from"),
              (throughput.main, ["--small", "--runners", "stacked/map"], "--runners: 'stacked/map' is not"),
              (gpu_suite.main, ["--out", "x", "--rounds", "0"], "--rounds 0: give a number >= 1"),

@@ -343,14 +343,17 @@ class LocalTrainer:
                 return step
 
             if len(sizes) <= 1:
-                step = step_at(b)
-            else:
-                def step(t, carry):  # the smallest size that holds the step's real samples
-                    real = jnp.clip(data.count - t * b, 1, b)
-                    which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), real.astype(jnp.int32))
-                    return jax.lax.switch(which, [step_at(s) for s in sizes], t, carry)
+                return jax.lax.fori_loop(0, steps_in(e), step_at(b), carry)
 
-            return jax.lax.fori_loop(0, steps_in(e), step, carry)
+            def tail(t, carry):  # the partial last batch at the smallest size that holds its real samples
+                real = jnp.clip(data.count - t * b, 1, b)
+                which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), real.astype(jnp.int32))
+                return jax.lax.switch(which, [step_at(s) for s in sizes], t, carry)
+
+            # the full batches at B, then (if the epoch reaches it) the partial one: no branch on a full step
+            full = jnp.minimum(steps_in(e), data.count // b)
+            carry = jax.lax.fori_loop(0, full, step_at(b), carry)
+            return jax.lax.fori_loop(full, steps_in(e), tail, carry)
 
         init = (params, state, opt_state, jnp.zeros(4, jnp.float32))
         params, state, opt_state, sums = jax.lax.fori_loop(0, epochs, epoch if self.dp is None else private_epoch,
