@@ -108,11 +108,11 @@ def test_draws_from_key_reads_the_jaxpr_of_a_loss_without_draws():
 def test_the_run_takes_tail_sizes_only_under_map_without_augmentation_and_where_they_pay():
     uneven = [37, 70, 5, 64, 1, 33] * 10  # full batches: 576 x 10 samples; with tails: 432 x 10 (-25%)
     even = [64, 96, 128] * 10             # no partial batch: nothing to cut
-    cfg = RunConfig(batch_size=32, rounds=20, strategy="map")
+    cfg = RunConfig(batch_size=32, rounds=100, strategy="map")
     assert tail_batch_sizes(cfg, uneven) == (4, 8, 16, 32)
     assert tail_batch_sizes(cfg, even) is None
     assert tail_batch_sizes(dataclasses.replace(cfg, tail_batches="on"), even) == (4, 8, 16, 32)
     assert tail_batch_sizes(dataclasses.replace(cfg, tail_batches="off"), uneven) is None
-    assert tail_batch_sizes(dataclasses.replace(cfg, rounds=5), uneven) is None  # too short to pay the compile
+    assert tail_batch_sizes(dataclasses.replace(cfg, rounds=20), uneven) is None  # too short to pay the compile
     assert tail_batch_sizes(dataclasses.replace(cfg, strategy="vmap"), uneven) is None
     assert tail_batch_sizes(dataclasses.replace(cfg, augment="crop_flip"), uneven) is None

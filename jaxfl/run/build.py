@@ -83,9 +83,9 @@ def sample_dp_noise(cfg: RunConfig, options, counts: list[int], rate: float):
 
 
 # --tail-batches auto: the least cut of an epoch's computed samples, and the fewest rounds, worth the extra branches
-# (they about double the local step's compile time: +3 s for the FedAvg CNN on a CPU, where a 14% cut saved 0.2 s
-# a round and a 6% cut 0.02 s; benchmarks/RESULTS.md)
-TAIL_GAIN, TAIL_MIN_ROUNDS = 0.10, 10
+# (they about double the local step's compile time: +3.5 s for the FedAvg CNN on a CPU, where a 15% cut of the
+# computed samples saved 3-12% of a 2 s cohort training, benchmarks/RESULTS.md: 20-70 rounds to break even)
+TAIL_GAIN, TAIL_MIN_ROUNDS = 0.10, 50
 
 
 def tail_batch_sizes(cfg: RunConfig, counts) -> tuple[int, ...] | None:
