@@ -1,6 +1,7 @@
 """Partial last batches at a smaller size (``LocalTrainer.tail_sizes``, ``--tail-batches``): the same local
 training up to float rounding, the padded work counted, and the cases that must keep every step at B."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -116,3 +117,20 @@ def test_the_run_takes_tail_sizes_only_under_map_without_augmentation_and_where_
     assert tail_batch_sizes(dataclasses.replace(cfg, rounds=20), uneven) is None  # too short to pay the compile
     assert tail_batch_sizes(dataclasses.replace(cfg, strategy="vmap"), uneven) is None
     assert tail_batch_sizes(dataclasses.replace(cfg, augment="crop_flip"), uneven) is None
+
+
+def test_the_cli_saves_the_choice_and_logs_the_work_it_computed(tmp_path):
+    # 40 samples a client at B = 16: steps of 16, 16 and 8 (the last one at 8 with tail sizes)
+    from jaxfl.run.cli import main
+    tiny = ["--quiet", "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size",
+            "16", "--test-per-client", "30", "--strategy", "map", "--rounds", "1"]
+
+    def run(out, *flags):
+        assert main(["run", "--out", str(tmp_path / out), *tiny, *flags]) == 0
+        config = json.loads((tmp_path / out / "config.json").read_text())
+        work = [json.loads(line)["padded_work"] for line in (tmp_path / out / "metrics.jsonl").open()]
+        return config["tail_batches"], work
+    assert run("on", "--tail-batches", "on") == ("on", [1.0])
+    # auto: one round does not pay for the extra branches; config.json says what was chosen, not "auto", so a
+    # --resume that extends the run past TAIL_MIN_ROUNDS computes its rounds as before
+    assert run("auto") == ("off", [48 / 40])

@@ -136,10 +136,11 @@ class Experiment:
         preprocess = normalizer(*ds.normalize)
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
         cfg, sample_accountant = sample_dp_noise(cfg, self.options, [len(y) for _, y in ds.train], self.rate)
+        tails = tail_batch_sizes(cfg, [len(y) for _, y in ds.train])
+        cfg = cfg.replace(tail_batches="on" if tails else "off")  # (config.json keeps the choice for --resume)
         self.trainer = build_trainer(cfg, LocalTrainer(
             ClientOptimizer(**cfg.client_training()), cfg.batch_size, cfg.local_epochs, preprocess,
-            augment=make_augment(cfg.augment), tail_sizes=tail_batch_sizes(cfg, [len(y) for _, y in ds.train]),
-            tail_log=[]))
+            augment=make_augment(cfg.augment), tail_sizes=tails, tail_log=[]))
         self.context = RunContext(num_clients=n, num_rounds=cfg.rounds, dataset=cfg.dataset, cohort_size=self.cohort)
         self.algorithm = build_algorithm(self.options, self.model, self.trainer, self.context)
         sample_x = ds.train[0][0][:1]
