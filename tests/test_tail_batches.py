@@ -109,12 +109,12 @@ def test_draws_from_key_reads_the_jaxpr_of_a_loss_without_draws():
 def test_the_run_takes_tail_sizes_only_under_map_without_augmentation_and_where_they_pay():
     uneven = [37, 70, 5, 64, 1, 33] * 10  # full batches: 576 x 10 samples; with tails: 432 x 10 (-25%)
     even = [64, 96, 128] * 10             # no partial batch: nothing to cut
-    cfg = RunConfig(batch_size=32, rounds=100, strategy="map")
+    cfg = RunConfig(batch_size=32, rounds=2, strategy="map")
     assert tail_batch_sizes(cfg, uneven) == (4, 8, 16, 32)
     assert tail_batch_sizes(cfg, even) is None
     assert tail_batch_sizes(dataclasses.replace(cfg, tail_batches="on"), even) == (4, 8, 16, 32)
     assert tail_batch_sizes(dataclasses.replace(cfg, tail_batches="off"), uneven) is None
-    assert tail_batch_sizes(dataclasses.replace(cfg, rounds=20), uneven) is None  # too short to pay the compile
+    assert tail_batch_sizes(dataclasses.replace(cfg, rounds=500), uneven) == (4, 8, 16, 32)  # whatever the length
     assert tail_batch_sizes(dataclasses.replace(cfg, strategy="vmap"), uneven) is None
     assert tail_batch_sizes(dataclasses.replace(cfg, augment="crop_flip"), uneven) is None
 
@@ -130,7 +130,6 @@ def test_the_cli_saves_the_choice_and_logs_the_work_it_computed(tmp_path):
         config = json.loads((tmp_path / out / "config.json").read_text())
         work = [json.loads(line)["padded_work"] for line in (tmp_path / out / "metrics.jsonl").open()]
         return config["tail_batches"], work
-    assert run("on", "--tail-batches", "on") == ("on", [1.0])
-    # auto: one round does not pay for the extra branches; config.json says what was chosen, not "auto", so a
-    # --resume that extends the run past TAIL_MIN_ROUNDS computes its rounds as before
-    assert run("auto") == ("off", [48 / 40])
+    # auto takes them (a 17% cut); config.json says what was chosen, not "auto"
+    assert run("auto") == ("on", [1.0])
+    assert run("off", "--tail-batches", "off") == ("off", [48 / 40])

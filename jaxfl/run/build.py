@@ -82,18 +82,18 @@ def sample_dp_noise(cfg: RunConfig, options, counts: list[int], rate: float):
     return cfg, spent(cfg.dp_noise)
 
 
-# --tail-batches auto: the least cut of an epoch's computed samples, and the fewest rounds, worth the extra branches
-# (they about double the local step's compile time: +3.5 s for the FedAvg CNN on a CPU, where a 15% cut of the
-# computed samples saved 3-12% of a 2 s cohort training, benchmarks/RESULTS.md: 20-70 rounds to break even)
-TAIL_GAIN, TAIL_MIN_ROUNDS = 0.10, 50
+# --tail-batches auto: the least cut of an epoch's computed samples worth the extra branches (they about double the
+# local step's compile time: +3.5 s for the FedAvg CNN on a CPU, where a 15% cut of the computed samples saved
+# 3-13% of a 2 s cohort training, benchmarks/RESULTS.md). Not weighed against the run's rounds: a run's rounds
+# must not depend on how many follow them (a 200-round run's first 10 rounds are a 10-round run's, bit for bit).
+TAIL_GAIN = 0.10
 
 
 def tail_batch_sizes(cfg: RunConfig, counts) -> tuple[int, ...] | None:
     """``--tail-batches``: the sizes the run's trainer may compute a client's partial last batch at
     (``LocalTrainer.tail_sizes``, ``trainer.tail_sizes``): only under ``map`` (one client at a time, where the
-    ``lax.switch`` runs one branch), without augmentation or DP-SGD; with ``on``, or with ``auto`` in a run of
-    ``TAIL_MIN_ROUNDS`` rounds or more where they cut the computed samples of an epoch over the population
-    (``counts``) by ``TAIL_GAIN`` or more; else None."""
+    ``lax.switch`` runs one branch), without augmentation or DP-SGD; with ``on``, or with ``auto`` where they cut
+    the computed samples of an epoch over the population (``counts``) by ``TAIL_GAIN`` or more; else None."""
     if (cfg.tail_batches == "off" or cfg.strategy_or_default() != "map" or cfg.augment != "none"
             or (cfg.dp_clip is not None and cfg.dp_level == "sample")):
         return None
@@ -102,8 +102,6 @@ def tail_batch_sizes(cfg: RunConfig, counts) -> tuple[int, ...] | None:
         return None
     if cfg.tail_batches == "on":
         return sizes
-    if cfg.rounds < TAIL_MIN_ROUNDS:
-        return None
     full, _ = padded_work([], counts, cfg.batch_size, per_client_trips=True)
     cut, _ = padded_work([], counts, cfg.batch_size, per_client_trips=True, tail_sizes=sizes)
     return sizes if cut <= (1.0 - TAIL_GAIN) * full else None

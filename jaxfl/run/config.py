@@ -301,9 +301,8 @@ class Engine(ConfigGroup):
         "auto", "map: a client's partial last batch computed at the smallest of B, B/2, B/4, B/8 that holds its "
                 "samples (the same step up to float rounding, at up to ~2x its real samples instead of B; not with "
                 "--augment, DP-SGD or a loss that draws from its key, which keep B; the extra branches about "
-                "double the step's compile time): auto (in a run of 50 rounds or more, when that cuts an epoch's "
-                "computed samples by 10% or more; config.json saves what auto chose) | on | off (every step at "
-                "B)", choices=("auto", "on", "off"))
+                "double the step's compile time): auto (when that cuts an epoch's computed samples by 10% or more; "
+                "config.json saves what auto chose) | on | off (every step at B)", choices=("auto", "on", "off"))
     devices: int | None = option(
         None, "split the clients over this many devices (0: all; clients per round must divide evenly); on a CPU, "
               "N > 1 runs N CPU devices, one block of clients per core (default: on a CPU, one device per core, "
