@@ -256,15 +256,14 @@ class LocalTrainer:
         that draws nothing from its key; sizes above B dropped, B last), else () (every step at B)."""
         b = self.batch_size
         sizes = tuple(s for s in (self.tail_sizes or ()) if s < b)
+        used: tuple[int, ...] = ()
         if sizes and self.dp is None and self.augment is None:
             x, y = batch_of(data, jnp.zeros(b, jnp.int32))
-            if draws_from_key(loss_fn, params, state, self.preprocess(x), y, jnp.ones(b, jnp.float32), key):
-                sizes = ()
-        else:
-            sizes = ()
+            if not draws_from_key(loss_fn, params, state, self.preprocess(x), y, jnp.ones(b, jnp.float32), key):
+                used = sizes + (b,)
         if self.tail_log is not None:  # (what ``tails_in_use`` reads: one entry a traced call)
-            self.tail_log.append(sizes + (b,) if sizes else ())
-        return sizes + (b,) if sizes else ()
+            self.tail_log.append(used)
+        return used
 
     def tails_in_use(self) -> tuple[int, ...]:
         """The sizes every ``run`` traced so far computed its partial last batches at (``tail_sizes`` with B
