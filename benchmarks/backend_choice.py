@@ -2,7 +2,8 @@
 processes on the same MNIST split (``--dataset mnist``, read through ``JAXFL_DATA_DIR``): the default (the
 backend it chose is read from the CLI's start-up line) and the other backend (``--backend``). A
 round's time is the median of ``time_s - compile_s`` over the rounds between the first and the last (which
-evaluates), from each run's ``metrics.jsonl``: the steady cost once its shapes are compiled. Writes
+evaluates), from each run's ``metrics.jsonl``: the steady cost once its shapes are compiled; beside it the
+roofline of those rounds (``roofline.py``: their real samples' FLOP/s against the machine's measured peak). Writes
 ``backend_choice.json`` and ``backend_choice.md`` into ``--out``.
 
     python benchmarks/backend_choice.py --out DIR                 # the workloads below (~6 min on an H200)
@@ -25,6 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import roofline  # noqa: E402  (each backend's useful FLOP/s against the machine's measured peak)
 
 # name: the `jaxfl run` flags of the workload (every run adds --rounds, --eval-every, --backend, --out)
 WORKLOADS = {
@@ -56,8 +59,22 @@ def run_once(flags: str, backend: str | None, rounds: int, out: Path) -> dict:
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     found = re.search(r", backend (\w+),", proc.stderr)
     steady = statistics.median(r["time_s"] - r["compile_s"] for r in recs[1:-1])
-    return {"backend": found.group(1) if found else None, "round_s": steady,
+    # the same rounds' rate of useful work: real samples trained over their seconds
+    samples_per_s = (sum(sum(r["train_samples"]) for r in recs[1:-1])
+                     / max(sum(r["time_s"] - r["compile_s"] for r in recs[1:-1]), 1e-12))
+    return {"backend": found.group(1) if found else None, "round_s": steady, "samples_per_s": samples_per_s,
             "compile_s": sum(r["compile_s"] for r in recs), "wall_s": wall}
+
+
+def step_cost(flags: str) -> dict:
+    """``roofline.train_step_cost`` of the workload's model (its ``--model``) on MNIST-shaped inputs at the
+    batch size of ``COMMON``."""
+    import numpy as np
+
+    from jaxfl.models import build_model
+    model = re.search(r"--model (\S+)", flags).group(1)
+    batch = int(re.search(r"--batch-size (\d+)", COMMON).group(1))
+    return roofline.train_step_cost(build_model(model, 10), np.zeros((1, 28, 28, 1), np.uint8), batch)
 
 
 def main(argv=None) -> None:
@@ -79,6 +96,7 @@ def main(argv=None) -> None:
     start, rows = time.perf_counter(), []
     import jax  # the device, for the record
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+    peaks = roofline.machine_peaks()
     for name, flags in (SMOKE if args.smoke else WORKLOADS).items():
         if args.only not in name:
             continue
@@ -92,13 +110,17 @@ def main(argv=None) -> None:
             for backend in ("stacked", "ragged"):
                 same = auto.get("backend") == backend
                 row[backend] = auto if same else run_once(flags, backend, args.rounds, Path(tmp) / backend)
+        cost = step_cost(flags)
+        for backend in ("stacked", "ragged"):
+            if "samples_per_s" in row[backend]:
+                row[backend] = dict(row[backend], **roofline.roofline(row[backend]["samples_per_s"], cost, peaks))
         times = {b: row[b]["round_s"] for b in ("stacked", "ragged") if "round_s" in row[b]}
         row["faster"] = min(times, key=times.get) if len(times) == 2 else None
         row["right"] = row["faster"] == row["chosen"] if row["faster"] else None
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"device": device, "command": "python benchmarks/backend_choice.py " + " ".join(argv or sys.argv[1:]),
-              "common_flags": COMMON, "rounds": args.rounds, "rows": rows}
+              "common_flags": COMMON, "rounds": args.rounds, **peaks, "rows": rows}
     (out / "backend_choice.json").write_text(json.dumps(result, indent=1))
     (out / "backend_choice.md").write_text(report(result))
     print(report(result))
@@ -106,14 +128,16 @@ def main(argv=None) -> None:
 
 def report(result: dict) -> str:
     lines = [f"Device: {result['device']}. `{result['command']}`; every run: `jaxfl run {result['common_flags']}`.",
-             "", "| workload | chosen | stacked s/round | ragged s/round | faster | chosen is faster |",
-             "|---|---|---|---|---|---|"]
+             "", "| workload | chosen | stacked s/round | ragged s/round | stacked FLOP/s / peak | "
+             "ragged FLOP/s / peak | faster | chosen is faster |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if "skipped" in r:
-            lines.append(f"| {r['workload']} | skipped ({r['skipped']}) | | | | |")
+            lines.append(f"| {r['workload']} | skipped ({r['skipped']}) | | | | | | |")
             continue
         cell = lambda m: f"{m['round_s']:.4f}" if "round_s" in m else f"failed: {m['error']}"
+        frac = lambda m: f"{m['flops_fraction']:.4f}" if "flops_fraction" in m else "-"  # noqa: E731
         lines.append(f"| {r['workload']} | {r['chosen']} | {cell(r['stacked'])} | {cell(r['ragged'])} | "
+                     f"{frac(r['stacked'])} | {frac(r['ragged'])} | "
                      f"{r['faster'] or '-'} | {'yes' if r['right'] else 'no' if r['right'] is False else '-'} |")
     return "\n".join(lines) + "\n"
 

@@ -372,7 +372,7 @@ def main(argv=None):
         print(json.dumps(res))
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from throughput import matmul_peak_gflops
+    from roofline import matmul_peak_gflops
     peak = matmul_peak_gflops()
     flops = flops_per_step(a.model, a.batch)
     out = {"model": a.model, "batch": a.batch, "steps": a.steps, "reps": a.reps, "matmul_peak_gflops": peak,

@@ -135,8 +135,8 @@ def main(argv=None) -> None:
     md = [f"Device: {device}; backend {results[0]['backend'] if results else '-'}; "
           f"jax {results[0]['jax'] if results else '-'}; suite time {elapsed:.0f} s; "
           f"command: python benchmarks/gpu_suite.py {' '.join(argv if argv is not None else sys.argv[1:])}", "",
-          throughput.report([r for r in results if "train_step_cost" not in r]), "",
-          throughput.small_report([r for r in results if "train_step_cost" in r])]
+          throughput.report([r for r in results if "mean_size" not in r]), "",
+          throughput.small_report([r for r in results if "mean_size" in r])]
     if skipped:
         md += ["", f"Skipped (budget or failure): {', '.join(skipped)}"]
     (out / "results.md").write_text("\n".join(md) + "\n")

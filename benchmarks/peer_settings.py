@@ -43,11 +43,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout: the library beside this script
 
+import roofline  # noqa: E402  (imports jax only when called: the CPU devices are set up first)
 from jaxfl.errors import ConfigError  # noqa: E402
 from jaxfl.run.script import check_at_least, check_output_file, parse_list, run_script  # noqa: E402
 
 SETTINGS = {
-    "flute_lr_mnist": dict(kind="cli", rounds=100, cli=[
+    "flute_lr_mnist": dict(kind="cli", rounds=100, model="logreg", shape=(28, 28, 1), batch=10, lr=0.03, cli=[
         "--algorithm", "fedavg", "--dataset", "mnist", "--model", "logreg", "--num-clients", "1000",
         "--partition", "shards", "--classes-per-client", "2", "--clients-per-round", "10", "--batch-size", "10",
         "--lr", "0.03", "--momentum", "0", "--local-epochs", "1", "--rounds", "100", "--eval-every", "20"]),
@@ -83,7 +84,11 @@ PFL_CONFIG = ("apple/pfl-research benchmarks/image_classification/configs/baseli
 
 def run_cli(setting: dict, data_dir: str) -> dict:
     """``jaxfl run`` in a fresh process on a temporary --out: wall seconds from start to exit, and the run's
-    own record (rounds' seconds, compile seconds, accuracy at each evaluation)."""
+    own record (rounds' seconds, compile seconds, accuracy at each evaluation, the roofline of its plain
+    rounds)."""
+    import numpy as np
+
+    from jaxfl.models import build_model
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         cmd = [sys.executable, "-c", "from jaxfl.run.cli import entry; entry()", "run", *setting["cli"],
@@ -96,10 +101,16 @@ def run_cli(setting: dict, data_dir: str) -> dict:
             raise RuntimeError(f"jaxfl run failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
         history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [h for h in history if "weighted_accuracy" in h]
+    # the roofline over the rounds that neither compile nor evaluate (their time is training's)
+    plain = [h for h in history if "weighted_accuracy" not in h and h["compile_s"] == 0.0]
+    sps = sum(sum(h["train_samples"]) for h in plain) / max(sum(h["time_s"] for h in plain), 1e-12)
+    cost = roofline.train_step_cost(build_model(setting["model"], 10), np.zeros((1,) + setting["shape"], np.uint8),
+                                    setting["batch"], setting["lr"])
     return {"command": "jaxfl run " + " ".join(setting["cli"]) + " --out OUT --compile-cache none",
             "wall_s": wall, "rounds_s": sum(h.get("time_s", 0.0) for h in history),
             "compile_s": sum(h.get("compile_s", 0.0) for h in history), "rounds_run": len(history),
-            "projected": False,
+            "samples_per_s": sps, "train_step_cost": cost,
+            **roofline.roofline(sps, cost, roofline.machine_peaks()), "projected": False,
             "accuracy_by_round": {h["round"]: 100 * h["weighted_accuracy"] for h in evals},
             "accuracy": 100 * evals[-1]["weighted_accuracy"],
             "accuracy_statistic": "sample-weighted test accuracy over the clients' test splits, last round"}
@@ -138,7 +149,8 @@ def run_synthetic(setting: dict, rounds: int) -> dict:
     data = synthetic_population(setting)
     cohort = setting["cohort"]
     devices = resolve_devices(None, cohort, "fixed")
-    alg = build_algorithm("fedavg", build_model("cnn_dropout", setting["classes"]),
+    model = build_model("cnn_dropout", setting["classes"])
+    alg = build_algorithm("fedavg", model,
                           LocalTrainer(client_optimizer("sgd", setting["lr"]), setting["batch"], 1))
     sim = Stacked(alg, data, batch_size=setting["batch"], cohort_size=cohort,
                   clients=client_map(default_strategy(), mesh=client_mesh(devices) if devices > 1 else None))
@@ -148,21 +160,26 @@ def run_synthetic(setting: dict, rounds: int) -> dict:
     server, _ = sim.round(server, store, 0, root)
     jax.block_until_ready(server)
     compile_s = time.perf_counter() - t
+    seen = []
     t = time.perf_counter()
     for r in range(1, rounds + 1):
-        server, _ = sim.round(server, store, r, root)
+        server, m = sim.round(server, store, r, root)
+        seen.append(m["seen"])  # (device arrays: read after the timing)
     jax.block_until_ready(server)
     round_s = (time.perf_counter() - t) / rounds
+    samples = float(sum(np.sum(np.asarray(v)) for v in seen))
     full = setting["rounds"]
+    cost = roofline.train_step_cost(model, data.x[:1], setting["batch"], setting["lr"])
     return {"devices": devices, "strategy": default_strategy(), "population_samples": int(data.counts.sum()),
             "compile_s": compile_s, "round_s": round_s, "rounds_timed": rounds,
             "wall_s": compile_s + round_s * (full - 1), "projected": rounds + 1 < full,
-            "mean_client_size": float(np.mean(data.counts))}
+            "mean_client_size": float(np.mean(data.counts)), "samples_per_s": samples / rounds / round_s,
+            "train_step_cost": cost, **roofline.roofline(samples / rounds / round_s, cost, roofline.machine_peaks())}
 
 
 def markdown(results: dict) -> str:
-    rows = ["| setting | jaxfl: whole run s | jaxfl: round s | accuracy % | peer | peer s | peer accuracy % | "
-            "jaxfl speed-up |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| setting | jaxfl: whole run s | jaxfl: round s | FLOP/s / peak | bytes/s / peak | accuracy % | peer | "
+            "peer s | peer accuracy % | jaxfl speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["settings"].items():
         mine = r["jaxfl"]
         wall = f"{mine['wall_s']:.1f}" + (" (projected)" if mine["projected"] else "")
@@ -171,7 +188,8 @@ def markdown(results: dict) -> str:
         peers = PEERS[name] or [dict(framework="(not read here)", seconds=None, accuracy=None)]
         for p in peers:
             ratio = f"{p['seconds'] / mine['wall_s']:.1f}x" if p["seconds"] else "-"
-            rows.append(f"| {name} | {wall} | {per_round:.4f} | {acc} | {p['framework']} | "
+            fractions = " | ".join(f"{mine[k]:.4f}" if k in mine else "-" for k in ("flops_fraction", "bytes_fraction"))
+            rows.append(f"| {name} | {wall} | {per_round:.4f} | {fractions} | {acc} | {p['framework']} | "
                         f"{p['seconds'] if p['seconds'] else '-'} | {p['accuracy'] if p['accuracy'] else '-'} | "
                         f"{ratio} |")
     return "\n".join(rows) + "\n"

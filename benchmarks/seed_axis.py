@@ -8,7 +8,8 @@ than S rounds, small-model sweeps would gain the way the cohort axis gains. Each
 gather of the cohort's rows, ``make_step``, write-back), FedAvg, one local epoch. Under ``vmap`` a client's
 step loop runs until the same client of every seed is done, so unequal partitions cost the longest seed's steps
 (``--equal-sizes`` gives every seed the same sizes, the best case). Prints one line per configuration and writes
-``--out`` (JSON): seconds per round of all S seeds for both paths, and the largest difference of the final
+``--out`` (JSON): seconds per round of all S seeds for both paths, each path's roofline (``roofline.py``: the
+real samples' FLOP/s and bytes/s against the machine's measured peaks), and the largest difference of the final
 server parameters between them (the same numbers up to float reassociation).
 
     python benchmarks/seed_axis.py --workload logreg --clients 1000 --cohort 100 --seeds 3 --strategy map
@@ -28,6 +29,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+import roofline  # noqa: E402
 from throughput import SMALL, lognormal_counts, small_population  # noqa: E402
 
 from jaxfl.algorithms import build_algorithm  # noqa: E402
@@ -47,7 +49,8 @@ def stack(trees):
 def measure(workload: str, n: int, cohort: int, seeds: int, strategy: str, rounds: int, equal: bool) -> dict:
     w = dict(SMALL[workload])
     batch = w["batch"]
-    alg = build_algorithm("fedavg", build_model(w["model"], w["classes"]), LocalTrainer(optax.sgd(w["lr"]), batch, 1))
+    alg_model = build_model(w["model"], w["classes"])
+    alg = build_algorithm("fedavg", alg_model, LocalTrainer(optax.sgd(w["lr"]), batch, 1))
     pops = [small_population(w, lognormal_counts(n, w["median"], w["sigma"], seed=0 if equal else s))
             for s in range(seeds)]
     step = make_step(alg, clients=strategy)
@@ -98,12 +101,20 @@ def measure(workload: str, n: int, cohort: int, seeds: int, strategy: str, round
 
     seq_s, seq_servers = sequential()
     vec_s, vec_server = vectorized()
+    # the roofline: the S seeds' real samples of a timed round (rounds 1..rounds) under one step's XLA cost
+    real = sum(int(pops[s].counts[np.asarray(sample_cohort(roots[s], r, n, cohort))].sum())
+               for s in range(seeds) for r in range(1, rounds + 1)) / rounds
+    cost, peaks = roofline.train_step_cost(alg_model, pops[0].x[:1], batch, w["lr"]), roofline.machine_peaks()
     diff = max(float(jnp.max(jnp.abs(a - b))) for s in range(seeds) for a, b in zip(
         jax.tree_util.tree_leaves(seq_servers[s]), jax.tree_util.tree_leaves(jax.tree_util.tree_map(
             lambda v: v[s], vec_server))))
     return {"workload": workload, "clients": n, "cohort": cohort, "seeds": seeds, "strategy": strategy,
             "equal_sizes": equal, "rounds_timed": rounds, "sequential_s": seq_s, "vectorized_s": vec_s,
-            "speedup": seq_s / vec_s, "max_param_diff": diff, "device": jax.devices()[0].device_kind,
+            "speedup": seq_s / vec_s, "max_param_diff": diff, "real_samples_per_round": real,
+            "train_step_cost": cost, **peaks,
+            "sequential_roofline": roofline.roofline(real / seq_s, cost, peaks),
+            "vectorized_roofline": roofline.roofline(real / vec_s, cost, peaks),
+            "device": jax.devices()[0].device_kind,
             "backend": jax.default_backend(), "jax": jax.__version__}
 
 
@@ -133,7 +144,9 @@ def main(argv=None) -> list[dict]:
                 print(f"{workload} N={r['clients']} C={r['cohort']} S={s} {strategy}"
                       f"{' equal sizes' if r['equal_sizes'] else ''} ({r['device']}): {s} rounds one after "
                       f"another {r['sequential_s'] * 1e3:.1f} ms, one round over the seed axis "
-                      f"{r['vectorized_s'] * 1e3:.1f} ms: {r['speedup']:.2f}x; largest parameter difference "
+                      f"{r['vectorized_s'] * 1e3:.1f} ms: {r['speedup']:.2f}x; FLOP/s / peak "
+                      f"{r['sequential_roofline']['flops_fraction']:.3f} and "
+                      f"{r['vectorized_roofline']['flops_fraction']:.3f}; largest parameter difference "
                       f"{r['max_param_diff']:.1e}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

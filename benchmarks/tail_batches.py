@@ -7,8 +7,9 @@ The clients of a ``throughput.py`` workload (``--workload``, e.g. the label-skew
 time (``lax.map``, one jitted call for the cohort, one device). The two programs run alternately, ``--reps``
 times each after compiling, so that a load change on the machine falls on both; reported: each one's median and
 least seconds a call, its compile seconds (the first call, minus a timed one), the computed/real samples of the
-epoch (``buckets.padded_work``) and the largest difference of the trained parameters between them (the same
-numbers up to float reassociation).
+epoch (``buckets.padded_work``), each one's roofline (``roofline.py``: the real samples' FLOP/s and bytes/s
+against the machine's measured peaks) and the largest difference of the trained parameters between them (the
+same numbers up to float reassociation).
 
     python benchmarks/tail_batches.py --workload fedavg_cnn_dir0.3 --clients 1000 --cohort 50 --json out.json
 """
@@ -29,6 +30,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+import roofline  # noqa: E402
 from throughput import SMALL, lognormal_counts, skewed_counts, small_population  # noqa: E402
 
 from jaxfl.algorithms._common import ce_loss  # noqa: E402
@@ -84,15 +86,19 @@ def measure(workload: str, clients: int, cohort: int, reps: int, seed: int = 0) 
     real = int(data.counts[ids].sum())
     work = {"every step at B": padded_work([], data.counts[ids], batch, per_client_trips=True)[0],
             list(programs)[1]: padded_work([], data.counts[ids], batch, per_client_trips=True, tail_sizes=sizes)[0]}
+    cost, peaks = roofline.train_step_cost(model, data.x[:1], batch, w["lr"]), roofline.machine_peaks()
     for name in programs:
-        out[name] = {"median_s": float(np.median(times[name])), "min_s": float(min(times[name])),
-                     "compile_s": first[name] - float(np.median(times[name])), "padded_work": work[name] / real}
+        median = float(np.median(times[name]))
+        out[name] = {"median_s": median, "min_s": float(min(times[name])),
+                     "compile_s": first[name] - median, "padded_work": work[name] / real,
+                     **roofline.roofline(real / median, cost, peaks)}
     a, b = (jax.tree_util.tree_leaves(trained[n]) for n in programs)
     diff = max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(a, b))
     names = list(programs)
     return {"workload": workload, "clients": clients, "cohort": cohort, "batch": batch, "reps": reps,
             "real_samples": real, "runs": out, "max_abs_param_diff": diff,
             "speedup_median": out[names[0]]["median_s"] / out[names[1]]["median_s"],
+            "train_step_cost": cost, **peaks,
             "device": jax.devices()[0].device_kind, "machine": platform.processor() or platform.machine(),
             "jax": jax.__version__}
 
@@ -112,7 +118,8 @@ def main(argv=None) -> None:
     r = measure(a.workload, a.clients, min(a.cohort, a.clients), a.reps)
     for name, v in r["runs"].items():
         print(f"{name}: median {v['median_s']:.3f} s, least {v['min_s']:.3f} s, compile {v['compile_s']:.2f} s, "
-              f"padded/real {v['padded_work']:.3f}")
+              f"padded/real {v['padded_work']:.3f}, FLOP/s / peak {v['flops_fraction']:.3f}, "
+              f"bytes/s / peak {v['bytes_fraction']:.3f}")
     print(f"speed-up (medians) {r['speedup_median']:.2f}x; largest parameter difference {r['max_abs_param_diff']:.2e}")
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))

@@ -13,8 +13,9 @@ in a first pass over the same rounds, then the rounds are timed):
   torch_vmap          (--small) the round vectorized in PyTorch: ``torch.func`` vmap of grad over the cohort
                       padded to its longest client, masked, on the device (``torch_vmap_fedavg_round``)
 and reports real samples/s (real samples trained / round time), the ratios to the loops, the engine's
-padded/real work, buckets and compiled shapes, and the peak resident memory of the process (each workload
-runs in its own subprocess).
+padded/real work, buckets and compiled shapes, each runner's roofline (``roofline.py``: its useful FLOP/s and
+bytes/s against the machine's measured matmul peak and copy bandwidth) and the peak resident memory of the
+process (each workload runs in its own subprocess).
 
     python benchmarks/throughput.py --quick                       # equal workloads, a few minutes on CPU
     python benchmarks/throughput.py --skewed                      # Dirichlet 0.1/0.3/1 over 100 and 1,000 clients
@@ -34,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch_fedavg import torch_fedavg_round  # noqa: E402  (the torch loop both benchmarks time)
+import roofline  # noqa: E402  (the machine's peaks and a step's cost: the roofline columns)
 
 WORKLOADS = {
     # name: model, input shape, samples per client (equal clients), batch, client counts, cohort (None: all)
@@ -161,6 +163,12 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
         res = torch_loop(model_name, shape, batch, [data.counts[ids] for ids in cohorts])
         if res:
             out["torch_loop"] = dict(res, samples_per_s=real / rounds / res["round_s"])
+    # the roofline of every runner that ran: its real samples/s under one step's XLA cost, against the machine
+    out["train_step_cost"] = cost = roofline.train_step_cost(build_model(model_name, 10), data.x[:1], batch)
+    out.update(roofline.machine_peaks())
+    for v in out.values():
+        if isinstance(v, dict) and "samples_per_s" in v:
+            v.update(roofline.roofline(v["samples_per_s"], cost, out))
     out["peak_rss_gb"] = peak_rss_gb()
     return out
 
@@ -320,38 +328,6 @@ def small_population(w: dict, counts, seed: int = 0):
     return RaggedClients(x, y, offsets, np.asarray(counts, np.int64))
 
 
-def matmul_peak_gflops(sizes=(256, 512, 1024, 2048), reps: int = 5) -> float:
-    """The machine's f32 matmul rate measured here: the best GFLOP/s of jitted, warmed-up jnp.dot over sizes."""
-    import jax
-    import jax.numpy as jnp
-    best = 0.0
-    for n in sizes:
-        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-        f = jax.jit(jnp.dot)
-        jax.block_until_ready(f(a, a))
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(f(a, a))
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - t) / 1e9)
-    return best
-
-
-def copy_bandwidth_gbs(mib: int = 256, reps: int = 5) -> float:
-    """The machine's memory bandwidth measured here: the best GB/s (bytes read + written) of a jitted, warmed-up
-    ``x + 1`` over a float32 array of ``mib`` MiB, too large for any cache."""
-    import jax
-    import jax.numpy as jnp
-    x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    jax.block_until_ready(f(x))
-    best = 0.0
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        best = max(best, 2 * x.nbytes / (time.perf_counter() - t) / 1e9)
-    return best
-
-
 def counting_model(w: dict):
     """The workload's model for FLOP counting: the LSTM with its time loop unrolled (XLA's cost analysis counts
     a loop body once), otherwise the model itself."""
@@ -363,30 +339,11 @@ def counting_model(w: dict):
 
 
 def train_step_cost(w: dict, batch: int | None = None) -> dict:
-    """XLA's cost analysis of one jitted train step (forward, backward, SGD update) on one batch: flops and bytes
-    accessed, per batch and per sample."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    from jaxfl.algorithms._common import ce_loss, init_variables
-    from jaxfl.core.trainer import LocalTrainer
-    b = batch or w["batch"]
-    model = counting_model(w)
-    trainer = LocalTrainer(optax.sgd(w["lr"]), b, 1)
-    x = (jnp.zeros((b, 28, 28, 1), jnp.uint8) if w["input"] == "image" else jnp.zeros((b, SEQ_LEN), jnp.int32))
-    y = jnp.zeros((b,), jnp.int32)
-    v = init_variables(model, trainer, jax.random.key(0), x)
-    loss = ce_loss(model)
-
-    def step(params, stats, x, y):
-        g = jax.grad(lambda p: loss(p, stats, trainer.preprocess(x), y, jnp.ones(b), None)[0])(params)
-        return optax.apply_updates(params, trainer.tx.update(g, trainer.tx.init(params), params)[0])
-
-    cost = jax.jit(step).lower(v["params"], v["batch_stats"], x, y).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return {"flops": float(cost["flops"]), "bytes": float(cost["bytes accessed"]), "batch": b,
-            "flops_per_sample": float(cost["flops"]) / b, "bytes_per_sample": float(cost["bytes accessed"]) / b}
+    """XLA's cost analysis of one jitted train step (forward, backward, SGD update) of the workload's model on
+    one batch (``roofline.train_step_cost``): flops and bytes accessed, per batch and per sample."""
+    import numpy as np
+    x = (np.zeros((1, 28, 28, 1), np.uint8) if w["input"] == "image" else np.zeros((1, SEQ_LEN), np.int32))
+    return roofline.train_step_cost(counting_model(w), x, batch or w["batch"], w["lr"])
 
 
 def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS, rounds: int = 2,
@@ -410,7 +367,8 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     rounds = min(rounds, w.get("max_rounds", rounds))
     w["median"] = median or w["median"]
     w["sigma"] = sigma if sigma is not None else w["sigma"]
-    peak, bandwidth = matmul_peak_gflops(), copy_bandwidth_gbs()
+    peaks = roofline.machine_peaks()
+    peak, bandwidth = peaks["matmul_peak_gflops"], peaks["copy_bandwidth_gbs"]
     counts = (skewed_counts(w["dirichlet"], n_clients, w["samples"]) if "dirichlet" in w
               else lognormal_counts(n_clients, w["median"], w["sigma"]))
     data = small_population(w, counts)
@@ -433,12 +391,10 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     def record(runner, sec_total, n, extra=None):
         samples = sum(real[:n])
         sps = samples / sec_total
-        out[runner] = dict({"round_s": sec_total / n, "samples_per_s": sps, "rounds_timed": n,
-                            # the roofline: the useful work's rate (XLA's counts for one client-step, per real
-                            # sample) against the machine's measured matmul peak and copy bandwidth
-                            "flops_fraction": sps * cost["flops_per_sample"] / (peak * 1e9),
-                            "bytes_fraction": sps * cost["bytes_per_sample"] / (bandwidth * 1e9)},
-                           **(extra or {}))
+        # the roofline: the useful work's rate (XLA's counts for one client-step, per real sample) against the
+        # machine's measured matmul peak and copy bandwidth
+        out[runner] = dict({"round_s": sec_total / n, "samples_per_s": sps, "rounds_timed": n},
+                           **roofline.roofline(sps, cost, peaks), **(extra or {}))
 
     def run(runner):
         kind, *opt = runner.split("/")
@@ -738,9 +694,15 @@ def small_report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def fraction(v: dict, key: str) -> str:
+    """A roofline fraction as a table cell ("-" in results recorded before the column existed)."""
+    return f"{v[key]:.3f}" if key in v else "-"
+
+
 def report(results: list[dict]) -> str:
     lines = ["| workload | clients (cohort) | max/mean size | runner | real samples/s | x torch | x jax_loop | "
-             "padded/real | buckets (shapes) | round s | peak RSS GB |", "|---" * 11 + "|"]
+             "padded/real | buckets (shapes) | FLOP/s / peak | bytes/s / peak | round s | peak RSS GB |",
+             "|---" * 13 + "|"]
     for r in results:
         base_j = r.get("jax_loop", {}).get("samples_per_s")
         base_t = r.get("torch_loop", {}).get("samples_per_s")
@@ -750,7 +712,7 @@ def report(results: list[dict]) -> str:
             v = r[runner]
             if "error" in v:
                 lines.append(f"| {r['workload']} | {r['clients']} ({r['cohort']}) | {r['max_over_mean']:.1f} | "
-                             f"{runner} | failed: {v['error'][:120]} |" + " - |" * 6)
+                             f"{runner} | failed: {v['error'][:120]} |" + " - |" * 8)
                 continue
             work = f"{v['padded_work']:.3f}" if "padded_work" in v else "-"
             shapes = f"{v['buckets']} ({v['compiled_shapes']})" if "buckets" in v else "-"
@@ -760,6 +722,7 @@ def report(results: list[dict]) -> str:
             xj = f"{v['samples_per_s'] / base_j:.2f}" if base_j else "-"
             lines.append(f"| {r['workload']} | {r['clients']} ({r['cohort']}) | {r['max_over_mean']:.1f} | {runner} | "
                          f"{v['samples_per_s']:.0f} | {xt} | {xj} | {work} | {shapes} | "
+                         f"{fraction(v, 'flops_fraction')} | {fraction(v, 'bytes_fraction')} | "
                          f"{v['round_s']:.3f} | {r['peak_rss_gb']:.2f} |")
     return "\n".join(lines)
 

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # throughput.py: the torch models
+import roofline  # noqa: E402  (imports jax only when called: --frameworks jaxfl_d2 sets the devices first)
 from torch_fedavg import torch_fedavg_round  # noqa: E402
 
 # Rounds to the target reported by McMahan et al. 2017 (arXiv 1602.05629), C = 0.1, B = 10. ``rounds`` is the
@@ -323,6 +324,12 @@ def best_entry(entries: list[dict]) -> dict:
     return max(entries, key=lambda e: e["best_accuracy"])
 
 
+def step_cost(cfg: dict, x) -> dict:
+    """``roofline.train_step_cost`` of the setting's model at its batch size on MNIST images like ``x``'s."""
+    from jaxfl.models import build_model
+    return roofline.train_step_cost(build_model(cfg["model"], 10), x[:1], cfg["batch"])
+
+
 def write_json(path: str, meta: dict, entries: list[dict]) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -349,7 +356,7 @@ def report(entries: list[dict], meta: dict) -> str:
              f"images after every round. Wall seconds: the rounds' training + aggregation only (no evaluation, no "
              f"compilation). {meta['machine']}.{devices_note(entries)}", "",
              "| setting | framework | lr grid | best lr | rounds to target | paper rounds | wall s to target | "
-             "s / round | compile s | final acc |", "|---" * 10 + "|"]
+             "s / round | FLOP/s / peak | compile s | final acc |", "|---" * 11 + "|"]
     groups: dict = {}
     for e in entries:
         groups.setdefault((e["setting"], e["framework"]), []).append(e)
@@ -361,7 +368,8 @@ def report(entries: list[dict], meta: dict) -> str:
         paper = PAPER[setting]
         lines.append(f"| {setting} (target {b['target']:.0%}) | {fw} | {grid} | {b['lr']:g} | {rtt} | "
                      f"{paper['rounds']} ({paper['source']}) | {fmt(b['seconds_to_target'], '.1f')} | "
-                     f"{b['sec_per_round']:.3f} | {b['compile_s']:.1f} | {b['final_accuracy']:.4f} |")
+                     f"{b['sec_per_round']:.3f} | {fmt(b.get('flops_fraction'), '.3f')} | {b['compile_s']:.1f} | "
+                     f"{b['final_accuracy']:.4f} |")
         speed.setdefault(setting, {})[fw] = b["seconds_to_target"]
     ratios = [f"{s}: {v['torch'] / v[fw]:.2f}x ({fw})" for s, v in speed.items() for fw in ("jaxfl", "jaxfl_d2")
               if v.get(fw) and v.get("torch")]
@@ -460,6 +468,10 @@ def main(argv=None) -> None:
                             cfg["model"], init, xt[:64])
                     res = run_torch(cfg, torch_data[0], torch_data[1], torch_state_from_flax(cfg["model"], init),
                                     lr, cohorts, args.seed, args.threads, not args.no_stop, label)
+                # the roofline of the timed rounds: their real samples (every local epoch) over their seconds
+                samples = cfg["epochs"] * sum(int(train.counts[cohorts[r]].sum()) for r in range(res["rounds_run"]))
+                res.update(samples_per_s=samples / res["train_s"], **roofline.roofline(
+                    samples / res["train_s"], step_cost(cfg, x), roofline.machine_peaks()))
                 entries.append(dict(res, setting=setting, framework=fw, lr=lr, smoke=args.smoke, seed=args.seed,
                                     target=cfg["target"], max_rounds=rounds, model=cfg["model"],
                                     partition=cfg["partition"], epochs=cfg["epochs"], batch=cfg["batch"],

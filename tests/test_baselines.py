@@ -246,6 +246,8 @@ def test_every_algorithm_is_the_same_on_both_backends_and_learns_a_separable_tas
     # a fixed cohort compiles one round program, in round 1, and never again (persistent-cache hits count too:
     # they are traced)
     assert traced == [1, 0, 0, 0, 0, 0], traced
+    # each trained client's real samples of the round (the CLI logs them as train_samples)
+    assert np.asarray(m["seen"]).shape == (len(COUNTS),) and np.all(np.asarray(m["seen"]) > 0), m["seen"]
     ev = Evaluator(alg, ragged(test), eval_batch_size=8, preprocess=make_trainer().preprocess,
                    train=ragged(data)).metrics(s, store)
     assert ev["accuracy"].shape == (3,) and np.all(np.isfinite(ev["loss"]))

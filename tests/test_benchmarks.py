@@ -91,20 +91,59 @@ def test_conv_paths_dft_and_winograd_convolutions_are_the_convolution_and_its_gr
                 np.testing.assert_allclose(g, w, atol=2e-5 * float(jnp.abs(w).max()), rtol=0)
 
 
-def test_the_seed_axis_benchmark_compares_the_same_rounds():
+PEAKS = {"matmul_peak_gflops": 100.0, "copy_bandwidth_gbs": 10.0}  # (a machine's, for the bookkeeping tests)
+
+
+def test_a_train_steps_cost_is_xlas_count_of_the_logreg_step_per_sample():
+    # logistic regression 784 -> 10: forward x W (2 d c FLOPs a sample) and the kernel gradient x^T g (2 d c);
+    # the softmax, the bias and the update add a little; no input gradient
+    import numpy as np
+    import roofline
+
+    from jaxfl.models import build_model
+    d, c = 784, 10
+    costs = [roofline.train_step_cost(build_model("logreg", c), np.zeros((1, 28, 28, 1), np.uint8), b)
+             for b in (10, 40)]
+    for cost in costs:
+        assert 4 * d * c <= cost["flops_per_sample"] <= 6 * d * c
+        assert cost["flops"] == cost["flops_per_sample"] * cost["batch"] and cost["bytes_per_sample"] > 0
+    # the weights are read once a step: their bytes spread over a larger batch
+    assert costs[1]["bytes_per_sample"] < costs[0]["bytes_per_sample"]
+
+
+def test_the_roofline_is_the_useful_rate_over_the_measured_peaks():
+    import roofline
+    cost = {"flops_per_sample": 2e6, "bytes_per_sample": 4e5}
+    r = roofline.roofline(1e4, cost, PEAKS)  # 1e4 samples/s: 20 GFLOP/s, 4 GB/s
+    assert r == {"gflops_per_s": 20.0, "gbytes_per_s": 4.0, "flops_fraction": 0.2, "bytes_fraction": 0.4}
+    assert roofline.matmul_peak_gflops(sizes=(64,), reps=1) > 0 and roofline.copy_bandwidth_gbs(mib=1, reps=1) > 0
+
+
+def test_the_seed_axis_benchmark_compares_the_same_rounds(monkeypatch):
     # one round over a seed axis (vmap) and one round per seed train the same models, unequal partitions included
+    import roofline
     import seed_axis
+    monkeypatch.setattr(roofline, "machine_peaks", lambda: PEAKS)
     r = seed_axis.measure("logreg", n=12, cohort=4, seeds=2, strategy="map", rounds=1, equal=False)
     assert r["seeds"] == 2 and r["sequential_s"] > 0 and r["vectorized_s"] > 0
     assert r["max_param_diff"] <= 1e-6
+    # both paths did the same useful work: their FLOP rates stand as their times, inversely
+    seq, vec = r["sequential_roofline"]["flops_fraction"], r["vectorized_roofline"]["flops_fraction"]
+    assert abs(seq / vec - r["vectorized_s"] / r["sequential_s"]) <= 1e-9 * seq / vec
 
 
-def test_the_tail_batch_benchmark_times_the_same_training_with_less_padding():
+def test_the_tail_batch_benchmark_times_the_same_training_with_less_padding(monkeypatch):
+    import roofline
     import tail_batches
+    monkeypatch.setattr(roofline, "machine_peaks", lambda: PEAKS)
     r = tail_batches.measure("logreg", clients=40, cohort=6, reps=1)
     full, tails = r["runs"].values()
     assert tails["padded_work"] < full["padded_work"] and all(v["median_s"] > 0 for v in (full, tails))
     assert r["max_abs_param_diff"] <= 1e-5  # the same training up to float rounding (logreg weights ~1e-2)
+    # the roofline counts real samples only: padding that costs time lowers it
+    for v in (full, tails):
+        want = r["real_samples"] / v["median_s"] * r["train_step_cost"]["flops_per_sample"] / 1e11
+        assert abs(v["flops_fraction"] - want) <= 1e-9 * want
 
 
 def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkeypatch):

@@ -137,6 +137,8 @@ def test_cli_stragglers_shorten_some_clients_rounds(tmp_path):
     logs = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     steps = np.array([r["train_steps"] for r in logs])  # 3 clients x 3 rounds; 40 samples: 3 batches an epoch
     assert set(steps.ravel().tolist()) <= {3.0, 6.0, 9.0} and 9.0 in steps and steps.min() < 9
+    # train_samples: the real samples each client trained, 40 an epoch over the epochs it ran (3 steps each)
+    np.testing.assert_array_equal([r["train_samples"] for r in logs], steps / 3 * 40)
     assert json.loads((tmp_path / "r" / "config.json").read_text())["stragglers"] == 0.5
 
 

@@ -360,6 +360,9 @@ def round_record(metrics, names, round_idx: int) -> dict:
     return {"round": round_idx + 1, "clients_trained": [names[i] for i in ids],
             "train_loss": np.asarray(metrics["loss"], float).tolist(),
             "train_accuracy": np.asarray(metrics["accuracy"], float).tolist(),
+            # the real (unpadded) samples each client trained on this round, over all its local epochs: with
+            # time_s - compile_s, the run's rate of useful work
+            "train_samples": np.asarray(metrics["seen"], float).tolist(),
             # algorithm-specific per-client metrics (e.g. FedSelect's personal_fraction)
             **{f"train_{k}": np.asarray(v, float).tolist() for k, v in metrics.items()
                if k not in ("loss", "accuracy", "seen", "finite", "client_id") and k not in per_round},
