@@ -1,8 +1,11 @@
-"""The GPU suite's bookkeeping (no timing here): which workloads an earlier run measured, and how a failed
-runner shows in the table."""
+"""The benchmark scripts' bookkeeping, never their speed: which workloads an earlier run measured, how a failed
+runner shows in the table, that each script times the computation it names and computes its roofline from
+its own times and XLA's step cost, and that bad flags are refused in one line."""
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_suite  # noqa: E402
@@ -187,6 +190,20 @@ def test_peer_settings_populations_have_the_settings_shapes_and_sizes():
     # the LR-MNIST setting is a valid `jaxfl run` command with FLUTE's numbers
     cfg = command_config(["run", *peer_settings.SETTINGS["flute_lr_mnist"]["cli"]])
     assert (cfg.num_clients, cfg.clients_per_round, cfg.batch_size, cfg.lr, cfg.rounds) == (1000, 10, 10, 0.03, 100)
+    # ... and its roofline is costed for the model and batch the command runs
+    lr_mnist = peer_settings.SETTINGS["flute_lr_mnist"]
+    assert (cfg.model, cfg.batch_size, cfg.lr) == (lr_mnist["model"], lr_mnist["batch"], lr_mnist["lr"])
+
+
+def test_a_synthetic_peer_setting_reports_the_roofline_of_its_real_samples(monkeypatch):
+    import peer_settings
+    import roofline
+    monkeypatch.setattr(roofline, "machine_peaks", lambda: PEAKS)
+    setting = dict(peer_settings.SETTINGS["pfl_cifar10"], clients=12, cohort=3, rounds=4)
+    r = peer_settings.run_synthetic(setting, rounds=2)
+    assert r["samples_per_s"] * r["round_s"] == pytest.approx(3 * 50)  # 3 clients of 50 images a round
+    want = r["samples_per_s"] * r["train_step_cost"]["flops_per_sample"] / 1e11
+    assert r["flops_fraction"] == pytest.approx(want) and r["projected"]
 
 
 def test_the_robust_cost_benchmark_times_each_rule_beside_a_baseline_checkout(capsys):
