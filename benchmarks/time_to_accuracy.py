@@ -38,7 +38,9 @@ The paper's rounds to the target (``PAPER``): Table 1 (effect of C; 2NN with E =
         --out benchmarks/results/time_to_accuracy.json --md benchmarks/results/time_to_accuracy.md --resume
     python benchmarks/time_to_accuracy.py --settings cnn_iid --lrs 0.05,0.1 --max-rounds 60 --out cnn.json
 
-The JSON is rewritten after every (setting, framework, lr); ``--resume`` skips the entries it already holds.
+Each entry also carries its roofline (``roofline.py``: the timed rounds' real samples, every local epoch, over
+their seconds, under XLA's cost of one training step, against the machine's measured peaks). The JSON is
+rewritten after every (setting, framework, lr); ``--resume`` skips the entries it already holds.
 """
 from __future__ import annotations
 
