@@ -165,10 +165,11 @@ def measure(model_name, shape, counts, batch, cohort, strategies, rounds=2, algo
             out["torch_loop"] = dict(res, samples_per_s=real / rounds / res["round_s"])
     # the roofline of every runner that ran: its real samples/s under one step's XLA cost, against the machine
     out["train_step_cost"] = cost = roofline.train_step_cost(build_model(model_name, 10), data.x[:1], batch)
-    out.update(roofline.machine_peaks())
+    peaks = roofline.machine_peaks()
     for v in out.values():
         if isinstance(v, dict) and "samples_per_s" in v:
-            v.update(roofline.roofline(v["samples_per_s"], cost, out))
+            v.update(roofline.roofline(v["samples_per_s"], cost, peaks))
+    out.update(peaks)
     out["peak_rss_gb"] = peak_rss_gb()
     return out
 

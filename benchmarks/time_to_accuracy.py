@@ -449,7 +449,7 @@ def main(argv=None) -> None:
         train = population(x, y, parts)
         cohorts = cohort_ids(args.seed, rounds, len(parts), k)
         init = initial_params(cfg["model"], args.seed, x)
-        torch_data = None
+        torch_data, cost = None, None
         for fw in args.frameworks.split(","):
             for lr in lrs:
                 key = (setting, fw, lr, args.smoke, args.seed)
@@ -472,8 +472,10 @@ def main(argv=None) -> None:
                                     lr, cohorts, args.seed, args.threads, not args.no_stop, label)
                 # the roofline of the timed rounds: their real samples (every local epoch) over their seconds
                 samples = cfg["epochs"] * sum(int(train.counts[cohorts[r]].sum()) for r in range(res["rounds_run"]))
+                if cost is None:  # (once a setting: every framework and lr trains the same step)
+                    cost = step_cost(cfg, x)
                 res.update(samples_per_s=samples / res["train_s"], **roofline.roofline(
-                    samples / res["train_s"], step_cost(cfg, x), roofline.machine_peaks()))
+                    samples / res["train_s"], cost, roofline.machine_peaks()))
                 entries.append(dict(res, setting=setting, framework=fw, lr=lr, smoke=args.smoke, seed=args.seed,
                                     target=cfg["target"], max_rounds=rounds, model=cfg["model"],
                                     partition=cfg["partition"], epochs=cfg["epochs"], batch=cfg["batch"],
