@@ -151,6 +151,7 @@ def test_the_tail_batch_benchmark_times_the_same_training_with_less_padding(monk
 
 def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkeypatch):
     import backend_choice
+    import compile_count
     import peer_settings
     import seed_axis
     import tail_batches
@@ -168,6 +169,8 @@ def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkey
              (backend_choice.main, ["--out", "x", "--only", "nosuch"], "--only 'nosuch' matches no workload"),
              (time_to_accuracy.main, ["--lrs", "-1"], "--lrs -1.0: give a number > 0"),
              (peer_settings.main, ["--out", "x", "--settings", "nosuch"], "--settings 'nosuch': give comma-"),
+             (compile_count.main, ["--out", "x", "--setting", "nosuch"], "unknown --setting 'nosuch'; valid: "),
+             (compile_count.main, ["--out", "x", "--backends", "auto,foo"], "--backends 'auto,foo': give comma-"),
              (peer_settings.main, ["--out", "x", "--rounds", "0"], "--rounds 0: give a number >= 1"),
              (time_to_accuracy.main, ["--out", "/no/such/folder/x.json"], "--out '/no/such/folder/x.json': give a "
                                                                           "file in an existing folder")]
@@ -176,6 +179,24 @@ def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkey
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"script.py: error: {message}"), err
     assert not Path("x").exists()
+
+
+def test_compile_count_sums_a_runs_compiling_and_its_settings_are_valid_runs():
+    import subprocess
+
+    import compile_count
+    hist = [{"compiled_programs": 3, "compile_s": 2.0, "time_s": 5.0, "mean_accuracy": 0.1},
+            {"compiled_programs": 0, "compile_s": 0.0, "time_s": 1.0},
+            {"compiled_programs": 1, "compile_s": 1.0, "time_s": 2.0, "mean_accuracy": 0.5}]
+    assert compile_count.summarize(hist) == {"compiled_programs": 4, "rounds_compiling": 2, "compile_s": 3.0,
+                                             "time_s": 8.0, "compile_share": 0.375, "final_mean_accuracy": 0.5}
+    for setting in compile_count.SETTINGS:  # each setting's command is one `jaxfl run` accepts (as on a device)
+        for backend in ("auto", "ragged"):
+            cmd = compile_count.run_command(setting, backend, 100, 5, "OUT", ["--print-config"])
+            done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            assert ('backend = "ragged"' in done.stdout) == (backend == "ragged"), done.stdout
+            assert "rounds = 100" in done.stdout and "clients_per_round = 5" in done.stdout
 
 
 def test_peer_settings_populations_have_the_settings_shapes_and_sizes():
