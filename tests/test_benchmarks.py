@@ -114,6 +114,27 @@ def test_a_train_steps_cost_is_xlas_count_of_the_logreg_step_per_sample():
     assert costs[1]["bytes_per_sample"] < costs[0]["bytes_per_sample"]
 
 
+def test_conv_paths_counts_a_whole_training_step():
+    """conv_paths' FLOP count of a training step (``roofline.train_step_cost``'s) lies between 2x and 4x XLA's
+    count of the forward pass alone: the backward pass is about twice the forward, SGD adds a few a weight."""
+    import conv_paths
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxfl.algorithms._common import init_variables
+    from jaxfl.core.trainer import LocalTrainer
+    from jaxfl.models import build_model
+    batch = 8
+    flops = conv_paths.flops_per_step("femnist_cnn", batch)
+    model = build_model("femnist_cnn", conv_paths.MODELS["femnist_cnn"]["classes"])
+    x = jnp.zeros((batch, 28, 28, 1), jnp.float32)
+    v = init_variables(model, LocalTrainer(optax.sgd(0.1), batch, 1), jax.random.key(0), x)
+    fwd = jax.jit(lambda p: model.apply({"params": p}, x)).lower(v["params"]).compile().cost_analysis()
+    fwd = float((fwd[0] if isinstance(fwd, (list, tuple)) else fwd)["flops"])
+    assert 2.0 * fwd < flops < 4.0 * fwd, (flops, fwd)
+
+
 def test_the_roofline_is_the_useful_rate_over_the_measured_peaks():
     import roofline
     cost = {"flops_per_sample": 2e6, "bytes_per_sample": 4e5}
