@@ -9,8 +9,9 @@
 # Needs jax with CUDA (torch with CUDA for the torch rows) and CIFAR-10 where JAXFL_DATA_DIR points (part 2).
 #
 #   mkdir -p runs/device_data/cifar10 && cp ../shared/data/cifar10/*.npz runs/device_data/cifar10/
-#   # device tool: carry ["runs/device_data"], timeout_s 600, command:
-#   JAXFL_DATA_DIR=$PWD/runs/device_data bash benchmarks/gpu_session.sh "$OUT"
+#   # device tool: carry ["runs/device_data"], timeout_s 600, command (the copy there has no .git: name the
+#   # commit, `git rev-parse --short HEAD` here, with a clean working tree):
+#   COMMIT=<commit> JAXFL_DATA_DIR=$PWD/runs/device_data bash benchmarks/gpu_session.sh "$OUT"
 #   SMOKE=1 JAXFL_DATA_DIR=../shared/data bash benchmarks/gpu_session.sh /tmp/gpu_smoke   # the plumbing, any CPU
 #
 # Results: OUT/env.txt (device, versions, commit), OUT/lanes/ (results.json, results.md), OUT/fedtp_compile.json,
@@ -24,7 +25,7 @@ PY=${PYTHON:-python}
 exec > >(tee -a "$OUT/log.txt") 2>&1
 
 {
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (modified)')"
+  echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
   $PY -c 'import jax; print("jax", jax.__version__, jax.devices())'
   $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>/dev/null \
