@@ -115,8 +115,8 @@ COMPARISONS: list[Comparison] = [
                "scaling, 20 rounds evaluated every 2nd", "none (the paired test only)", "fedtp.md"),
     Comparison("FedTP (hypernetwork), official configuration", f"{OFFICIAL}/fedtp_official_cfg/seed*/fedtp",
                f"{LOGS}/fedtp_official_cfg_torchinit/seed*/fedtp", "weighted_accuracy",
-               "as the vanilla row above; both codes near chance through the 20 rounds (the hypernetwork's "
-               "take-off came after round 20 at the reduced widths too)", "none (the paired test only)", "fedtp.md"),
+               "as the vanilla row above, 40 rounds; both codes near chance to round 20-30, then the hypernetwork's "
+               "take-off (after round 20 at the reduced widths too)", "none (the paired test only)", "fedtp.md"),
     Comparison("FedTP vanilla, official configuration, jaxfl's W_qkv Xavier-uniform (library at c16aff8)",
                f"{OFFICIAL}/fedtp_official_cfg/seed*/vanilla", f"{LOGS}/fedtp_official_cfg/seed*/fedtp_variantvanilla",
                "weighted_accuracy", "as above, jaxfl's attention projections drawn from another law than the "
