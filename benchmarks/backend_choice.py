@@ -43,6 +43,12 @@ SMOKE = {
 COMMON = "--dataset mnist --algorithm fedavg --partition dirichlet --dirichlet-alpha 0.3 --batch-size 10 --lr 0.05"
 
 
+def backend_taken(stderr: str) -> str | None:
+    """The backend a ``jaxfl run`` ran, read from its start-up line on stderr (None if it printed none)."""
+    found = re.search(r", backend (\w+),", stderr)
+    return found.group(1) if found else None
+
+
 def run_once(flags: str, backend: str | None, rounds: int, out: Path) -> dict:
     """One ``jaxfl run`` process: {backend (the one it ran: its start-up line), round_s (median of rounds
     2 .. rounds-1, less their compiling: new bucket shapes compile once per run), compile_s (all rounds'),
@@ -57,12 +63,11 @@ def run_once(flags: str, backend: str | None, rounds: int, out: Path) -> dict:
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1], "wall_s": wall}
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    found = re.search(r", backend (\w+),", proc.stderr)
     steady = statistics.median(r["time_s"] - r["compile_s"] for r in recs[1:-1])
     # the same rounds' rate of useful work: real samples trained over their seconds
     samples_per_s = (sum(sum(r["train_samples"]) for r in recs[1:-1])
                      / max(sum(r["time_s"] - r["compile_s"] for r in recs[1:-1]), 1e-12))
-    return {"backend": found.group(1) if found else None, "round_s": steady, "samples_per_s": samples_per_s,
+    return {"backend": backend_taken(proc.stderr), "round_s": steady, "samples_per_s": samples_per_s,
             "compile_s": sum(r["compile_s"] for r in recs), "wall_s": wall}
 
 

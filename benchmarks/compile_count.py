@@ -27,12 +27,12 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from backend_choice import backend_taken
 from jaxfl.errors import check_choice
 from jaxfl.run.script import check_at_least, parse_list, run_script
 
@@ -77,8 +77,7 @@ def run_backend(backend: str, rounds: int, cohort: int, extra: list[str], settin
         env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAXFL_COMPILE_CACHE")}
         done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
         hist = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    took = re.search(r"backend (\w+)", done.stderr + done.stdout)
-    return {"setting": setting, "backend": backend, "backend_taken": took.group(1) if took else None,
+    return {"setting": setting, "backend": backend, "backend_taken": backend_taken(done.stderr),
             "rounds": rounds, "clients_per_round": cohort,
             "command": " ".join(cmd[1:]).replace(str(out), "OUT"), **summarize(hist)}
 

@@ -325,8 +325,7 @@ def torch_path(threads: int, model: str, batch: int, steps: int, reps: int) -> d
 
 def flops_per_step(model: str, batch: int) -> float:
     """XLA's flop count of one train step (forward, backward, SGD, input scaling) of the im2col model:
-    ``roofline.train_step_cost``'s. (The tables recorded at e982dd7 and before counted the gradient alone, from
-    float inputs: 0.2 % fewer flops for the FedAvg CNN at batch 32, 1.3 % for the FEMNIST CNN at batch 10.)"""
+    ``roofline.train_step_cost``'s."""
     import jax.numpy as jnp
 
     from jaxfl.models import build_model

@@ -211,6 +211,9 @@ def test_compile_count_sums_a_runs_compiling_and_its_settings_are_valid_runs():
             {"compiled_programs": 1, "compile_s": 1.0, "time_s": 2.0, "mean_accuracy": 0.5}]
     assert compile_count.summarize(hist) == {"compiled_programs": 4, "rounds_compiling": 2, "compile_s": 3.0,
                                              "time_s": 8.0, "compile_share": 0.375, "final_mean_accuracy": 0.5}
+    line = ("jaxfl: fedtp on cifar10: 10 clients, strategy map, backend ragged, 1 device, compile cache off; "
+            "writing to OUT")
+    assert compile_count.backend_taken(line) == "ragged" and compile_count.backend_taken("") is None
     for setting in compile_count.SETTINGS:  # each setting's command is one `jaxfl run` accepts (as on a device)
         for backend in ("auto", "ragged"):
             cmd = compile_count.run_command(setting, backend, 100, 5, "OUT", ["--print-config"])
