@@ -119,6 +119,13 @@ def bit_identity(why: str):
 def pytest_configure(config):
     config.addinivalue_line("markers", "bit_identity(why): compares two different programs bit for bit, because "
                                        "of why (conftest.bit_identity)")
+    if _OWN_CACHE and not hasattr(config, "workerinput"):  # pytest's main process: it owns the compile cache
+        import signal
+        import time
+        own = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+        remove_stale_caches(own.parent, own, time.time())
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _stop_as_interrupted)
 
 
 def make_data(counts, m=None, shape=(8, 8, 3), seed=0, classes=4):
@@ -388,8 +395,32 @@ def padded_batch(seed=7, n=8, real=5, shape=(8, 8, 3), classes=4):
 FIRST = ("test_sharding.py", "test_multihost.py", "test_pfedgp.py", "test_gp.py", "test_faults.py")
 
 
+# A compile cache folder of an earlier run older than this was left by a run that was killed outright (SIGKILL,
+# a lost machine): a running suite adds entries to its folder, which keeps its modification time recent.
+STALE_CACHE_S = 24 * 3600
+
+
+def _stop_as_interrupted(signum, frame):
+    """SIGTERM (a CI timeout, ``kill``) stops the run as Ctrl-C does: pytest still calls
+    ``pytest_sessionfinish``, which removes the compile cache."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def remove_stale_caches(folder: Path, own: Path, now: float, max_age_s: float = STALE_CACHE_S) -> list[Path]:
+    """Remove the ``jaxfl-test-xla-cache-*`` folders in ``folder`` other than ``own`` last modified more than
+    ``max_age_s`` seconds before ``now``; returns them."""
+    import shutil
+    stale = [p for p in sorted(folder.glob("jaxfl-test-xla-cache-*"))
+             if p.is_dir() and p != own and now - p.stat().st_mtime > max_age_s]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Remove this run's compile cache (~115 MB) from the temporary folder: the tests leave nothing behind."""
+    """Remove this run's compile cache (~115 MB) from the temporary folder: the tests leave nothing behind, also
+    when the run is stopped by Ctrl-C or SIGTERM (``_stop_as_interrupted``); a folder a killed run left is removed
+    by the next run a day later (``remove_stale_caches``)."""
     if _OWN_CACHE and not hasattr(session.config, "workerinput"):
         import shutil
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
