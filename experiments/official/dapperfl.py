@@ -290,6 +290,7 @@ def run(off, inputs, variant: str, seed: int, rounds: int, out: Path, normalize:
                 "weight_decay": 1e-5 if weight_decay is None else weight_decay},
         "official_args": vars(args), "jaxfl_config": str(jaxfl_config_path), "clients": inputs.client_names,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "bn_pruning_ties": "jaxfl's rule" if getattr(off.dapperfl.torch_prune, "_jaxfl_ties", False) else "official",
     }
     log = MetricsLog(out, inputs.client_names, config)
 
@@ -596,8 +597,9 @@ def main(argv=None) -> None:
     p.add_argument("--check-weights", action="store_true", help="only the weight-level check of --rounds "
                    "whole rounds from the same initial weights (check_weights), printed as JSON")
     p.add_argument("--check-epochs", type=int, default=3, help="with --check-weights: local epochs (1: dense only)")
-    p.add_argument("--jaxfl-ties", action="store_true", help="with --check-weights: the official BN pruning "
-                   "breaks exact ties as jaxfl does (use_jaxfl_tie_rule)")
+    p.add_argument("--jaxfl-ties", action="store_true", help="the official BN pruning breaks exact ties as jaxfl "
+                   "does (use_jaxfl_tie_rule; a diagnostic): in --check-weights and in whole runs, whose folders "
+                   "get the suffix _jaxflties")
     p.add_argument("--compare", default=None, metavar="OFFICIAL_ROOT", help="only compare: OFFICIAL_ROOT/"
                    "seed<s>/<variant>/metrics.jsonl against --jaxfl-logs for --seeds; prints markdown")
     p.add_argument("--seeds", default="0,1,2", help="with --compare")
@@ -621,7 +623,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(a.threads)
     suffix = ("" if a.weight_decay is None else f"_wd{a.weight_decay:g}") + \
              ("" if a.normalize == "jaxfl" else "_imagenetnorm") + ("_aug" if a.augment else "") + \
-             ("" if a.nf == 16 else f"_nf{a.nf}")
+             ("" if a.nf == 16 else f"_nf{a.nf}") + ("_jaxflties" if a.jaxfl_ties else "")
     cfg_path = Path(a.config) if a.config else (LOGS / "dapperfl_seeds" / f"seed{a.seed}" /
                                                "dapperfl_use_fusionfalse_recover_modezero_bn_statsunmasked" /
                                                "config.json")
@@ -634,6 +636,8 @@ def main(argv=None) -> None:
         print(json.dumps(check_weights(off, inputs, rounds=a.rounds, epochs=a.check_epochs,
                                        jaxfl_ties=a.jaxfl_ties), indent=1))
         return
+    if a.jaxfl_ties:
+        use_jaxfl_tie_rule(off)
     for v in variants:
         t0 = time.perf_counter()
         hist = run(off, inputs, v, a.seed, a.rounds, Path(a.out) / (v + suffix), a.normalize, a.augment,
