@@ -24,8 +24,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as jaxfl/__init__.py sets 
 _run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
 # the process that names the folder (pytest's main process; xdist's workers inherit it) removes it at the end
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+CACHE_PREFIX = "jaxfl-test-xla-cache-"  # + the run's id; remove_stale_caches finds earlier runs' folders by it
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(__import__("tempfile").gettempdir(),
-                                                                f"jaxfl-test-xla-cache-{_run_id}"))
+                                                                CACHE_PREFIX + _run_id))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -407,10 +408,10 @@ def _stop_as_interrupted(signum, frame):
 
 
 def remove_stale_caches(folder: Path, own: Path, now: float, max_age_s: float = STALE_CACHE_S) -> list[Path]:
-    """Remove the ``jaxfl-test-xla-cache-*`` folders in ``folder`` other than ``own`` last modified more than
+    """Remove the ``CACHE_PREFIX*`` folders in ``folder`` other than ``own`` last modified more than
     ``max_age_s`` seconds before ``now``; returns them."""
     import shutil
-    stale = [p for p in sorted(folder.glob("jaxfl-test-xla-cache-*"))
+    stale = [p for p in sorted(folder.glob(CACHE_PREFIX + "*"))
              if p.is_dir() and p != own and now - p.stat().st_mtime > max_age_s]
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import STALE_CACHE_S, remove_stale_caches
+from conftest import CACHE_PREFIX, STALE_CACHE_S, remove_stale_caches
 
 WAITING_TEST = '''
 import os
@@ -37,14 +37,14 @@ def aged(path: Path, seconds: float) -> Path:
 
 def test_remove_stale_caches_takes_only_old_cache_folders_and_never_its_own(tmp_path):
     now = time.time()
-    old = tmp_path / "jaxfl-test-xla-cache-a"
+    old = tmp_path / (CACHE_PREFIX + "a")
     old.mkdir()
     (old / "entry").write_text("x")
     aged(old, STALE_CACHE_S + 60)
-    own = tmp_path / "jaxfl-test-xla-cache-own"
+    own = tmp_path / (CACHE_PREFIX + "own")
     own.mkdir()
     aged(own, STALE_CACHE_S + 60)
-    fresh = tmp_path / "jaxfl-test-xla-cache-b"
+    fresh = tmp_path / (CACHE_PREFIX + "b")
     fresh.mkdir()
     other = tmp_path / "not-a-cache"
     other.mkdir()
@@ -60,7 +60,7 @@ def test_a_run_stopped_by_sigterm_removes_its_compile_cache(tmp_path, workers):
     temp.mkdir()
     shutil.copy(Path(__file__).with_name("conftest.py"), suite / "conftest.py")
     (suite / "test_wait.py").write_text(WAITING_TEST)
-    stale = temp / "jaxfl-test-xla-cache-killed"
+    stale = temp / (CACHE_PREFIX + "killed")
     stale.mkdir()
     aged(stale, STALE_CACHE_S + 60)
     ready = tmp_path / "ready"
