@@ -12,7 +12,7 @@ from jaxfl.algorithms._common import ce_loss
 from jaxfl.algorithms.fedrep import head_then_body
 from jaxfl.core.backends import ClientStore
 from jaxfl.core.cohort import client_keys
-from jaxfl.core.evaluate import Evaluator
+from jaxfl.core.evaluate import Evaluator, make_evaluate
 from jaxfl.core.step import make_step
 from jaxfl.core.trainer import tail_sizes
 from jaxfl.models import small_cnn
@@ -256,6 +256,37 @@ def test_every_algorithm_is_the_same_on_both_backends_and_learns_a_separable_tas
     assert float(np.mean(ev["accuracy"])) >= (0.5 if name == "fedtp" else 0.75), ev["accuracy"]
     if REGISTRY[name].options.poisson_sampling:  # --cohort-sampling poisson may pad its cohort
         assert_padding_rows_are_absent(alg, seen["server"], seen["trained"], (s_r, store_r.state))
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_algorithm_evaluates_the_same_with_smaller_last_test_batches(name):
+    # an evaluation under map computes a client's partial last test batch at the smallest of 2, 4, 8 that holds it
+    # (``make_evaluate``'s tail_sizes): a prediction depends on its own input only, so the per-client means are
+    # the same up to float rounding; test sets of 24, 17, 9 samples at B = 8 have last batches of 1 real sample
+    alg, data, server, clients = setup(name)
+    test = make_separable(COUNTS, m=24, seed=1)
+    preprocess = make_trainer().preprocess
+
+    def evaluate(sizes):
+        fn = make_evaluate(alg, eval_batch_size=8, clients="map", preprocess=preprocess, tail_sizes=sizes)
+        return jax.jit(lambda s, c: fn(s, c, test, train=data))
+    full, tails = evaluate(()), evaluate(tail_sizes(8))
+    want, got = full(server, clients), tails(server, clients)
+    tol = rounding_tolerance(full, server, clients)
+    assert_trees_close(got, want, atol=tol, rtol=0)
+    np.testing.assert_array_equal(got["count"], np.array(COUNTS))
+    # the smaller batches did run (a switch more), except where the prediction draws random numbers (FedSR's
+    # sampled representation: its draws take the batch's shape), which keeps every batch at B
+    switches = [primitive_count(jax.make_jaxpr(f)(server, clients).jaxpr, "cond") for f in (full, tails)]
+    assert (switches[1] > switches[0]) == (name != "fedsr"), switches
+
+
+def primitive_count(jaxpr, name):
+    """How many equations of ``jaxpr`` (sub-jaxprs included) apply the primitive ``name``."""
+    import jax.extend.core as jax_core
+    return sum((eqn.primitive.name == name) + sum(primitive_count(sub, name)
+                                                  for sub in jax_core.jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)
 
 
 def assert_padding_rows_are_absent(alg, server, trained, want, pad=5):

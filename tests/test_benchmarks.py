@@ -170,9 +170,22 @@ def test_the_tail_batch_benchmark_times_the_same_training_with_less_padding(monk
         assert abs(v["flops_fraction"] - want) <= 1e-9 * want
 
 
+def test_the_evaluation_benchmarks_time_the_same_evaluation():
+    import eval_batch
+    import eval_tails
+    r = eval_tails.measure("logreg", clients=12, alpha=0.3, test_samples=600, eval_batch_size=32, reps=1)
+    full, tails = r["runs"].values()
+    assert tails["padded_work"] < full["padded_work"] and all(v["median_s"] > 0 for v in (full, tails))
+    assert r["eval_batch_size"] == 32 and r["same_accuracy"] and r["max_abs_loss_diff"] <= 1e-5
+    r = eval_batch.measure("logreg", [4, 8], clients=3, per_client=8, reps=1)
+    assert set(r["sizes"]) == {"4", "8"} and min(v["over_fastest"] for v in r["sizes"].values()) == 1.0
+
+
 def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkeypatch):
     import backend_choice
     import compile_count
+    import eval_batch
+    import eval_tails
     import peer_settings
     import seed_axis
     import tail_batches
@@ -184,6 +197,10 @@ def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkey
              (seed_axis.main, ["--seeds", "0"], "--seeds 0: give a number >= 1"),
              (tail_batches.main, ["--reps", "0"], "--reps 0: give a number >= 1"),
              (tail_batches.main, ["--workload", "nosuch"], "--workload 'nosuch': give comma-separated values from"),
+             (eval_tails.main, ["--alpha", "0"], "--alpha 0.0: give a number > 0"),
+             (eval_tails.main, ["--model", "nosuch"], "--model 'nosuch': give comma-separated values from"),
+             (eval_batch.main, ["--sizes", "16,48", "--per-client", "64"], "--per-client 64: give a multiple of"),
+             (eval_batch.main, ["--reps", "0"], "--reps 0: give a number >= 1"),
              (throughput.main, ["--strategies", "foo"], "--strategies 'foo': give comma-separated values from"),
              (throughput.main, ["--small", "--runners", "stacked/map"], "--runners: 'stacked/map' is not"),
              (gpu_suite.main, ["--out", "x", "--rounds", "0"], "--rounds 0: give a number >= 1"),

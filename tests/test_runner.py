@@ -94,8 +94,10 @@ def test_cli_seeds_runs_each_seed_in_its_folder_resumes_them_and_tables_them(tmp
     for s in (0, 1):
         cfg = command_config(flags + ["--seed", str(s), "--rounds", "2", "--out", str(out / f"seed{s}")])
         saved = json.loads((out / f"seed{s}" / "config.json").read_text())
-        # (the run sets eval_point from its cohort, and tail_batches to what "auto" chose)
-        unset = {"resume": None, "eval_point": None, "tail_batches": None}
+        # (the run sets eval_point from its cohort, eval_batch_size from the device, and tail_batches and
+        # eval_tail_batches to what "auto" chose)
+        unset = {"resume": None, "eval_point": None, "eval_batch_size": None, "tail_batches": None,
+                 "eval_tail_batches": None}
         assert {**saved, **unset} == {**cfg.resolved().to_dict(), **unset}
     logs = [[json.loads(line) for line in (out / f"seed{s}" / "metrics.jsonl").read_text().splitlines()]
             for s in (0, 1)]

@@ -133,3 +133,106 @@ def test_the_cli_saves_the_choice_and_logs_the_work_it_computed(tmp_path):
     # auto takes them (a 17% cut); config.json says what was chosen, not "auto"
     assert run("auto") == ("on", [1.0])
     assert run("off", "--tail-batches", "off") == ("off", [48 / 40])
+
+
+# ---- evaluation: a client's partial last test batch at a smaller size (``make_predict``'s tail_sizes) ----
+
+def _small_predict(m=24, counts=(24, 17, 9, 1), **kw):
+    from jaxfl.algorithms import build_algorithm
+    from jaxfl.core.evaluate import make_predict
+    from jaxfl.core.step import init_state
+    from jaxfl.core.types import RunContext
+    model, data = small_cnn(num_classes=4, width=4, hidden=(8,)), make_data(list(counts), m=m)
+    alg = build_algorithm("fedbn", model, make_trainer(), RunContext(num_clients=len(counts)))
+    server, clients = init_state(alg, jax.random.key(0), data.x[0], len(counts))
+    predict = jax.jit(make_predict(alg, eval_batch_size=8, preprocess=make_trainer().preprocess, **kw))
+    return predict, server, clients, data
+
+
+@pytest.mark.parametrize("strategy", ["map", "vmap"])
+def test_a_smaller_last_test_batch_predicts_as_the_full_one_up_to_rounding(strategy):
+    # under vmap every branch of the switch runs (selected): the same numbers, only slower
+    full, server, clients, data = _small_predict(clients=strategy)
+    tails = _small_predict(clients=strategy, tail_sizes=tail_sizes(8))[0]
+    want, got = full(server, clients, data), tails(server, clients, data)
+    tol = rounding_tolerance(lambda s, c: full(s, c, data), server, clients)
+    real = np.asarray(data.sample_mask()) > 0
+    for w, g, t in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(tol)):
+        np.testing.assert_allclose(np.asarray(g)[real], np.asarray(w)[real], atol=t, rtol=0)
+
+
+def test_tail_sizes_must_ascend_to_the_evaluation_batch():
+    with pytest.raises(ValueError, match="must ascend and end with eval_batch_size 8"):
+        _small_predict(tail_sizes=(2, 4, 16))
+
+
+def test_draws_random_finds_a_draw_anywhere_in_the_jaxpr():
+    from jaxfl.core.trainer import draws_random
+    x = jnp.ones(4)
+    assert not draws_random(lambda x: jnp.tanh(x) * 2, x)
+    assert draws_random(lambda x: x + jax.random.normal(jax.random.key(0), x.shape), x)
+    assert draws_random(lambda x: x + jax.random.normal(jax.random.PRNGKey(0), x.shape), x)  # raw uint32 keys
+    inside = lambda x: jax.lax.cond(x[0] > 0, lambda v: v + jax.random.uniform(jax.random.key(1), v.shape),  # noqa: E731
+                                    lambda v: v, x)
+    assert draws_random(inside, x)
+    assert draws_random(lambda x: jax.lax.fori_loop(0, 2, lambda i, v: v * jax.random.uniform(jax.random.key(i)), x), x)
+
+
+def test_a_transform_that_draws_keeps_every_test_batch_at_b():
+    # input noise drawn with the batch's shape: the smaller batches would draw other noise, so B is kept (the
+    # same program: bit for bit)
+    noise = lambda x, key: x + 0.1 * jax.random.normal(key, x.shape)  # noqa: E731
+    full, server, clients, data = _small_predict(transform=noise)
+    tails = _small_predict(transform=noise, tail_sizes=tail_sizes(8))[0]
+    key = jax.random.key(4)
+    assert_trees_close(tails(server, clients, data, key), full(server, clients, data, key), atol=0, rtol=0)
+
+
+def test_the_run_evaluates_with_tail_sizes_only_under_map_and_where_they_pay():
+    from jaxfl.run.build import eval_tail_sizes
+    uneven = [37, 70, 5, 64, 1, 33] * 10  # test sets; at B = 32: 576 x 10 samples computed, with tails 432 x 10
+    even = [64, 96, 128] * 10
+    cfg = RunConfig(strategy="map")
+    assert eval_tail_sizes(cfg, uneven, 32) == (4, 8, 16, 32)
+    assert eval_tail_sizes(cfg, even, 32) == ()
+    assert eval_tail_sizes(dataclasses.replace(cfg, eval_tail_batches="on"), even, 32) == (4, 8, 16, 32)
+    assert eval_tail_sizes(dataclasses.replace(cfg, eval_tail_batches="off"), uneven, 32) == ()
+    assert eval_tail_sizes(dataclasses.replace(cfg, strategy="vmap"), uneven, 32) == ()
+    assert eval_tail_sizes(cfg, [1, 1], 1) == ()  # B = 1: nothing smaller
+
+
+def test_the_cli_saves_the_evaluation_choice_and_evaluates_the_same(tmp_path):
+    # test sets of 30 samples at B = 12 (--eval-batch-size): batches of 12, 12 and 6, the last at 6 with tail sizes
+    # (36 -> 30 computed samples, a 17% cut: auto takes them)
+    from jaxfl.run.cli import main
+    tiny = ["--quiet", "--model", "small_cnn", "--image-size", "12", "--samples-per-client", "40", "--batch-size",
+            "16", "--test-per-client", "30", "--eval-batch-size", "12", "--strategy", "map", "--rounds", "2"]
+
+    def run(out, *flags):
+        assert main(["run", "--out", str(tmp_path / out), *tiny, *flags]) == 0
+        config = json.loads((tmp_path / out / "config.json").read_text())
+        logs = [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").open()]
+        return config["eval_tail_batches"], logs
+    (chosen, auto), (off, full) = run("auto"), run("off", "--eval-tail-batches", "off")
+    assert (chosen, off) == ("on", "off")  # config.json says what auto chose
+    assert json.loads((tmp_path / "auto" / "config.json").read_text())["eval_batch_size"] == 12
+    # without --eval-batch-size, config.json saves the size the device's default gave (a resumed run keeps it)
+    assert main(["run", "--out", str(tmp_path / "default"), *tiny[:-6], "--rounds", "1"]) == 0
+    assert json.loads((tmp_path / "default" / "config.json").read_text())["eval_batch_size"] == 16
+    for a, f in zip(auto, full):
+        # the training is the same program; the evaluation the same up to rounding (a loss over 30 samples)
+        assert a["train_loss"] == f["train_loss"]
+        np.testing.assert_allclose(a["test_loss"], f["test_loss"], rtol=1e-5)
+        assert a["test_accuracy"] == f["test_accuracy"]
+
+
+def test_the_evaluation_batch_defaults_by_device_and_is_capped_by_the_largest_test_set(monkeypatch):
+    from jaxfl.run import build
+    cfg = RunConfig()
+    assert cfg.eval_batch_size is None
+    assert build.eval_batch_size(cfg, [30, 200]) == build.CPU_EVAL_BATCH == 16  # (the suite runs on a CPU)
+    assert build.eval_batch_size(cfg, [5, 9]) == 9
+    assert build.eval_batch_size(dataclasses.replace(cfg, eval_batch_size=64), [30, 200]) == 64
+    assert build.eval_batch_size(dataclasses.replace(cfg, eval_batch_size=64), [30, 40]) == 40
+    monkeypatch.setattr(build.jax, "default_backend", lambda: "gpu")
+    assert build.eval_batch_size(cfg, [30, 500]) == build.ACCELERATOR_EVAL_BATCH == 256

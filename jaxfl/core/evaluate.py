@@ -23,7 +23,7 @@ from .buckets import grid_ceil
 from .cohort import ClientMap, client_map
 from .distributed import fetch
 from .metrics import correct_count, cross_entropy
-from .trainer import normalizer
+from .trainer import draws_random, normalizer
 from .types import Algorithm, split_output
 
 
@@ -31,7 +31,8 @@ PREDICTS = ("aggregated", "trained")  # the model after the round, or right afte
 
 
 def make_predict(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | str | None = None,
-                 preprocess: Callable = normalizer(), transform: Callable | None = None) -> Callable:
+                 preprocess: Callable = normalizer(), transform: Callable | None = None,
+                 tail_sizes: tuple[int, ...] = ()) -> Callable:
     """Build predict_all(server, clients, data, key=None, ids=None, train=None) -> (logits [N, M, K],
     {name: [N, M]}).
 
@@ -42,11 +43,19 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | st
     past ``data.count`` are padding, zero where no batch ran (mask them with ``data.sample_mask()``). ids [N]:
     the rows' client ids (default 0..N-1). ``transform(x, key)`` changes each preprocessed batch (e.g. input
     noise); batch j of client i gets ``fold_in(fold_in(key, i), j)``.
+    tail_sizes: batch sizes ascending, B last (``trainer.tail_sizes``): a client's partial last batch of r real
+    samples runs at the smallest one >= r instead of B (the same outputs up to float rounding: a prediction
+    depends on its own input only). Meant for ``map``, where the ``lax.switch`` runs one branch (under ``vmap``
+    it runs them all); ignored where a batch's prediction or ``transform`` draws random numbers (their draws
+    take the batch's shape: FedSR's sampled representation, input noise), which keep every batch at B.
     train: the clients' training sets (a ClientData, raw inputs), needed by an algorithm with
     ``prepare_predict``, which turns (server, client, its preprocessed training set, fold_in(key, i)) into the
     ``client`` its ``predict`` sees.
     """
     clients_map = client_map(clients)  # (predict_all's ``clients`` are the states)
+    sizes = tuple(tail_sizes)
+    if sizes and (sizes[-1] != eval_batch_size or list(sizes) != sorted(set(sizes))):
+        raise ValueError(f"tail_sizes {sizes} must ascend and end with eval_batch_size {eval_batch_size}")
 
     def one(shared, client, x, count, cid, train=None):
         server, key = shared
@@ -62,6 +71,8 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | st
                 xb = transform(xb, jax.random.fold_in(jax.random.fold_in(key, cid), j))
             return split_output(alg.predict(server, client, xb, cid))
 
+        if len(sizes) > 1 and not draws_random(batch, (x[:eval_batch_size], jnp.int32(0))):
+            return with_tails(batch, x, count, nb)
         xs = x.reshape((nb, eval_batch_size) + x.shape[1:])
         # only the client's own batches run (ceil(count / B) of them; under vmap, the group's largest): the
         # outputs of batches past them stay zero, padding that every consumer masks with the sample count
@@ -73,6 +84,23 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | st
             return jax.tree_util.tree_map(lambda a, v: a.at[j].set(v), out, batch((xs[j], j)))
         out = jax.lax.fori_loop(0, jnp.minimum(own, nb), step, out)
         return jax.tree_util.tree_map(lambda a: a.reshape((nb * eval_batch_size,) + a.shape[2:]), out)
+
+    def with_tails(batch, x, count, nb):
+        """The client's full batches at B, then its partial last one (if any) at the smallest of ``sizes``
+        that holds it, each written at its offset into the padded outputs [nb B, ...]."""
+        b = eval_batch_size
+        shapes = jax.eval_shape(batch, (x[:b], jnp.int32(0)))
+        out = jax.tree_util.tree_map(lambda sd: jnp.zeros((nb * b,) + sd.shape[1:], sd.dtype), shapes)
+
+        def run_at(size, j, out):  # batch j (rows j B .. j B + size) written in place
+            v = batch((jax.lax.dynamic_slice_in_dim(x, j * b, size), j))
+            return jax.tree_util.tree_map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, j * b, 0), out, v)
+        full = jnp.minimum(count // b, nb)
+        out = jax.lax.fori_loop(0, full, lambda j, out: run_at(b, j, out), out)
+        rest = jnp.where(full < nb, count - full * b, 0)  # the partial batch's real samples (0: none)
+        which = jnp.where(rest > 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), rest.astype(jnp.int32)), 0)
+        branches = [lambda out: out] + [lambda out, s=s: run_at(s, full, out) for s in sizes]
+        return jax.lax.switch(which, branches, out)
 
     def predict_all(server, clients, data: ClientData, key=None, ids=None, train: ClientData | None = None):
         key = jax.random.key(0) if key is None else key
@@ -87,16 +115,17 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | st
 
 
 def make_evaluate(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | str | None = None,
-                  preprocess: Callable = normalizer()) -> Callable:
+                  preprocess: Callable = normalizer(), tail_sizes: tuple[int, ...] = ()) -> Callable:
     """Build evaluate(server, clients, data, ids=None, train=None) -> {"loss", "accuracy", "count", ...} per
     client [N].
 
     ids [N]: the rows' client ids (default 0..N-1). Means over each client's real test samples (padding counts
     nowhere) of CE and accuracy, NaN for a client without test samples (a mean over none); if ``alg.predict``
     returns (logits, {name: [B]}), each diagnostic is averaged the same way under its name. train: the clients'
-    training sets, for an algorithm with ``prepare_predict``.
+    training sets, for an algorithm with ``prepare_predict``. tail_sizes: as ``make_predict``'s.
     """
-    predict_all = make_predict(alg, eval_batch_size=eval_batch_size, clients=clients, preprocess=preprocess)
+    predict_all = make_predict(alg, eval_batch_size=eval_batch_size, clients=clients, preprocess=preprocess,
+                               tail_sizes=tail_sizes)
 
     def evaluate(server, clients, data: ClientData, ids=None, train: ClientData | None = None):
         logits, extra = predict_all(server, clients, data, ids=ids, train=train)
@@ -125,12 +154,13 @@ class Evaluator:
     ``eval_batch_size``. train: the clients' training sets, gathered the same way, for an algorithm that
     predicts from them (``Algorithm.prepare_predict``) or for a local update before evaluating (``tune``).
     first_id: the client id of row 0 (row i predicts as client ``first_id + i``: clients held out of training
-    have ids past the training population's).
+    have ids past the training population's). tail_sizes: each client's partial last batch at the smallest of
+    these sizes that holds it (``make_predict``; for ``map``).
     """
 
     def __init__(self, alg: Algorithm, test: RaggedClients, *, eval_batch_size: int, preprocess: Callable,
                  clients: ClientMap | str | None = None, block: int = 64,
-                 train: RaggedClients | None = None, first_id: int = 0):
+                 train: RaggedClients | None = None, first_id: int = 0, tail_sizes: tuple[int, ...] = ()):
         if alg.prepare_predict is not None and train is None:
             raise ValueError(f"{alg.name} predicts from each client's training set: pass train=")
         if not isinstance(eval_batch_size, int) or eval_batch_size < 1:
@@ -140,7 +170,9 @@ class Evaluator:
         self.eval_batch_size = eval_batch_size
         devices = self.clients.devices
         self.block = max(devices, -(-min(block, test.num_clients) // devices) * devices)
-        self._kw: dict[str, Any] = dict(eval_batch_size=eval_batch_size, clients=self.clients, preprocess=preprocess)
+        self.tail_sizes = tuple(tail_sizes)
+        self._kw: dict[str, Any] = dict(eval_batch_size=eval_batch_size, clients=self.clients, preprocess=preprocess,
+                                        tail_sizes=self.tail_sizes)
         self._fns: dict[Any, Callable] = {}
 
     def _fn(self, kind: str, predict: str, transform=None):

@@ -7,6 +7,7 @@ from typing import Callable
 
 import flax.struct
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -205,6 +206,23 @@ def draws_from_key(loss_fn, *args) -> bool:
         _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
         return bool(used[-1])
     except Exception:  # (a jax without this internal API, or a function make_jaxpr cannot trace alone)
+        return True
+
+
+def draws_random(fn, *args) -> bool:
+    """Whether ``fn(*args)`` draws random numbers (a PRNG primitive anywhere in its jaxpr, sub-jaxprs included:
+    draws take their shape from the batch, so a smaller batch would draw others). True when that cannot be told."""
+    def draws(jaxpr) -> bool:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name.startswith("random_") or eqn.primitive.name == "threefry2x32":
+                return True
+            for sub in jax_core.jaxprs_in_params(eqn.params):
+                if draws(sub):
+                    return True
+        return False
+    try:
+        return draws(jax.make_jaxpr(fn)(*args).jaxpr)
+    except Exception:  # (a function make_jaxpr cannot trace alone)
         return True
 
 

@@ -107,6 +107,36 @@ def tail_batch_sizes(cfg: RunConfig, counts) -> tuple[int, ...] | None:
     return sizes if cut <= (1.0 - TAIL_GAIN) * full else None
 
 
+# the evaluation batch size by default: on a CPU a batch's activations should stay in cache (``benchmarks/
+# eval_batch.py``: the CNNs and ViTs evaluate fastest at 16 and 1.5-3.7x slower at 256 on one core), an
+# accelerator wants large batches
+CPU_EVAL_BATCH, ACCELERATOR_EVAL_BATCH = 16, 256
+
+
+def eval_batch_size(cfg: RunConfig, counts) -> int:
+    """The run's evaluation batch size: ``--eval-batch-size`` (default ``CPU_EVAL_BATCH`` on a CPU,
+    ``ACCELERATOR_EVAL_BATCH`` on an accelerator), at most the largest test set (``counts``)."""
+    chosen = cfg.eval_batch_size
+    if chosen is None:
+        chosen = CPU_EVAL_BATCH if jax.default_backend() == "cpu" else ACCELERATOR_EVAL_BATCH
+    return min(chosen, int(max(counts)))
+
+
+def eval_tail_sizes(cfg: RunConfig, counts, eval_batch_size: int) -> tuple[int, ...]:
+    """``--eval-tail-batches``: the sizes an evaluation may compute a client's partial last test batch at
+    (``Evaluator``'s ``tail_sizes``): only under ``map`` (where the ``lax.switch`` runs one branch); with ``on``,
+    or with ``auto`` where they cut the computed test samples over the population (``counts``) by ``TAIL_GAIN``
+    or more; else () (every batch at the evaluation batch size)."""
+    sizes = tail_sizes(eval_batch_size)
+    if cfg.eval_tail_batches == "off" or cfg.strategy_or_default() != "map" or len(sizes) < 2:
+        return ()
+    if cfg.eval_tail_batches == "on":
+        return sizes
+    full, _ = padded_work([], counts, eval_batch_size, per_client_trips=True)
+    cut, _ = padded_work([], counts, eval_batch_size, per_client_trips=True, tail_sizes=sizes)
+    return sizes if cut <= (1.0 - TAIL_GAIN) * full else ()
+
+
 def build_trainer(cfg: RunConfig, trainer: LocalTrainer) -> LocalTrainer:
     """The trainer the algorithm is built on, once: ``trainer``, or with ``--dp-level sample`` DP-SGD's on it
     (its noise multiplier set by ``sample_dp_noise``)."""

@@ -30,12 +30,12 @@ from .config import RunConfig, holds_files, replace_text
 
 # Fields that may change between a run and its resumption; any other change is refused.
 # (lr: a run stopped by NaN says to lower it; dp_epsilon: only a target, the noise it calibrates must match;
-# rounds_per_call: K rounds per call are bit for bit K single rounds; tail_batches, like the strategy, changes the
-# computation only by float rounding.)
+# rounds_per_call: K rounds per call are bit for bit K single rounds; tail_batches and eval_tail_batches, like the
+# strategy, change the computation only by float rounding.)
 RESUMABLE_CHANGES = {"rounds", "resume", "overwrite", "out", "checkpoint_every", "eval_every", "strategy", "backend",
                      "chunk_size", "lane_segments", "lane_overhead", "devices", "client_store", "eval_batch_size",
                      "eval_point", "eval_model", "eval_clients", "lr", "dp_epsilon", "rounds_per_call",
-                     "tail_batches"}
+                     "tail_batches", "eval_tail_batches"}
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -26,7 +26,7 @@ from ..errors import ConfigError
 # config fields that say how or where a run was executed, not what it computed
 EXECUTION_FIELDS = {"seed", "out", "resume", "overwrite", "data_dir", "strategy", "backend", "chunk_size",
                     "lane_segments", "lane_overhead", "devices", "client_store", "eval_batch_size", "rounds_per_call",
-                    "checkpoint_every"}
+                    "checkpoint_every", "eval_tail_batches"}
 # the per-round accuracies compare reads: the evaluated model's, and under --eval-model both / --new-clients the
 # global model's (global_), the held-out clients' with the global model (new_) and after a local update (new_tuned_)
 KEYS = tuple(prefix + k for prefix in ("", "global_", "new_", "new_tuned_")

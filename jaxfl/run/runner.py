@@ -26,8 +26,8 @@ from ..errors import ConfigError, JaxflError, NonFiniteError, RunIOError, Stoppe
 from ..models import build_model
 from ..ops.augment import make_augment
 from .build import (backdoor_test_data, backend_for, build_trainer, check_cohort_memory, check_device_count,
-                    client_placement, load_run_data, malicious_of, poison_data, sample_dp_noise, server_side,
-                    start_devices, tail_batch_sizes, with_dp)
+                    client_placement, eval_batch_size, eval_tail_sizes, load_run_data, malicious_of, poison_data,
+                    sample_dp_noise, server_side, start_devices, tail_batch_sizes, with_dp)
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
 from .evaluation import (TUNE_STREAM, InitialStates, holds_model, on_rows, prefixed, server_predict)
 from .lock import RunLock
@@ -131,7 +131,12 @@ class Experiment:
         place = client_placement(cfg, n)
         self.cohort, self.rate, self.devices, self.mesh = place.cohort, place.rate, place.devices, place.mesh
         self.cfg = cfg = cfg.with_eval_point(self.cohort == n)
-        self.eval_batch_size = eval_bs = min(cfg.eval_batch_size, int(max(len(y) for _, y in ds.test)))
+        test_counts = [len(y) for _, y in ds.test]
+        self.eval_batch_size = eval_bs = eval_batch_size(cfg, test_counts)
+        eval_tails = eval_tail_sizes(cfg, test_counts, eval_bs)
+        # (config.json keeps the choices: a resumed run evaluates as this one, wherever it resumes)
+        cfg = cfg.replace(eval_batch_size=cfg.eval_batch_size or eval_bs,
+                          eval_tail_batches="on" if eval_tails else "off")
         self.train_data, self.test_data = RaggedClients.from_clients(ds.train), RaggedClients.from_clients(ds.test)
         preprocess = normalizer(*ds.normalize)
         self.options = cfg.algorithm_options()  # typed, presets applied (``RunConfig.resolved`` saves them)
@@ -164,7 +169,7 @@ class Experiment:
                                                       self.model, sample_x, preprocess, self.trainer)
         self.root = jax.random.key(cfg.seed)
         evaluator = lambda alg, test, **kw: Evaluator(  # noqa: E731  (every evaluation of the run: these settings)
-            alg, test, eval_batch_size=eval_bs, preprocess=preprocess, clients=clients, **kw)
+            alg, test, eval_batch_size=eval_bs, preprocess=preprocess, clients=clients, tail_sizes=eval_tails, **kw)
         self.evaluator = evaluator(self.algorithm, self.test_data, train=self.train_data)
         backdoor = backdoor_test_data(cfg, self.test_data)  # (--attack backdoor: the triggered test sets)
         self.backdoor_evaluator = None if backdoor is None else evaluator(self.algorithm, backdoor,
