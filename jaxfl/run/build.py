@@ -108,7 +108,7 @@ def tail_batch_sizes(cfg: RunConfig, counts) -> tuple[int, ...] | None:
 
 
 # the evaluation batch size by default: on a CPU a batch's activations should stay in cache (``benchmarks/
-# eval_batch.py``: the CNNs and ViTs evaluate fastest at 16 and 1.5-3.7x slower at 256 on one core), an
+# eval_batch.py``: the CNNs and ViTs evaluate fastest at 16-64 and 1.3-2.5x slower at 256 on one core), an
 # accelerator wants large batches
 CPU_EVAL_BATCH, ACCELERATOR_EVAL_BATCH = 16, 256
 

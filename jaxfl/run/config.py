@@ -250,7 +250,7 @@ class Evaluation(ConfigGroup):
         choices=("aggregated", "local"))
     eval_batch_size: int | None = option(
         None, "evaluation batch size (default: 16 on a CPU, where a small batch's activations stay in cache: "
-              "the CNNs and ViTs measured evaluate 1.5-3.7x faster than at 256; 256 on an accelerator; "
+              "the CNNs and ViTs measured evaluate 1.3-2.5x faster than at 256; 256 on an accelerator; "
               "config.json saves the size used)", minimum=1)
     eval_tail_batches: str = option(
         "auto", "map: a client's partial last test batch computed at the smallest of B, B/2, B/4, B/8 that holds it "
