@@ -14,7 +14,7 @@ from jaxfl.core.backends import ClientStore
 from jaxfl.core.cohort import client_keys
 from jaxfl.core.evaluate import Evaluator, make_evaluate
 from jaxfl.core.step import make_step
-from jaxfl.core.trainer import tail_sizes
+from jaxfl.core.trainer import jaxpr_primitives, tail_sizes
 from jaxfl.models import small_cnn
 
 
@@ -277,16 +277,8 @@ def test_every_algorithm_evaluates_the_same_with_smaller_last_test_batches(name)
     np.testing.assert_array_equal(got["count"], np.array(COUNTS))
     # the smaller batches did run (a switch more), except where the prediction draws random numbers (FedSR's
     # sampled representation: its draws take the batch's shape), which keeps every batch at B
-    switches = [primitive_count(jax.make_jaxpr(f)(server, clients).jaxpr, "cond") for f in (full, tails)]
+    switches = [list(jaxpr_primitives(jax.make_jaxpr(f)(server, clients).jaxpr)).count("cond") for f in (full, tails)]
     assert (switches[1] > switches[0]) == (name != "fedsr"), switches
-
-
-def primitive_count(jaxpr, name):
-    """How many equations of ``jaxpr`` (sub-jaxprs included) apply the primitive ``name``."""
-    import jax.extend.core as jax_core
-    return sum((eqn.primitive.name == name) + sum(primitive_count(sub, name)
-                                                  for sub in jax_core.jaxprs_in_params(eqn.params))
-               for eqn in jaxpr.eqns)
 
 
 def assert_padding_rows_are_absent(alg, server, trained, want, pad=5):

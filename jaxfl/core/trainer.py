@@ -209,19 +209,21 @@ def draws_from_key(loss_fn, *args) -> bool:
         return True
 
 
+def jaxpr_primitives(jaxpr):
+    """The name of every equation's primitive in ``jaxpr`` (a ``Jaxpr``), sub-jaxprs (loop bodies, branches,
+    ...) included, in order."""
+    for eqn in jaxpr.eqns:
+        yield eqn.primitive.name
+        for sub in jax_core.jaxprs_in_params(eqn.params):
+            yield from jaxpr_primitives(sub)
+
+
 def draws_random(fn, *args) -> bool:
-    """Whether ``fn(*args)`` draws random numbers (a PRNG primitive anywhere in its jaxpr, sub-jaxprs included:
+    """Whether ``fn(*args)`` draws random numbers (a PRNG primitive anywhere in its jaxpr, ``jaxpr_primitives``:
     draws take their shape from the batch, so a smaller batch would draw others). True when that cannot be told."""
-    def draws(jaxpr) -> bool:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name.startswith("random_") or eqn.primitive.name == "threefry2x32":
-                return True
-            for sub in jax_core.jaxprs_in_params(eqn.params):
-                if draws(sub):
-                    return True
-        return False
     try:
-        return draws(jax.make_jaxpr(fn)(*args).jaxpr)
+        names = jaxpr_primitives(jax.make_jaxpr(fn)(*args).jaxpr)
+        return any(n.startswith("random_") or n == "threefry2x32" for n in names)
     except Exception:  # (a function make_jaxpr cannot trace alone)
         return True
 

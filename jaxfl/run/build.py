@@ -89,22 +89,29 @@ def sample_dp_noise(cfg: RunConfig, options, counts: list[int], rate: float):
 TAIL_GAIN = 0.10
 
 
+def tails_chosen(setting: str, counts, batch_size: int) -> tuple[int, ...]:
+    """The partial-last-batch sizes (``trainer.tail_sizes(batch_size)``) that ``setting`` (``--tail-batches``,
+    ``--eval-tail-batches``) asks for on clients of ``counts`` samples: all of them with ``on``; with ``auto`` where
+    they cut the samples computed over the population by ``TAIL_GAIN`` or more; else () (every batch at B)."""
+    sizes = tail_sizes(batch_size)
+    if setting == "off" or len(sizes) < 2:
+        return ()
+    if setting == "on":
+        return sizes
+    full, _ = padded_work([], counts, batch_size, per_client_trips=True)
+    cut, _ = padded_work([], counts, batch_size, per_client_trips=True, tail_sizes=sizes)
+    return sizes if cut <= (1.0 - TAIL_GAIN) * full else ()
+
+
 def tail_batch_sizes(cfg: RunConfig, counts) -> tuple[int, ...] | None:
     """``--tail-batches``: the sizes the run's trainer may compute a client's partial last batch at
-    (``LocalTrainer.tail_sizes``, ``trainer.tail_sizes``): only under ``map`` (one client at a time, where the
-    ``lax.switch`` runs one branch), without augmentation or DP-SGD; with ``on``, or with ``auto`` where they cut
-    the computed samples of an epoch over the population (``counts``) by ``TAIL_GAIN`` or more; else None."""
-    if (cfg.tail_batches == "off" or cfg.strategy_or_default() != "map" or cfg.augment != "none"
+    (``LocalTrainer.tail_sizes``, ``tails_chosen`` over an epoch's batches of the population ``counts``): only under
+    ``map`` (one client at a time, where the ``lax.switch`` runs one branch), without augmentation or DP-SGD;
+    else None."""
+    if (cfg.strategy_or_default() != "map" or cfg.augment != "none"
             or (cfg.dp_clip is not None and cfg.dp_level == "sample")):
         return None
-    sizes = tail_sizes(cfg.batch_size)
-    if len(sizes) < 2:
-        return None
-    if cfg.tail_batches == "on":
-        return sizes
-    full, _ = padded_work([], counts, cfg.batch_size, per_client_trips=True)
-    cut, _ = padded_work([], counts, cfg.batch_size, per_client_trips=True, tail_sizes=sizes)
-    return sizes if cut <= (1.0 - TAIL_GAIN) * full else None
+    return tails_chosen(cfg.tail_batches, counts, cfg.batch_size) or None
 
 
 # the evaluation batch size by default: on a CPU a batch's activations should stay in cache (``benchmarks/
@@ -124,17 +131,11 @@ def eval_batch_size(cfg: RunConfig, counts) -> int:
 
 def eval_tail_sizes(cfg: RunConfig, counts, eval_batch_size: int) -> tuple[int, ...]:
     """``--eval-tail-batches``: the sizes an evaluation may compute a client's partial last test batch at
-    (``Evaluator``'s ``tail_sizes``): only under ``map`` (where the ``lax.switch`` runs one branch); with ``on``,
-    or with ``auto`` where they cut the computed test samples over the population (``counts``) by ``TAIL_GAIN``
-    or more; else () (every batch at the evaluation batch size)."""
-    sizes = tail_sizes(eval_batch_size)
-    if cfg.eval_tail_batches == "off" or cfg.strategy_or_default() != "map" or len(sizes) < 2:
+    (``Evaluator``'s ``tail_sizes``, ``tails_chosen`` over the test sets ``counts``): only under ``map`` (where the
+    ``lax.switch`` runs one branch); else ()."""
+    if cfg.strategy_or_default() != "map":
         return ()
-    if cfg.eval_tail_batches == "on":
-        return sizes
-    full, _ = padded_work([], counts, eval_batch_size, per_client_trips=True)
-    cut, _ = padded_work([], counts, eval_batch_size, per_client_trips=True, tail_sizes=sizes)
-    return sizes if cut <= (1.0 - TAIL_GAIN) * full else ()
+    return tails_chosen(cfg.eval_tail_batches, counts, eval_batch_size)
 
 
 def build_trainer(cfg: RunConfig, trainer: LocalTrainer) -> LocalTrainer:
