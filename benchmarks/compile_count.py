@@ -69,17 +69,28 @@ def summarize(hist: list[dict]) -> dict:
             "final_mean_accuracy": hist[-1].get("mean_accuracy")}
 
 
-def run_backend(backend: str, rounds: int, cohort: int, extra: list[str], setting: str = "logreg_mnist") -> dict:
-    """One run of ``setting`` on ``backend`` in a fresh process: the sums of its metrics.jsonl."""
+def run_backend(backend: str, rounds: int, cohort: int, extra: list[str], setting: str = "logreg_mnist",
+                timeout_s: float | None = None) -> dict:
+    """One run of ``setting`` on ``backend`` in a fresh process: the sums of its metrics.jsonl (of the rounds it
+    finished, marked ``timed_out``, when it runs past ``timeout_s``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         cmd = [sys.executable, *run_command(setting, backend, rounds, cohort, str(out), extra)]
         env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAXFL_COMPILE_CACHE")}
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-        hist = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"setting": setting, "backend": backend, "backend_taken": backend_taken(done.stderr),
-            "rounds": rounds, "clients_per_round": cohort,
-            "command": " ".join(cmd[1:]).replace(str(out), "OUT"), **summarize(hist)}
+        try:
+            stderr, timed_out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env,
+                                               timeout=timeout_s).stderr, False
+        except subprocess.TimeoutExpired as stopped:  # keep the rounds it finished: a bounded device lease
+            err = stopped.stderr or ""
+            stderr, timed_out = err.decode(errors="replace") if isinstance(err, bytes) else err, True
+        path = out / "metrics.jsonl"
+        hist = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    row = {"setting": setting, "backend": backend, "backend_taken": backend_taken(stderr),
+           "rounds": rounds, "clients_per_round": cohort,
+           "command": " ".join(cmd[1:]).replace(str(out), "OUT")}
+    if timed_out:  # a partial run: its figures cover the rounds it finished before --timeout-s
+        row.update(timed_out=True, rounds_done=len(hist))
+    return {**row, **(summarize(hist) if hist else {})}
 
 
 def main(argv=None) -> None:
@@ -90,6 +101,8 @@ def main(argv=None) -> None:
     p.add_argument("--cohorts", default=None,
                    help="comma-separated clients per round, each run on every backend (default: the setting's)")
     p.add_argument("--out", required=True)
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="stop a run after this many seconds and report the rounds it finished")
     args, extra = p.parse_known_args(argv)
     backends = parse_list(args.backends, "--backends", choices=BACKENDS)  # (a ConfigError: one line, exit 2)
     check_choice("--setting", args.setting, tuple(SETTINGS))
@@ -98,7 +111,7 @@ def main(argv=None) -> None:
     rows = []
     for cohort in cohorts:
         for b in backends:
-            rows.append(run_backend(b, args.rounds, cohort, extra, args.setting))
+            rows.append(run_backend(b, args.rounds, cohort, extra, args.setting, args.timeout_s))
             print(json.dumps(rows[-1]), flush=True)
     import jax
     Path(args.out).write_text(json.dumps({"machine": platform.processor() or platform.machine(),

@@ -5,17 +5,26 @@
 #      and streamed engines, the vectorized torch baseline and the torch loop, on log-normal clients, each row
 #      with its roofline fractions (the device's measured matmul peak and copy bandwidth);
 #   2. compiling in a 100-round FedTP run with `vit_small` at its paper's per-client size, under the automatic
-#      backend choice (`compile_count.py --setting fedtp_cifar10 --backends auto`): programs, seconds, share.
+#      backend choice (`compile_count.py --setting fedtp_cifar10 --backends auto`): programs, seconds, share
+#      (the rounds finished in 170 s when the run is longer);
+#   3. the published peer settings with synthetic inputs (`peer_settings.py`: FLUTE's CNN-FEMNIST, pfl-research's
+#      CIFAR-10), 20 rounds each, with their roofline.
 # Needs jax with CUDA (torch with CUDA for the torch rows) and CIFAR-10 where JAXFL_DATA_DIR points (part 2).
+# The working tree and CIFAR-10 together exceed what a call carries (64 MiB), so the copy keeps the whole training
+# split and 500 test images a class (clients' test sets of 375-500 images instead of 500; compile counts and round
+# times do not depend on it):
 #
-#   mkdir -p runs/device_data/cifar10 && cp ../shared/data/cifar10/*.npz runs/device_data/cifar10/
+#   mkdir -p runs/device_data/cifar10 && python -c 'import numpy as np; t = np.load("../shared/data/cifar10/cifar10_test.npz"); \
+#     i = np.sort(np.concatenate([np.flatnonzero(t["labels"] == c)[:500] for c in range(10)])); \
+#     np.savez_compressed("runs/device_data/cifar10/cifar10_test.npz", images=t["images"][i], labels=t["labels"][i])'
+#   cp ../shared/data/cifar10/cifar10_train.npz runs/device_data/cifar10/
 #   # device tool: carry ["runs/device_data"], timeout_s 600, command (the copy there has no .git: name the
 #   # commit, `git rev-parse --short HEAD` here, with a clean working tree):
 #   COMMIT=<commit> JAXFL_DATA_DIR=$PWD/runs/device_data bash benchmarks/gpu_session.sh "$OUT"
 #   SMOKE=1 JAXFL_DATA_DIR=../shared/data bash benchmarks/gpu_session.sh /tmp/gpu_smoke   # the plumbing, any CPU
 #
 # Results: OUT/env.txt (device, versions, commit), OUT/lanes/ (results.json, results.md), OUT/fedtp_compile.json,
-# OUT/log.txt (everything printed).
+# OUT/peer_settings.{json,md}, OUT/log.txt (everything printed).
 set -u
 OUT=${1:?usage: gpu_session.sh OUT}
 mkdir -p "$OUT"
@@ -39,9 +48,12 @@ if [ -n "${SMOKE:-}" ]; then
   timeout 900 $PY benchmarks/compile_count.py --setting fedtp_cifar10 --backends auto --rounds 2 \
     --out "$OUT/fedtp_compile.json" --model vit_tiny --local-epochs 1
 else
-  timeout 300 $PY benchmarks/gpu_suite.py --out "$OUT/lanes" --lanes --budget-s 270
+  timeout 270 $PY benchmarks/gpu_suite.py --out "$OUT/lanes" --lanes --budget-s 250
   echo "lanes: rc $?"
-  timeout 250 $PY benchmarks/compile_count.py --setting fedtp_cifar10 --backends auto --rounds 100 \
-    --out "$OUT/fedtp_compile.json"
+  timeout 190 $PY benchmarks/compile_count.py --setting fedtp_cifar10 --backends auto --rounds 100 \
+    --timeout-s 170 --out "$OUT/fedtp_compile.json"
   echo "fedtp compile: rc $?"
+  timeout 75 $PY benchmarks/peer_settings.py --settings flute_cnn_femnist,pfl_cifar10 --rounds 20 \
+    --out "$OUT/peer_settings.json" --md "$OUT/peer_settings.md"
+  echo "peer settings: rc $?"
 fi

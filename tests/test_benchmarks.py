@@ -240,6 +240,25 @@ def test_compile_count_sums_a_runs_compiling_and_its_settings_are_valid_runs():
             assert "rounds = 100" in done.stdout and "clients_per_round = 5" in done.stdout
 
 
+def test_compile_count_keeps_the_rounds_a_run_finished_before_its_time_limit(monkeypatch):
+    import compile_count
+
+    def fake_run(setting, backend, rounds, cohort, out, extra):  # two rounds logged, then a run that hangs
+        rows = [{"compiled_programs": 2, "compile_s": 1.5, "time_s": 2.0},
+                {"compiled_programs": 0, "compile_s": 0.0, "time_s": 0.5}]
+        code = (f"import json, os, sys, time; os.makedirs({out!r})\n"
+                f"f = open(os.path.join({out!r}, 'metrics.jsonl'), 'w')\n"
+                f"for r in {rows!r}: f.write(json.dumps(r) + '\\n')\n"
+                "f.flush(); print('jaxfl: x: strategy map, backend stacked, 1 device', file=sys.stderr, flush=True)\n"
+                "time.sleep(120)")
+        return ["-c", code]
+
+    monkeypatch.setattr(compile_count, "run_command", fake_run)
+    row = compile_count.run_backend("auto", 100, 5, [], "logreg_mnist", timeout_s=5)
+    assert row["timed_out"] and row["rounds_done"] == 2 and row["backend_taken"] == "stacked", row
+    assert row["compiled_programs"] == 2 and row["compile_s"] == 1.5 and row["time_s"] == 2.5, row
+
+
 def test_peer_settings_populations_have_the_settings_shapes_and_sizes():
     import peer_settings
 
