@@ -397,6 +397,15 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
         out[runner] = dict({"round_s": sec_total / n, "samples_per_s": sps, "rounds_timed": n},
                            **roofline.roofline(sps, cost, peaks), **(extra or {}))
 
+    # the lane plan's step overhead as `jaxfl run` sets it (build.lane_overhead: the model's tau P / (B f), capped,
+    # on an accelerator; the backend's platform default on a CPU) unless a runner names one (/O<x>)
+    from types import SimpleNamespace
+
+    from jaxfl.run.build import lane_overhead
+    image = np.zeros((1, 28, 28, 1), np.uint8) if w["input"] == "image" else np.zeros((1, SEQ_LEN), np.int32)
+    run_overhead = lane_overhead(SimpleNamespace(lane_overhead=None, batch_size=batch),
+                                 build_model(w["model"], w["classes"]), image, lambda x: x)
+
     def run(runner):
         kind, *opt = runner.split("/")
         devices = runner_devices(runner)
@@ -407,7 +416,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
             tr = dataclasses.replace(trainer, tail_sizes=tails, tail_log=[])
             sim = Stacked(build_algorithm("fedavg", build_model(w["model"], w["classes"]), tr) if tails else alg,
                           data, batch_size=batch, clients=client_map(strategy, mesh=mesh), cohort_size=cohort,
-                          rounds_per_call=kk, trainer=tr, **lane_options(runner))
+                          rounds_per_call=kk, trainer=tr, **{"lane_overhead": run_overhead, **lane_options(runner)})
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             if kk == 1:
@@ -429,11 +438,13 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
             sec = time.perf_counter() - t
             record(runner, sec, n, {"compile_s": first, "padded_work": float(np.mean([m["padded_work"] for m in ms])),
                                     "host_share": float(np.mean([m["host_share"] for m in ms])),
-                                    "lanes": None if sim.lanes is None else [list(g) for g in sim.lanes.segments]})
+                                    "lanes": None if sim.lanes is None else [list(g) for g in sim.lanes.segments],
+                                    "lane_overhead": sim.lane_overhead})
             del sim, store
         elif kind in ("ragged", "streamed"):
-            sim = (Ragged if kind == "ragged" else Streamed)(alg, data, batch_size=batch,
-                                                             clients=client_map(opt[0], mesh=mesh), cohort_size=cohort)
+            lanes = {} if kind == "ragged" else {"lane_overhead": run_overhead}
+            sim = (Ragged if kind == "ragged" else Streamed)(alg, data, batch_size=batch, cohort_size=cohort,
+                                                             clients=client_map(opt[0], mesh=mesh), **lanes)
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             for r in range(rounds):  # compile every bucket shape of these cohorts

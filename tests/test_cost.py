@@ -209,3 +209,12 @@ def test_the_lane_plan_overhead_is_computed_only_for_the_backends_that_plan_lane
     assert ragged.backend_name == "ragged" and calls == []
     stacked = runner.Experiment(RunConfig(**base, backend="stacked", out=str(tmp_path / "s")))
     assert stacked.backend_name == "stacked" and calls == [1]
+
+
+def test_lane_overhead_is_the_launch_latency_in_lane_steps_up_to_its_cap():
+    # tau P / (B f) by hand at the H200 constants (tau 0.2 ms, P 10 TFLOP/s), then the cap for small models
+    rates = cost.H200
+    assert cost.lane_overhead(1e8, 10) == pytest.approx(rates.step_s * rates.flops_per_s / 1e9)  # 2.0 lanes
+    assert cost.lane_overhead(1e6, 10) == cost.MAX_LANE_OVERHEAD == 32.0  # uncapped: 200
+    assert cost.lane_overhead(1e6, 10, cap=float("inf")) == pytest.approx(200.0)
+    assert cost.lane_overhead(1e6, 10, cap=50.0) == 50.0

@@ -70,7 +70,8 @@ BACKENDS = ("stacked", "streamed", "ragged")
 # (``Stacked(lane_overhead=...)``). CPU: 0, measured (benchmarks/RESULTS.md, "Lane plans"): logreg and the 2NN
 # at cohort 100 ran fastest with every client alone in its chunk (0.081 / 0.64 s a round, against 0.090 / 0.69
 # s at 1 lane of overhead and 0.16 / 1.29 s for one vmap over the cohort). An accelerator's steps cost launches:
-# the runner derives it from ``core.cost`` (tau P / (B f)); this value stands in where no FLOP count is known.
+# the runner derives it from ``core.cost`` (tau P / (B f), at most ``MAX_LANE_OVERHEAD``, equal to this value);
+# this value stands in where no FLOP count is known.
 DEFAULT_LANE_OVERHEAD = {"cpu": 0.0, "gpu": 32.0, "tpu": 32.0}
 
 

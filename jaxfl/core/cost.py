@@ -103,11 +103,21 @@ def _abstract(tree):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
-def lane_overhead(flops_per_sample: float, batch_size: int, rates: DeviceRates = H200) -> float:
-    """A local step's fixed cost in lane-steps, for ``lanes.plan_lanes``: tau / (B f / P) = tau P / (B f), the
-    launch latency of one sequential step over the compute of one lane's step (e.g. the 2NN at B = 10 on the
-    H200 constants: ~170 lanes; a CNN of 50 MFLOP a sample: ~4)."""
-    return rates.step_s * rates.flops_per_s / (batch_size * flops_per_sample)
+# The most lane-steps ``lane_overhead`` returns. On one H200 (benchmarks/RESULTS.md, library at b65f0a4; 1,000
+# log-normal clients, sigma 0.8, cohort 1,000) a plan at 32 lanes of overhead ran the 2NN 3.2x and logistic
+# regression 1.1x faster than one vmap over the cohort, which is what the uncapped ratio (~230 and ~6,200 lanes)
+# approaches: the model's tau and P leave out the per-lane memory traffic of small models, so past a few tens of
+# lanes it overrates a step's fixed cost. A model of >= ~1 GFLOP a step (B f) stays below the cap.
+MAX_LANE_OVERHEAD = 32.0
+
+
+def lane_overhead(flops_per_sample: float, batch_size: int, rates: DeviceRates = H200,
+                  cap: float = MAX_LANE_OVERHEAD) -> float:
+    """A local step's fixed cost in lane-steps, for ``lanes.plan_lanes``: min(tau P / (B f), cap), the launch
+    latency of one sequential step over the compute of one lane's step (tau / (B f / P)), at most ``cap``
+    (``MAX_LANE_OVERHEAD``: measured, see there). E.g. on the H200 constants the FEMNIST CNN at B = 10 (~103
+    MFLOP a sample): ~1.9 lanes; the 2NN (~0.9 MFLOP): ~230, capped to 32."""
+    return min(rates.step_s * rates.flops_per_s / (batch_size * flops_per_sample), cap)
 
 
 def _max_lanes(clients: ClientMap, n: int) -> int:

@@ -305,7 +305,7 @@ class Engine(ConfigGroup):
         hint="0: one vmap call over the cohort")
     lane_overhead: float | None = option(
         None, "the cost of one sequential local step in lane-steps that the lane plan weighs against padded lanes "
-              "(default: 0 on CPU; on an accelerator derived from jaxfl.core.cost, tau P / (B f))", lo=0.0)
+              "(default: 0 on CPU; on an accelerator derived from jaxfl.core.cost, tau P / (B f), at most 32)", lo=0.0)
     tail_batches: str = option(
         "auto", "map: a client's partial last batch computed at the smallest of B, B/2, B/4, B/8 that holds its "
                 "samples (the same step up to float rounding, at up to ~2x its real samples instead of B; not with "
