@@ -105,7 +105,12 @@ def from_process_rows(tree, mesh, num_rows: int):
 def fetch(tree):
     """Numpy copies of a pytree's leaves with their global values (every process must call it): an array
     split over processes is gathered from all of them, one this process holds in full (local, replicated or
-    numpy) is copied as it is."""
+    numpy) is copied as it is. The copies of the local leaves all start before the first is waited for (one
+    device-to-host latency for the tree, not one a leaf)."""
+    for a in jax.tree_util.tree_leaves(tree):
+        if isinstance(a, jax.Array) and a.is_fully_addressable:
+            a.copy_to_host_async()
+
     def one(a):
         if isinstance(a, jax.Array) and not a.is_fully_addressable:
             from jax.experimental import multihost_utils
