@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU measurements the benchmark tables still lack, as one call of a lent GPU machine (about 9 minutes on an
 # H200 with a warm start; each part has its own time limit, so a slow part costs its limit, not the rest):
-#   1. the padding table (`gpu_suite.py --lanes`): one vmap over the cohort against the lane plan, the ragged
-#      and streamed engines, the vectorized torch baseline and the torch loop, on log-normal clients, each row
-#      with its roofline fractions (the device's measured matmul peak and copy bandwidth);
-#   2. compiling in a 100-round FedTP run with `vit_small` at its paper's per-client size, under the automatic
-#      backend choice (`compile_count.py --setting fedtp_cifar10 --backends auto`): programs, seconds, share
-#      (the rounds finished in 170 s when the run is longer);
-#   3. the published peer settings with synthetic inputs (`peer_settings.py`: FLUTE's CNN-FEMNIST, pfl-research's
-#      CIFAR-10), 20 rounds each, with their roofline.
+#   1. the padding table (`gpu_suite.py --lanes`): one vmap over the cohort against the lane plan (with the step
+#      overhead `jaxfl run` uses) and the vectorized torch baseline, on log-normal clients (and the label-skewed
+#      FedAvg CNN), each row with its roofline fractions (the device's measured matmul peak and copy bandwidth);
+#      the rows the table at b65f0a4 lacks first;
+#   2. compiling in a FedTP run with `vit_small` at its paper's per-client size, under the automatic backend
+#      choice (`compile_count.py --setting fedtp_cifar10 --backends auto`), with XLA's GPU autotuning on (the
+#      default) and off (`--xla_gpu_autotune_level=0`): programs, compile seconds, round seconds (the rounds
+#      finished in 105 s each).
 # Needs jax with CUDA (torch with CUDA for the torch rows) and CIFAR-10 where JAXFL_DATA_DIR points (part 2).
 # The working tree and CIFAR-10 together exceed what a call carries (64 MiB), so the copy keeps the whole training
 # split and 500 test images a class (clients' test sets of 375-500 images instead of 500; compile counts and round
@@ -18,13 +18,13 @@
 #     i = np.sort(np.concatenate([np.flatnonzero(t["labels"] == c)[:500] for c in range(10)])); \
 #     np.savez_compressed("runs/device_data/cifar10/cifar10_test.npz", images=t["images"][i], labels=t["labels"][i])'
 #   cp ../shared/data/cifar10/cifar10_train.npz runs/device_data/cifar10/
-#   # device tool: carry ["runs/device_data"], timeout_s 600, command (the copy there has no .git: name the
-#   # commit, `git rev-parse --short HEAD` here, with a clean working tree):
-#   COMMIT=<commit> JAXFL_DATA_DIR=$PWD/runs/device_data bash benchmarks/gpu_session.sh "$OUT"
+#   # device tool: carry ["runs/device_data"], timeout_s 600, command (the copy's git metadata can be older than
+#   # its files: name the commit, `git rev-parse --short HEAD` here, with a clean working tree):
+#   PYTHON=python3 COMMIT=<commit> JAXFL_DATA_DIR=$PWD/runs/device_data bash benchmarks/gpu_session.sh "$OUT"
 #   SMOKE=1 JAXFL_DATA_DIR=../shared/data bash benchmarks/gpu_session.sh /tmp/gpu_smoke   # the plumbing, any CPU
 #
-# Results: OUT/env.txt (device, versions, commit), OUT/lanes/ (results.json, results.md), OUT/fedtp_compile.json,
-# OUT/peer_settings.{json,md}, OUT/log.txt (everything printed).
+# Results: OUT/env.txt (device, versions, commit), OUT/lanes/ (results.json, results.md),
+# OUT/fedtp_compile_autotune_{default,0}.json, OUT/log.txt (everything printed).
 set -u
 OUT=${1:?usage: gpu_session.sh OUT}
 mkdir -p "$OUT"
@@ -48,12 +48,12 @@ if [ -n "${SMOKE:-}" ]; then
   timeout 900 $PY benchmarks/compile_count.py --setting fedtp_cifar10 --backends auto --rounds 2 \
     --out "$OUT/fedtp_compile.json" --model vit_tiny --local-epochs 1
 else
-  timeout 270 $PY benchmarks/gpu_suite.py --out "$OUT/lanes" --lanes --budget-s 250
+  timeout 300 $PY benchmarks/gpu_suite.py --out "$OUT/lanes" --lanes --budget-s 280
   echo "lanes: rc $?"
-  timeout 190 $PY benchmarks/compile_count.py --setting fedtp_cifar10 --backends auto --rounds 100 \
-    --timeout-s 170 --out "$OUT/fedtp_compile.json"
-  echo "fedtp compile: rc $?"
-  timeout 75 $PY benchmarks/peer_settings.py --settings flute_cnn_femnist,pfl_cifar10 --rounds 20 \
-    --out "$OUT/peer_settings.json" --md "$OUT/peer_settings.md"
-  echo "peer settings: rc $?"
+  for level in default 0; do  # XLA's GPU autotuning on (its default) and off: compile seconds against round time
+    flags=$([ $level = default ] || echo "--xla_gpu_autotune_level=$level")
+    XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout 120 $PY benchmarks/compile_count.py --setting fedtp_cifar10 \
+      --backends auto --rounds 40 --timeout-s 105 --out "$OUT/fedtp_compile_autotune_$level.json"
+    echo "fedtp compile (autotune $level): rc $?"
+  done
 fi
