@@ -188,6 +188,7 @@ def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkey
     import eval_tails
     import peer_settings
     import seed_axis
+    import switch_cost
     import tail_batches
     import time_to_accuracy
 
@@ -201,6 +202,8 @@ def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkey
              (eval_tails.main, ["--model", "nosuch"], "--model 'nosuch': give comma-separated values from"),
              (eval_batch.main, ["--sizes", "16,48", "--per-client", "64"], "--per-client 64: give a multiple of"),
              (eval_batch.main, ["--reps", "0"], "--reps 0: give a number >= 1"),
+             (switch_cost.main, ["--batch", "4"], "--batch 4: give a number >= 8"),
+             (switch_cost.main, ["--model", "nosuch"], "unknown --model 'nosuch'; valid: "),
              (throughput.main, ["--strategies", "foo"], "--strategies 'foo': give comma-separated values from"),
              (throughput.main, ["--small", "--runners", "stacked/map"], "--runners: 'stacked/map' is not"),
              (gpu_suite.main, ["--out", "x", "--rounds", "0"], "--rounds 0: give a number >= 1"),
