@@ -95,10 +95,15 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | st
         def run_at(size, j, out):  # batch j (rows j B .. j B + size) written in place
             v = batch((jax.lax.dynamic_slice_in_dim(x, j * b, size), j))
             return jax.tree_util.tree_map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, j * b, 0), out, v)
-        full = jnp.minimum(count // b, nb)
-        out = jax.lax.fori_loop(0, full, lambda j, out: run_at(b, j, out), out)
-        rest = jnp.where(full < nb, count - full * b, 0)  # the partial batch's real samples (0: none)
-        which = jnp.where(rest > 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), rest.astype(jnp.int32)), 0)
+        if nb == 1:  # one batch: all of it through the switch (a loop over a one-batch array would have its body
+            # hoisted out by XLA, as its slice does not depend on the index, and run at B even for zero trips)
+            full = jnp.int32(0)
+        else:
+            full = jnp.minimum(count // b, nb)
+            out = jax.lax.fori_loop(0, full, lambda j, out: run_at(b, j, out), out)
+        rest = jnp.where(full < nb, jnp.minimum(count - full * b, b), 0)  # the last batch's real samples (0: none)
+        which = jnp.where(rest > 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), rest.astype(jnp.int32),
+                                                    method="compare_all"), 0)  # (a few sizes: no loop)
         branches = [lambda out: out] + [lambda out, s=s: run_at(s, full, out) for s in sizes]
         return jax.lax.switch(which, branches, out)
 
