@@ -109,6 +109,11 @@ COMPARISONS: list[Comparison] = [
                f"{LOGS}/fedtp_seeds/seed*/fedtp_variantvanilla", "weighted_accuracy",
                "CIFAR-10 pathological, vit_tiny, 60 rounds evaluated every 2nd",
                "agree (final +0.05, bound 1.89)", "fedtp.md"),
+    Comparison("FedTP vanilla (personalized-T), jaxfl's W_qkv from the official law (library at 187e95c)",
+               f"{OFFICIAL}/fedtp/seed*/vanilla", f"{LOGS}/fedtp_seeds_187e95c/seed*/fedtp_variantvanilla",
+               "weighted_accuracy", "as the row above; jaxfl draws each block's W_qkv as the official code does "
+               "(torch's Linear law) instead of Xavier-uniform; the official runs of seeds 3-4 at adapter 187e95c",
+               "none (the paired test only)", "fedtp.md"),
     Comparison("FedTP vanilla (personalized-T), official configuration", f"{OFFICIAL}/fedtp_official_cfg/seed*/vanilla",
                f"{LOGS}/fedtp_official_cfg_torchinit/seed*/fedtp_variantvanilla", "weighted_accuracy",
                "CIFAR-10 pathological, the official ViT widths at depth 8 (vit_small), the official per-channel "
