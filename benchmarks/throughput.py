@@ -397,14 +397,11 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
         out[runner] = dict({"round_s": sec_total / n, "samples_per_s": sps, "rounds_timed": n},
                            **roofline.roofline(sps, cost, peaks), **(extra or {}))
 
-    # the lane plan's step overhead as `jaxfl run` sets it (build.lane_overhead: the model's tau P / (B f), capped,
-    # on an accelerator; the backend's platform default on a CPU) unless a runner names one (/O<x>)
-    from types import SimpleNamespace
-
-    from jaxfl.run.build import lane_overhead
+    # the lane plan's step overhead as `jaxfl run` sets it (the model's tau P / (B f), capped, on an accelerator;
+    # the backend's platform default on a CPU) unless a runner names one (/O<x>)
+    from jaxfl.run.build import model_lane_overhead
     image = np.zeros((1, 28, 28, 1), np.uint8) if w["input"] == "image" else np.zeros((1, SEQ_LEN), np.int32)
-    run_overhead = lane_overhead(SimpleNamespace(lane_overhead=None, batch_size=batch),
-                                 build_model(w["model"], w["classes"]), image, lambda x: x)
+    run_overhead = model_lane_overhead(build_model(w["model"], w["classes"]), image, batch)
 
     def run(runner):
         kind, *opt = runner.split("/")

@@ -11,7 +11,7 @@ from conftest import assert_trees_close, make_data, make_trainer, rounding_toler
 
 from jaxfl.algorithms._common import ce_loss
 from jaxfl.core.buckets import padded_work
-from jaxfl.core.trainer import draws_from_key, tail_sizes
+from jaxfl.core.trainer import draws_from_key, jaxpr_primitives, tail_sizes
 from jaxfl.models import cnn_dropout, small_cnn
 from jaxfl.ops.augment import make_augment
 from jaxfl.run.build import tail_batch_sizes
@@ -167,7 +167,6 @@ def test_a_client_with_one_test_batch_runs_it_through_the_switch_alone():
     # XLA hoists a loop body whose slice does not depend on the loop index (one batch: the whole array) out of
     # the loop, so a loop over the full batches would run its body at B even for zero trips: with one batch a
     # client the loop is left out (the evaluation of a label-skewed population at B = 256 ran 2.2x slower with it)
-    from jaxfl.core.trainer import jaxpr_primitives
     loops = {}
     for m, counts in ((8, (8, 5, 3, 1)), (24, (24, 17, 9, 1))):
         predict, server, clients, data = _small_predict(m=m, counts=counts, clients="map", tail_sizes=tail_sizes(8))

@@ -54,6 +54,7 @@ from ..errors import ConfigError, DeviceMemoryError, check_choice, first_line
 from .buckets import Bucket, BucketGrid, bucket_grid, cohort_samples_bound, grid_ceil, padded_work, plan_buckets
 from .cohort import (SAMPLINGS, Chunked, ClientMap, Sampling, client_map, device_balanced_order, poisson_cohort,
                      poisson_members, poisson_rows, sample_cohort)
+from .cost import MAX_LANE_OVERHEAD
 from .distributed import client_sharding, fetch
 from .lanes import LanePlan, expected_sorted_steps, plan_lanes
 from .step import Weighting, init_state, make_step, with_round_metrics
@@ -70,14 +71,14 @@ BACKENDS = ("stacked", "streamed", "ragged")
 # (``Stacked(lane_overhead=...)``). CPU: 0, measured (benchmarks/RESULTS.md, "Lane plans"): logreg and the 2NN
 # at cohort 100 ran fastest with every client alone in its chunk (0.081 / 0.64 s a round, against 0.090 / 0.69
 # s at 1 lane of overhead and 0.16 / 1.29 s for one vmap over the cohort). An accelerator's steps cost launches:
-# the runner derives it from ``core.cost`` (tau P / (B f), at most ``MAX_LANE_OVERHEAD``, equal to this value);
-# this value stands in where no FLOP count is known.
-DEFAULT_LANE_OVERHEAD = {"cpu": 0.0, "gpu": 32.0, "tpu": 32.0}
+# the runner derives it from ``core.cost`` (tau P / (B f), at most ``MAX_LANE_OVERHEAD``); the cap stands in
+# where no FLOP count is known.
+DEFAULT_LANE_OVERHEAD = {"cpu": 0.0, "gpu": MAX_LANE_OVERHEAD, "tpu": MAX_LANE_OVERHEAD}
 
 
 def default_lane_overhead(platform: str | None = None) -> float:
     """``DEFAULT_LANE_OVERHEAD`` of ``platform`` (default: jax's default backend)."""
-    return DEFAULT_LANE_OVERHEAD.get(platform or jax.default_backend(), 32.0)
+    return DEFAULT_LANE_OVERHEAD.get(platform or jax.default_backend(), MAX_LANE_OVERHEAD)
 
 
 def device_memory_bytes() -> int:

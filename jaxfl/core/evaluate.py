@@ -101,7 +101,7 @@ def make_predict(alg: Algorithm, *, eval_batch_size=256, clients: ClientMap | st
         else:
             full = jnp.minimum(count // b, nb)
             out = jax.lax.fori_loop(0, full, lambda j, out: run_at(b, j, out), out)
-        rest = jnp.where(full < nb, jnp.minimum(count - full * b, b), 0)  # the last batch's real samples (0: none)
+        rest = jnp.where(full < nb, count - full * b, 0)  # the last batch's real samples (0: none)
         which = jnp.where(rest > 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), rest.astype(jnp.int32),
                                                     method="compare_all"), 0)  # (a few sizes: no loop)
         branches = [lambda out: out] + [lambda out, s=s: run_at(s, full, out) for s in sizes]

@@ -415,15 +415,20 @@ def backend_for(cfg: RunConfig, alg: Algorithm, train: RaggedClients, place: Pla
 
 
 def lane_overhead(cfg: RunConfig, model, sample_x, preprocess) -> float | None:
-    """The stacked backend's lane-plan step overhead: ``--lane-overhead``, else on an accelerator the cost
-    model's tau P / (B f) (a step's launch latency in lane-steps of this model; ``core.cost.lane_overhead``),
-    else None (the backend's platform default)."""
+    """The stacked backend's lane-plan step overhead: ``--lane-overhead``, else ``model_lane_overhead``."""
     if cfg.lane_overhead is not None:
         return cfg.lane_overhead
+    return model_lane_overhead(model, sample_x, cfg.batch_size, preprocess)
+
+
+def model_lane_overhead(model, sample_x, batch_size: int, preprocess=lambda x: x) -> float | None:
+    """On an accelerator the cost model's tau P / (B f) for ``model`` at ``batch_size`` (a step's launch latency
+    in lane-steps of this model, capped; ``core.cost.lane_overhead``), else None (the backend's platform
+    default)."""
     if platform() == "cpu" or model is None:
         return None
     try:
-        return cost_lane_overhead(train_flops_per_sample(model, sample_x, cfg.batch_size, preprocess), cfg.batch_size)
+        return cost_lane_overhead(train_flops_per_sample(model, sample_x, batch_size, preprocess), batch_size)
     except ValueError:  # no FLOP count from XLA here: the platform's default
         return None
 
