@@ -108,6 +108,7 @@ def main(argv=None) -> None:
     check_choice("--setting", args.setting, tuple(SETTINGS))
     cohorts = parse_list(args.cohorts or str(SETTINGS[args.setting][1]), "--cohorts", kind=int)
     check_at_least("--cohorts", cohorts, 1)
+    check_at_least("--timeout-s", args.timeout_s, 0, strict=True)
     rows = []
     for cohort in cohorts:
         for b in backends:

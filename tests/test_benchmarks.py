@@ -212,6 +212,7 @@ def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkey
              (peer_settings.main, ["--out", "x", "--settings", "nosuch"], "--settings 'nosuch': give comma-"),
              (compile_count.main, ["--out", "x", "--setting", "nosuch"], "unknown --setting 'nosuch'; valid: "),
              (compile_count.main, ["--out", "x", "--backends", "auto,foo"], "--backends 'auto,foo': give comma-"),
+             (compile_count.main, ["--out", "x", "--timeout-s", "0"], "--timeout-s 0.0: give a number > 0"),
              (peer_settings.main, ["--out", "x", "--rounds", "0"], "--rounds 0: give a number >= 1"),
              (time_to_accuracy.main, ["--out", "/no/such/folder/x.json"], "--out '/no/such/folder/x.json': give a "
                                                                           "file in an existing folder")]
