@@ -69,3 +69,29 @@ def test_the_readmes_library_example_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     accuracy = [float(v) for v in out.stdout.strip().splitlines()[-1].strip("[]").split()]
     assert len(accuracy) == 3 and all(0.0 <= a <= 1.0 for a in accuracy)
+
+
+PAIRED_SUMMARY = re.compile(r"(\d+) comparisons paired: (\d+) equivalent, (\d+) inconclusive, (\d+) different")
+QUOTED_COUNTS = re.compile(r"(\d+) pairs: (\d+)\s+equivalent, (\d+)\s+inconclusive(?:\s+\([^)]*\))?,"
+                           r"\s+(\d+)\s+different")
+
+
+def quoted_pair_counts(text: str) -> list[tuple[str, ...]]:
+    return QUOTED_COUNTS.findall(text)
+
+
+def test_the_docs_quote_the_paired_tests_counts_as_paired_md_states_them():
+    """README and the running guide quote paired.md's verdict counts; regenerating paired.md after a new pair must
+    not leave them stale."""
+    summary = PAIRED_SUMMARY.search((ROOT / "experiments" / "official" / "paired.md").read_text())
+    assert summary, "paired.md has no summary line"
+    for doc in ("README.md", "docs/guide/running.md"):
+        quoted = quoted_pair_counts((ROOT / doc).read_text())
+        assert quoted, f"{doc} quotes no pair counts"
+        assert all(q == summary.groups() for q in quoted), (doc, quoted, summary.groups())
+
+
+def test_a_stale_pair_count_would_be_seen():
+    assert quoted_pair_counts("42 pairs: 24 equivalent, 17 inconclusive\n(too few seeds), 1 different") == [
+        ("42", "24", "17", "1")]
+    assert quoted_pair_counts("(42 pairs: 24\nequivalent, 17 inconclusive, 1 different;") == [("42", "24", "17", "1")]

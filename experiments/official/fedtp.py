@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import os
 import runpy
 import subprocess
@@ -120,88 +121,59 @@ def install_stubs() -> list[str]:
     return [name for name, subs in groups.items() if stub_unimportable(name, subs)]
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variant", choices=list(ALGS), default="hypernet")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=60)
-    p.add_argument("--eval-every", type=int, default=2)
-    p.add_argument("--local-epochs", type=int, default=1)
-    p.add_argument("--num-clients", type=int, default=10)
-    p.add_argument("--clients-per-round", type=int, default=5)
-    p.add_argument("--test-per-client", type=int, default=500)
-    p.add_argument("--config", choices=list(CONFIGS), default="reduced",
-                   help="reduced: jaxfl's vit_tiny widths and (x/255 - 0.5)/0.5 on both sides; official: the "
-                        "official widths at depth 8 (jaxfl vit_small) and CIFAR-10 per-channel scaling")
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-
-    repo = official_repo("FEDTP_OFFICIAL", "zhyczy/FedTP")
-    clash = [m for m in OFFICIAL_MODULES if m in sys.modules]
-    if clash:
-        raise SystemExit(f"official: error: modules {clash} already imported; they would shadow the official ones")
-
-    # ---- jaxfl's inputs (before the official checkout goes on sys.path)
-    inputs = jaxfl_inputs(jaxfl_config(args))
-    cfg, n = inputs.cfg, inputs.num_clients
-    k = len(inputs.cohorts[0])
-    widths = vit_widths(cfg.model)
-    if cfg.eval_every < 2:
-        print("official: note: the official code cannot evaluate round 1 (test_round > 1); evaluating from round 2",
-              file=sys.stderr)
+def official_tensors(inputs):
+    """jaxfl's clients as the official loaders' tensors: x_tr, y_tr, x_te, y_te (float NCHW scaled as jaxfl
+    scales them; int64 labels), each concatenated over the clients, and map_tr, map_te: {client: index array}."""
+    import types
 
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
 
     def stack(parts):
         x = np.concatenate([to_nchw_float(xi, inputs.normalize) for xi, _ in parts])
         y = np.concatenate([np.asarray(yi, np.int64) for _, yi in parts])
-        sizes = [len(yi) for _, yi in parts]
-        offs = np.concatenate([[0], np.cumsum(sizes)])
+        offs = np.concatenate([[0], np.cumsum([len(yi) for _, yi in parts])])
         idx = {i: np.arange(offs[i], offs[i + 1]) for i in range(len(parts))}
         return torch.from_numpy(x), torch.from_numpy(y), idx
 
     x_tr, y_tr, map_tr = stack(inputs.train)
     x_te, y_te, map_te = stack(inputs.test)
+    return types.SimpleNamespace(x_tr=x_tr, y_tr=y_tr, map_tr=map_tr, x_te=x_te, y_te=y_te, map_te=map_te)
 
-    def cls_counts(y, idx):
-        return {i: dict(zip(*[a.tolist() for a in np.unique(y.numpy()[ix], return_counts=True)]))
-                for i, ix in idx.items()}
 
-    # ---- the official modules, with the stand-ins above
+def import_official(repo: Path, t, widths: dict):
+    """Import the official ViT, hypernetwork and utils from ``repo`` with their data loaders reading ``t``
+    (``official_tensors``) and the ViT and hypernetwork constructors taking ``widths`` (``vit_widths``) whatever
+    the caller passes. Returns (stubbed imports, models.Hypernetworks, models.vit, utils)."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
     stubbed = install_stubs()
     sys.path.insert(0, str(repo))
     import models.Hypernetworks as off_hyper
     import models.vit as off_vit
     import utils as off_utils
 
-    def partition_data(dataset, datadir, partition, n_parties, beta=0.4, logdir=None):
-        assert n_parties == n, (n_parties, n)
-        return (x_tr, y_tr.numpy(), x_te, y_te.numpy(), map_tr, map_te,
-                cls_counts(y_tr, map_tr), cls_counts(y_te, map_te))
-
     subsets = {}
 
     def subset(x, y, ix):
         key = (id(x), int(ix[0]) if len(ix) else -1, len(ix))
         if key not in subsets:
-            t = torch.as_tensor(np.asarray(ix), dtype=torch.long)
-            subsets[key] = TensorDataset(x[t], y[t])
+            idx = torch.as_tensor(np.asarray(ix), dtype=torch.long)
+            subsets[key] = TensorDataset(x[idx], y[idx])
         return subsets[key]
 
     def get_divided_dataloader(dataset, datadir, train_bs, test_bs, dataidxs_train, dataidxs_test, noise_level=0,
                                net_id=None, total=0, drop_last=False, apply_noise=False):
         assert not apply_noise and not noise_level, "noise is not part of this comparison"
-        train_ds, test_ds = subset(x_tr, y_tr, dataidxs_train), subset(x_te, y_te, dataidxs_test)
+        train_ds, test_ds = subset(t.x_tr, t.y_tr, dataidxs_train), subset(t.x_te, t.y_te, dataidxs_test)
         return (DataLoader(dataset=train_ds, batch_size=train_bs, shuffle=True, drop_last=drop_last),
                 DataLoader(dataset=test_ds, batch_size=test_bs, shuffle=False, drop_last=False), train_ds, test_ds)
 
     def get_dataloader(dataset, datadir, train_bs, test_bs, dataidxs=None, *a, **kw):
-        train_ds, test_ds = TensorDataset(x_tr, y_tr), TensorDataset(x_te, y_te)
+        train_ds, test_ds = TensorDataset(t.x_tr, t.y_tr), TensorDataset(t.x_te, t.y_te)
         return (DataLoader(dataset=train_ds, batch_size=train_bs, shuffle=True, drop_last=False),
                 DataLoader(dataset=test_ds, batch_size=test_bs, shuffle=False, drop_last=False), train_ds, test_ds)
 
-    off_utils.partition_data = partition_data
     off_utils.get_divided_dataloader = get_divided_dataloader
     off_utils.get_dataloader = get_dataloader
 
@@ -218,6 +190,262 @@ def main(argv=None) -> None:
 
     with_widths(off_vit.ViT, widths)                                # every width; image size, classes as given
     with_widths(off_hyper.ViTHyper, ("dim", "heads", "dim_head"))   # embedding, trunk, depth from the args
+    return stubbed, off_hyper, off_vit, off_utils
+
+
+def vit_to_torch(params, depth: int) -> dict:
+    """jaxfl ViT parameters without W_qkv (FedTP's xi: {"encoder", "head"}) -> the official ``ViT``'s state-dict
+    entries (numpy; Linear kernels transposed to torch's [out, in])."""
+    e, sd = params["encoder"], {}
+
+    def linear(name, t):
+        sd[name + ".weight"] = np.asarray(t["linear"]["kernel"]).T
+        sd[name + ".bias"] = np.asarray(t["linear"]["bias"])
+
+    def norm(name, t):
+        sd[name + ".weight"], sd[name + ".bias"] = np.asarray(t["scale"]), np.asarray(t["bias"])
+
+    linear("to_patch_embedding.1", e["patch_embed"])
+    sd["pos_embedding"], sd["cls_token"] = np.asarray(e["pos"]), np.asarray(e["cls"])
+    for l in range(depth):
+        norm(f"transformer.layers.{l}.0.norm", e[f"ln_attn{l}"])
+        linear(f"transformer.layers.{l}.0.fn.to_out.0", e[f"attn{l}"]["out"])
+        norm(f"transformer.layers.{l}.1.norm", e[f"ln_ff{l}"])
+        linear(f"transformer.layers.{l}.1.fn.net.0", e[f"ff{l}_1"])
+        linear(f"transformer.layers.{l}.1.fn.net.3", e[f"ff{l}_2"])
+    norm("mlp_head.0", e["ln_out"])
+    linear("mlp_head.1", params["head"]["fc1"])
+    return sd
+
+
+def hypernet_to_torch(hnet, embeddings, dim: int, inner3: int) -> dict:
+    """jaxfl's hypernetwork ({"trunk": [...], "heads": {"qkv<l>": ...}}) and embedding table -> the official
+    ``ViTHyper``'s state-dict entries. A head's output is W_qkv: jaxfl reshapes it to [D, 3I] (x @ W), the
+    official code to [3I, D] (x @ W^T), so official output r * D + c is jaxfl's output c * 3I + r."""
+    sd = {"embeddings.weight": np.asarray(embeddings)}
+    for i, layer in enumerate(hnet["trunk"]):
+        sd[f"mlp.{2 * i}.weight"] = np.asarray(layer["kernel"]).T
+        sd[f"mlp.{2 * i}.bias"] = np.asarray(layer["bias"])
+    for l in range(len(hnet["heads"])):
+        head = hnet["heads"][f"qkv{l}"]
+        kernel = np.asarray(head["kernel"])  # [H, D * 3I]
+        sd[f"to_qkv_value_list.{l}.weight"] = (kernel.reshape(-1, dim, inner3).transpose(0, 2, 1)
+                                               .reshape(kernel.shape[0], -1).T)
+        sd[f"to_qkv_value_list.{l}.bias"] = np.asarray(head["bias"]).reshape(dim, inner3).T.reshape(-1)
+    return sd
+
+
+def check_weights(args) -> dict:
+    """Weight-level differential check of whole rounds of the hypernetwork variant (``--check-weights``): the
+    official FedTP round (main.py:521-568, mirrored: it is not a function; ``local_train_net_per``, ``train_net``,
+    ``ViT``, ``ViTHyper`` and ``compute_accuracy_per_client`` run unchanged) and jaxfl's from the *same* initial
+    weights (jaxfl's ViT, hypernetwork and embedding table copied into the official modules), on the same
+    clients and cohorts, each client cut to one batch (64 samples: both codes see the same batch in every epoch
+    whatever their shuffles), dropout off on both sides (the only randomness left), at ``--config``'s widths with
+    ``--check-depth`` blocks. Per round, over the tensors of the shared ViT (xi) and of the hypernetwork with its
+    embedding table, the worst of: the largest difference between the two codes' updates of a tensor relative to
+    the largest entry of jaxfl's update of it (with that tensor's float32 spacing at its largest entry relative to
+    the same, the rounding of the parameter itself), and ||official update - jaxfl update|| / ||jaxfl update||; and both
+    codes' test accuracy over all clients (the official evaluation function's). Before the copy, the two codes'
+    own initial draws are compared by law: per tensor of >= 10,000 entries, std(jaxfl's) / std(official's)."""
+    import logging
+    import types
+
+    import torch
+
+    import importlib
+
+    from jaxfl.models import build_model
+    from jaxfl.run.runner import Experiment
+
+    jaxfl_runner = importlib.import_module("jaxfl.run.runner")  # (the attribute jaxfl.run is the function run)
+
+    cfg = dataclasses.replace(jaxfl_config(args), samples_per_client=64, eval_every=1)
+    depth = args.check_depth or vit_widths(cfg.model)["depth"]
+    widths = dict(vit_widths(cfg.model), depth=depth, dropout=0.0, emb_dropout=0.0)
+
+    def no_dropout_model(name, num_classes):
+        m = build_model(name, num_classes)
+        return m.clone(encoder=m.encoder.clone(dropout=0.0, depth=depth))
+
+    jaxfl_runner.build_model = no_dropout_model
+    inputs = jaxfl_inputs(cfg)
+    n, k = inputs.num_clients, len(inputs.cohorts[0])
+    exp = Experiment(cfg)
+    server, store = exp.init()
+
+    repo = official_repo("FEDTP_OFFICIAL", "zhyczy/FedTP")
+    t = official_tensors(inputs)
+    _, off_hyper, off_vit, off_utils = import_official(repo, t, widths)
+    import methods.method as off_method
+    torch.manual_seed(cfg.seed)
+    oargs = types.SimpleNamespace(
+        model="vit", dataset="cifar10", alg="FedTP", lr=cfg.lr, rho=cfg.momentum, reg=cfg.weight_decay,
+        optimizer="sgd", batch_size=cfg.batch_size, epochs=cfg.local_epochs, n_parties=n, noise=0,
+        noise_type="None", datadir=".", train_acc_pre=False, balanced_soft_max=False, k_neighbor=False, mu=0.0,
+        device="cpu")
+    inner3 = 3 * widths["heads"] * widths["dim_head"]
+    dim = widths["dim"]
+    vit = lambda: off_vit.ViT(image_size=32, patch_size=widths["patch_size"], num_classes=inputs.num_classes,
+                              dim=dim, depth=depth, heads=widths["heads"], mlp_dim=widths["mlp_dim"])
+    global_model, nets = vit(), {i: vit() for i in range(n)}
+    opts = exp.options
+    hnet = off_hyper.ViTHyper(n, opts.embed_dim, hidden_dim=opts.hyper_hidden, dim=dim, heads=widths["heads"],
+                              dim_head=widths["dim_head"], n_hidden=opts.hyper_layers, depth=depth, client_sample=k)
+
+    def load(module, sd, strict=True):
+        missing, unexpected = module.load_state_dict({a: torch.from_numpy(np.array(b, np.float32))
+                                                      for a, b in sd.items()}, strict=False)
+        assert not unexpected and (not strict or not missing), (missing, unexpected)
+        assert all(m.endswith("to_qkv.weight") for m in missing), missing
+
+    # the two codes' own initial draws, compared by law before jaxfl's values replace the official ones
+    official_init = {"xi": {a: b.detach().numpy().copy() for a, b in global_model.state_dict().items()},
+                     "hypernet": {a: b.detach().numpy().copy() for a, b in hnet.state_dict().items()}}
+    load(global_model, vit_to_torch(server["params"], depth), strict=False)
+    load(hnet, hypernet_to_torch(server["hnet"], server["embeddings"], dim, inner3))
+    optimizer = torch.optim.SGD(hnet.parameters(), lr=opts.hyper_lr, momentum=opts.hyper_momentum,
+                                weight_decay=opts.hyper_decay)
+    logger = logging.getLogger("fedtp-check")
+    logger.setLevel(logging.WARNING)
+
+    def ours(s):
+        return {"xi": vit_to_torch(s["params"], depth), "hypernet": hypernet_to_torch(s["hnet"], s["embeddings"],
+                                                                                     dim, inner3)}
+
+    def theirs():
+        return {"xi": {a: b.detach().numpy().copy() for a, b in global_model.state_dict().items()
+                       if not a.endswith("to_qkv.weight")},
+                "hypernet": {a: b.detach().numpy().copy() for a, b in hnet.state_dict().items()}}
+
+    before_ours, before_theirs = ours(server), theirs()
+    init_law = {}
+    for part in ("xi", "hypernet"):  # tensors of >= 10,000 entries: their std is estimated to < 2%
+        ratios = {name: float(np.std(v) / np.std(official_init[part][name]))
+                  for name, v in before_ours[part].items() if v.size >= 10_000}
+        worst = max(ratios, key=lambda name: abs(ratios[name] - 1.0))
+        init_law[part] = {"tensors": len(ratios), "worst_std_ratio_jaxfl_over_official": [ratios[worst], worst]}
+    print(json.dumps({"init_law": init_law}), flush=True)
+    report = []
+    for r in range(cfg.rounds):
+        # ---- the official round (main.py:521-568)
+        hnet.train()
+        selected = np.asarray(inputs.cohorts[r])
+        weights = hnet(torch.tensor(np.array([selected]), dtype=torch.long), False)
+        global_para = global_model.state_dict()
+        for ix, idx in enumerate(selected):
+            nets[idx].load_state_dict(global_para)
+            nets[idx].load_state_dict(weights[ix], strict=False)
+        off_method.local_train_net_per(nets, selected, oargs, t.map_tr, t.map_te, logger, device="cpu")
+        total = sum(len(t.map_tr[i]) for i in selected)
+        freqs = [len(t.map_tr[i]) / total for i in selected]
+        grads_update = None
+        for ix, idx in enumerate(selected):
+            final_state = nets[idx].state_dict()
+            node_weights = weights[ix]
+            delta = [node_weights[key].data - final_state[key] for key in node_weights]
+            hnet_grads = torch.autograd.grad(list(node_weights.values()), hnet.parameters(), grad_outputs=delta,
+                                             retain_graph=True)
+            if ix == 0:
+                for key in final_state:
+                    global_para[key] = final_state[key] * freqs[ix]
+                grads_update = [freqs[ix] * g for g in hnet_grads]
+            else:
+                for key in final_state:
+                    global_para[key] += final_state[key] * freqs[ix]
+                for g in range(len(hnet_grads)):
+                    grads_update[g] += freqs[ix] * hnet_grads[g]
+        global_model.load_state_dict(global_para)
+        optimizer.zero_grad()
+        for p_, g in zip(hnet.parameters(), grads_update):
+            p_.grad = g
+        optimizer.step()
+        off_eval = off_utils.compute_accuracy_per_client(hnet, nets, global_model, oargs, t.map_tr, t.map_te,
+                                                          inputs.num_classes)
+        # ---- jaxfl's round
+        server, _ = exp.run_rounds(server, store, r, 1)
+        ev = exp.evaluate(server, store)
+        after_ours, after_theirs = ours(server), theirs()
+        rec = {"round": r + 1, "official_weighted_accuracy": float(off_eval[6]),
+               "jaxfl_weighted_accuracy": float(ev["weighted_accuracy"])}
+        for part in ("xi", "hypernet"):
+            worst, worst_l2 = (0.0, "", 0.0), (0.0, "")
+            for name, new in after_ours[part].items():
+                step_ours = new - before_ours[part][name]
+                step_theirs = after_theirs[part][name] - before_theirs[part][name]
+                gap = step_theirs - step_ours
+                scale = max(float(np.abs(step_ours).max()), 1e-30)
+                # the yardstick: one float32 spacing at the tensor's largest entry, relative to the update
+                ulp = float(np.spacing(np.float32(np.abs(new).max()))) / scale
+                worst = max(worst, (float(np.abs(gap).max()) / scale, name, ulp))
+                worst_l2 = max(worst_l2, (float(np.linalg.norm(gap) / max(np.linalg.norm(step_ours), 1e-30)), name))
+            rec[f"{part}_update_max_relative_difference"] = worst
+            rec[f"{part}_update_relative_l2_difference"] = worst_l2
+        report.append(rec)
+        print(json.dumps(rec), flush=True)
+        before_ours, before_theirs = after_ours, after_theirs
+    return {"config": args.config, "model": cfg.model, "depth": depth, "widths": widths, "clients": n,
+            "cohort": k, "samples_per_client": 64, "local_epochs": cfg.local_epochs, "seed": cfg.seed,
+            "init_law": init_law, "rounds": report}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variant", choices=list(ALGS), default="hypernet")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--eval-every", type=int, default=2)
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--num-clients", type=int, default=10)
+    p.add_argument("--clients-per-round", type=int, default=5)
+    p.add_argument("--test-per-client", type=int, default=500)
+    p.add_argument("--config", choices=list(CONFIGS), default="reduced",
+                   help="reduced: jaxfl's vit_tiny widths and (x/255 - 0.5)/0.5 on both sides; official: the "
+                        "official widths at depth 8 (jaxfl vit_small) and CIFAR-10 per-channel scaling")
+    p.add_argument("--out", help="the run's folder (required unless --check-weights)")
+    p.add_argument("--check-weights", action="store_true",
+                   help="instead of a run: whole rounds of both codes from the same initial weights, printed as "
+                        "JSON (check_weights; hypernet variant, one batch per client, no dropout)")
+    p.add_argument("--check-depth", type=int, default=0, help="--check-weights: ViT blocks (0: the model's)")
+    args = p.parse_args(argv)
+    if args.check_weights:
+        if args.variant != "hypernet":
+            p.error("--check-weights checks the hypernet variant")
+        print(json.dumps(check_weights(args)))
+        return
+    if not args.out:
+        p.error("--out is required")
+
+    repo = official_repo("FEDTP_OFFICIAL", "zhyczy/FedTP")
+    clash = [m for m in OFFICIAL_MODULES if m in sys.modules]
+    if clash:
+        raise SystemExit(f"official: error: modules {clash} already imported; they would shadow the official ones")
+
+    # ---- jaxfl's inputs (before the official checkout goes on sys.path)
+    inputs = jaxfl_inputs(jaxfl_config(args))
+    cfg, n = inputs.cfg, inputs.num_clients
+    k = len(inputs.cohorts[0])
+    widths = vit_widths(cfg.model)
+    if cfg.eval_every < 2:
+        print("official: note: the official code cannot evaluate round 1 (test_round > 1); evaluating from round 2",
+              file=sys.stderr)
+
+    t = official_tensors(inputs)
+    x_tr, y_tr, map_tr, x_te, y_te, map_te = t.x_tr, t.y_tr, t.map_tr, t.x_te, t.y_te, t.map_te
+
+    def cls_counts(y, idx):
+        return {i: dict(zip(*[a.tolist() for a in np.unique(y.numpy()[ix], return_counts=True)]))
+                for i, ix in idx.items()}
+
+    # ---- the official modules, with the stand-ins above
+    stubbed, _, _, off_utils = import_official(repo, t, widths)
+
+    def partition_data(dataset, datadir, partition, n_parties, beta=0.4, logdir=None):
+        assert n_parties == n, (n_parties, n)
+        return (x_tr, y_tr.numpy(), x_te, y_te.numpy(), map_tr, map_te,
+                cls_counts(y_tr, map_tr), cls_counts(y_te, map_te))
+
+    off_utils.partition_data = partition_data
 
     # ---- per-round bookkeeping: cohort injection, train losses, evaluations -> metrics.jsonl
     run = {"round": 0, "train_loss": {}, "eval": None}
@@ -267,6 +495,8 @@ def main(argv=None) -> None:
     for name in ("compute_accuracy_per_client", "compute_accuracy_personally", "compute_accuracy_per_client_simple"):
         setattr(off_utils, name, recording_eval(getattr(off_utils, name)))
 
+    import torch
+
     import methods.method as off_method  # after the patches: it star-imports utils
     official_train_net = off_method.train_net
     OfficialCE = torch.nn.CrossEntropyLoss
@@ -303,7 +533,7 @@ def main(argv=None) -> None:
                 f"--datadir={work}", f"--logdir={work}/logs", f"--modeldir={work}/models",
                 "--log_file_name=official"]
     config["official_argv"] = argv_off
-    (log.out / "config.json").write_text(__import__("json").dumps(config, indent=2, default=str))
+    (log.out / "config.json").write_text(json.dumps(config, indent=2, default=str))
     old_argv, old_cwd = sys.argv, os.getcwd()
     sys.argv = argv_off
     os.chdir(work)
