@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# The GPU measurements the benchmark tables still lack, as one call of a lent GPU machine (about 9 minutes on an
+# The GPU measurements the benchmark tables still lack, as one call of a lent GPU machine (about 9.5 minutes on an
 # H200 with a warm start; each part has its own time limit, so a slow part costs its limit, not the rest):
 #   1. the padding table (`gpu_suite.py --lanes`): one vmap over the cohort against the lane plan (with the step
 #      overhead `jaxfl run` uses) and the vectorized torch baseline, on log-normal clients (and the label-skewed
 #      FedAvg CNN), each row with its roofline fractions (the device's measured matmul peak and copy bandwidth);
 #      the rows the table at b65f0a4 lacks first;
-#   2. compiling in a FedTP run with `vit_small` at its paper's per-client size, under the automatic backend
+#   2. the small models' lane plans at cohort 1,000 (2NN, logreg; one and 10 rounds per call) with XLA's
+#      command buffers (CUDA graphs) at their default and with while loops and conditionals added
+#      (`--xla_gpu_enable_command_buffer=...,CONDITIONAL,WHILE`): a plan's round is ~70 sequential steps whose
+#      cost is mostly per-step launches and the loop predicate's read back to the host, which a while loop
+#      inside a CUDA graph does not pay;
+#   3. compiling a FedTP cohort's local training with `vit_small`'s 8 blocks unrolled (the library) and as one
+#      scan (`vit_compile.py`: does one block body instead of 8 copies shorten a GPU compile?);
+#   4. compiling in a FedTP run with `vit_small` at its paper's per-client size, under the automatic backend
 #      choice (`compile_count.py --setting fedtp_cifar10 --backends auto`), with XLA's GPU autotuning on (the
 #      default) and off (`--xla_gpu_autotune_level=0`): programs, compile seconds, round seconds (the rounds
-#      finished in 105 s each).
+#      finished in 80 s each).
 # Needs jax with CUDA (torch with CUDA for the torch rows) and CIFAR-10 where JAXFL_DATA_DIR points (part 2).
 # The working tree and CIFAR-10 together exceed what a call carries (64 MiB), so the copy keeps the whole training
 # split and 500 test images a class (clients' test sets of 375-500 images instead of 500; compile counts and round
@@ -24,7 +31,8 @@
 #   SMOKE=1 JAXFL_DATA_DIR=../shared/data bash benchmarks/gpu_session.sh /tmp/gpu_smoke   # the plumbing, any CPU
 #
 # Results: OUT/env.txt (device, versions, commit), OUT/lanes/ (results.json, results.md),
-# OUT/fedtp_compile_autotune_{default,0}.json, OUT/log.txt (everything printed).
+# OUT/command_buffer_{default,while}.json, OUT/vit_compile.json, OUT/fedtp_compile_autotune_{default,0}.json,
+# OUT/log.txt (everything printed).
 set -u
 OUT=${1:?usage: gpu_session.sh OUT}
 mkdir -p "$OUT"
@@ -42,18 +50,35 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+# XLA's command buffers: its default kinds, and those with CONDITIONAL and WHILE added
+COMMAND_BUFFERS=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE
+command_buffers() {  # PLAN ROUNDS LIMIT_S
+  for cb in default while; do
+    flags=$([ $cb = default ] || echo "--xla_gpu_enable_command_buffer=$COMMAND_BUFFERS")
+    XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout "$3" $PY benchmarks/throughput.py --small --plan "$1" \
+      --runners stacked/vmap/K1,stacked/vmap/K10 --k 10 --median 60 --sigma 0.8 --rounds "$2" \
+      --json "$OUT/command_buffer_$cb.json"
+    echo "command buffers ($cb): rc $?"
+  done
+}
+
 if [ -n "${SMOKE:-}" ]; then
-  # tiny versions of both parts: checks the commands and their outputs, not the device
+  # tiny versions of every part: checks the commands and their outputs, not the device
   timeout 900 $PY benchmarks/gpu_suite.py --out "$OUT/lanes" --smoke
+  command_buffers logreg:100:20 1 600
+  timeout 600 $PY benchmarks/vit_compile.py --depth 2 --clients 2 --steps 1 --reps 1 --json "$OUT/vit_compile.json"
   timeout 900 $PY benchmarks/compile_count.py --setting fedtp_cifar10 --backends auto --rounds 2 \
     --out "$OUT/fedtp_compile.json" --model vit_tiny --local-epochs 1
 else
-  timeout 300 $PY benchmarks/gpu_suite.py --out "$OUT/lanes" --lanes --budget-s 280
+  timeout 200 $PY benchmarks/gpu_suite.py --out "$OUT/lanes" --lanes --budget-s 185
   echo "lanes: rc $?"
+  command_buffers 2nn:1000:1000,logreg:1000:1000 3 60
+  timeout 75 $PY benchmarks/vit_compile.py --depth 8 --clients 5 --steps 4 --reps 3 --json "$OUT/vit_compile.json"
+  echo "vit compile: rc $?"
   for level in default 0; do  # XLA's GPU autotuning on (its default) and off: compile seconds against round time
     flags=$([ $level = default ] || echo "--xla_gpu_autotune_level=$level")
-    XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout 120 $PY benchmarks/compile_count.py --setting fedtp_cifar10 \
-      --backends auto --rounds 40 --timeout-s 105 --out "$OUT/fedtp_compile_autotune_$level.json"
+    XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout 95 $PY benchmarks/compile_count.py --setting fedtp_cifar10 \
+      --backends auto --rounds 40 --timeout-s 80 --out "$OUT/fedtp_compile_autotune_$level.json"
     echo "fedtp compile (autotune $level): rc $?"
   done
 fi

@@ -181,6 +181,18 @@ def test_the_evaluation_benchmarks_time_the_same_evaluation():
     assert set(r["sizes"]) == {"4", "8"} and min(v["over_fastest"] for v in r["sizes"].values()) == 1.0
 
 
+def test_the_vit_compile_benchmark_times_two_layouts_of_the_same_vit(tmp_path):
+    import vit_compile
+    out = tmp_path / "vit.json"
+    vit_compile.main(["--depth", "2", "--clients", "2", "--steps", "1", "--reps", "1", "--batch", "2",
+                      "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"unrolled", "scan"}
+    # the same blocks, stacked on a leading axis in the scanned form: the same parameters
+    assert rows["unrolled"]["parameters"] == rows["scan"]["parameters"]
+    assert all(r["compile_s"] > 0 and r["step_ms"] > 0 for r in rows.values())
+
+
 def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkeypatch):
     import backend_choice
     import compile_count
@@ -191,6 +203,7 @@ def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkey
     import switch_cost
     import tail_batches
     import time_to_accuracy
+    import vit_compile
 
     from jaxfl.run.script import run_script
     monkeypatch.setattr(sys, "argv", ["script.py"])
@@ -214,6 +227,7 @@ def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkey
              (compile_count.main, ["--out", "x", "--backends", "auto,foo"], "--backends 'auto,foo': give comma-"),
              (compile_count.main, ["--out", "x", "--timeout-s", "0"], "--timeout-s 0.0: give a number > 0"),
              (peer_settings.main, ["--out", "x", "--rounds", "0"], "--rounds 0: give a number >= 1"),
+             (vit_compile.main, ["--depth", "0"], "--depth 0: give a number >= 1"),
              (time_to_accuracy.main, ["--out", "/no/such/folder/x.json"], "--out '/no/such/folder/x.json': give a "
                                                                           "file in an existing folder")]
     for main, argv, message in cases:
