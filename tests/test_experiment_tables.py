@@ -221,6 +221,55 @@ def test_fedfomo_adapter_splits_each_client_as_jaxfl_does(pfl_setting, official,
         assert sorted(np.concatenate([train, val]).tolist()) == list(range(count))
 
 
+
+def test_fedtp_adapter_converts_jaxfls_weights_to_the_official_layout(official, monkeypatch):
+    """experiments/official/fedtp.py's converters, against what the official modules compute with the converted
+    weights (written here with numpy as the official code computes them): ``ViTHyper``'s head output viewed as
+    [3I, D] and used as x @ W^T equals jaxfl's generated W_qkv [D, 3I] used as x @ W; a Linear layer's torch
+    weight is jaxfl's kernel transposed; the state-dict names are the official ``ViT``'s."""
+    import importlib.util
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxfl.models import build_model
+    from jaxfl.ops.hypernet import hypernetwork
+    monkeypatch.setitem(sys.modules, "common", official)
+    path = Path(__file__).resolve().parents[1] / "experiments" / "official" / "fedtp.py"
+    spec = importlib.util.spec_from_file_location("fedtp_adapter", path)
+    adapter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(adapter)
+
+    dim, inner3, hidden, depth = 6, 12, 5, 2
+    hnet = hypernetwork({f"qkv{l}": (dim, inner3) for l in range(depth)}, embed_dim=4, hidden=hidden, n_hidden=1)
+    params = hnet.init(jax.random.key(0))
+    z = np.asarray(jax.random.normal(jax.random.key(1), (3, 4)))
+    sd = adapter.hypernet_to_torch(params, z, dim, inner3)
+    h = z[2]  # the official trunk: Linear, ReLU, Linear (torch weights [out, in])
+    h = np.maximum(sd["mlp.0.weight"] @ h + sd["mlp.0.bias"], 0.0)
+    h = sd["mlp.2.weight"] @ h + sd["mlp.2.bias"]
+    ours = hnet.apply(params, jnp.asarray(z[2]))
+    x = np.asarray(jax.random.normal(jax.random.key(2), (7, dim)))
+    for l in range(depth):
+        w_official = (sd[f"to_qkv_value_list.{l}.weight"] @ h + sd[f"to_qkv_value_list.{l}.bias"]).reshape(inner3, dim)
+        np.testing.assert_allclose(x @ w_official.T, x @ np.asarray(ours[f"qkv{l}"]), rtol=1e-5, atol=1e-5)
+    assert set(sd) == {"embeddings.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias",
+                       *(f"to_qkv_value_list.{l}.{k}" for l in range(depth) for k in ("weight", "bias"))}
+
+    model = build_model("vit_tiny", 10)
+    vit = model.init(jax.random.key(3), jnp.zeros((1, 32, 32, 3)), train=False)["params"]
+    sd = adapter.vit_to_torch(vit, model.encoder.depth)
+    e = vit["encoder"]
+    np.testing.assert_array_equal(sd["to_patch_embedding.1.weight"], np.asarray(e["patch_embed"]["linear"]["kernel"]).T)
+    np.testing.assert_array_equal(sd["mlp_head.1.weight"], np.asarray(vit["head"]["fc1"]["linear"]["kernel"]).T)
+    np.testing.assert_array_equal(sd["transformer.layers.1.1.norm.weight"], np.asarray(e["ln_ff1"]["scale"]))
+    per_block = {"0.norm.weight", "0.norm.bias", "0.fn.to_out.0.weight", "0.fn.to_out.0.bias", "1.norm.weight",
+                 "1.norm.bias", "1.fn.net.0.weight", "1.fn.net.0.bias", "1.fn.net.3.weight", "1.fn.net.3.bias"}
+    assert set(sd) == {"to_patch_embedding.1.weight", "to_patch_embedding.1.bias", "pos_embedding", "cls_token",
+                       "mlp_head.0.weight", "mlp_head.0.bias", "mlp_head.1.weight", "mlp_head.1.bias",
+                       *(f"transformer.layers.{l}.{k}" for l in range(model.encoder.depth) for k in per_block)}
+
 def test_library_adapter_command_line(pfl_setting, tmp_path, capsys):
     """pfl_setting.Library.main, the command line of the library adapters: ``--compare`` prints the table of
     the runs both sides logged under the library's label; ``--all`` without ``--out`` and a run without its

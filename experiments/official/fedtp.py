@@ -58,6 +58,11 @@ trained), ``fedavg`` (--alg fedavg: FedAvg-T, the global model evaluated on ever
 
 Outputs under ``--out``: config.json, metrics.jsonl (jaxfl's format), official/ (the official code's cwd:
 its results_table/ json and argument dump).
+
+``--check-weights`` (``check_weights``), instead of a run: whole rounds of the hypernetwork variant in both
+codes from the *same* initial weights (jaxfl's, converted into the official ``ViT`` and ``ViTHyper``), one batch
+a client and dropout off, printing per round the two codes' test accuracy and the largest differences of their
+updates (JSON; ``--check-depth`` blocks at ``--config``'s widths).
 """
 from __future__ import annotations
 
