@@ -249,22 +249,23 @@ def check_weights(args) -> dict:
     whatever their shuffles), dropout off on both sides (the only randomness left), at ``--config``'s widths with
     ``--check-depth`` blocks. Per round, over the tensors of the shared ViT (xi) and of the hypernetwork with its
     embedding table, the worst of: the largest difference between the two codes' updates of a tensor relative to
-    the largest entry of jaxfl's update of it (with that tensor's float32 spacing at its largest entry relative to
-    the same, the rounding of the parameter itself), and ||official update - jaxfl update|| / ||jaxfl update||; and both
-    codes' test accuracy over all clients (the official evaluation function's). Before the copy, the two codes'
-    own initial draws are compared by law: per tensor of >= 10,000 entries, std(jaxfl's) / std(official's)."""
+    the largest entry of jaxfl's update of it (with that tensor's float32 spacing at its largest entry relative
+    to the same: the rounding of the parameter itself), and ||official update - jaxfl update|| / ||jaxfl
+    update||; and both codes' test accuracy over all clients (the official evaluation function's). Before the
+    copy, the two codes' own initial draws are compared by law: per tensor of >= 10,000 entries, std(jaxfl's) /
+    std(official's)."""
+    import importlib
     import logging
     import types
 
     import torch
-
-    import importlib
 
     from jaxfl.models import build_model
     from jaxfl.run.runner import Experiment
 
     jaxfl_runner = importlib.import_module("jaxfl.run.runner")  # (the attribute jaxfl.run is the function run)
 
+    repo = official_repo("FEDTP_OFFICIAL", "zhyczy/FedTP")
     cfg = dataclasses.replace(jaxfl_config(args), samples_per_client=64, eval_every=1)
     depth = args.check_depth or vit_widths(cfg.model)["depth"]
     widths = dict(vit_widths(cfg.model), depth=depth, dropout=0.0, emb_dropout=0.0)
@@ -279,7 +280,6 @@ def check_weights(args) -> dict:
     exp = Experiment(cfg)
     server, store = exp.init()
 
-    repo = official_repo("FEDTP_OFFICIAL", "zhyczy/FedTP")
     t = official_tensors(inputs)
     _, off_hyper, off_vit, off_utils = import_official(repo, t, widths)
     import methods.method as off_method
@@ -413,18 +413,18 @@ def main(argv=None) -> None:
                         "JSON (check_weights; hypernet variant, one batch per client, no dropout)")
     p.add_argument("--check-depth", type=int, default=0, help="--check-weights: ViT blocks (0: the model's)")
     args = p.parse_args(argv)
-    if args.check_weights:
-        if args.variant != "hypernet":
-            p.error("--check-weights checks the hypernet variant")
-        print(json.dumps(check_weights(args)))
-        return
-    if not args.out:
+    if args.check_weights and args.variant != "hypernet":
+        p.error("--check-weights checks the hypernet variant")
+    if not (args.check_weights or args.out):
         p.error("--out is required")
-
-    repo = official_repo("FEDTP_OFFICIAL", "zhyczy/FedTP")
     clash = [m for m in OFFICIAL_MODULES if m in sys.modules]
     if clash:
         raise SystemExit(f"official: error: modules {clash} already imported; they would shadow the official ones")
+    if args.check_weights:
+        print(json.dumps(check_weights(args)))
+        return
+
+    repo = official_repo("FEDTP_OFFICIAL", "zhyczy/FedTP")
 
     # ---- jaxfl's inputs (before the official checkout goes on sys.path)
     inputs = jaxfl_inputs(jaxfl_config(args))
