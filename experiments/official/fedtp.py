@@ -412,6 +412,9 @@ def main(argv=None) -> None:
                    help="instead of a run: whole rounds of both codes from the same initial weights, printed as "
                         "JSON (check_weights; hypernet variant, one batch per client, no dropout)")
     p.add_argument("--check-depth", type=int, default=0, help="--check-weights: ViT blocks (0: the model's)")
+    p.add_argument("--flush-denormal", action="store_true",
+                   help="torch.set_flush_denormal(True): subnormal floats as zero, as XLA:CPU computes (torch's "
+                        "default keeps them, and a matmul with many of them runs tens of times slower)")
     args = p.parse_args(argv)
     if args.check_weights and args.variant != "hypernet":
         p.error("--check-weights checks the hypernet variant")
@@ -456,7 +459,8 @@ def main(argv=None) -> None:
     run = {"round": 0, "train_loss": {}, "eval": None}
     config = {"official_repo": str(repo), "official_commit": _git_head(repo), "variant": args.variant,
               "official_alg": ALGS[args.variant], "config": args.config, "vit": widths, "stubbed_imports": stubbed,
-              "jaxfl_config": dataclasses.asdict(cfg), "normalize": list(inputs.normalize)}
+              "jaxfl_config": dataclasses.asdict(cfg), "normalize": list(inputs.normalize),
+              "flush_denormal": args.flush_denormal}
     log = MetricsLog(args.out, inputs.client_names, config)
 
     def flush_round():
@@ -502,6 +506,8 @@ def main(argv=None) -> None:
 
     import torch
 
+    if args.flush_denormal:
+        torch.set_flush_denormal(True)
     import methods.method as off_method  # after the patches: it star-imports utils
     official_train_net = off_method.train_net
     OfficialCE = torch.nn.CrossEntropyLoss
