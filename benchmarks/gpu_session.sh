@@ -50,12 +50,16 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+# XLA_FLAGS with FLAGS added, no stray blank: XLA reads a value that is one word without "--" as a file name
+# (XLA_FLAGS=" " fails every program)
+xla_flags() { echo "${XLA_FLAGS:-}${XLA_FLAGS:+${1:+ }}$1"; }
+
 # XLA's command buffers: its default kinds, and those with CONDITIONAL and WHILE added
 COMMAND_BUFFERS=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE
 command_buffers() {  # PLAN ROUNDS LIMIT_S
   for cb in default while; do
     flags=$([ $cb = default ] || echo "--xla_gpu_enable_command_buffer=$COMMAND_BUFFERS")
-    XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout "$3" $PY benchmarks/throughput.py --small --plan "$1" \
+    XLA_FLAGS="$(xla_flags "$flags")" timeout "$3" $PY benchmarks/throughput.py --small --plan "$1" \
       --runners stacked/vmap/K1,stacked/vmap/K10 --k 10 --median 60 --sigma 0.8 --rounds "$2" \
       --json "$OUT/command_buffer_$cb.json"
     echo "command buffers ($cb): rc $?"
@@ -77,7 +81,7 @@ else
   echo "vit compile: rc $?"
   for level in default 0; do  # XLA's GPU autotuning on (its default) and off: compile seconds against round time
     flags=$([ $level = default ] || echo "--xla_gpu_autotune_level=$level")
-    XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout 95 $PY benchmarks/compile_count.py --setting fedtp_cifar10 \
+    XLA_FLAGS="$(xla_flags "$flags")" timeout 95 $PY benchmarks/compile_count.py --setting fedtp_cifar10 \
       --backends auto --rounds 40 --timeout-s 80 --out "$OUT/fedtp_compile_autotune_$level.json"
     echo "fedtp compile (autotune $level): rc $?"
   done
