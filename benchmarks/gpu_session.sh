@@ -73,6 +73,15 @@ if [ -n "${SMOKE:-}" ]; then
   timeout 600 $PY benchmarks/vit_compile.py --depth 2 --clients 2 --steps 1 --reps 1 --json "$OUT/vit_compile.json"
   timeout 900 $PY benchmarks/compile_count.py --setting fedtp_cifar10 --backends auto --rounds 2 \
     --out "$OUT/fedtp_compile.json" --model vit_tiny --local-epochs 1
+  # a failed workload is a row, not an exit status: the smoke fails unless every part wrote its results
+  for f in lanes/results.json command_buffer_default.json command_buffer_while.json vit_compile.json \
+           fedtp_compile.json; do
+    [ -s "$OUT/$f" ] || { echo "smoke: $f missing"; exit 1; }
+  done
+  if grep -l '"error"' "$OUT"/command_buffer_*.json "$OUT/lanes/results.json"; then
+    echo "smoke: a workload failed (above)"; exit 1
+  fi
+  echo "smoke: every part wrote its results"
 else
   timeout 200 $PY benchmarks/gpu_suite.py --out "$OUT/lanes" --lanes --budget-s 185
   echo "lanes: rc $?"
