@@ -28,7 +28,7 @@
 #   # device tool: carry ["runs/device_data"], timeout_s 600, command (the copy's git metadata can be older than
 #   # its files: name the commit, `git rev-parse --short HEAD` here, with a clean working tree):
 #   PYTHON=python3 COMMIT=<commit> JAXFL_DATA_DIR=$PWD/runs/device_data bash benchmarks/gpu_session.sh "$OUT"
-#   SMOKE=1 JAXFL_DATA_DIR=../shared/data bash benchmarks/gpu_session.sh /tmp/gpu_smoke   # the plumbing, any CPU
+#   SMOKE=1 PYTHON=.venv/bin/python JAXFL_DATA_DIR=../shared/data bash benchmarks/gpu_session.sh /tmp/gpu_smoke  # any CPU
 #
 # Results: OUT/env.txt (device, versions, commit), OUT/lanes/ (results.json, results.md),
 # OUT/command_buffer_{default,while}.json, OUT/vit_compile.json, OUT/fedtp_compile_autotune_{default,0}.json,
