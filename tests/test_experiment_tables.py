@@ -115,16 +115,24 @@ def test_run_script_ends_a_stop_or_an_error_in_one_line_with_the_cli_exit_code(c
         run_script(lambda argv: int("x"))
 
 
-@pytest.fixture
-def official(monkeypatch):
-    """experiments/official/common.py as a module (that folder is not a package)."""
+def official_script(stem: str, name: str, monkeypatch, register: bool = False):
+    """experiments/official/<stem>.py as the module ``name`` (that folder is not a package); ``register`` puts it
+    in ``sys.modules`` first (for the duration of the test), which a module whose dataclasses look their module
+    up needs."""
     import importlib.util
-    path = Path(__file__).resolve().parents[1] / "experiments" / "official" / "common.py"
-    spec = importlib.util.spec_from_file_location("official_common", path)
+    path = Path(__file__).resolve().parents[1] / "experiments" / "official" / f"{stem}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "official_common", module)  # its dataclasses look their module up
+    if register:
+        monkeypatch.setitem(sys.modules, name, module)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def official(monkeypatch):
+    """experiments/official/common.py as a module."""
+    return official_script("common", "official_common", monkeypatch, register=True)
 
 
 def test_official_comparisons_take_the_rounds_both_sides_evaluated(official):
@@ -153,14 +161,8 @@ def test_official_agreement_bound_is_two_pooled_stds_or_one_and_a_half_points(of
 @pytest.fixture
 def pfl_setting(official, monkeypatch):
     """experiments/official/pfl_setting.py, whose ``from common import`` means experiments/official/common.py."""
-    import importlib.util
     monkeypatch.setitem(sys.modules, "common", official)
-    path = Path(__file__).resolve().parents[1] / "experiments" / "official" / "pfl_setting.py"
-    spec = importlib.util.spec_from_file_location("pfl_setting", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "pfl_setting", module)  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+    return official_script("pfl_setting", "pfl_setting", monkeypatch, register=True)
 
 
 def test_library_comparison_pairs_runs_by_seed_and_applies_the_criterion(pfl_setting, tmp_path):
@@ -198,17 +200,12 @@ def test_fedfomo_adapter_splits_each_client_as_jaxfl_does(pfl_setting, official,
     """experiments/official/fedfomo.py gives the official clients jaxfl's train/validation split: the positions
     ``split_rows`` orders for a client padded to M (what ``fedfomo``'s local update uses) start with the adapter's
     unpadded ones, so both codes validate on the same samples; the two parts cover the client's samples once."""
-    import importlib.util
-
     import jax
     import numpy as np
 
     from jaxfl.algorithms.fedfomo import split_rows
     monkeypatch.setitem(sys.modules, "common", official)
-    path = Path(__file__).resolve().parents[1] / "experiments" / "official" / "fedfomo.py"
-    spec = importlib.util.spec_from_file_location("fedfomo_adapter", path)
-    adapter = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(adapter)
+    adapter = official_script("fedfomo", "fedfomo_adapter", monkeypatch)
     opts = {"split_seed": 3, "val_frac": 0.2}
     for count, cid in [(37, 5), (500, 0), (8, 19)]:
         train, val = adapter.split_indices(count, cid, opts)
@@ -227,8 +224,6 @@ def test_fedtp_adapter_converts_jaxfls_weights_to_the_official_layout(official, 
     weights (written here with numpy as the official code computes them): ``ViTHyper``'s head output viewed as
     [3I, D] and used as x @ W^T equals jaxfl's generated W_qkv [D, 3I] used as x @ W; a Linear layer's torch
     weight is jaxfl's kernel transposed; the state-dict names are the official ``ViT``'s."""
-    import importlib.util
-
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -236,10 +231,7 @@ def test_fedtp_adapter_converts_jaxfls_weights_to_the_official_layout(official, 
     from jaxfl.models import build_model
     from jaxfl.ops.hypernet import hypernetwork
     monkeypatch.setitem(sys.modules, "common", official)
-    path = Path(__file__).resolve().parents[1] / "experiments" / "official" / "fedtp.py"
-    spec = importlib.util.spec_from_file_location("fedtp_adapter", path)
-    adapter = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(adapter)
+    adapter = official_script("fedtp", "fedtp_adapter", monkeypatch)
 
     dim, inner3, hidden, depth = 6, 12, 5, 2
     hnet = hypernetwork({f"qkv{l}": (dim, inner3) for l in range(depth)}, embed_dim=4, hidden=hidden, n_hidden=1)

@@ -304,16 +304,6 @@ def check_weights(args) -> dict:
         assert not unexpected and (not strict or not missing), (missing, unexpected)
         assert all(m.endswith("to_qkv.weight") for m in missing), missing
 
-    # the two codes' own initial draws, compared by law before jaxfl's values replace the official ones
-    official_init = {"xi": {a: b.detach().numpy().copy() for a, b in global_model.state_dict().items()},
-                     "hypernet": {a: b.detach().numpy().copy() for a, b in hnet.state_dict().items()}}
-    load(global_model, vit_to_torch(server["params"], depth), strict=False)
-    load(hnet, hypernet_to_torch(server["hnet"], server["embeddings"], dim, inner3))
-    optimizer = torch.optim.SGD(hnet.parameters(), lr=opts.hyper_lr, momentum=opts.hyper_momentum,
-                                weight_decay=opts.hyper_decay)
-    logger = logging.getLogger("fedtp-check")
-    logger.setLevel(logging.WARNING)
-
     def ours(s):
         return {"xi": vit_to_torch(s["params"], depth), "hypernet": hypernet_to_torch(s["hnet"], s["embeddings"],
                                                                                      dim, inner3)}
@@ -322,6 +312,14 @@ def check_weights(args) -> dict:
         return {"xi": {a: b.detach().numpy().copy() for a, b in global_model.state_dict().items()
                        if not a.endswith("to_qkv.weight")},
                 "hypernet": {a: b.detach().numpy().copy() for a, b in hnet.state_dict().items()}}
+
+    official_init = theirs()  # the official code's own draws, compared by law below, before jaxfl's replace them
+    load(global_model, vit_to_torch(server["params"], depth), strict=False)
+    load(hnet, hypernet_to_torch(server["hnet"], server["embeddings"], dim, inner3))
+    optimizer = torch.optim.SGD(hnet.parameters(), lr=opts.hyper_lr, momentum=opts.hyper_momentum,
+                                weight_decay=opts.hyper_decay)
+    logger = logging.getLogger("fedtp-check")
+    logger.setLevel(logging.WARNING)
 
     before_ours, before_theirs = ours(server), theirs()
     init_law = {}
