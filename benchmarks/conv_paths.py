@@ -9,7 +9,7 @@ conv5x5(32)-pool-conv5x5(64)-pool-512-10, 28x28x1) inside one jitted call, timed
                        steps in a ``fori_loop`` with a traced trip count (as ``LocalTrainer``)
   matmul/unrolled      the same, the S steps unrolled (a static step count, as one bucket of the ragged engine has)
   autodiff/loop        the same im2col and matmul differentiated by JAX's own rules (``conv_autodiff``): the kernel
-                       gradient as cols^T dY, which ``models.patch_matmul`` computes as (dY^T cols)^T
+                       gradient as cols^T dY, which ``models.kernel_matmul`` computes as (dY^T cols)^T
   lax/loop             XLA's own convolution (``lax.conv_general_dilated``) in the ``fori_loop``
   lax/unrolled         XLA's convolution with the steps unrolled (every convolution at the top level)
   xla/loop             XLA's convolution with its backward convolutions written in the canonical NHWC/HWIO form
@@ -54,7 +54,7 @@ MODELS = {"fedavg_cnn": dict(hidden=512, classes=10), "femnist_cnn": dict(hidden
 
 
 def conv_autodiff(x, k, padding):
-    """``models.conv2d_matmul`` without its custom gradient (``patch_matmul``): im2col and one plain matmul."""
+    """``models.conv2d_matmul`` without its custom gradient (``kernel_matmul``): im2col and one plain matmul."""
     from jaxfl.models import conv_patches
     kh, kw, ci, co = k.shape
     return conv_patches(x, kh, kw, 1, padding) @ k.reshape(kh * kw * ci, co)

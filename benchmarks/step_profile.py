@@ -3,7 +3,8 @@
     python benchmarks/step_profile.py --model fedavg_cnn --batch 32            # both cores
     taskset -c 0 python benchmarks/step_profile.py --model fedavg_cnn --batch 32   # one core
 
-``--steps`` SGD steps of a jaxfl model (``jaxfl.models.build_model``; no BatchNorm: parameters only) on random
+``--steps`` SGD steps of a jaxfl model (``jaxfl.models.build_model``; no BatchNorm: parameters only; dropout
+off unless ``--dropout``) on random
 inputs, inside one jitted ``fori_loop`` as the engine's local training runs them, are traced with
 ``jax.profiler`` (``--reps`` calls after a compiling one). The trace's operation events are summed by name and
 printed per step, largest first, with each operation's output shape from the compiled HLO and its share of the
@@ -40,7 +41,7 @@ def op_shapes(hlo_text: str) -> dict[str, str]:
 
 
 def profile(model: str, batch: int, steps: int, reps: int, shape: tuple[int, ...], classes: int,
-            kernel_grad_min: int | None = None) -> dict:
+            kernel_grad_min: int | None = None, dropout: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -49,7 +50,7 @@ def profile(model: str, batch: int, steps: int, reps: int, shape: tuple[int, ...
     from jaxfl.errors import ConfigError
     from jaxfl.models import build_model, layers
 
-    if kernel_grad_min is not None:  # read by patch_matmul's backward when the step is traced
+    if kernel_grad_min is not None:  # read by kernel_matmul's backward when the step is traced
         layers.TRANSPOSED_KERNEL_GRAD_MIN = kernel_grad_min
 
     mdl = build_model(model, classes)
@@ -62,11 +63,12 @@ def profile(model: str, batch: int, steps: int, reps: int, shape: tuple[int, ...
                           f"without BatchNorm")
     tx = optax.sgd(0.01)
 
-    def loss(p, xb, yb):
-        return optax.softmax_cross_entropy_with_integer_labels(mdl.apply({"params": p}, xb), yb).mean()
+    def loss(p, xb, yb, key):
+        kw = {"train": True, "rngs": {"dropout": key}} if dropout else {}
+        return optax.softmax_cross_entropy_with_integer_labels(mdl.apply({"params": p}, xb, **kw), yb).mean()
 
     def step(t, p):
-        g = jax.grad(loss)(p, x[t], y[t])
+        g = jax.grad(loss)(p, x[t], y[t], jax.random.fold_in(jax.random.key(1), t))
         return optax.apply_updates(p, tx.update(g, tx.init(p), p)[0])
 
     run = jax.jit(lambda p, n: jax.lax.fori_loop(0, n, step, p))
@@ -89,7 +91,7 @@ def profile(model: str, batch: int, steps: int, reps: int, shape: tuple[int, ...
     shapes = op_shapes(run.lower(params, steps).compile().as_text())
     ops = sorted(((name, sec / reps / steps) for name, sec in total.items()), key=lambda kv: -kv[1])
     return {"model": model, "batch": batch, "steps": steps, "reps": reps, "step_s": step_s,
-            "transposed_kernel_grad_min": layers.TRANSPOSED_KERNEL_GRAD_MIN,
+            "transposed_kernel_grad_min": layers.TRANSPOSED_KERNEL_GRAD_MIN, "dropout": dropout,
             "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "ops": [{"name": n, "shape": shapes.get(n, ""), "s_per_step": s} for n, s in ops]}
 
@@ -106,6 +108,8 @@ def main(argv=None):
     p.add_argument("--kernel-grad-min", type=int, default=None,
                    help="models.layers.TRANSPOSED_KERNEL_GRAD_MIN for this run (a large value: every convolution's "
                         "kernel gradient as autodiff writes it, cols^T dY)")
+    p.add_argument("--dropout", action="store_true",
+                   help="train mode: the model's dropout on, as local training runs it (default: off)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     try:
@@ -113,7 +117,8 @@ def main(argv=None):
     except ValueError:
         from jaxfl.errors import ConfigError
         raise ConfigError(f"--shape {args.shape!r}: give one input's shape as integers H,W,C") from None
-    res = profile(args.model, args.batch, args.steps, args.reps, shape, args.classes, args.kernel_grad_min)
+    res = profile(args.model, args.batch, args.steps, args.reps, shape, args.classes, args.kernel_grad_min,
+                  args.dropout)
     res["command"] = "benchmarks/step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"{args.model}, batch {args.batch}: {res['step_s'] * 1e3:.1f} ms a step ({res['device']}, jax {res['jax']})")
     print("| operation | output shape | ms a step | share of the step |")

@@ -8,7 +8,7 @@ from conftest import rounding_tolerance
 from jaxfl.core.trees import count_params
 from jaxfl.errors import ConfigError
 from jaxfl.models import BatchNorm, build_model, conv2d_matmul, digits_cnn, max_pool2
-from jaxfl.models import patch_matmul
+from jaxfl.models import kernel_matmul
 from jaxfl.models.layers import TRANSPOSED_KERNEL_GRAD_MIN
 
 
@@ -28,16 +28,19 @@ def test_conv_matmul_equals_lax_conv(stride, padding, k):
 
 
 @pytest.mark.parametrize("k", [27, 288])  # either side of TRANSPOSED_KERNEL_GRAD_MIN
-def test_patch_matmul_gradients_are_the_matmuls(k):
+@pytest.mark.parametrize("side", [6, 12])  # N = 2 side^2 rows: 72 (autodiff's gradient), 288 (written out)
+def test_kernel_matmul_gradients_are_the_matmuls(k, side):
     """d cols = g w^T and d w = cols^T g, however the kernel's product is ordered, under jit, vmap and grad."""
     assert (k >= TRANSPOSED_KERNEL_GRAD_MIN) == (k == 288)
     rng = np.random.default_rng(0)
-    cols = jnp.asarray(rng.normal(size=(2, 6, 6, k)), jnp.float32)
+    cols = jnp.asarray(rng.normal(size=(2, side, side, k)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(k, 5)), jnp.float32)
-    g = jnp.asarray(rng.normal(size=(2, 6, 6, 5)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(2, side, side, 5)), jnp.float32)
+    written = "custom_vjp_call" in str(jax.make_jaxpr(kernel_matmul)(cols, w))
+    assert written == (2 * side * side >= TRANSPOSED_KERNEL_GRAD_MIN)
     formula = jax.jit(lambda c, w, g: (g @ w.T, c.reshape(-1, k).T @ g.reshape(-1, 5)))
-    got = jax.jit(lambda c, w, g: jax.vjp(patch_matmul, c, w)[1](g))
-    np.testing.assert_array_equal(patch_matmul(cols, w), cols @ w)
+    got = jax.jit(lambda c, w, g: jax.vjp(kernel_matmul, c, w)[1](g))
+    np.testing.assert_array_equal(kernel_matmul(cols, w), cols @ w)
     for a, b, t in zip(got(cols, w, g), formula(cols, w, g), rounding_tolerance(formula, cols, w, g)):
         np.testing.assert_allclose(a, b, atol=t, rtol=0)
     stacked = [jnp.stack([a, a * 0.5]) for a in (cols, w, g)]  # two clients on a vmapped axis
@@ -48,7 +51,44 @@ def test_patch_matmul_gradients_are_the_matmuls(k):
     second = lambda mm: jax.jit(jax.grad(lambda w: jnp.sum(jnp.sin(jax.grad(  # noqa: E731
         lambda w: jnp.sum(jnp.sin(mm(cols, w))))(w)))))
     want = second(jnp.matmul)
-    np.testing.assert_allclose(second(patch_matmul)(w), want(w), atol=rounding_tolerance(want, w), rtol=0)
+    np.testing.assert_allclose(second(kernel_matmul)(w), want(w), atol=rounding_tolerance(want, w), rtol=0)
+
+
+def test_dense_draws_and_computes_as_flax_dense():
+    """``Dense`` keeps ``nn.Dense(name="linear")``'s parameters (names, shapes, the same draws from the same key), so
+    checkpoints, converters and experiment logs made with it still apply; outputs equal, gradients equal up to
+    float reassociation (its kernel gradient is ``kernel_matmul``'s once the rows reach the threshold)."""
+    import flax.linen as nn
+
+    from jaxfl.models.layers import Dense, torch_bias_init, torch_kernel_init
+
+    class FlaxDense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(7, kernel_init=torch_kernel_init, bias_init=torch_bias_init(x.shape[-1]),
+                            name="linear")(x)
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 100, 300)), jnp.float32)  # 300 rows, K = 300
+    ours, flax_ = Dense(7).init(jax.random.key(5), x), FlaxDense().init(jax.random.key(5), x)
+    jax.tree.map(np.testing.assert_array_equal, ours, flax_)
+    np.testing.assert_array_equal(Dense(7).apply(ours, x), FlaxDense().apply(flax_, x))
+    loss = lambda mod: jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(mod.apply(v, x)))))  # noqa: E731
+    want = loss(FlaxDense())
+    jax.tree.map(lambda a, b, t: np.testing.assert_allclose(a, b, atol=t, rtol=0),
+                 loss(Dense(7))(ours), want(flax_), rounding_tolerance(want, flax_))
+
+
+@pytest.mark.parametrize("model,batch,shape,written", [("mlp_2nn", 10, (28, 28, 1), False),
+                                                        ("mlp_2nn", 512, (28, 28, 1), True),
+                                                        ("vit_tiny", 4, (32, 32, 3), True)])
+def test_kernel_matmul_written_out_only_for_many_rows(model, batch, shape, written):
+    """A small model at a small batch differentiates its Dense layers as autodiff does (the program it had
+    before ``kernel_matmul``); many rows (a large batch, a ViT's batch x tokens) take the written-out gradient."""
+    mdl = build_model(model, 10)
+    x = jnp.zeros((batch,) + shape)
+    params = mdl.init(jax.random.key(0), x[:1])["params"]
+    jaxpr = str(jax.make_jaxpr(lambda p: mdl.apply({"params": p}, x))(params))  # (grad inlines the custom VJP)
+    assert ("custom_vjp_call" in jaxpr) == written
 
 
 def test_max_pool2():

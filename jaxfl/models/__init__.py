@@ -39,7 +39,7 @@ from .layers import (
                        max_last,
                        max_pool,
                        max_pool2,
-                       patch_matmul,
+                       kernel_matmul,
                        torch_bias_init,
                        torch_kernel_init,
 )

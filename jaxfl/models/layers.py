@@ -34,13 +34,26 @@ def torch_bias_init(fan_in: int) -> Callable:
 
 
 class Dense(nn.Module):
-    """Linear layer with PyTorch-default init."""
+    """Linear layer with PyTorch-default init: x @ kernel + bias, the product through ``kernel_matmul`` (its kernel
+    gradient in the form XLA:CPU runs at its matmul rate). Parameters ``linear/{kernel, bias}``, as
+    ``nn.Dense(name="linear")`` names and draws them."""
     features: int
 
     @nn.compact
     def __call__(self, x):
-        return nn.Dense(self.features, kernel_init=torch_kernel_init,
-                        bias_init=torch_bias_init(x.shape[-1]), name="linear")(x)
+        return _Linear(self.features, name="linear")(x)
+
+
+class _Linear(nn.Module):
+    """``nn.Dense``'s parameters (same names, shapes, order of draws) with PyTorch-default init, product by
+    ``kernel_matmul``."""
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", torch_kernel_init, (x.shape[-1], self.features))
+        bias = self.param("bias", torch_bias_init(x.shape[-1]), (self.features,))
+        return kernel_matmul(x, kernel) + bias
 
 
 def conv2d_matmul(x, kernel, stride: int = 1, padding: int = 0):
@@ -57,7 +70,7 @@ def conv2d_matmul(x, kernel, stride: int = 1, padding: int = 0):
     to a batched matmul.
     """
     kh, kw, ci, co = kernel.shape
-    return patch_matmul(conv_patches(x, kh, kw, stride, padding), kernel.reshape(kh * kw * ci, co))
+    return kernel_matmul(conv_patches(x, kh, kw, stride, padding), kernel.reshape(kh * kw * ci, co))
 
 
 def conv_patches(x, kh: int, kw: int, stride: int = 1, padding: int = 0):
@@ -72,43 +85,55 @@ def conv_patches(x, kh: int, kw: int, stride: int = 1, padding: int = 0):
     return jnp.concatenate(cols, axis=-1)
 
 
-# Below this patch length K the default kernel gradient cols^T g is as fast or faster (measured on XLA:CPU).
+# From this length on (rows N of x, contraction K of the kernel's product) the gradient forms below run faster than
+# autodiff's on XLA:CPU (measured: benchmarks/RESULTS.md, "Dense layers and W_qkv through kernel_matmul").
 TRANSPOSED_KERNEL_GRAD_MIN = 256
 
 
-@jax.custom_vjp
-def patch_matmul(cols, w):
-    """cols [..., K] @ w [K, O] -> [..., O], the matmul of ``conv2d_matmul``, with its gradients
+def kernel_matmul(x, w):
+    """x [..., K] @ w [K, O] -> [..., O], the product of a layer's input with its kernel (``Dense``, the attention's
+    W_qkv, ``conv2d_matmul``'s patch matrix). With N = prod(x.shape[:-1]) >= ``TRANSPOSED_KERNEL_GRAD_MIN`` rows
+    its gradients are written out (``_kernel_matmul``):
 
-        d cols = g w^T,    d w = cols^T g = (g^T cols)^T   (cols, g flattened to [N, K], [N, O]),
+        d x = g w^T,    d w = x^T g = (g^T x)^T   (x, g flattened to [N, K], [N, O]),
 
-    the kernel's computed as (g^T cols)^T for K >= ``TRANSPOSED_KERNEL_GRAD_MIN``. Why: XLA:CPU runs autodiff's
-    form, a dot contracting the leading axis of the patch matrix ([N, K]^T [N, O], N = batch x positions), well
-    below its matmul rate (in a FedAvg-CNN step it was the slowest operation, slower than the forward product
-    of the same size: ``benchmarks/step_profile.py``), and folds a plain transpose of g^T cols back into that
-    form, so an optimization barrier keeps the product as written (``benchmarks/RESULTS.md``, "The kernel
-    gradient of a convolution on XLA:CPU"). The sums are the same up to float reassociation. Like ``max_last``,
-    a custom VJP: reverse mode to any order, no forward mode (``jax.jvp``).
+    the kernel's as (g^T x)^T when K >= ``TRANSPOSED_KERNEL_GRAD_MIN`` too, else as x^T g; fewer rows take
+    autodiff's. Why: XLA:CPU runs autodiff's kernel gradient, a dot contracting the leading axis of x
+    ([N, K]^T [N, O]), well below its matmul rate when N and K are long (in a FedAvg-CNN step it was the slowest
+    operation, slower than the forward product of the same size: ``benchmarks/step_profile.py``), and folds a
+    plain transpose of g^T x back into that form, so an optimization barrier keeps the product as written
+    (``benchmarks/RESULTS.md``, "The kernel gradient of a convolution on XLA:CPU"); with K short the written x^T g
+    gets operand layouts that autodiff's does not (a ViT's W_qkv, whose autodiff gradient is formed from a
+    concatenation of the q, k, v cotangents). A few rows (a small model's batch) gain nothing and lose a little.
+    The sums are the same up to float reassociation. Like ``max_last``, a custom VJP: reverse mode to any order, no
+    forward mode (``jax.jvp``).
     """
-    return cols @ w
+    if math.prod(x.shape[:-1]) < TRANSPOSED_KERNEL_GRAD_MIN:
+        return x @ w
+    return _kernel_matmul(x, w)
 
 
-def _patch_matmul_fwd(cols, w):
-    return cols @ w, (cols, w)
+@jax.custom_vjp
+def _kernel_matmul(x, w):
+    return x @ w
 
 
-def _patch_matmul_bwd(res, g):
-    cols, w = res
+def _kernel_matmul_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _kernel_matmul_bwd(res, g):
+    x, w = res
     k, o = w.shape
-    flat_cols, flat_g = cols.reshape(-1, k), g.reshape(-1, o)
+    flat_x, flat_g = x.reshape(-1, k), g.reshape(-1, o)
     if k >= TRANSPOSED_KERNEL_GRAD_MIN:
-        dw = jax.lax.optimization_barrier(flat_g.T @ flat_cols).T
+        dw = jax.lax.optimization_barrier(flat_g.T @ flat_x).T
     else:
-        dw = flat_cols.T @ flat_g
+        dw = flat_x.T @ flat_g
     return g @ w.T, dw
 
 
-patch_matmul.defvjp(_patch_matmul_fwd, _patch_matmul_bwd)
+_kernel_matmul.defvjp(_kernel_matmul_fwd, _kernel_matmul_bwd)
 
 
 class Conv(nn.Module):
@@ -400,7 +425,7 @@ class Attention(nn.Module):
         b, n, d = x.shape
         inner = self.heads * self.dim_head
         w = qkv if qkv is not None else self.param("qkv", torch_kernel_init, (d, 3 * inner))
-        q, k, v = jnp.split(x @ w, 3, axis=-1)
+        q, k, v = jnp.split(kernel_matmul(x, w), 3, axis=-1)
         split = lambda t: t.reshape(b, n, self.heads, self.dim_head)
         att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) * self.dim_head ** -0.5, -1)
         out = jnp.einsum("bhqk,bkhd->bqhd", att, split(v)).reshape(b, n, inner)
