@@ -281,6 +281,47 @@ def test_resnet_forward_under_vmap_over_clients():
     assert shapes.shape == (4, 2, 10)
 
 
+def test_attention_is_multi_head_softmax_attention():
+    """Attention against the formula as FedTP's torch ViT writes it: [q | k | v] = x W_qkv, each split into heads
+    of dim_head consecutive columns, softmax(q k^T / sqrt(dim_head)) v per head, heads concatenated, then the out
+    projection; computed here in float64 numpy, under jit, vmap (two inputs) and grad."""
+    from jaxfl.models.layers import Attention
+
+    b, n, d, heads, e = 2, 5, 8, 3, 4
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(b, n, d)), jnp.float32)
+    att = Attention(heads, e, dropout=0.0)
+    params = att.init(jax.random.key(0), x)["params"]
+
+    def formula(params, x):
+        x, w = np.asarray(x, np.float64), np.asarray(params["qkv"], np.float64)
+        q, k, v = np.split(x @ w, 3, axis=-1)
+        outs = []
+        for i in range(heads):
+            qi, ki, vi = (t[..., i * e:(i + 1) * e] for t in (q, k, v))
+            z = qi @ ki.transpose(0, 2, 1) / np.sqrt(e)
+            p = np.exp(z - z.max(-1, keepdims=True))
+            outs.append((p / p.sum(-1, keepdims=True)) @ vi)
+        lin = params["out"]["linear"]
+        return np.concatenate(outs, -1) @ np.asarray(lin["kernel"], np.float64) + np.asarray(lin["bias"])
+
+    apply = jax.jit(lambda p, x: att.apply({"params": p}, x))
+    tol = rounding_tolerance(apply, params, x)
+    np.testing.assert_allclose(apply(params, x), formula(params, x), atol=tol, rtol=0)
+    xs = jnp.stack([x, x[::-1] * 2])
+    got = jax.jit(jax.vmap(apply, in_axes=(None, 0)))(params, xs)
+    for i in range(2):
+        np.testing.assert_allclose(got[i], formula(params, xs[i]), atol=2 * tol, rtol=0)
+    # grad: the gradient of a scalar of the output against central differences of the float64 formula
+    gw = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(apply(p, x)))))(params)["qkv"]
+    i, j, h = 3, 7, 1e-6
+    unit = np.zeros((d, 3 * heads * e))
+    unit[i, j] = 1.0
+    bump = lambda sign: {**params, "qkv": np.asarray(params["qkv"], np.float64) + sign * h * unit}  # noqa: E731
+    fd = (np.sin(formula(bump(1), x)).sum() - np.sin(formula(bump(-1), x)).sum()) / (2 * h)
+    np.testing.assert_allclose(gw[i, j], fd, atol=1e-4 * max(1.0, abs(fd)), rtol=0)
+
+
 def test_vit_external_qkv_replaces_its_own_projections():
     model = vit_small(num_classes=3, depth=2)
     x = jax.random.normal(jax.random.key(2), (2, 32, 32, 3))
