@@ -426,7 +426,8 @@ class Attention(nn.Module):
         inner = self.heads * self.dim_head
         w = qkv if qkv is not None else self.param("qkv", torch_kernel_init, (d, 3 * inner))
         # one transpose of the fused projection to [3, b, heads, n, dim_head] puts the batch axes (b, heads) first
-        # in both products, as XLA's dots take them (1.1x a ViT step on XLA:CPU against transposing q, k, v apart)
+        # in both products, as XLA's dots take them (a vit_small step 1.06-1.08x faster on XLA:CPU than with q, k
+        # and v transposed apart; benchmarks/RESULTS.md, "Dense layers and W_qkv through kernel_matmul")
         q, k, v = kernel_matmul(x, w).reshape(b, n, 3, self.heads, self.dim_head).transpose(2, 0, 3, 1, 4)
         att = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k) * self.dim_head ** -0.5, -1)
         out = jnp.einsum("bhqk,bhkd->bhqd", att, v).transpose(0, 2, 1, 3).reshape(b, n, inner)
