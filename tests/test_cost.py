@@ -39,16 +39,6 @@ def test_train_flops_of_a_linear_model_by_hand():
     assert hand <= f2 <= 1.01 * hand
 
 
-def test_train_flops_count_a_cpu_s_chunked_convolutions_whole():
-    # on a CPU the FedAvg CNN's second convolution runs in a loop over chunks of the batch from batch 8 on
-    # (models.conv_chunk), and XLA counts a loop's body once: the count is taken over the whole batch, so the
-    # FLOPs per sample do not depend on the batch (conv2 alone is 2 * 3 * 14 * 14 * 800 * 64 = 60 MFLOP a sample)
-    from jaxfl.models.layers import conv_chunk
-    assert conv_chunk((32, 14, 14, 32), 5, 5, 1, 2) == 1
-    few, many = (cost.train_flops_per_sample(build_model("fedavg_cnn", 10), IMAGE, b, normalizer()) for b in (4, 32))
-    assert few > 60e6 and many == pytest.approx(few, rel=0.01)
-
-
 def test_calls_of_each_backend_by_hand():
     steps = [1, 1, 4]  # e.g. 10, 10 and 40 samples at batch 10
     # stacked: one call whose 3 lanes step until the longest client is done; map: each client its own steps

@@ -27,69 +27,6 @@ def test_conv_matmul_equals_lax_conv(stride, padding, k):
     np.testing.assert_allclose(g1, g2, atol=1e-3, rtol=1e-4)
 
 
-def test_conv_chunk_takes_the_largest_divisor_of_the_batch_within_the_budget():
-    from jaxfl.models.layers import CONV_CHUNK_BYTES, CONV_CHUNK_MIN_BYTES, conv_chunk
-    assert (CONV_CHUNK_BYTES, CONV_CHUNK_MIN_BYTES) == (1 << 20, 4 << 20)  # the figures below assume them
-    # the FedAvg CNN's second convolution: 14 x 14 x 800 floats, 627,200 bytes an image
-    assert conv_chunk((32, 14, 14, 32), 5, 5, 1, 2) == 1
-    assert conv_chunk((8, 14, 14, 32), 5, 5, 1, 2) == 1  # 5.0 MB in all
-    assert conv_chunk((6, 14, 14, 32), 5, 5, 1, 2) is None  # 3.8 MB: the whole batch at once
-    # 7 x 7 x 576 floats, 112,896 bytes an image: 9 fit in 1 MiB, 8 is the largest divisor of 96 that does
-    assert conv_chunk((96, 7, 7, 64), 3, 3, 1, 1) == 8
-    assert conv_chunk((96, 14, 14, 64), 3, 3, 2, 1) == 8  # stride 2: the same 7 x 7 outputs
-    assert conv_chunk((97, 7, 7, 64), 3, 3, 1, 1) == 1  # a prime batch: one image at a time
-    assert conv_chunk((32, 28, 28, 1), 5, 5, 1, 2) is None  # 25-entry patches (a first layer): never
-    assert conv_chunk((2, 32, 14, 14, 32), 5, 5, 1, 2) is None  # not [B, H, W, C]
-
-
-@pytest.mark.parametrize("stride", [1, 2])
-def test_chunked_conv_is_the_convolution_under_jit_vmap_and_grad(stride, monkeypatch):
-    """On a CPU a convolution with a large patch matrix runs a few images at a time (``conv_chunk``) with its own
-    backward pass; values, both gradients, a second-order gradient and two clients on a vmapped axis equal
-    ``lax.conv``'s up to float reassociation."""
-    from jaxfl.models import layers
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(6, 9, 9, 32)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(3, 3, 32, 5)) / 17, jnp.float32)
-    per_image = (9 if stride == 1 else 5) ** 2 * 288 * 4  # Ho Wo (3 x 3 x 32) floats
-    monkeypatch.setattr(layers, "CONV_CHUNK_MIN_BYTES", 0)
-    monkeypatch.setattr(layers, "CONV_CHUNK_BYTES", 2 * per_image)
-    assert layers.conv_chunk(x.shape, 3, 3, stride, 1) == 2
-    conv = jax.jit(lambda x, w: conv2d_matmul(x, w, stride, 1))
-    assert "while" in conv.lower(x, w).compile().as_text()  # the chunks' loop, on this CPU
-
-    def lax_conv(x, w):
-        return jax.lax.conv_general_dilated(x, w, (stride, stride), ((1, 1), (1, 1)),
-                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
-
-    def grads(f):
-        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))
-
-    def second(f):  # a gradient through the kernel's gradient, as meta-learning takes it
-        return jax.jit(jax.grad(lambda w: jnp.sum(jnp.sin(jax.grad(lambda w: jnp.sum(jnp.sin(f(x, w))))(w)))))
-
-    ref = jax.jit(lax_conv)
-    for got, want, args in [(conv, ref, (x, w)), (grads(conv), grads(lax_conv), (x, w)),
-                            (second(conv), second(lax_conv), (w,)),
-                            (jax.jit(jax.vmap(grads(conv))), jax.jit(jax.vmap(grads(lax_conv))),
-                             (jnp.stack([x, -x]), jnp.stack([w, 2 * w])))]:
-        expected = want(*args)
-        for a, b, t in zip(jax.tree.leaves(got(*args)), jax.tree.leaves(expected),
-                           jax.tree.leaves(rounding_tolerance(want, *args))):
-            np.testing.assert_allclose(a, b, atol=t, rtol=0)
-
-
-def test_single_channel_patches_are_the_concatenated_ones(monkeypatch):
-    """Grey images' patches are gathered tap-major (``TAP_MAJOR_MAX_CHANNELS``): the same entries in the same
-    order as the channel concatenation, bit for bit (copies only)."""
-    from jaxfl.models import conv_patches, layers
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 11, 11, 1)), jnp.float32)
-    tap_major = [conv_patches(x, 5, 5, s, p) for s, p in [(1, 2), (2, 1)]]
-    monkeypatch.setattr(layers, "TAP_MAJOR_MAX_CHANNELS", 0)
-    for got, (s, p) in zip(tap_major, [(1, 2), (2, 1)]):
-        np.testing.assert_array_equal(got, conv_patches(x, 5, 5, s, p))
-
-
 @pytest.mark.parametrize("k", [27, 288])  # either side of TRANSPOSED_KERNEL_GRAD_MIN
 @pytest.mark.parametrize("side", [6, 12])  # N = 2 side^2 rows: 72 (autodiff's gradient), 288 (written out)
 def test_kernel_matmul_gradients_are_the_matmuls(k, side):

@@ -44,7 +44,6 @@ per-cohort buckets took, simulated from the same clients: ``benchmarks/backend_m
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
@@ -71,11 +70,9 @@ def train_flops_per_sample(model, sample_x, batch_size: int, preprocess=lambda x
     """XLA's FLOP count of one gradient of sum(model(preprocess(x))^2) (train mode) over a batch of
     ``batch_size`` inputs shaped like the rows of ``sample_x``, per sample. Lowered from abstract shapes only,
     for the CPU whatever the default device (a GPU plugin's ``Lowered.cost_analysis()`` returns None, which
-    read as 0 FLOPs made every GPU run pick the stacked backend), under ``flop_counting``: nothing is compiled
-    or run. Raises
+    read as 0 FLOPs made every GPU run pick the stacked backend): nothing is compiled or run. Raises
     ValueError if XLA reports no FLOP count."""
-    # (unsharded abstract inputs lower for the default device)
-    with jax.default_device(_cpu_device()), flop_counting():
+    with jax.default_device(_cpu_device()):  # unsharded abstract inputs lower for the default device
         raw = jax.ShapeDtypeStruct((batch_size,) + tuple(sample_x.shape[1:]), sample_x.dtype)
         x = _abstract(jax.eval_shape(preprocess, raw))
         variables = _abstract(jax.eval_shape(lambda k, x: model.init(k, x, False), jax.random.key(0), x))
@@ -91,28 +88,6 @@ def train_flops_per_sample(model, sample_x, batch_size: int, preprocess=lambda x
     if not flops > 0:
         raise ValueError(f"XLA reports no FLOP count for {type(model).__name__}'s training step: {cost}")
     return flops / batch_size
-
-
-_flop_counting = False
-
-
-@contextlib.contextmanager
-def flop_counting():
-    """Within the block, layers trace the form of their computation whose FLOPs XLA's cost analysis counts in
-    full: XLA counts a loop's body once, so a layer that loops where a single operation would do (a CPU's
-    convolution over chunks of the batch, ``models.layers.conv_chunk``) takes the single operation. Not
-    thread-safe (a switch read while tracing)."""
-    global _flop_counting
-    before, _flop_counting = _flop_counting, True
-    try:
-        yield
-    finally:
-        _flop_counting = before
-
-
-def flop_counting_active() -> bool:
-    """Whether a ``flop_counting`` block is being traced."""
-    return _flop_counting
 
 
 def _cpu_device():

@@ -2,7 +2,6 @@
 pooling, an LSTM recurrence, residual blocks, attention): the pieces ``encoders`` builds models from."""
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable, Sequence
 
@@ -10,8 +9,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from ..core.cost import flop_counting_active
 
 
 def torch_kernel_init(key, shape, dtype=jnp.float32):
@@ -71,114 +68,21 @@ def conv2d_matmul(x, kernel, stride: int = 1, padding: int = 0):
     ``benchmarks/RESULTS.md``, "Why XLA's convolution is slow inside a loop"), and under vmap over per-client
     kernels it becomes a grouped convolution, which is slow too. Slices and a matmul stay fast in loops and vmap
     to a batched matmul.
-
-    On a CPU a patch matrix larger than ``CONV_CHUNK_BYTES`` (with patches of at least
-    ``TRANSPOSED_KERNEL_GRAD_MIN`` entries) is built and multiplied a few images at a time (``conv_chunk``,
-    ``_chunked_conv``), so that it stays in cache instead of making a round trip through memory; other
-    platforms, and smaller matrices, take the whole batch's. Same sums either way, up to float reassociation.
     """
     kh, kw, ci, co = kernel.shape
-    kmat = kernel.reshape(kh * kw * ci, co)
-
-    def whole(x, kmat):
-        return kernel_matmul(conv_patches(x, kh, kw, stride, padding), kmat)
-
-    chunk = conv_chunk(x.shape, kh, kw, stride, padding)
-    if chunk is None:
-        return whole(x, kmat)
-    chunked = functools.partial(_chunked_conv, kh, kw, stride, padding, chunk)
-    return jax.lax.platform_dependent(x, kmat, cpu=chunked, default=whole)
-
-
-# Patches with fewer channels are gathered tap-major (``conv_patches``).
-TAP_MAJOR_MAX_CHANNELS = 1
+    return kernel_matmul(conv_patches(x, kh, kw, stride, padding), kernel.reshape(kh * kw * ci, co))
 
 
 def conv_patches(x, kh: int, kw: int, stride: int = 1, padding: int = 0):
     """im2col: x [B, H, W, C] (NHWC), zero-padded by ``padding`` -> [B, Ho, Wo, kh kw C], the kh x kw window of
-    each output position, taps in row-major order (i, j) and channels innermost, as by shifted strided slices.
-
-    With at most ``TAP_MAJOR_MAX_CHANNELS`` channels (a grey image) the taps are stacked on an outer axis and
-    moved inward (one transposing copy) instead of concatenated along the channels: XLA:CPU concatenates by
-    copying each output position's C-float pieces, here single floats (a FedAvg-CNN step on XLA:CPU 1.03x
-    faster; with 3 channels level, so they keep the concatenation).
-    """
+    each output position, taps in row-major order (i, j) and channels innermost, as by shifted strided slices."""
     if padding:
         x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
     ho = (x.shape[1] - kh) // stride + 1
     wo = (x.shape[2] - kw) // stride + 1
     cols = [x[:, i:i + stride * (ho - 1) + 1:stride, j:j + stride * (wo - 1) + 1:stride, :]
             for i in range(kh) for j in range(kw)]
-    if x.shape[-1] <= TAP_MAJOR_MAX_CHANNELS:
-        taps = jnp.moveaxis(jnp.stack(cols, axis=1), 1, -2)  # [B, Ho, Wo, kh kw, C]
-        return taps.reshape(taps.shape[:3] + (-1,))
     return jnp.concatenate(cols, axis=-1)
-
-
-# On a CPU a convolution whose patch matrix (float32) exceeds CONV_CHUNK_MIN_BYTES is computed in chunks of the
-# batch of at most CONV_CHUNK_BYTES each (a core's L2 cache holds one).
-CONV_CHUNK_MIN_BYTES = 4 << 20
-CONV_CHUNK_BYTES = 1 << 20
-
-
-def conv_chunk(x_shape, kh: int, kw: int, stride: int = 1, padding: int = 0):
-    """The number of images per chunk for ``conv2d_matmul`` on a CPU, or None for the whole batch at once: the
-    largest divisor c of the batch B with c Ho Wo (kh kw C) 4 bytes <= ``CONV_CHUNK_BYTES`` (at least 1). None
-    when the whole batch's patch matrix takes at most ``CONV_CHUNK_MIN_BYTES`` (a FedAvg-CNN step at batch 4,
-    2.5 MB, was 2 % slower chunked, at 8, 5 MB, level, from 10 faster), for inputs other than [B, H, W, C], and
-    for patches shorter than ``TRANSPOSED_KERNEL_GRAD_MIN`` (a first layer's: chunking them gained nothing
-    measurable, and its input's gradient, which autodiff drops for a network's input, would be computed in the
-    chunked backward pass), and while FLOPs are counted (``core.cost.flop_counting``: XLA counts a loop's body
-    once)."""
-    if len(x_shape) != 4 or flop_counting_active():
-        return None
-    b, h, w, c = x_shape
-    k = kh * kw * c
-    if k < TRANSPOSED_KERNEL_GRAD_MIN:
-        return None
-    ho, wo = (h + 2 * padding - kh) // stride + 1, (w + 2 * padding - kw) // stride + 1
-    per_image = ho * wo * k * 4
-    if b * per_image <= CONV_CHUNK_MIN_BYTES:
-        return None
-    return max([d for d in range(1, b) if b % d == 0 and d * per_image <= CONV_CHUNK_BYTES], default=1)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _chunked_conv(kh, kw, stride, padding, chunk, x, kmat):
-    """``conv2d_matmul`` a chunk of the batch at a time (``lax.map``): x [B, H, W, C], kmat [kh kw C, O] ->
-    [B, Ho, Wo, O]. Its backward pass rebuilds each chunk's patches instead of keeping the whole batch's from the
-    forward pass, and per chunk n computes
-
-        d x_n = col2im(g_n kmat^T),    d kmat = sum_n (g_n^T cols_n)^T
-
-    (col2im: the adjoint of ``conv_patches``; the kernel's form as ``kernel_matmul``'s for long patches)."""
-    return _chunked_conv_fwd(kh, kw, stride, padding, chunk, x, kmat)[0]
-
-
-def _chunks(a, chunk):
-    return a.reshape((a.shape[0] // chunk, chunk) + a.shape[1:])
-
-
-def _chunked_conv_fwd(kh, kw, stride, padding, chunk, x, kmat):
-    y = jax.lax.map(lambda xc: conv_patches(xc, kh, kw, stride, padding) @ kmat, _chunks(x, chunk))
-    return y.reshape((x.shape[0],) + y.shape[2:]), (x, kmat)
-
-
-def _chunked_conv_bwd(kh, kw, stride, padding, chunk, res, g):
-    x, kmat = res
-
-    def step(dk, xg):
-        xc, gc = xg
-        cols, col2im = jax.vjp(lambda a: conv_patches(a, kh, kw, stride, padding), xc)
-        flat_cols, flat_g = cols.reshape(-1, cols.shape[-1]), gc.reshape(-1, gc.shape[-1])
-        dk = dk + jax.lax.optimization_barrier(flat_g.T @ flat_cols).T
-        return dk, col2im(gc @ kmat.T)[0]
-
-    dk, dx = jax.lax.scan(step, jnp.zeros_like(kmat), (_chunks(x, chunk), _chunks(g, chunk)))
-    return dx.reshape(x.shape), dk
-
-
-_chunked_conv.defvjp(_chunked_conv_fwd, _chunked_conv_bwd)
 
 
 # From this length on (rows N of x, contraction K of the kernel's product) the gradient forms below run faster than
