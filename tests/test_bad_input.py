@@ -110,6 +110,8 @@ CASES = {
                                          "is not empty; pass --resume to continue its run, --overwrite"),
     "--resume of a folder without a run": (lambda d: ["--resume", "--out", str(mkdir(d / "empty"))],
                                            "is empty: no run to continue (drop --resume to start one)"),
+    "--resume of a folder that does not exist": (lambda d: ["--resume", "--out", str(d / "missing")],
+                                                 "missing' does not exist: no run to continue (drop --resume, or"),
     "an empty --out": (lambda d: ["--out", ""], "--out '' is empty; give a folder"),
     "a dangling symlink as --out": (lambda d: ["--out", str(dangling(d / "link"))],
                                     "is a symbolic link to nothing (dangling, or a loop)"),

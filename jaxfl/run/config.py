@@ -767,7 +767,8 @@ def check_output(cfg: RunConfig) -> None:
             raise ConfigError(f"--resume: {str(out)!r} is empty: no run to continue (drop --resume to start one)")
         return
     if cfg.resume:
-        raise ConfigError(f"--resume: {str(out)!r} does not exist")
+        raise ConfigError(f"--resume: {str(out)!r} does not exist: no run to continue (drop --resume, or after "
+                          f"--config a run's config.json that has resume = true pass --no-resume, to start one)")
     parent = nearest_existing(out.absolute())
     if parent is None or not parent.is_dir() or not writable(parent):
         raise ConfigError(f"--out {str(out)!r} cannot be created: {str(parent)!r} is not a writable folder")
