@@ -149,8 +149,8 @@ def main(argv=None) -> None:
     if skipped:
         md += ["", f"Skipped (budget or failure): {', '.join(skipped)}"]
     (out / "results.md").write_text("\n".join(md) + "\n")
-    plot(results, out / "round_time.png")
     print("\n".join(md))
+    plot(results, out / "round_time.png")
 
 
 # --- the GPU projection (no GPU needed) -----------------------------------------------------------------------
@@ -488,7 +488,11 @@ def _expand(spec: str, smoke: bool) -> str:
 
 
 def plot(results, path):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # (a device machine's python may lack it: the figure is the only thing lost)
+        print(f"no matplotlib: {path} not drawn")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.5, 4))

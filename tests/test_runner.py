@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -244,6 +245,26 @@ def test_cli_run_writes_outputs(tmp_path, capsys):
     assert len(lines) == 2 and json.loads(lines[-1])["round"] == 2  # --rounds overrode the file
     assert json.loads((tmp_path / "o" / "config.json").read_text())["algorithm"] == "fedavg"
     assert (tmp_path / "o" / "accuracy.png").is_file()
+
+
+def test_a_run_without_matplotlib_skips_its_figure_and_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    # (text: the embedded image benchmark draws its font digits with matplotlib's fonts)
+    code = main(["run", "--algorithm", "fedavg", "--rounds", "1", "--dataset", "synthetic_text", "--model",
+                 "bow_logreg", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 0 and (tmp_path / "o" / "summary.json").is_file()
+    assert not (tmp_path / "o" / "accuracy.png").exists()
+    assert "jaxfl: matplotlib is not installed: " in err and "accuracy.png not drawn" in err
+    assert "wrote " in err and "summary.json\n" in err  # the closing line names no figure
+    # asked for a figure, jaxfl compare refuses in one line before writing anything
+    for runs in ([str(tmp_path / "o")], [str(tmp_path / "o"), str(tmp_path / "o"), "--paired"]):
+        code = main(["compare", *runs, "--plot", str(tmp_path / "c.png"), "--md",
+                     str(tmp_path / "c.md")])
+        err = capsys.readouterr().err
+        assert code == 2 and err == "jaxfl: error: --plot needs matplotlib, which is not installed (pip install " \
+                                    "matplotlib)\n"
+        assert not (tmp_path / "c.md").exists()
 
 
 def test_algorithm_options_come_from_the_algorithms_table():

@@ -207,6 +207,8 @@ def compare_main(args: dict) -> int:
             if kind == "plot" and Path(path).suffix.lower().lstrip(".") not in IMAGE_FORMATS:
                 raise ConfigError(f"--plot {path!r}: give a file ending in one of "
                                   f"{', '.join('.' + f for f in IMAGE_FORMATS)}")
+            if kind == "plot":
+                check_plotting("--plot")
         results, table, csv_text = compare(args["runs"], args["key"], args["last_k"], args["per_client"], notes,
                                            spread=args["spread"])
     except JaxflError as e:
@@ -229,6 +231,13 @@ def compare_main(args: dict) -> int:
     return 0
 
 
+def check_plotting(flag: str) -> None:
+    """ConfigError unless matplotlib imports (a declared dependency that a bare environment may lack)."""
+    from .plots import plotting_available
+    if not plotting_available():
+        raise ConfigError(f"{flag} needs matplotlib, which is not installed (pip install matplotlib)")
+
+
 def paired_main(args: dict) -> int:
     """``jaxfl compare A B --paired``: the paired equivalence table on stdout; --md/--plot files."""
     from .compare import paired_equivalence, paired_table, plot_paired_curve, runs_by_seed
@@ -241,6 +250,8 @@ def paired_main(args: dict) -> int:
         for kind in ("md", "plot"):
             if args[kind]:
                 check_output_file(args[kind], f"--{kind}")
+        if args["plot"]:
+            check_plotting("--plot")
         a, b = (runs_by_seed(p) for p in args["runs"])
         result = paired_equivalence({s: h for s, (_, h) in a.items()}, {s: h for s, (_, h) in b.items()},
                                     args["key"], args["last_k"], args["margin"], args["level"])
@@ -416,10 +427,12 @@ def seeds_table(root: str, outs: list[str]) -> str:
     """The ``jaxfl compare`` table of a --seeds run's folders, also written to ROOT/compare.md, with the mean
     accuracy per round (± one std over the seeds) in ROOT/compare.png."""
     from .compare import compare, plot_mean_accuracy
+    from .plots import plotting_available
     results, table, _ = compare(outs)
     try:
         (Path(root) / "compare.md").write_text(table + "\n")
-        plot_mean_accuracy(results, Path(root) / "compare.png", f"{len(outs)} seeds")
+        if plotting_available():  # (without matplotlib each run said its figure was not drawn)
+            plot_mean_accuracy(results, Path(root) / "compare.png", f"{len(outs)} seeds")
     except OSError as e:
         raise RunIOError(f"writing {root}/compare.md or compare.png: {e}; the runs are complete (jaxfl compare "
                          f"{root} redoes the table)") from None
@@ -463,7 +476,8 @@ def run_one(cfg: RunConfig, quiet: bool, cache: str | None, stop=()):
     bar = not quiet and sys.stderr.isatty()  # piped: one plain line per round instead of a progress bar
     result = exp.run(progress=bar, log=None if quiet or bar else print_round(cfg.rounds), notify=say)
     if not quiet:
-        print(f"wrote {cfg.out}/metrics.jsonl, summary.json, accuracy.png", file=sys.stderr)
+        figure = ", accuracy.png" if (Path(cfg.out) / "accuracy.png").is_file() else ""
+        print(f"wrote {cfg.out}/metrics.jsonl, summary.json{figure}", file=sys.stderr)
     return result
 
 

@@ -8,6 +8,16 @@ import numpy as np
 IMAGE_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "eps", "ps")
 
 
+def plotting_available() -> bool:
+    """Whether matplotlib imports. It is a declared dependency; without it (a bare environment) a run skips its
+    figure rather than failing after its last round, and says so."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot_accuracy(history, names, path, title=""):
     """PNG: each client's test accuracy per round (thin; a gap where it was not evaluated), the unweighted mean
     (thick) and the global model's and the held-out clients' means where the run evaluated them (dashed)."""

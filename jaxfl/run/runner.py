@@ -31,7 +31,7 @@ from .build import (backdoor_test_data, backend_for, build_trainer, check_cohort
 from .config import RunConfig, check_output, clear_outputs, dp_count_noise, model_name, replace_text, validate
 from .evaluation import (TUNE_STREAM, InitialStates, holds_model, on_rows, prefixed, server_predict)
 from .lock import RunLock
-from .plots import plot_accuracy
+from .plots import plot_accuracy, plotting_available
 from .signals import failpoint, stop_signals
 
 
@@ -474,7 +474,11 @@ def _train(exp: Experiment, stop: list, progress: bool, log, notify) -> RunResul
             if exp.privacy is not None:  # what the run spent: (epsilon, delta) after its last round
                 summary["privacy"] = dict(exp.privacy.report(r), **privacy_settings(cfg, exp.cohort, server))
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        if history:
+        if history and not plotting_available():
+            if notify is not None:
+                notify(f"matplotlib is not installed: {out / 'accuracy.png'} not drawn (metrics.jsonl "
+                       f"holds its values; pip install matplotlib)")
+        elif history:
             failpoint("plot")
             with written(out / "accuracy.png", f"after round {r}", ckpt):
                 plot_accuracy(history, names, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}, "
