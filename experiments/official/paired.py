@@ -306,9 +306,9 @@ def summary_table(paired: list[tuple[Comparison, dict]]) -> list[str]:
 
 
 def counts_line(paired: list[tuple[Comparison, dict]]) -> str:
-    """How many comparisons got each verdict."""
+    """How many comparisons got each verdict (all three named, a verdict none got as 0)."""
     got = [r["verdict"] for _, r in paired]
-    return ", ".join(f"{got.count(v)} {v}" for v in ("equivalent", "inconclusive", "different") if v in got)
+    return ", ".join(f"{got.count(v)} {v}" for v in ("equivalent", "inconclusive", "different"))
 
 
 def intro(args, command: str, commit: str) -> list[str]:
