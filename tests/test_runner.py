@@ -251,7 +251,7 @@ def test_a_run_without_matplotlib_skips_its_figure_and_says_so(tmp_path, capsys,
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     # (text: the embedded image benchmark draws its font digits with matplotlib's fonts)
     code = main(["run", "--algorithm", "fedavg", "--rounds", "1", "--dataset", "synthetic_text", "--model",
-                 "bow_logreg", "--out", str(tmp_path / "o")])
+                 "bow_logreg", "--num-clients", "4", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code == 0 and (tmp_path / "o" / "summary.json").is_file()
     assert not (tmp_path / "o" / "accuracy.png").exists()
