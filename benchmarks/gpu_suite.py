@@ -488,11 +488,11 @@ def _expand(spec: str, smoke: bool) -> str:
 
 
 def plot(results, path):
-    try:
-        import matplotlib
-    except ImportError:  # (a device machine's python may lack it: the figure is the only thing lost)
+    from jaxfl.run.plots import plotting_available
+    if not plotting_available():  # (a device machine's python may lack it: the figure is the only thing lost)
         print(f"no matplotlib: {path} not drawn")
         return
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.5, 4))

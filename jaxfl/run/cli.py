@@ -204,10 +204,10 @@ def compare_main(args: dict) -> int:
         outputs = [(args[k], k) for k in ("md", "csv", "plot") if args[k]]
         for path, kind in outputs:  # checked before any is written
             check_output_file(path, f"--{kind}")
-            if kind == "plot" and Path(path).suffix.lower().lstrip(".") not in IMAGE_FORMATS:
-                raise ConfigError(f"--plot {path!r}: give a file ending in one of "
-                                  f"{', '.join('.' + f for f in IMAGE_FORMATS)}")
             if kind == "plot":
+                if Path(path).suffix.lower().lstrip(".") not in IMAGE_FORMATS:
+                    raise ConfigError(f"--plot {path!r}: give a file ending in one of "
+                                      f"{', '.join('.' + f for f in IMAGE_FORMATS)}")
                 check_plotting("--plot")
         results, table, csv_text = compare(args["runs"], args["key"], args["last_k"], args["per_client"], notes,
                                            spread=args["spread"])
