@@ -287,9 +287,12 @@ def check(argv=None) -> None:
     ``train_UncertaintyDis`` on one batch (SGD with lr 1, so the parameter change is minus the gradient) against
     the gradient of jaxfl's RFedDis loss (``jaxfl.algorithms.rfeddis``'s ``loss``, taken from the algorithm's
     closure) on the same batch, at round ``--round`` of T = ``--rounds`` (the annealed terms are active from
-    round 1); both a full batch of 32 and the partial last batch of 7 (jaxfl: padded to 32 with weight 0).
-    Also: the BN running statistics after the step, the eval-mode fused prediction on test images, and the
-    shared (averaged) entries of both codes."""
+    round 1); full batches of 32 (``--batches``: rows 32 i .. 32 i + 31 of client ``--client``'s training set)
+    and a partial batch of 7 (jaxfl: padded to 32 with weight 0). The reference is the official step in float64:
+    both the official float32 step and jaxfl's gradient are compared with it (a pre-ReLU value within rounding
+    of 0 takes the other side of the kink in one float32 code and not in the other, which moves the gradients
+    of the layers below it by more than rounding). Also: the BN running statistics after the step, the
+    eval-mode fused prediction on test images, and the shared (averaged) entries of both codes."""
     import inspect
 
     import jax
@@ -300,6 +303,8 @@ def check(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--round", type=int, default=3, help="0-based round whose annealing weight the step uses")
+    p.add_argument("--client", type=int, default=0, help="the client whose training images form the batches")
+    p.add_argument("--batches", type=int, default=1, help="full batches checked (rows 32 i .. 32 i + 31)")
     args = p.parse_args(argv)
     args.lr, args.batch_size, args.epochs = 0.01, 32, 1
     repo = official_repo("RFEDDIS_OFFICIAL", REPO)
@@ -314,14 +319,18 @@ def check(argv=None) -> None:
     closure = inspect.getclosurevars(exp.algorithm.local_update).nonlocals
     loss_fn, masks = closure["loss_fn"], closure["masks"]
     info = RoundInfo(jnp.asarray(args.round, jnp.int32), jnp.asarray(0, jnp.int32), args.rounds)
-    xs, ys = exp.dataset.train[0]
+    xs, ys = exp.dataset.train[args.client]
+    if not 1 <= args.batches <= len(ys) // 32:
+        raise SystemExit(f"official: error: --batches {args.batches}: client {args.client} has {len(ys) // 32} "
+                         f"full batches")
     worst = {}
 
     def rel(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
 
-    for label, rows in (("full batch of 32", np.arange(32)), ("partial batch of 7", np.arange(32, 39))):
+    batches = [(f"full batch {i} of 32", np.arange(32 * i, 32 * i + 32)) for i in range(args.batches)]
+    for label, rows in batches + [("partial batch of 7", np.arange(32, 39))]:
         x_nhwc = np.asarray(exp.trainer.preprocess(jnp.asarray(xs[rows])))
         y = np.asarray(ys[rows])
         pad = 32 - len(rows)
@@ -331,39 +340,44 @@ def check(argv=None) -> None:
         (loss_j, (new_stats, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, stats, xj, yj, wj, None, None, info=info)
         g_sd = jaxfl_to_torch(grads, new_stats)  # gradients in torch layout; BN entries: the new running stats
-        model = DigitModelDis()
-        load_state([model], sd0)
-        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        opt = optim.SGD(params=model.parameters(), lr=1.0)
-        xt = torch.from_numpy(np.ascontiguousarray(x_nhwc.transpose(0, 3, 1, 2)))
-        loss_t, _ = off.train_UncertaintyDis(model, [(xt, torch.from_numpy(y).long())], opt, nn.CrossEntropyLoss(),
-                                             off.KL_Loss(), torch.device("cpu"), args.round, oargs)
-        after = model.state_dict()
-        print(f"{label}: loss official {loss_t:.6f} jaxfl {float(loss_j):.6f}")
-        for k in after:
-            if k.endswith("num_batches_tracked"):
+        def official_step(dtype):
+            """The official step in ``dtype``: (loss, {entry: minus the change (the gradient) or, for a BN
+            statistic, its value after the step}) as float64 numpy arrays."""
+            model = DigitModelDis()
+            load_state([model], sd0)
+            model = model.to(dtype)
+            before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            opt = optim.SGD(params=model.parameters(), lr=1.0)
+            xt = torch.from_numpy(np.ascontiguousarray(x_nhwc.transpose(0, 3, 1, 2))).to(dtype)
+            loss_t, _ = off.train_UncertaintyDis(model, [(xt, torch.from_numpy(y).long())], opt,
+                                                 nn.CrossEntropyLoss(), off.KL_Loss(), torch.device("cpu"),
+                                                 args.round, oargs)
+            after = model.state_dict()
+            return loss_t, {k: (after[k] if "running" in k else before[k] - after[k]).double().numpy()
+                            for k in after if not k.endswith("num_batches_tracked")}
+
+        loss_t, g32 = official_step(torch.float32)
+        loss_64, g64 = official_step(torch.float64)
+        print(f"{label}: loss official {loss_t:.6f} (float64 {loss_64:.6f}) jaxfl {float(loss_j):.6f}")
+        for k in g32:
+            if k.endswith("bias") and ("conv" in k or "fc1" in k or "fc2" in k):
+                # a bias right before a BatchNorm in train mode: its gradient is 0 up to rounding
+                kind = "gradient of a pre-BN bias (0 in exact arithmetic), max |g| official / jaxfl"
+                prev = worst.get((label, kind), (0.0, 0.0))
+                worst[(label, kind)] = (max(prev[0], float(np.abs(g32[k]).max())),
+                                        max(prev[1], float(np.abs(g_sd[k]).max())))
                 continue
-            if k.endswith("running_mean") or k.endswith("running_var"):
-                r = rel(after[k].numpy(), g_sd[k])
-                kind = "BN statistic after the step"
-            else:
-                g_t = (before[k] - after[k]).numpy()
-                if k.endswith("bias") and ("conv" in k or "fc1" in k or "fc2" in k):
-                    # a bias right before a BatchNorm in train mode: its gradient is 0 up to rounding
-                    kind = "gradient of a pre-BN bias (0 in exact arithmetic), max |g| torch / jaxfl"
-                    prev = worst.get((label, kind), (0.0, 0.0))
-                    worst[(label, kind)] = (max(prev[0], float(np.abs(g_t).max())),
-                                            max(prev[1], float(np.abs(g_sd[k]).max())))
-                    continue
-                r = rel(g_t, g_sd[k])
-                kind = "gradient"
-            if r >= worst.get((label, kind), (-1.0, ""))[0]:
-                worst[(label, kind)] = (r, k)
-    for (label, kind), (r, k) in worst.items():
-        if "pre-BN" in kind:
-            print(f"{label}: {kind}: {r:.1e} / {k:.1e}")
+            kind = "BN statistic after the step" if "running" in k else "gradient"
+            for side, value in (("official float32", g32[k]), ("jaxfl", g_sd[k])):
+                r = rel(value, g64[k])
+                if r >= worst.get((label, kind, side), (-1.0, ""))[0]:
+                    worst[(label, kind, side)] = (r, k)
+    for key, (r, k) in worst.items():
+        if len(key) == 2:
+            print(f"{key[0]}: {key[1]}: {r:.1e} / {k:.1e}")
         else:
-            print(f"{label}: max relative difference of a {kind}: {r:.2e} ({k})")
+            print(f"{key[0]}: max relative difference of a {key[1]} from the official float64 one, {key[2]}: "
+                  f"{r:.2e} ({k})")
 
     # eval-mode prediction (fused alpha) at the initial parameters on 256 test images of client 0
     tx = exp.dataset.test[0][0][:256]
