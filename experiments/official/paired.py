@@ -160,6 +160,11 @@ COMPARISONS: list[Comparison] = [
     Comparison("RFedDis, 6 rounds", f"{OFFICIAL}/rfeddis/seed*/rfeddis", f"{LOGS}/rfeddis_seeds/seed*/rfeddis",
                "mean_accuracy", "`digits`, `digits_cnn`, annealing horizon 6", "agree (final +0.20, bound 1.50)",
                "rfeddis.md"),
+    Comparison("RFedDis, 6 rounds, the official code from jaxfl's initial weights (a diagnostic)",
+               f"{OFFICIAL}/rfeddis/seed*/rfeddis_init_jaxfl", f"{LOGS}/rfeddis_seeds/seed*/rfeddis", "mean_accuracy",
+               "as the row above; the adapter's --init jaxfl loads jaxfl's initial parameters of the same seed "
+               "into the official model (the official batch orders unchanged)", "none (the paired test only)",
+               "rfeddis.md"),
     *_pfllib(),
     Comparison("FL-bench Per-FedAvg (FO)", f"{OFFICIAL}/flbench/seed*/perfedavg",
                f"{LOGS}/pfl_methods/seed*/perfedavg_lr0.02",
