@@ -323,11 +323,27 @@ def check(argv=None) -> None:
     if not 1 <= args.batches <= len(ys) // 32:
         raise SystemExit(f"official: error: --batches {args.batches}: client {args.client} has {len(ys) // 32} "
                          f"full batches")
-    worst = {}
+    worst, bias_max = {}, {}  # (label, kind, side) -> (largest relative difference, entry); (label) -> max |g|s
 
     def rel(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+
+    def official_step(x_nhwc, y, dtype):
+        """The official step in ``dtype``: (loss, {entry: minus the change (the gradient) or, for a BN
+        statistic, its value after the step}) as float64 numpy arrays."""
+        model = DigitModelDis()
+        load_state([model], sd0)
+        model = model.to(dtype)
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        opt = optim.SGD(params=model.parameters(), lr=1.0)
+        xt = torch.from_numpy(np.ascontiguousarray(x_nhwc.transpose(0, 3, 1, 2))).to(dtype)
+        loss_t, _ = off.train_UncertaintyDis(model, [(xt, torch.from_numpy(y).long())], opt,
+                                             nn.CrossEntropyLoss(), off.KL_Loss(), torch.device("cpu"),
+                                             args.round, oargs)
+        after = model.state_dict()
+        return loss_t, {k: (after[k] if "running" in k else before[k] - after[k]).double().numpy()
+                        for k in after if not k.endswith("num_batches_tracked")}
 
     batches = [(f"full batch {i} of 32", np.arange(32 * i, 32 * i + 32)) for i in range(args.batches)]
     for label, rows in batches + [("partial batch of 7", np.arange(32, 39))]:
@@ -340,44 +356,26 @@ def check(argv=None) -> None:
         (loss_j, (new_stats, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, stats, xj, yj, wj, None, None, info=info)
         g_sd = jaxfl_to_torch(grads, new_stats)  # gradients in torch layout; BN entries: the new running stats
-        def official_step(dtype):
-            """The official step in ``dtype``: (loss, {entry: minus the change (the gradient) or, for a BN
-            statistic, its value after the step}) as float64 numpy arrays."""
-            model = DigitModelDis()
-            load_state([model], sd0)
-            model = model.to(dtype)
-            before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            opt = optim.SGD(params=model.parameters(), lr=1.0)
-            xt = torch.from_numpy(np.ascontiguousarray(x_nhwc.transpose(0, 3, 1, 2))).to(dtype)
-            loss_t, _ = off.train_UncertaintyDis(model, [(xt, torch.from_numpy(y).long())], opt,
-                                                 nn.CrossEntropyLoss(), off.KL_Loss(), torch.device("cpu"),
-                                                 args.round, oargs)
-            after = model.state_dict()
-            return loss_t, {k: (after[k] if "running" in k else before[k] - after[k]).double().numpy()
-                            for k in after if not k.endswith("num_batches_tracked")}
-
-        loss_t, g32 = official_step(torch.float32)
-        loss_64, g64 = official_step(torch.float64)
+        loss_t, g32 = official_step(x_nhwc, y, torch.float32)
+        loss_64, g64 = official_step(x_nhwc, y, torch.float64)
         print(f"{label}: loss official {loss_t:.6f} (float64 {loss_64:.6f}) jaxfl {float(loss_j):.6f}")
         for k in g32:
             if k.endswith("bias") and ("conv" in k or "fc1" in k or "fc2" in k):
                 # a bias right before a BatchNorm in train mode: its gradient is 0 up to rounding
-                kind = "gradient of a pre-BN bias (0 in exact arithmetic), max |g| official / jaxfl"
-                prev = worst.get((label, kind), (0.0, 0.0))
-                worst[(label, kind)] = (max(prev[0], float(np.abs(g32[k]).max())),
-                                        max(prev[1], float(np.abs(g_sd[k]).max())))
+                prev = bias_max.get(label, (0.0, 0.0))
+                bias_max[label] = (max(prev[0], float(np.abs(g32[k]).max())),
+                                   max(prev[1], float(np.abs(g_sd[k]).max())))
                 continue
             kind = "BN statistic after the step" if "running" in k else "gradient"
             for side, value in (("official float32", g32[k]), ("jaxfl", g_sd[k])):
                 r = rel(value, g64[k])
                 if r >= worst.get((label, kind, side), (-1.0, ""))[0]:
                     worst[(label, kind, side)] = (r, k)
-    for key, (r, k) in worst.items():
-        if len(key) == 2:
-            print(f"{key[0]}: {key[1]}: {r:.1e} / {k:.1e}")
-        else:
-            print(f"{key[0]}: max relative difference of a {key[1]} from the official float64 one, {key[2]}: "
-                  f"{r:.2e} ({k})")
+    for label, (g_off, g_jax) in bias_max.items():
+        print(f"{label}: gradient of a pre-BN bias (0 in exact arithmetic), max |g| official / jaxfl: "
+              f"{g_off:.1e} / {g_jax:.1e}")
+    for (label, kind, side), (r, k) in worst.items():
+        print(f"{label}: max relative difference of a {kind} from the official float64 one, {side}: {r:.2e} ({k})")
 
     # eval-mode prediction (fused alpha) at the initial parameters on 256 test images of client 0
     tx = exp.dataset.test[0][0][:256]
