@@ -179,6 +179,12 @@ def test_the_evaluation_benchmarks_time_the_same_evaluation():
     assert r["eval_batch_size"] == 32 and r["same_accuracy"] and r["max_abs_loss_diff"] <= 1e-5
     r = eval_batch.measure("logreg", [4, 8], clients=3, per_client=8, reps=1)
     assert set(r["sizes"]) == {"4", "8"} and min(v["over_fastest"] for v in r["sizes"].values()) == 1.0
+    # another algorithm's evaluation, on inputs of another shape (RFedDis: two heads and the fused prediction)
+    runs = {alg: eval_batch.measure("logreg", [4], clients=2, per_client=4, reps=1, algorithm=alg, shape=(6, 6, 3))
+            for alg in ("fedavg", "rfeddis")}
+    # logreg on 6x6x3 inputs: 108 x 10 + 10 parameters; RFedDis's evaluation reads its two MLP heads as well
+    assert runs["fedavg"]["parameters"] == 1090 and runs["rfeddis"]["parameters"] > 100 * 1090
+    assert runs["rfeddis"]["input_shape"] == [6, 6, 3] and runs["rfeddis"]["sizes"]["4"]["median_s_per_sample"] > 0
 
 
 def test_the_vit_compile_benchmark_times_two_layouts_of_the_same_vit(tmp_path):
@@ -215,6 +221,8 @@ def test_the_scripts_refuse_bad_flags_in_one_line_before_any_work(capsys, monkey
              (eval_tails.main, ["--model", "nosuch"], "--model 'nosuch': give comma-separated values from"),
              (eval_batch.main, ["--sizes", "16,48", "--per-client", "64"], "--per-client 64: give a multiple of"),
              (eval_batch.main, ["--reps", "0"], "--reps 0: give a number >= 1"),
+             (eval_batch.main, ["--input-shape", "28,28"], "--input-shape '28,28': give three sizes, H,W,C"),
+             (eval_batch.main, ["--algorithm", "nosuch"], "unknown algorithm 'nosuch'; valid: "),
              (switch_cost.main, ["--batch", "4"], "--batch 4: give a number >= 8"),
              (switch_cost.main, ["--model", "nosuch"], "unknown --model 'nosuch'; valid: "),
              (throughput.main, ["--strategies", "foo"], "--strategies 'foo': give comma-separated values from"),
