@@ -63,7 +63,7 @@ def measure(model_name: str, sizes: list[int], clients: int, per_client: int, re
             times[b].append((time.perf_counter() - t) / total)
     med = {b: float(np.median(v)) for b, v in times.items()}
     best = min(med.values())
-    # the parameters one client's evaluation reads: the server's and the client's own (e.g. RFedDis's local head)
+    # the parameters held for one client's evaluation: the server's and the client's own state's
     size = lambda tree: sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(tree))  # noqa: E731
     return {"model": model_name, "algorithm": algorithm, "input_shape": list(shape),
             "parameters": size(server) + size(states) // clients, "clients": clients, "per_client": per_client,

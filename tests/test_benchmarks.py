@@ -182,7 +182,7 @@ def test_the_evaluation_benchmarks_time_the_same_evaluation():
     # another algorithm's evaluation, on inputs of another shape (RFedDis: two heads and the fused prediction)
     runs = {alg: eval_batch.measure("logreg", [4], clients=2, per_client=4, reps=1, algorithm=alg, shape=(6, 6, 3))
             for alg in ("fedavg", "rfeddis")}
-    # logreg on 6x6x3 inputs: 108 x 10 + 10 parameters; RFedDis's evaluation reads its two MLP heads as well
+    # logreg on 6x6x3 inputs: 108 x 10 + 10 parameters; RFedDis holds its two MLP heads as well
     assert runs["fedavg"]["parameters"] == 1090 and runs["rfeddis"]["parameters"] > 100 * 1090
     assert runs["rfeddis"]["input_shape"] == [6, 6, 3] and runs["rfeddis"]["sizes"]["4"]["median_s_per_sample"] > 0
 
