@@ -30,6 +30,7 @@ from jaxfl.core.evaluate import Evaluator  # noqa: E402
 from jaxfl.core.step import init_state  # noqa: E402
 from jaxfl.core.trainer import LocalTrainer, normalizer  # noqa: E402
 from jaxfl.core.types import RunContext  # noqa: E402
+from jaxfl.errors import ConfigError  # noqa: E402
 from jaxfl.data.ragged import RaggedClients  # noqa: E402
 from jaxfl.models import MODELS, build_model  # noqa: E402
 from jaxfl.run.script import check_at_least, check_output_file, parse_list, run_script  # noqa: E402
@@ -90,14 +91,12 @@ def main(argv=None) -> None:
     for flag, v in (("--clients", a.clients), ("--per-client", a.per_client), ("--reps", a.reps)):
         check_at_least(flag, v, 1)
     if any(a.per_client % b for b in sizes):
-        from jaxfl.errors import ConfigError
         raise ConfigError(f"--per-client {a.per_client}: give a multiple of every --sizes value ({a.sizes})")
     options_class(a.algorithm)  # (an unknown name: one line listing the valid ones)
     shape = None if a.input_shape is None else tuple(parse_list(a.input_shape, "--input-shape", kind=int))
     if shape is not None:
         check_at_least("--input-shape", shape, 1)
         if len(shape) != 3:
-            from jaxfl.errors import ConfigError
             raise ConfigError(f"--input-shape {a.input_shape!r}: give three sizes, H,W,C")
     check_output_file(a.json, "--json")
     results = {"device": jax.devices()[0].device_kind, "machine": platform.processor() or platform.machine(),
