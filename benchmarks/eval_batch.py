@@ -5,10 +5,9 @@ batch: the batch size alone changes).
 
 Synthetic uint8 inputs (speed does not depend on their content) of the shape the model's data set has
 (28x28x1 for the MNIST models, 32x32x3 for the CIFAR ones; ``--input-shape`` sets another, e.g. 28,28,3 for
-``digits``), ``--clients`` clients of ``--per-client`` test
-samples; each size's evaluator is compiled once, then the sizes run in turn ``--reps`` times (a load change
-falls on all of them); reported: the median seconds per real sample and the least, and each size's time over
-the fastest size's.
+``digits``), ``--clients`` clients of ``--per-client`` test samples; each size's evaluator is compiled once,
+then the sizes run in turn ``--reps`` times (a load change falls on all of them); reported: the median seconds
+per real sample and the least, and each size's time over the fastest size's.
 
     python benchmarks/eval_batch.py --models fedavg_cnn,vit_tiny --sizes 16,32,64,128,256 --json out.json
 """
@@ -29,9 +28,10 @@ from jaxfl.algorithms import build_algorithm, options_class  # noqa: E402
 from jaxfl.core.evaluate import Evaluator  # noqa: E402
 from jaxfl.core.step import init_state  # noqa: E402
 from jaxfl.core.trainer import LocalTrainer, normalizer  # noqa: E402
+from jaxfl.core.trees import count_params  # noqa: E402
 from jaxfl.core.types import RunContext  # noqa: E402
-from jaxfl.errors import ConfigError  # noqa: E402
 from jaxfl.data.ragged import RaggedClients  # noqa: E402
+from jaxfl.errors import ConfigError  # noqa: E402
 from jaxfl.models import MODELS, build_model  # noqa: E402
 from jaxfl.run.script import check_at_least, check_output_file, parse_list, run_script  # noqa: E402
 
@@ -65,10 +65,9 @@ def measure(model_name: str, sizes: list[int], clients: int, per_client: int, re
     med = {b: float(np.median(v)) for b, v in times.items()}
     best = min(med.values())
     # the parameters held for one client's evaluation: the server's and the client's own state's
-    size = lambda tree: sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(tree))  # noqa: E731
     return {"model": model_name, "algorithm": algorithm, "input_shape": list(shape),
-            "parameters": size(server) + size(states) // clients, "clients": clients, "per_client": per_client,
-            "reps": reps,
+            "parameters": count_params(server) + count_params(states) // clients, "clients": clients,
+            "per_client": per_client, "reps": reps,
             "sizes": {str(b): {"median_s_per_sample": med[b], "min_s_per_sample": float(min(times[b])),
                                "over_fastest": med[b] / best} for b in sizes},
             "fastest": min(med, key=med.get)}
