@@ -15,6 +15,10 @@ conv5x5(32)-pool-conv5x5(64)-pool-512-10, 28x28x1) inside one jitted call, timed
   xla/loop             XLA's convolution with its backward convolutions written in the canonical NHWC/HWIO form
                        that XLA:CPU's fast library takes inside loops too (``make_conv_xla``), in the ``fori_loop``
   xla/unrolled         the same, the steps unrolled
+  laxfwd/loop          XLA's convolution forward; the backward as ``conv2d_matmul``'s, its patches rebuilt there
+                       (``make_conv_hybrid``)
+  hybrid/loop          XLA's convolution forward and input gradient (dy with the flipped kernel, canonical form);
+                       the kernel gradient from patches rebuilt in the backward pass
   shiftsum/loop        no patch buffer: the sum over the 25 kernel taps of (shifted input) @ kernel[i, j]
   nchw/loop            channels-first im2col (Caffe / classic torch layout): kernel [co, ci*25] @ patches
                        [B, ci*25, H*W]
@@ -45,6 +49,7 @@ import sys
 import time
 
 PATHS = ["matmul/loop", "matmul/unrolled", "autodiff/loop", "lax/loop", "lax/unrolled", "xla/loop", "xla/unrolled",
+         "laxfwd/loop", "hybrid/loop",
          "shiftsum/loop", "nchw/loop", "vjp/loop", "dft/loop", "winograd/loop",
          "lax/unrolled+ynn", "lax/loop+ynn", "matmul/loop+fastmath", "matmul/loop+vec512", "torch/1", "torch/2"]
 FLAGS = {"ynn": "--xla_cpu_experimental_ynn_fusion_type=+individual_convolution",
@@ -223,6 +228,33 @@ def make_conv_xla(padding: int):
     return conv
 
 
+def make_conv_hybrid(padding: int, dx_lax: bool):
+    """XLA's stride-1 NHWC/HWIO convolution forward, the kernel gradient from im2col patches rebuilt in the
+    backward pass, dk = (dy^T cols)^T (as ``models.kernel_matmul``), and the input gradient either through im2col's
+    transpose (``dx_lax=False``: ``conv2d_matmul``'s backward) or as XLA's convolution of dy with the flipped
+    kernel (``dx_lax=True``; canonical NHWC/HWIO, so fast inside loops as the forward is).
+    """
+    import jax
+
+    from jaxfl.models import conv_patches
+
+    def grads(res, dy):
+        x, k = res
+        kh, kw, ci, co = k.shape
+        cols, cols_vjp = jax.vjp(lambda x: conv_patches(x, kh, kw, 1, padding), x)
+        flat_g = dy.reshape(-1, co)
+        dk = jax.lax.optimization_barrier(flat_g.T @ cols.reshape(-1, kh * kw * ci)).T.reshape(k.shape)
+        if dx_lax:
+            dx = conv_nhwc(dy, k[::-1, ::-1].transpose(0, 1, 3, 2), kh - 1 - padding)
+        else:
+            dx = cols_vjp(dy @ k.reshape(-1, co).T)[0]
+        return dx, dk
+
+    conv = jax.custom_vjp(lambda x, k: conv_nhwc(x, k, padding))
+    conv.defvjp(lambda x, k: (conv_nhwc(x, k, padding), (x, k)), grads)
+    return conv
+
+
 def jax_path(path: str, model: str, batch: int, steps: int, reps: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -234,6 +266,7 @@ def jax_path(path: str, model: str, batch: int, steps: int, reps: int) -> dict:
     cfg = MODELS[model]
     vjp_conv = make_conv_vjp() if impl == "vjp" else None
     xla_conv = make_conv_xla(2) if impl == "xla" else None
+    hybrid_conv = make_conv_hybrid(2, dx_lax=impl == "hybrid") if impl in ("laxfwd", "hybrid") else None
 
     def conv(x, k):
         if impl in ("matmul",):
@@ -242,6 +275,8 @@ def jax_path(path: str, model: str, batch: int, steps: int, reps: int) -> dict:
             return conv_nhwc(x, k, 2)
         if impl == "xla":
             return xla_conv(x, k)
+        if impl in ("laxfwd", "hybrid"):
+            return hybrid_conv(x, k)
         if impl == "shiftsum":
             return conv_shiftsum(x, k, 2)
         if impl == "autodiff":

@@ -3,11 +3,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rounding_tolerance
+from conftest import bit_identity, rounding_tolerance
 
 from jaxfl.core.trees import count_params
 from jaxfl.errors import ConfigError
-from jaxfl.models import BatchNorm, build_model, conv2d_matmul, digits_cnn, max_pool2
+from jaxfl.models import BatchNorm, build_model, conv2d, conv2d_matmul, digits_cnn, max_pool2
 from jaxfl.models import kernel_matmul
 from jaxfl.models.layers import TRANSPOSED_KERNEL_GRAD_MIN
 
@@ -25,6 +25,65 @@ def test_conv_matmul_equals_lax_conv(stride, padding, k):
     g2 = jax.grad(lambda w: jnp.sum(jnp.sin(jax.lax.conv_general_dilated(
         x, w, (stride, stride), ((padding, padding),) * 2, dimension_numbers=("NHWC", "HWIO", "NHWC")))))(w)
     np.testing.assert_allclose(g1, g2, atol=1e-3, rtol=1e-4)
+
+
+def _convolutions(fn, *args) -> int:
+    """How many convolution ops the program ``fn(*args)`` compiles to on this platform (0: slices and matmuls)."""
+    return jax.jit(fn).lower(*args).as_text().count("stablehlo.convolution")
+
+
+@pytest.mark.parametrize("stride,padding,k", [(1, 2, 5), (2, 1, 3)])
+def test_conv2d_evaluates_with_xla_convolution_on_cpu_and_differentiates_as_conv2d_matmul(stride, padding, k):
+    """``conv2d`` = the convolution formula: XLA's convolution when no derivative is taken (on a CPU; not under
+    vmap with a kernel per lane, where it is the batched matmul), and ``conv2d_matmul``'s own gradients, first and
+    second order, when one is taken."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 13, 13, 3)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(k, k, 3, 4)), jnp.float32)
+    lax_conv = jax.jit(lambda x, w: jax.lax.conv_general_dilated(
+        x, w, (stride, stride), ((padding, padding),) * 2, dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    ours = lambda x, w: conv2d(x, w, stride, padding)  # noqa: E731
+    matmul = lambda x, w: conv2d_matmul(x, w, stride, padding)  # noqa: E731
+    on_cpu = jax.default_backend() == "cpu"
+    assert _convolutions(ours, x, w) == (1 if on_cpu else 0)
+    np.testing.assert_allclose(jax.jit(ours)(x, w), lax_conv(x, w), atol=rounding_tolerance(lax_conv, x, w), rtol=0)
+    # differentiated: conv2d_matmul's program, no convolution op
+    loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w)))  # noqa: E731
+    assert _convolutions(jax.grad(loss(ours), (0, 1)), x, w) == 0
+    want = jax.jit(jax.grad(loss(matmul), (0, 1)))
+    for a, b, t in zip(jax.jit(jax.grad(loss(ours), (0, 1)))(x, w), want(x, w), rounding_tolerance(want, x, w)):
+        np.testing.assert_allclose(a, b, atol=t, rtol=0)
+    second = lambda conv: jax.jit(jax.grad(lambda w: jnp.sum(jnp.cos(jax.grad(loss(conv), 1)(x, w)))))  # noqa: E731
+    np.testing.assert_allclose(second(ours)(w), second(matmul)(w), atol=rounding_tolerance(second(matmul), w),
+                               rtol=0)
+    # vmap: a kernel per lane (clients' own models) -> the batched matmul; one kernel -> one convolution
+    xs, ws = jnp.stack([x, x[::-1]]), jnp.stack([w, -0.5 * w])
+    per_lane = jax.vmap(ours)
+    assert _convolutions(per_lane, xs, ws) == 0
+    want = jax.jit(jax.vmap(matmul))
+    np.testing.assert_allclose(jax.jit(per_lane)(xs, ws), want(xs, ws), atol=rounding_tolerance(want, xs, ws), rtol=0)
+    shared = jax.vmap(ours, in_axes=(0, None))
+    assert _convolutions(shared, xs, w) == (1 if on_cpu else 0)
+    want = jax.jit(jax.vmap(lax_conv, in_axes=(0, None)))
+    np.testing.assert_allclose(jax.jit(shared)(xs, w), want(xs, w), atol=rounding_tolerance(want, xs, w), rtol=0)
+    # clients one after another (lax.map, the CPU default): XLA's convolution inside the loop body
+    mapped = lambda xs, ws: jax.lax.map(lambda a: ours(*a), (xs, ws))  # noqa: E731
+    assert _convolutions(mapped, xs, ws) == (1 if on_cpu else 0)
+    np.testing.assert_allclose(jax.jit(mapped)(xs, ws), jax.jit(jax.vmap(lax_conv))(xs, ws),
+                               atol=rounding_tolerance(jax.jit(jax.vmap(lax_conv)), xs, ws), rtol=0)
+
+
+@bit_identity("conv2d's custom VJP runs conv2d_matmul's forward and backward functions unchanged")
+def test_conv2d_trains_as_conv2d_matmul_bit_for_bit():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(4, 10, 10, 2)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, 3, 2, 16)), jnp.float32)
+    loss = lambda conv: jax.jit(jax.value_and_grad(  # noqa: E731
+        lambda x, w: jnp.sum(jnp.tanh(conv(x, w, 1, 1))), (0, 1)))
+    (va, (ga, gb)), (vb, (ha, hb)) = loss(conv2d)(x, w), loss(conv2d_matmul)(x, w)
+    np.testing.assert_array_equal(va, vb)
+    np.testing.assert_array_equal(ga, ha)
+    np.testing.assert_array_equal(gb, hb)
 
 
 @pytest.mark.parametrize("k", [27, 288])  # either side of TRANSPOSED_KERNEL_GRAD_MIN

@@ -171,7 +171,8 @@ def test_a_client_with_one_test_batch_runs_it_through_the_switch_alone():
     for m, counts in ((8, (8, 5, 3, 1)), (24, (24, 17, 9, 1))):
         predict, server, clients, data = _small_predict(m=m, counts=counts, clients="map", tail_sizes=tail_sizes(8))
         prims = list(jaxpr_primitives(jax.make_jaxpr(predict)(server, clients, data).jaxpr))
-        loops[m] = (prims.count("while"), prims.count("cond"))
+        # (a cond selected by platform_index is ``conv2d``'s choice by platform, resolved when lowering)
+        loops[m] = (prims.count("while"), prims.count("cond") - prims.count("platform_index"))
     assert loops == {8: (0, 1), 24: (1, 1)}, loops
 
 

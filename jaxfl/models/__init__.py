@@ -32,6 +32,7 @@ from .layers import (
                        PreActGNBlock,
                        adaptive_avg_pool,
                        adaptive_pool_matrix,
+                       conv2d,
                        conv2d_matmul,
                        conv_patches,
                        kaiming_fan_out_init,

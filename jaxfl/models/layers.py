@@ -2,6 +2,7 @@
 pooling, an LSTM recurrence, residual blocks, attention): the pieces ``encoders`` builds models from."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -73,6 +74,55 @@ def conv2d_matmul(x, kernel, stride: int = 1, padding: int = 0):
     return kernel_matmul(conv_patches(x, kh, kw, stride, padding), kernel.reshape(kh * kw * ci, co))
 
 
+def conv2d(x, kernel, stride: int = 1, padding: int = 0):
+    """2-D convolution (NHWC input, HWIO kernel, symmetric zero padding): ``conv2d_matmul``'s numbers and
+    gradients wherever a derivative is taken, XLA's own convolution where none is (evaluation, a teacher's or a
+    frozen model's outputs) on a CPU.
+
+        y[b, h, w, o] = sum_{i, j, c} xpad[b, s*h + i, s*w + j, c] * kernel[i, j, c, o]
+
+    Why two ways: inside loop bodies XLA:CPU runs its own convolution's backward passes on naive loops
+    (``conv2d_matmul``'s docstring), so training takes slices and a matmul; a forward convolution is in the form
+    XLA's fast library takes, in loops too, and there it needs no patch matrix: 1.4-2.1x faster than im2col for
+    the CNNs' evaluation on one AMD EPYC core (``benchmarks/RESULTS.md``, "XLA's convolution for evaluation on a
+    CPU"). Under ``vmap`` with a kernel per lane (clients' own models) XLA's convolution becomes a grouped one,
+    slower than the batched matmul, so there the evaluation takes ``conv2d_matmul`` too; with one kernel for all
+    lanes the lanes join the image batch. Other platforms take ``conv2d_matmul`` throughout. The two agree up to
+    float reassociation. A custom VJP: reverse mode to any order, no forward mode (``jax.jvp``), as
+    ``kernel_matmul``.
+    """
+    return _conv2d(int(stride), int(padding))(x, kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _conv2d(stride: int, padding: int) -> Callable:
+    """``conv2d`` at one stride and padding: a custom VJP (``conv2d_matmul``'s forward and backward) around an
+    evaluation with a custom batching rule."""
+    def matmul(x, kernel):
+        return conv2d_matmul(x, kernel, stride, padding)
+
+    def xla(x, kernel):
+        dtype = jnp.result_type(x, kernel)  # (as the matmul promotes, e.g. uint8 images)
+        x, kernel = x.astype(dtype), kernel.astype(dtype)
+        return jax.lax.conv_general_dilated(x, kernel, (stride, stride), ((padding, padding), (padding, padding)),
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    @jax.custom_batching.custom_vmap
+    def evaluate(x, kernel):
+        return jax.lax.platform_dependent(x, kernel, cpu=xla, default=matmul)
+
+    @evaluate.def_vmap
+    def evaluate_batched(axis_size, in_batched, x, kernel):
+        if not in_batched[1]:  # one kernel for every lane: the lanes' images are one larger batch
+            y = evaluate(x.reshape((-1,) + x.shape[2:]), kernel)
+            return y.reshape((axis_size, -1) + y.shape[1:]), True
+        return jax.vmap(matmul, in_axes=(0 if in_batched[0] else None, 0))(x, kernel), True
+
+    conv = jax.custom_vjp(evaluate)
+    conv.defvjp(lambda x, kernel: jax.vjp(matmul, x, kernel), lambda vjp, g: vjp(g))
+    return conv
+
+
 def conv_patches(x, kh: int, kw: int, stride: int = 1, padding: int = 0):
     """im2col: x [B, H, W, C] (NHWC), zero-padded by ``padding`` -> [B, Ho, Wo, kh kw C], the kh x kw window of
     each output position, taps in row-major order (i, j) and channels innermost, as by shifted strided slices."""
@@ -140,8 +190,9 @@ class Conv(nn.Module):
     """2-D convolution (NHWC, HWIO kernel) with PyTorch-default init (``init="kaiming_fan_out"``: torchvision's
     ResNet init, ``CONV_INITS``) and symmetric zero padding.
 
-    ``impl="matmul"`` uses ``conv2d_matmul`` (fast in loops and under vmap on CPU); ``"lax"`` uses
-    ``lax.conv_general_dilated``. Both give the same numbers up to float rounding.
+    ``impl="matmul"`` uses ``conv2d`` (``conv2d_matmul``, fast in loops and under vmap on CPU, wherever a
+    derivative is taken; XLA's convolution for evaluation on a CPU); ``"lax"`` uses ``lax.conv_general_dilated``
+    throughout. Both give the same numbers up to float rounding.
     """
     features: int
     kernel: int
@@ -158,7 +209,7 @@ class Conv(nn.Module):
         b = (self.param("bias", torch_bias_init(ci * self.kernel * self.kernel), (self.features,))
              if self.use_bias else 0.0)
         if self.impl == "matmul":
-            y = conv2d_matmul(x, k, self.stride, self.padding)
+            y = conv2d(x, k, self.stride, self.padding)
         else:
             p = self.padding
             y = jax.lax.conv_general_dilated(x, k, (self.stride,) * 2, ((p, p), (p, p)),
