@@ -83,9 +83,9 @@ def conv2d(x, kernel, stride: int = 1, padding: int = 0):
 
     Why two ways: inside loop bodies XLA:CPU runs its own convolution's backward passes on naive loops
     (``conv2d_matmul``'s docstring), so training takes slices and a matmul; a forward convolution is in the form
-    XLA's fast library takes, in loops too, and there it needs no patch matrix: 1.4-2.1x faster than im2col for
-    the CNNs' evaluation on one AMD EPYC core (``benchmarks/RESULTS.md``, "XLA's convolution for evaluation on a
-    CPU"). Under ``vmap`` with a kernel per lane (clients' own models) XLA's convolution becomes a grouped one,
+    XLA's fast library takes, in loops too, and there it needs no patch matrix: 1.3-2.4x faster than im2col for
+    the CNNs' evaluation on one AMD EPYC core (``benchmarks/RESULTS.md``, "XLA's convolution for
+    evaluation"). Under ``vmap`` with a kernel per lane (clients' own models) XLA's convolution becomes a grouped one,
     slower than the batched matmul, so there the evaluation takes ``conv2d_matmul`` too; with one kernel for all
     lanes the lanes join the image batch. Other platforms take ``conv2d_matmul`` throughout. The two agree up to
     float reassociation. A custom VJP: reverse mode to any order, no forward mode (``jax.jvp``), as
