@@ -74,6 +74,13 @@ def conv2d_matmul(x, kernel, stride: int = 1, padding: int = 0):
     return kernel_matmul(conv_patches(x, kh, kw, stride, padding), kernel.reshape(kh * kw * ci, co))
 
 
+def conv2d_xla(x, kernel, stride: int = 1, padding: int = 0):
+    """XLA's own 2-D convolution (``lax.conv_general_dilated``), NHWC input, HWIO kernel, symmetric zero padding:
+    the formula of ``conv2d_matmul``."""
+    return jax.lax.conv_general_dilated(x, kernel, (stride, stride), ((padding, padding), (padding, padding)),
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
 def conv2d(x, kernel, stride: int = 1, padding: int = 0):
     """2-D convolution (NHWC input, HWIO kernel, symmetric zero padding): ``conv2d_matmul``'s numbers and
     gradients wherever a derivative is taken, XLA's own convolution where none is (evaluation, a teacher's or a
@@ -103,9 +110,7 @@ def _conv2d(stride: int, padding: int) -> Callable:
 
     def xla(x, kernel):
         dtype = jnp.result_type(x, kernel)  # (as the matmul promotes, e.g. uint8 images)
-        x, kernel = x.astype(dtype), kernel.astype(dtype)
-        return jax.lax.conv_general_dilated(x, kernel, (stride, stride), ((padding, padding), (padding, padding)),
-                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return conv2d_xla(x.astype(dtype), kernel.astype(dtype), stride, padding)
 
     @jax.custom_batching.custom_vmap
     def evaluate(x, kernel):
@@ -211,9 +216,7 @@ class Conv(nn.Module):
         if self.impl == "matmul":
             y = conv2d(x, k, self.stride, self.padding)
         else:
-            p = self.padding
-            y = jax.lax.conv_general_dilated(x, k, (self.stride,) * 2, ((p, p), (p, p)),
-                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            y = conv2d_xla(x, k, self.stride, self.padding)
         return y + b
 
 
