@@ -64,6 +64,9 @@ CASES = {
                                      "devices=64: a CPU run makes at most one device per core and this machine has "),
     "a model the algorithm cannot use": (lambda d: ["--algorithm", "fedtp"],
                                          "--algorithm fedtp cannot use --model small_cnn"),
+    "images too small for the model": (lambda d: ["--model", "alexnet_bn"],  # (crashed: a ZeroDivisionError)
+                                       "model alexnet_bn needs images of at least 63x63 pixels (e.g. --dataset "
+                                       "pacs), got 12x12"),
     "a text model on images": (lambda d: ["--model", "char_lstm"], "--model char_lstm reads text (token ids) and "
                                "--dataset default holds images; use a text dataset (synthetic_text, text:PATH"),
     "an image model on text": (lambda d: ["--dataset", "synthetic_text", "--model", "logreg"],

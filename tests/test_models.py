@@ -258,6 +258,15 @@ def test_parameter_counts(factory, shape, expected):
     assert jax.eval_shape(model.apply, v, jnp.zeros(shape)).shape == (1, 10)
 
 
+def test_alexnet_takes_63_pixels_a_side_and_names_a_smaller_input():
+    # 63x63: the last max-pool sees 3x3 (15 -> 7 -> 3); at 62 it would see 2x2 and return an empty map
+    model = alexnet_bn()
+    v = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 63, 63, 3)))
+    assert jax.eval_shape(model.apply, v, jnp.zeros((1, 63, 63, 3))).shape == (1, 10)
+    with pytest.raises(ConfigError, match="at least 63x63 pixels .*got 62x63"):
+        jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 62, 63, 3)))
+
+
 @pytest.mark.parametrize("name,x,expected,classes", [
     ("logreg", jnp.zeros((2, 28, 28, 1)), 7_850, 10),              # 784 x 10 + 10
     ("mlp_2nn", jnp.zeros((2, 28, 28, 1)), 199_210, 10),           # McMahan et al.: 784-200-200-10

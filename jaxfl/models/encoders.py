@@ -7,6 +7,8 @@ from typing import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from ..errors import ConfigError
+
 from .layers import (
     Attention,
     BasicBlock,
@@ -188,12 +190,17 @@ class AlexNetEncoder(nn.Module):
 
     conv11x11/s4/p2(64)-BN-ReLU-maxpool3/s2 | conv5x5/p2(192)-BN-ReLU-maxpool3/s2 | conv3x3/p1(384)-BN-ReLU |
     conv3x3/p1(256)-BN-ReLU | conv3x3/p1(256)-BN-ReLU-maxpool3/s2 | adaptive-avgpool 6x6 | flatten (9216) |
-    Dense(4096)-BN-ReLU | Dense(4096)-BN-ReLU. On 256x256 input: 63 -> 31 -> 15 -> 7 -> 6.
+    Dense(4096)-BN-ReLU | Dense(4096)-BN-ReLU. On 256x256 input: 63 -> 31 -> 15 -> 7 -> 6. Inputs need at least
+    ``MIN_SIDE`` pixels a side: on 63x63 the last pool's input is 3x3 (15 -> 7 -> 3), smaller ones leave it empty.
     """
     hidden: Sequence[int] = (4096, 4096)
+    MIN_SIDE = 63
 
     @nn.compact
     def __call__(self, x, train: bool = False, mask=None):
+        if min(x.shape[1:3]) < self.MIN_SIDE:
+            raise ConfigError(f"model alexnet_bn needs images of at least {self.MIN_SIDE}x{self.MIN_SIDE} pixels "
+                              f"(e.g. --dataset pacs), got {x.shape[1]}x{x.shape[2]}")
         for i, (w, k, s, p, pool) in enumerate([(64, 11, 4, 2, True), (192, 5, 1, 2, True), (384, 3, 1, 1, False),
                                                 (256, 3, 1, 1, False), (256, 3, 1, 1, True)]):
             x = Conv(w, k, stride=s, padding=p, name=f"conv{i + 1}")(x)
