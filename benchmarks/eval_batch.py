@@ -4,10 +4,10 @@
 batch: the batch size alone changes).
 
 Synthetic uint8 inputs (speed does not depend on their content) of the shape the model's data set has
-(28x28x1 for the MNIST models, 32x32x3 for the CIFAR ones; ``--input-shape`` sets another, e.g. 28,28,3 for
-``digits``), ``--clients`` clients of ``--per-client`` test samples; each size's evaluator is compiled once,
-then the sizes run in turn ``--reps`` times (a load change falls on all of them); reported: the median seconds
-per real sample and the least, and each size's time over the fastest size's.
+(28x28x1 for the MNIST models, 32x32x3 for the CIFAR ones, 64x64x3 for AlexNet (PACS); ``--input-shape`` sets
+another, e.g. 28,28,3 for ``digits``), ``--clients`` clients of ``--per-client`` test samples; each size's
+evaluator is compiled once, then the sizes run in turn ``--reps`` times (a load change falls on all of them);
+reported: the median seconds per real sample and the least, and each size's time over the fastest size's.
 
     python benchmarks/eval_batch.py --models fedavg_cnn,vit_tiny --sizes 16,32,64,128,256 --json out.json
 """
@@ -35,10 +35,13 @@ from jaxfl.errors import ConfigError  # noqa: E402
 from jaxfl.models import MODELS, build_model  # noqa: E402
 from jaxfl.run.script import check_at_least, check_output_file, parse_list, run_script  # noqa: E402
 
-CIFAR_MODELS = ("vit_tiny", "vit_small", "resnet10_slim", "resnet10", "resnet18", "alexnet_bn", "digits_cnn")
+CIFAR_MODELS = ("vit_tiny", "vit_small", "resnet10_slim", "resnet10", "resnet18", "resnet18_imagenet", "digits_cnn")
+PACS_MODELS = ("alexnet_bn",)  # (63x63 at least: PACS's 64x64)
 
 
 def input_shape(model: str) -> tuple[int, ...]:
+    if model in PACS_MODELS:
+        return (64, 64, 3)
     return (32, 32, 3) if model in CIFAR_MODELS else (28, 28, 1)
 
 

@@ -114,18 +114,24 @@ def tail_batch_sizes(cfg: RunConfig, counts) -> tuple[int, ...] | None:
     return tails_chosen(cfg.tail_batches, counts, cfg.batch_size) or None
 
 
-# the evaluation batch size by default: on a CPU a batch's activations should stay in cache (``benchmarks/
-# eval_batch.py``: the CNNs and ViTs evaluate fastest at 16-64 and 1.3-2.5x slower at 256 on one core), an
-# accelerator wants large batches
+# The evaluation batch size by default (``benchmarks/eval_batch.py``, one core; benchmarks/RESULTS.md, "The
+# evaluation batch size per model"). On a CPU a batch's activations should stay in cache: the convolutional and
+# attention models evaluate fastest at 16 or within 10 % of it (the ViTs 1.15-1.37x slower at 64-128, 1.3-2.5x at
+# 256). Models whose large dense layers are read once a batch evaluate faster at a larger one, at their measured
+# best: FEMNIST CNN 1.25x and the digits CNN 1.2x at 64, AlexNet 1.6x at 128, against 16. An accelerator wants
+# large batches.
 CPU_EVAL_BATCH, ACCELERATOR_EVAL_BATCH = 16, 256
+CPU_EVAL_BATCH_BY_MODEL = {"femnist_cnn": 64, "digits_cnn": 64, "alexnet_bn": 128}
 
 
 def eval_batch_size(cfg: RunConfig, counts) -> int:
-    """The run's evaluation batch size: ``--eval-batch-size`` (default ``CPU_EVAL_BATCH`` on a CPU,
-    ``ACCELERATOR_EVAL_BATCH`` on an accelerator), at most the largest test set (``counts``)."""
+    """The run's evaluation batch size: ``--eval-batch-size`` (default on a CPU ``CPU_EVAL_BATCH_BY_MODEL``'s
+    entry for the model, else ``CPU_EVAL_BATCH``; ``ACCELERATOR_EVAL_BATCH`` on an accelerator), at most the
+    largest test set (``counts``)."""
     chosen = cfg.eval_batch_size
     if chosen is None:
-        chosen = CPU_EVAL_BATCH if jax.default_backend() == "cpu" else ACCELERATOR_EVAL_BATCH
+        chosen = (CPU_EVAL_BATCH_BY_MODEL.get(cfg.model, CPU_EVAL_BATCH) if jax.default_backend() == "cpu"
+                  else ACCELERATOR_EVAL_BATCH)
     return min(chosen, int(max(counts)))
 
 

@@ -249,9 +249,10 @@ class Evaluation(ConfigGroup):
               "aggregated; local for fedselect when every client trains every round, its official protocol)",
         choices=("aggregated", "local"))
     eval_batch_size: int | None = option(
-        None, "evaluation batch size (default: 16 on a CPU, where a small batch's activations stay in cache: "
-              "the CNNs and ViTs measured evaluate 1.3-2.5x faster than at 256; 256 on an accelerator; "
-              "config.json saves the size used)", minimum=1)
+        None, "evaluation batch size (default on a CPU: 16, where a small batch's activations stay in cache (the "
+              "CNNs and ViTs measured evaluate 1.3-2.5x faster than at 256), and 64 for femnist_cnn and digits_cnn, "
+              "128 for alexnet_bn, whose large dense layers are read once a batch (1.2-1.6x faster than at 16); "
+              "256 on an accelerator; config.json saves the size used)", minimum=1)
     eval_tail_batches: str = option(
         "auto", "map: a client's partial last test batch computed at the smallest of B, B/2, B/4, B/8 that holds it "
                 "(B: the evaluation batch size; the same predictions up to float rounding, at up to ~2x its real "
