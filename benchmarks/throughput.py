@@ -293,7 +293,7 @@ SMALL = {
 }
 # skip: runners left out by default (a vmapped round of CNN / LSTM clients runs to the cohort's longest client
 # and is slower than map on a CPU: see ragged/vmap); max_rounds: at most this many rounds timed per runner (the
-# label-skewed CNN's rounds of a few seconds move by up to 30 % from one to the next on a 2-core CPU: 3 of them)
+# label-skewed CNN's rounds of a few seconds move by 10-25 % from one run to the next on a 2-core CPU: 3 of them)
 # (workload, clients, cohort): cohort 100 of 1,000 for every model (the targets), then population and cohort sweeps
 SMALL_PLAN = [("logreg", 1000, 100), ("2nn", 1000, 100), ("femnist_cnn", 1000, 100), ("char_lstm", 1000, 100),
               ("logreg", 10000, 10), ("logreg", 10000, 100), ("logreg", 10000, 1000), ("2nn", 10000, 1000)]
