@@ -55,7 +55,8 @@ from ..ops.attacks import (UPDATE_ATTACKS, backdoor_samples, backdoor_test, flip
                            parse_attack, with_update_attack)
 from ..ops.compression import parse_compression, with_compression
 from ..ops.robust_aggregation import parse_aggregator, with_robust_aggregate
-from .config import RunConfig, dp_count_noise, model_name
+from .config import (ACCELERATOR_EVAL_BATCH, CPU_EVAL_BATCH, CPU_EVAL_BATCH_BY_MODEL, RunConfig, dp_count_noise,
+                     model_name)
 from .evaluation import held_out, split_clients
 
 ATTACK_STREAM, COMPRESSION_STREAM = 7, 8
@@ -112,16 +113,6 @@ def tail_batch_sizes(cfg: RunConfig, counts) -> tuple[int, ...] | None:
             or (cfg.dp_clip is not None and cfg.dp_level == "sample")):
         return None
     return tails_chosen(cfg.tail_batches, counts, cfg.batch_size) or None
-
-
-# The evaluation batch size by default (``benchmarks/eval_batch.py``, one core; benchmarks/RESULTS.md, "The
-# evaluation batch size per model"). On a CPU a batch's activations should stay in cache: the convolutional and
-# attention models evaluate fastest at 16 or within 6 % of it (the ViTs 1.15-1.37x slower at 64-128, 1.3-2.5x at
-# 256; the smallest models gain 1.1-1.5x at larger batches, at microseconds a sample). Models whose large dense
-# layers are read once a batch evaluate faster at a larger one, at their measured best: FEMNIST CNN 1.25x and the
-# digits CNN 1.2x at 64, AlexNet 1.6x at 128, against 16. An accelerator wants large batches.
-CPU_EVAL_BATCH, ACCELERATOR_EVAL_BATCH = 16, 256
-CPU_EVAL_BATCH_BY_MODEL = {"femnist_cnn": 64, "digits_cnn": 64, "alexnet_bn": 128}
 
 
 def eval_batch_size(cfg: RunConfig, counts) -> int:

@@ -239,6 +239,16 @@ class Privacy(ConfigGroup):
               "clipping's at --dp-noise)")
 
 
+# The evaluation batch size by default (``benchmarks/eval_batch.py``, one core; benchmarks/RESULTS.md, "The
+# evaluation batch size per model"). On a CPU a batch's activations should stay in cache: the convolutional and
+# attention models evaluate fastest at 16 or within 6 % of it (the ViTs 1.15-1.37x slower at 64-128, 1.3-2.5x at
+# 256; the smallest models gain 1.1-1.5x at larger batches, at microseconds a sample). Models whose large dense
+# layers are read once a batch evaluate faster at a larger one, at their measured best: FEMNIST CNN 1.25x and the
+# digits CNN 1.2x at 64, AlexNet 1.6x at 128, against 16. An accelerator wants large batches.
+CPU_EVAL_BATCH, ACCELERATOR_EVAL_BATCH = 16, 256
+CPU_EVAL_BATCH_BY_MODEL = {"femnist_cnn": 64, "digits_cnn": 64, "alexnet_bn": 128}
+
+
 @dataclasses.dataclass(frozen=True)
 class Evaluation(ConfigGroup):
     title = "evaluation"
@@ -249,10 +259,11 @@ class Evaluation(ConfigGroup):
               "aggregated; local for fedselect when every client trains every round, its official protocol)",
         choices=("aggregated", "local"))
     eval_batch_size: int | None = option(
-        None, "evaluation batch size (default on a CPU: 16, where a small batch's activations stay in cache (the "
-              "CNNs and ViTs measured evaluate 1.3-2.5x faster than at 256), and 64 for femnist_cnn and digits_cnn, "
-              "128 for alexnet_bn, whose large dense layers are read once a batch (1.2-1.6x faster than at 16); "
-              "256 on an accelerator; config.json saves the size used)", minimum=1)
+        None, f"evaluation batch size (default on a CPU: {CPU_EVAL_BATCH}, where a small batch's activations stay in "
+              f"cache (the CNNs and ViTs measured evaluate 1.3-2.5x faster than at 256), and "
+              f"{', '.join(f'{b} for {m}' for m, b in CPU_EVAL_BATCH_BY_MODEL.items())}, whose large dense layers "
+              f"are read once a batch (1.2-1.6x faster than at {CPU_EVAL_BATCH}); {ACCELERATOR_EVAL_BATCH} on an "
+              f"accelerator; config.json saves the size used)", minimum=1)
     eval_tail_batches: str = option(
         "auto", "map: a client's partial last test batch computed at the smallest of B, B/2, B/4, B/8 that holds it "
                 "(B: the evaluation batch size; the same predictions up to float rounding, at up to ~2x its real "
