@@ -120,15 +120,21 @@ def conv2d(x, kernel, stride: int = 1, padding: int = 0, training: str | None = 
 
 
 CONV_TRAINING_PATHS = ("im2col", "convolution")
+# widest layer (output channels) trained by "convolution" by default: the patch matrix costs kh kw ci per output
+# position against the matmul's kh kw ci co, so im2col's overhead shrinks as 1/co; ResNet-18's 3x3 layers of 128-512
+# channels train faster by im2col (its 64-channel ones level), the small CNNs' 32-64-channel ones by convolution
+CONV_TRAINING_MAX_FEATURES = 64
 
 
 def conv_training_path(kernel_shape: Sequence[int], stride: int, padding: int) -> str:
     """``conv2d``'s default way to train: ``"convolution"`` when the program being traced runs on a CPU with at
     most one core per device (the process's cores over the devices of the enclosing ``shard_map``, one outside
-    one: the CLI's CPU default of one device per core, or a one-core machine) and the input's gradient is a
-    plain forward convolution (``_direct_input_gradient``), else ``"im2col"``. Read when tracing, from jax's
-    abstract mesh (part of jit's cache key) and the process's affinity mask (fixed for the process)."""
-    if not _direct_input_gradient(kernel_shape, stride, padding) or jax.default_backend() != "cpu":
+    one: the CLI's CPU default of one device per core, or a one-core machine), the input's gradient is a
+    plain forward convolution (``_direct_input_gradient``) and the layer has at most
+    ``CONV_TRAINING_MAX_FEATURES`` output channels, else ``"im2col"``. Read when tracing, from jax's abstract
+    mesh (part of jit's cache key) and the process's affinity mask (fixed for the process)."""
+    if (not _direct_input_gradient(kernel_shape, stride, padding) or kernel_shape[3] > CONV_TRAINING_MAX_FEATURES
+            or jax.default_backend() != "cpu"):
         return "im2col"
     mesh = jax.sharding.get_abstract_mesh()
     devices = 1 if mesh.empty else mesh.size
