@@ -9,7 +9,7 @@ from jaxfl.core.trees import count_params
 from jaxfl.errors import ConfigError
 from jaxfl.models import BatchNorm, build_model, conv2d, conv2d_matmul, digits_cnn, max_pool2
 from jaxfl.models import kernel_matmul
-from jaxfl.models.layers import TRANSPOSED_KERNEL_GRAD_MIN, conv_training_path
+from jaxfl.models.layers import TRANSPOSED_KERNEL_GRAD_MIN
 
 
 @pytest.mark.parametrize("stride,padding,k", [(1, 2, 5), (1, 1, 3), (2, 1, 3), (4, 2, 11)])
@@ -33,9 +33,10 @@ def _convolutions(fn, *args) -> int:
 
 
 @pytest.mark.parametrize("stride,padding,k", [(1, 2, 5), (2, 1, 3)])
-def test_conv2d_evaluates_with_xla_convolution_on_cpu(stride, padding, k):
-    """``conv2d`` = the convolution formula, by XLA's convolution when no derivative is taken (on a CPU; not under
-    vmap with a kernel per lane, where it is the batched matmul)."""
+def test_conv2d_evaluates_with_xla_convolution_on_cpu_and_differentiates_as_conv2d_matmul(stride, padding, k):
+    """``conv2d`` = the convolution formula: XLA's convolution when no derivative is taken (on a CPU; not under
+    vmap with a kernel per lane, where it is the batched matmul), and ``conv2d_matmul``'s own gradients, first and
+    second order, when one is taken."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(2, 13, 13, 3)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(k, k, 3, 4)), jnp.float32)
@@ -46,6 +47,15 @@ def test_conv2d_evaluates_with_xla_convolution_on_cpu(stride, padding, k):
     on_cpu = jax.default_backend() == "cpu"
     assert _convolutions(ours, x, w) == (1 if on_cpu else 0)
     np.testing.assert_allclose(jax.jit(ours)(x, w), lax_conv(x, w), atol=rounding_tolerance(lax_conv, x, w), rtol=0)
+    # differentiated: conv2d_matmul's program, no convolution op
+    loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w)))  # noqa: E731
+    assert _convolutions(jax.grad(loss(ours), (0, 1)), x, w) == 0
+    want = jax.jit(jax.grad(loss(matmul), (0, 1)))
+    for a, b, t in zip(jax.jit(jax.grad(loss(ours), (0, 1)))(x, w), want(x, w), rounding_tolerance(want, x, w)):
+        np.testing.assert_allclose(a, b, atol=t, rtol=0)
+    second = lambda conv: jax.jit(jax.grad(lambda w: jnp.sum(jnp.cos(jax.grad(loss(conv), 1)(x, w)))))  # noqa: E731
+    np.testing.assert_allclose(second(ours)(w), second(matmul)(w), atol=rounding_tolerance(second(matmul), w),
+                               rtol=0)
     # vmap: a kernel per lane (clients' own models) -> the batched matmul; one kernel -> one convolution
     xs, ws = jnp.stack([x, x[::-1]]), jnp.stack([w, -0.5 * w])
     per_lane = jax.vmap(ours)
@@ -63,85 +73,14 @@ def test_conv2d_evaluates_with_xla_convolution_on_cpu(stride, padding, k):
                                atol=rounding_tolerance(jax.jit(jax.vmap(lax_conv)), xs, ws), rtol=0)
 
 
-@pytest.mark.parametrize("training,stride,padding,k", [
-    ("im2col", 1, 2, 5), ("im2col", 2, 1, 3), ("convolution", 1, 2, 5), ("convolution", 1, 0, 3),
-    ("convolution", 1, 2, 3)])
-def test_conv2d_gradients_are_conv2d_matmuls_on_either_training_path(training, stride, padding, k):
-    """Differentiated, ``conv2d`` has ``conv2d_matmul``'s gradients, first and second order, one client, clients
-    under vmap (a kernel per lane, one for all) and under lax.map: ``"im2col"`` by slices and matmuls only,
-    ``"convolution"`` by XLA's convolution for the forward and the input's gradient (dx = conv(dy, flipped
-    kernel^T) at padding k - 1 - p) on a CPU, outside vmap with a kernel per lane."""
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(2, 13, 13, 3)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(k, k, 3, 4)), jnp.float32)
-    ours = lambda x, w: conv2d(x, w, stride, padding, training=training)  # noqa: E731
-    matmul = lambda x, w: conv2d_matmul(x, w, stride, padding)  # noqa: E731
-    loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w)))  # noqa: E731
-    grads = lambda conv: jax.grad(loss(conv), (0, 1))  # noqa: E731
-    # the forward and the input's gradient as convolutions (the kernel's from patches), or none
-    convolutions = 2 if training == "convolution" and jax.default_backend() == "cpu" else 0
-    assert _convolutions(grads(ours), x, w) == convolutions
-    want = jax.jit(grads(matmul))
-    for a, b, t in zip(jax.jit(grads(ours))(x, w), want(x, w), rounding_tolerance(want, x, w)):
-        np.testing.assert_allclose(a, b, atol=t, rtol=0)
-    second = lambda conv: jax.jit(jax.grad(lambda w: jnp.sum(jnp.cos(jax.grad(loss(conv), 1)(x, w)))))  # noqa: E731
-    np.testing.assert_allclose(second(ours)(w), second(matmul)(w), atol=rounding_tolerance(second(matmul), w),
-                               rtol=0)
-    xs, ws = jnp.stack([x, x[::-1]]), jnp.stack([w, -0.5 * w])
-    cases = [("per lane", jax.vmap(grads(ours)), jax.vmap(grads(matmul)), (xs, ws), 0),
-             ("shared", jax.vmap(grads(ours), (0, None)), jax.vmap(grads(matmul), (0, None)), (xs, w),
-              convolutions),
-             ("lax.map", lambda xs, ws: jax.lax.map(lambda a: grads(ours)(*a), (xs, ws)),
-              jax.vmap(grads(matmul)), (xs, ws), convolutions)]
-    for name, fn, ref, args, count in cases:
-        assert _convolutions(fn, *args) == count, name
-        want = jax.jit(ref)
-        for a, b, t in zip(jax.jit(fn)(*args), want(*args), rounding_tolerance(want, *args)):
-            np.testing.assert_allclose(a, b, atol=t, rtol=0, err_msg=name)
-    # raw integer images: the kernel's gradient (the input has none)
-    xi = jnp.asarray(rng.integers(0, 256, size=(2, 13, 13, 3)), jnp.uint8)
-    kernel_grad = lambda conv: jax.jit(jax.grad(lambda w: jnp.sum(jnp.sin(conv(xi, w) / 256))))  # noqa: E731
-    np.testing.assert_allclose(kernel_grad(ours)(w), kernel_grad(matmul)(w),
-                               atol=rounding_tolerance(kernel_grad(matmul), w), rtol=0)
-
-
-def test_conv2d_trains_by_convolution_where_a_device_has_one_core(monkeypatch):
-    """The default training path: ``"convolution"`` on a CPU when the traced program has at most one core a
-    device (the process's cores over the enclosing mesh's devices), the input's gradient is one stride-1
-    convolution and the layer is at most ``CONV_TRAINING_MAX_FEATURES`` wide; ``"im2col"`` otherwise. A path
-    it cannot take is refused."""
-    from jaxfl.models import layers
-    if jax.default_backend() != "cpu":
-        assert conv_training_path((5, 5, 3, 4), 1, 2) == "im2col"
-        return
-    monkeypatch.setattr(layers, "cpu_cores", lambda: 2)
-    assert conv_training_path((5, 5, 3, 4), 1, 2) == "im2col"  # one device, two cores
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("clients",))):
-        assert conv_training_path((5, 5, 3, 4), 1, 2) == "convolution"  # two devices, a core each
-    monkeypatch.setattr(layers, "cpu_cores", lambda: 1)
-    assert conv_training_path((5, 5, 3, 4), 1, 2) == "convolution"
-    widest = layers.CONV_TRAINING_MAX_FEATURES
-    assert conv_training_path((3, 3, 8, widest), 1, 1) == "convolution"
-    assert conv_training_path((3, 3, 8, widest + 1), 1, 1) == "im2col"  # wide layers: the patch matrix is cheap
-    for shape, stride, padding in (((5, 5, 3, 4), 2, 2), ((3, 3, 3, 4), 1, 3), ((3, 5, 3, 4), 1, 1)):
-        assert conv_training_path(shape, stride, padding) == "im2col"
-        with pytest.raises(ValueError, match="training='convolution' needs stride 1"):
-            conv2d(jnp.zeros((1, 9, 9, 3)), jnp.zeros(shape), stride, padding, training="convolution")
-    with pytest.raises(ValueError, match="expected one of"):
-        conv2d(jnp.zeros((1, 9, 9, 3)), jnp.zeros((3, 3, 3, 4)), 1, 1, training="direct")
-    # the choice is made when tracing: one core -> the program has the forward and input-gradient convolutions
-    x, w = jnp.ones((1, 9, 9, 3)), jnp.ones((3, 3, 3, 4))
-    assert _convolutions(jax.grad(lambda x, w: jnp.sum(jnp.sin(conv2d(x, w, 1, 1))), (0, 1)), x, w) == 2
-
-
-@bit_identity("conv2d's custom VJP on the im2col path runs conv2d_matmul's forward and backward functions unchanged")
+@bit_identity("conv2d's custom VJP runs conv2d_matmul's forward and backward functions unchanged")
 def test_conv2d_trains_as_conv2d_matmul_bit_for_bit():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(4, 10, 10, 2)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(3, 3, 2, 16)), jnp.float32)
     loss = lambda conv: jax.jit(jax.value_and_grad(  # noqa: E731
         lambda x, w: jnp.sum(jnp.tanh(conv(x, w, 1, 1))), (0, 1)))
-    (va, (ga, gb)), (vb, (ha, hb)) = loss(lambda *a: conv2d(*a, training="im2col"))(x, w), loss(conv2d_matmul)(x, w)
+    (va, (ga, gb)), (vb, (ha, hb)) = loss(conv2d)(x, w), loss(conv2d_matmul)(x, w)
     np.testing.assert_array_equal(va, vb)
     np.testing.assert_array_equal(ga, ha)
     np.testing.assert_array_equal(gb, hb)

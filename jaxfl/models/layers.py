@@ -11,8 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core.distributed import cpu_cores
-
 
 def torch_kernel_init(key, shape, dtype=jnp.float32):
     """PyTorch's default kernel init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = prod(shape[:-1])."""
@@ -83,74 +81,30 @@ def conv2d_xla(x, kernel, stride: int = 1, padding: int = 0):
                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
-def conv2d(x, kernel, stride: int = 1, padding: int = 0, training: str | None = None):
-    """2-D convolution (NHWC input, HWIO kernel, symmetric zero padding), differentiable to any order in reverse
-    mode:
+def conv2d(x, kernel, stride: int = 1, padding: int = 0):
+    """2-D convolution (NHWC input, HWIO kernel, symmetric zero padding): ``conv2d_matmul``'s numbers and
+    gradients wherever a derivative is taken, XLA's own convolution where none is (evaluation, a teacher's or a
+    frozen model's outputs) on a CPU.
 
         y[b, h, w, o] = sum_{i, j, c} xpad[b, s*h + i, s*w + j, c] * kernel[i, j, c, o]
 
-    Where no derivative is taken (evaluation, a teacher's or a frozen model's outputs) a CPU runs XLA's own
-    convolution: a forward convolution is in the form XLA's fast library takes, in loops too, and needs no patch
-    matrix (1.3-2.4x faster than im2col for the CNNs' evaluation on one AMD EPYC core: ``benchmarks/RESULTS.md``,
-    "XLA's convolution for evaluation"). Under ``vmap`` with a kernel per lane (clients' own models) XLA's
-    convolution becomes a grouped one, slower than the batched matmul, so there it is ``conv2d_matmul``; with one
-    kernel for all lanes the lanes join the image batch. Other platforms take ``conv2d_matmul``.
-
-    Where a derivative is taken, ``training`` says how (None: ``conv_training_path``'s choice):
-
-    - ``"im2col"``: ``conv2d_matmul``'s forward and backward (patches and one matmul; the input's gradient
-      g kernel^T folded back onto the image, col2im). XLA:CPU runs autodiff's backward *convolutions* inside
-      loop bodies on naive loops (``conv2d_matmul``'s docstring); slices and matmuls stay fast.
-    - ``"convolution"``: the evaluation's forward, the input's gradient as a forward convolution too (of the
-      output's gradient with the kernel flipped in space, in and out channels swapped, padding kh - 1 - p:
-      ``dx = conv(dy, flip(kernel)^T)``, stride 1 only), and the kernel's gradient from the patches,
-      ``dkernel = cols^T dy`` (``kernel_matmul``'s). It keeps the input, not the kh kw times larger patch matrix,
-      for the backward pass and runs no col2im; on a CPU core of its own it is faster than im2col, with two
-      threads a device slower (``benchmarks/RESULTS.md``, "The training convolution on one core a device").
-
-    The two agree up to float reassociation.
+    Why two ways: inside loop bodies XLA:CPU runs its own convolution's backward passes on naive loops
+    (``conv2d_matmul``'s docstring), so training takes slices and a matmul; a forward convolution is in the form
+    XLA's fast library takes, in loops too, and there it needs no patch matrix: 1.3-2.4x faster than im2col for
+    the CNNs' evaluation on one AMD EPYC core (``benchmarks/RESULTS.md``, "XLA's convolution for
+    evaluation"). Under ``vmap`` with a kernel per lane (clients' own models) XLA's convolution becomes a grouped one,
+    slower than the batched matmul, so there the evaluation takes ``conv2d_matmul`` too; with one kernel for all
+    lanes the lanes join the image batch. Other platforms take ``conv2d_matmul`` throughout. The two agree up to
+    float reassociation. A custom VJP: reverse mode to any order, no forward mode (``jax.jvp``), as
+    ``kernel_matmul``.
     """
-    training = conv_training_path(kernel.shape, stride, padding) if training is None else training
-    if training not in CONV_TRAINING_PATHS:
-        raise ValueError(f"training={training!r}: expected one of {CONV_TRAINING_PATHS}")
-    if training == "convolution" and not _direct_input_gradient(kernel.shape, stride, padding):
-        raise ValueError(f"training='convolution' needs stride 1, a square kernel and padding <= its size - 1; "
-                         f"got stride {stride}, kernel {kernel.shape[:2]}, padding {padding}")
-    return _conv2d(int(stride), int(padding), training)(x, kernel)
-
-
-CONV_TRAINING_PATHS = ("im2col", "convolution")
-# widest layer (output channels) trained by "convolution" by default: the patch matrix costs kh kw ci per output
-# position against the matmul's kh kw ci co, so im2col's overhead shrinks as 1/co; ResNet-18's 3x3 layers of 128-512
-# channels train faster by im2col (its 64-channel ones level), the small CNNs' 32-64-channel ones by convolution
-CONV_TRAINING_MAX_FEATURES = 64
-
-
-def conv_training_path(kernel_shape: Sequence[int], stride: int, padding: int) -> str:
-    """``conv2d``'s default way to train: ``"convolution"`` when the program being traced runs on a CPU with at
-    most one core per device (the process's cores over the devices of the enclosing ``shard_map``, one outside
-    one: the CLI's CPU default of one device per core, or a one-core machine), the input's gradient is a
-    plain forward convolution (``_direct_input_gradient``) and the layer has at most
-    ``CONV_TRAINING_MAX_FEATURES`` output channels, else ``"im2col"``. Read when tracing, from jax's abstract
-    mesh (part of jit's cache key) and the process's affinity mask (fixed for the process)."""
-    if (not _direct_input_gradient(kernel_shape, stride, padding) or kernel_shape[3] > CONV_TRAINING_MAX_FEATURES
-            or jax.default_backend() != "cpu"):
-        return "im2col"
-    mesh = jax.sharding.get_abstract_mesh()
-    devices = 1 if mesh.empty else mesh.size
-    return "convolution" if cpu_cores() <= devices else "im2col"
-
-
-def _direct_input_gradient(kernel_shape: Sequence[int], stride: int, padding: int) -> bool:
-    """Whether the input's gradient is one forward convolution with symmetric padding kh - 1 - p >= 0."""
-    kh, kw = kernel_shape[:2]
-    return stride == 1 and kh == kw and 0 <= padding <= kh - 1
+    return _conv2d(int(stride), int(padding))(x, kernel)
 
 
 @functools.lru_cache(maxsize=None)
-def _evaluate(stride: int, padding: int) -> Callable:
-    """The convolution where no derivative is taken: XLA's on a CPU, the (batched) matmul under vmap with a
-    kernel per lane and on other platforms. Not differentiable by itself (a custom batching rule)."""
+def _conv2d(stride: int, padding: int) -> Callable:
+    """``conv2d`` at one stride and padding: a custom VJP (``conv2d_matmul``'s forward and backward) around an
+    evaluation with a custom batching rule."""
     def matmul(x, kernel):
         return conv2d_matmul(x, kernel, stride, padding)
 
@@ -169,34 +123,8 @@ def _evaluate(stride: int, padding: int) -> Callable:
             return y.reshape((axis_size, -1) + y.shape[1:]), True
         return jax.vmap(matmul, in_axes=(0 if in_batched[0] else None, 0))(x, kernel), True
 
-    return evaluate
-
-
-@functools.lru_cache(maxsize=None)
-def _conv2d(stride: int, padding: int, training: str) -> Callable:
-    """``conv2d`` at one stride, padding and training path: a custom VJP around ``_evaluate``."""
-    evaluate = _evaluate(stride, padding)
     conv = jax.custom_vjp(evaluate)
-    if training == "im2col":
-        conv.defvjp(lambda x, kernel: jax.vjp(lambda x, k: conv2d_matmul(x, k, stride, padding), x, kernel),
-                    lambda vjp, g: vjp(g))
-        return conv
-
-    def backward(res, g):
-        x, kernel = res
-        kh, kw, ci, co = kernel.shape
-        if jnp.issubdtype(x.dtype, jnp.inexact):  # dx = conv(dy, flip(kernel)^T), itself a conv2d: any order
-            flipped = jnp.flip(kernel, (0, 1)).swapaxes(2, 3)
-            dx = _conv2d(1, kh - 1 - padding, training)(g, flipped).astype(x.dtype)
-        else:  # integer images (raw pixels): no gradient
-            dx = np.zeros(x.shape, jax.dtypes.float0)
-        cols = conv_patches(x.astype(g.dtype), kh, kw, 1, padding)
-        _, kernel_vjp = jax.vjp(lambda k: kernel_matmul(cols, k), kernel.reshape(kh * kw * ci, co))
-        return dx, kernel_vjp(g)[0].reshape(kernel.shape).astype(kernel.dtype)
-
-    # (the forward through ``conv`` itself, so that a derivative of the forward pass, taken for a second order,
-    # meets this rule again rather than the evaluation's batching rule)
-    conv.defvjp(lambda x, kernel: (conv(x, kernel), (x, kernel)), backward)
+    conv.defvjp(lambda x, kernel: jax.vjp(matmul, x, kernel), lambda vjp, g: vjp(g))
     return conv
 
 
