@@ -24,7 +24,10 @@ import jax
 
 def test_waits_for_a_stop():
     jax.jit(lambda x: x + 1)(1.0)  # an entry in the run's compile cache
-    Path(os.environ["JAXFL_TEST_READY"]).write_text(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    ready = Path(os.environ["JAXFL_TEST_READY"])
+    part = ready.with_suffix(".part")  # written whole, then renamed: the waiting check never reads it half-written
+    part.write_text(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    part.replace(ready)
     time.sleep(300)
 '''
 
