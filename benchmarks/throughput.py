@@ -836,8 +836,6 @@ def main(argv=None) -> None:
     p.add_argument("--k", type=int, default=10, help="with --small: rounds per call of the stacked/*/K runners")
     p.add_argument("--median", type=float, default=None, help="with --small: override the client size median")
     p.add_argument("--sigma", type=float, default=None, help="with --small: override the client size sigma")
-    p.add_argument("--system-malloc", action="store_true",
-                   help="leave glibc's malloc as it is (default: as `jaxfl run` sets it, jaxfl.core.host_memory)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one workload in a subprocess
     args = p.parse_args(argv)
     check_args(args)
@@ -846,14 +844,11 @@ def main(argv=None) -> None:
         if args.one.startswith("small:"):  # /D runners: CPU devices, one per core, asked for before jax starts
             from jaxfl.core.distributed import use_cpu_devices
             use_cpu_devices(max(runner_devices(r) for r in SMALL_OPTIONS["runners"]))
-        if not args.system_malloc:  # as `jaxfl run` sets it, before jax starts (the torch runners share it)
-            from jaxfl.core.host_memory import keep_freed_memory
-            keep_freed_memory()
         print(json.dumps(run_one(args.one, args.strategies.split(","), args.rounds)))
         return
-    extra = ["--system-malloc"] if args.system_malloc else []
+    extra = []
     if args.small:
-        extra += ["--runners", args.runners, "--k", str(args.k)]
+        extra = ["--runners", args.runners, "--k", str(args.k)]
         extra += ["--median", str(args.median)] if args.median else []
         extra += ["--sigma", str(args.sigma)] if args.sigma is not None else []
         plan = ([tuple(t.split(":")) for t in args.plan.split(",")] if args.plan else SMALL_PLAN)

@@ -342,19 +342,3 @@ def test_step_profile_refuses_bad_input_in_one_line(capsys):
         assert run_script(step_profile.main, argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
-
-
-def test_host_memory_times_rounds_with_their_faults_and_refuses_bad_flags(capsys):
-    import host_memory
-
-    from jaxfl.run.script import run_script
-    # the system's side only: the other one changes the process's malloc (it runs in a process of its own)
-    res = host_memory.measure("logreg:20:4", rounds=2, mode="system")
-    assert not res["applied"] and [r["round"] for r in res["rounds"]] == [0, 1]
-    assert all(r["wall_s"] > 0 and r["minor_faults"] >= 0 for r in res["rounds"]), res
-    assert host_memory.summary(res).startswith("| logreg:20:4 | system |")
-    for argv, said in ((["--plan", "nosuch:10:2"], "--plan 'nosuch:10:2': give NAME:CLIENTS:COHORT"),
-                       (["--pairs", "0"], "--pairs")):
-        assert run_script(host_memory.main, argv) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and said in err[0], err

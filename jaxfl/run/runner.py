@@ -15,7 +15,6 @@ import numpy as np
 from ..algorithms import build_algorithm
 from ..core.distributed import is_primary
 from ..core.evaluate import Evaluator
-from ..core.host_memory import keep_freed_memory
 from ..core.metrics import client_spread
 from ..core.step import cohort_train
 from ..core.privacy import CLIP_KEY, value_noise_multiplier
@@ -120,7 +119,6 @@ class Experiment:
         # the build, step by step (``jaxfl.run.build``): checks before any work, data, model, where the clients
         # run, local training, the algorithm, privacy; then the server's wrappers, the backend and evaluation
         start_devices(cfg)
-        keep_freed_memory()  # before jax starts its CPU backend (core.host_memory: no page faults each round)
         self.cfg = cfg = validate(cfg)
         check_output(cfg)  # before any expensive work
         if cfg.resume and cfg.out:  # the saved run's config and checkpoints, before any data is read
