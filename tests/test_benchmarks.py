@@ -342,3 +342,18 @@ def test_step_profile_refuses_bad_input_in_one_line(capsys):
         assert run_script(step_profile.main, argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
+
+
+def test_round_profile_counts_each_operation_per_round_with_its_shape(capsys):
+    import round_profile
+
+    from jaxfl.run.script import run_script
+    res = round_profile.profile("logreg:20:4", rounds=2, tails=False)
+    assert res["round_s"] > 0 and res["ops"], res
+    # the aggregation's reductions run once a round; the local steps' operations once per step of the cohort
+    assert any(op["per_round"] == 1 for op in res["ops"]), res["ops"]
+    assert max(op["per_round"] for op in res["ops"]) >= res["cohort"]
+    assert any(op["shape"].startswith("f32[") for op in res["ops"])  # read off the compiled round
+    assert run_script(round_profile.main, ["--plan", "logreg:20"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--plan 'logreg:20': give NAME:CLIENTS:COHORT" in err[0], err
