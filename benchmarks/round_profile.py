@@ -12,9 +12,6 @@ can be told apart; each operation's output shape is read from the compiled round
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
 import json
 import sys
 import tempfile
@@ -29,8 +26,8 @@ def profile(plan: str, rounds: int, tails: bool) -> dict:
 
     import jax
     import optax
-    from step_profile import WRAPPERS, op_shapes
-    from throughput import SMALL, lognormal_counts, skewed_counts, small_population
+    from step_profile import op_shapes, traced_ops
+    from throughput import SMALL, small_population, workload_counts
 
     from jaxfl.algorithms import build_algorithm
     from jaxfl.core.backends import Stacked
@@ -40,9 +37,7 @@ def profile(plan: str, rounds: int, tails: bool) -> dict:
 
     name, n, cohort = plan.split(":")
     n, cohort, w = int(n), int(cohort), SMALL[name]
-    counts = (skewed_counts(w["dirichlet"], n, w["samples"]) if "dirichlet" in w
-              else lognormal_counts(n, w["median"], w["sigma"]))
-    data = small_population(w, counts)
+    data = small_population(w, workload_counts(w, n))
     trainer = LocalTrainer(optax.sgd(w["lr"]), w["batch"], 1, tail_sizes=tail_sizes(w["batch"]) if tails else None,
                            tail_log=[])
     alg = build_algorithm("fedavg", build_model(w["model"], w["classes"]), trainer)
@@ -59,13 +54,7 @@ def profile(plan: str, rounds: int, tails: bool) -> dict:
                 server, _ = sim.round(server, store, r, root)
                 jax.block_until_ready(server)
             wall = (time.perf_counter() - t0) / rounds  # (traced: the profiler's own cost included)
-        [trace] = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
-        events = json.load(gzip.open(trace))["traceEvents"]
-    total, count = collections.defaultdict(float), collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and not WRAPPERS.match(e["name"]) and "dur" in e:
-            total[e["name"]] += e["dur"] * 1e-6
-            count[e["name"]] += 1
+        total, count = traced_ops(trace_dir)
     # the compiled round's operation shapes (``Stacked._round``: the one jitted call of a round)
     shapes = op_shapes(sim._round.lower(server, store.state, sim.data, 0, root).compile().as_text())
     ops = sorted(({"name": k, "shape": shapes.get(k, ""), "s_per_round": v / rounds, "per_round": count[k] / rounds}
@@ -82,13 +71,10 @@ def main(argv=None) -> None:
     p.add_argument("--top", type=int, default=30, help="operations printed")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from throughput import SMALL
+    from throughput import check_plan_item
 
-    from jaxfl.errors import ConfigError
     from jaxfl.run.script import check_at_least, check_output_file
-    name, *sizes = args.plan.split(":")
-    if name not in SMALL or len(sizes) != 2 or not all(s.isdigit() and int(s) > 0 for s in sizes):
-        raise ConfigError(f"--plan {args.plan!r}: give NAME:CLIENTS:COHORT with NAME one of {', '.join(SMALL)}")
+    check_plan_item(args.plan)
     check_at_least("--rounds", args.rounds, 1)
     check_output_file(args.json, "--json")
     res = profile(args.plan, args.rounds, args.tails)

@@ -40,6 +40,18 @@ def op_shapes(hlo_text: str) -> dict[str, str]:
     return shapes
 
 
+def traced_ops(trace_dir: str) -> tuple[dict[str, float], collections.Counter]:
+    """({operation: seconds}, {operation: events}) summed over the perfetto trace ``jax.profiler.trace`` wrote
+    under ``trace_dir``: its complete events, the wrappers around the program (``WRAPPERS``) left out."""
+    [trace] = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+    total, count = collections.defaultdict(float), collections.Counter()
+    for e in json.load(gzip.open(trace))["traceEvents"]:
+        if e.get("ph") == "X" and not WRAPPERS.match(e["name"]):
+            total[e["name"]] += e["dur"] * 1e-6
+            count[e["name"]] += 1
+    return total, count
+
+
 def profile(model: str, batch: int, steps: int, reps: int, shape: tuple[int, ...], classes: int,
             kernel_grad_min: int | None = None, dropout: bool = False) -> dict:
     import jax
@@ -82,12 +94,7 @@ def profile(model: str, batch: int, steps: int, reps: int, shape: tuple[int, ...
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(reps):
                 jax.block_until_ready(run(params, steps))
-        [trace] = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
-        events = json.load(gzip.open(trace))["traceEvents"]
-    total = collections.defaultdict(float)
-    for e in events:
-        if e.get("ph") == "X" and not WRAPPERS.match(e["name"]):
-            total[e["name"]] += e["dur"] * 1e-6
+        total, _ = traced_ops(trace_dir)
     shapes = op_shapes(run.lower(params, steps).compile().as_text())
     ops = sorted(((name, sec / reps / steps) for name, sec in total.items()), key=lambda kv: -kv[1])
     return {"model": model, "batch": batch, "steps": steps, "reps": reps, "step_s": step_s,

@@ -313,6 +313,13 @@ def lognormal_counts(n_clients: int, median: float, sigma: float, seed: int = 0)
     return np.maximum(1, np.round(median * np.exp(sigma * rng.standard_normal(n_clients)))).astype(np.int64)
 
 
+def workload_counts(w: dict, n_clients: int):
+    """A small workload's client sizes: its Dirichlet label-skew split (``skewed_counts``) or log-normal sizes."""
+    if "dirichlet" in w:
+        return skewed_counts(w["dirichlet"], n_clients, w["samples"])
+    return lognormal_counts(n_clients, w["median"], w["sigma"])
+
+
 def small_population(w: dict, counts, seed: int = 0):
     """RaggedClients of synthetic samples: uint8 28x28x1 images, or token ids [80] in [0, 80) (speed does not
     depend on the content), labels uniform over the workload's classes."""
@@ -371,8 +378,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     w["sigma"] = sigma if sigma is not None else w["sigma"]
     peaks = roofline.machine_peaks()
     peak, bandwidth = peaks["matmul_peak_gflops"], peaks["copy_bandwidth_gbs"]
-    counts = (skewed_counts(w["dirichlet"], n_clients, w["samples"]) if "dirichlet" in w
-              else lognormal_counts(n_clients, w["median"], w["sigma"]))
+    counts = workload_counts(w, n_clients)
     data = small_population(w, counts)
     batch = w["batch"]
     trainer = LocalTrainer(optax.sgd(w["lr"]), batch, 1)
@@ -794,6 +800,14 @@ RUNNER = re.compile(r"stacked/(map|vmap|chunked)/K[1-9][0-9]*(/D[1-9][0-9]*)?(/S
                     r"|(ragged|streamed)/(map|vmap|chunked)(/D[1-9][0-9]*)?|jax_loop|torch_loop|torch_vmap")
 
 
+def check_plan_item(item: str) -> None:
+    """ConfigError (one line) unless ``item`` is NAME:CLIENTS:COHORT with NAME a small workload (``SMALL``)."""
+    from jaxfl.errors import ConfigError
+    name, *sizes = item.split(":")
+    if name not in SMALL or len(sizes) != 2 or not all(s.isdigit() and int(s) > 0 for s in sizes):
+        raise ConfigError(f"--plan {item!r}: give NAME:CLIENTS:COHORT with NAME one of {', '.join(SMALL)}")
+
+
 def check_args(args) -> None:
     """ConfigError (one line, exit 2 through ``run_script``) for a flag no workload could take, before any."""
     from jaxfl.core.cohort import STRATEGIES
@@ -813,9 +827,7 @@ def check_args(args) -> None:
                           f"stacked/STRATEGY/K<k>[/D<d>][/S<n>][/O<x>][/T], ragged/STRATEGY[/D<d>], "
                           f"streamed/STRATEGY[/D<d>], jax_loop, torch_loop or torch_vmap")
     for item in (args.plan.split(",") if args.plan else []):
-        name, *sizes = item.split(":")
-        if name not in SMALL or len(sizes) != 2 or not all(s.isdigit() and int(s) > 0 for s in sizes):
-            raise ConfigError(f"--plan {item!r}: give NAME:CLIENTS:COHORT with NAME one of {', '.join(SMALL)}")
+        check_plan_item(item)
     check_output_file(args.json, "--json")
 
 
