@@ -300,7 +300,9 @@ SMALL_PLAN = [("logreg", 1000, 100), ("2nn", 1000, 100), ("femnist_cnn", 1000, 1
 SMALL_RUNNERS = ("stacked/map/K1", "stacked/map/K10", "stacked/map/K1/D2", "stacked/map/K10/D2", "stacked/vmap/K10",
                  "ragged/map", "ragged/vmap", "jax_loop", "torch_loop")
 # /D2 (stacked and ragged runners): the cohort split over 2 devices (on a CPU, 2 CPU devices: one block of clients
-# per core); /S<n>, /O<x> (stacked): the lane plan's segments and step overhead (``lane_options``); /T (stacked, last):
+# per core); /S<n>, /O<x> (stacked): the lane plan's segments and step overhead (``lane_options``); /F (stacked): a new
+# buffer for the trained rows every call instead of the one kept from the round before (``Stacked(keep_rows=False)``);
+# /T (stacked, last):
 # each client's partial last batch computed at the smallest of B, B/2, B/4, B/8 that holds it
 # (``LocalTrainer.tail_sizes``; the CLI's --tail-batches)
 SEQ_LEN = 80  # LEAF Shakespeare's input: 80 characters
@@ -420,7 +422,8 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
             tr = dataclasses.replace(trainer, tail_sizes=tails, tail_log=[])
             sim = Stacked(build_algorithm("fedavg", build_model(w["model"], w["classes"]), tr) if tails else alg,
                           data, batch_size=batch, clients=client_map(strategy, mesh=mesh), cohort_size=cohort,
-                          rounds_per_call=kk, trainer=tr, **{"lane_overhead": run_overhead, **lane_options(runner)})
+                          rounds_per_call=kk, trainer=tr, keep_rows="F" not in opt[2:],
+                          **{"lane_overhead": run_overhead, **lane_options(runner)})
             server, store = sim.init(jax.random.key(0), data.x[:1])
             t = time.perf_counter()
             if kk == 1:
@@ -796,8 +799,8 @@ def subprocess_run(spec: str, strategies: str, rounds: int, env=None, timeout=No
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-RUNNER = re.compile(r"stacked/(map|vmap|chunked)/K[1-9][0-9]*(/D[1-9][0-9]*)?(/S[0-9]+)?(/O[0-9]+(\.[0-9]+)?)?(/T)?"
-                    r"|(ragged|streamed)/(map|vmap|chunked)(/D[1-9][0-9]*)?|jax_loop|torch_loop|torch_vmap")
+RUNNER = re.compile(r"stacked/(map|vmap|chunked)/K[1-9][0-9]*(/D[1-9][0-9]*)?(/S[0-9]+)?(/O[0-9]+(\.[0-9]+)?)?"
+                    r"(/F)?(/T)?|(ragged|streamed)/(map|vmap|chunked)(/D[1-9][0-9]*)?|jax_loop|torch_loop|torch_vmap")
 
 
 def check_plan_item(item: str) -> None:
@@ -824,7 +827,7 @@ def check_args(args) -> None:
     bad = [r for r in args.runners.split(",") if not RUNNER.fullmatch(r)]
     if bad:
         raise ConfigError(f"--runners: {', '.join(map(repr, bad))} is not "
-                          f"stacked/STRATEGY/K<k>[/D<d>][/S<n>][/O<x>][/T], ragged/STRATEGY[/D<d>], "
+                          f"stacked/STRATEGY/K<k>[/D<d>][/S<n>][/O<x>][/F][/T], ragged/STRATEGY[/D<d>], "
                           f"streamed/STRATEGY[/D<d>], jax_loop, torch_loop or torch_vmap")
     for item in (args.plan.split(",") if args.plan else []):
         check_plan_item(item)

@@ -47,6 +47,9 @@ def test_small_runner_names():
     assert throughput.cohorts_needed(["stacked/map/K1", "stacked/map/K1/D2", "torch_loop"], 2, 10) == 2
     assert throughput.cohorts_needed(["stacked/map/K1", "stacked/map/K10/D2"], 2, 10) == 10
     assert throughput.cohorts_needed(["stacked/vmap/K10"], 12, 10) == 12
+    # /F: a new rows buffer each call; /T last (the runner's tail sizes are read from its end)
+    assert throughput.RUNNER.fullmatch("stacked/map/K1/D2/F/T") and throughput.RUNNER.fullmatch("stacked/map/K1/F")
+    assert not throughput.RUNNER.fullmatch("stacked/map/K1/T/F")
 
 
 def test_conv_paths_xla_conv_has_autodiffs_gradients_inside_a_loop():

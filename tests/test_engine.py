@@ -235,6 +235,26 @@ def test_map_clients_passes_the_largest_bound_of_the_clients_run_together(strate
     np.testing.assert_array_equal(out[:, 1], counts if strategy == "map" else 9)
 
 
+@pytest.mark.parametrize("strategy", ["vmap", "map", "chunked"])
+def test_apply_into_gives_what_apply_gives_whatever_the_buffer_held(strategy):
+    # Map writes each client's outputs into its row of the buffer; the others return new outputs
+    m = client_map(strategy, 2)
+    counts, x = jnp.asarray([3, 9, 4, 1]), jnp.arange(8.0).reshape(4, 2)
+
+    def fn(c, v, bound):
+        return {"sum": v.sum() * c, "pair": jnp.stack([c, bound]).astype(jnp.float32)}
+    want = m.apply(fn, bound_arg=0)(counts, x)
+    out = {"sum": jnp.full((4,), jnp.nan), "pair": jnp.full((4, 2), jnp.nan)}
+    into = jax.jit(m.apply_into(fn, bound_arg=0), donate_argnums=(0,) if strategy == "map" else ())
+    got = into(out, counts, x)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
+    if strategy == "map":  # (donated: written in place)
+        assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(out))
+    shared = jax.jit(m.over(lambda k, c, v, bound=None: fn(c, v * k, bound), bound_arg=0, into=True))
+    again = shared(2.0, {"sum": jnp.zeros(4), "pair": jnp.zeros((4, 2))}, counts, x)
+    np.testing.assert_array_equal(np.asarray(again["sum"]), 2 * np.asarray(want["sum"]))
+
+
 @pytest.mark.parametrize("strategy", ["map", "vmap"])
 def test_clients_beyond_their_data_skip_steps(strategy):
     # Client 1 has 9 samples: with batch 8 it takes 2 steps. Trained beside a client of 24 (the stack runs 3

@@ -115,6 +115,50 @@ def test_stacked_round_reads_rows_instead_of_copying_the_padded_cohort(strategy)
     assert re.search(r"[\[,]8,8,8,3\]", hlo)  # a minibatch of 8 samples (per client, or [4, 8, ...] under vmap)
 
 
+def stacked_rounds(name, rounds=3, per_call=1, **kw):
+    alg, data = algorithm(name), ragged()
+    engine = Stacked(alg, data, batch_size=8, clients="map", cohort_size=4, rounds_per_call=per_call, **kw)
+    server, store = engine.init(jax.random.key(0), data.x[:1])
+    if per_call > 1:
+        server, ms = engine.run_rounds(server, store, 0, rounds, ROOT)
+    else:
+        ms = []
+        for r in range(rounds):
+            server, m = engine.round(server, store, r, ROOT)
+            ms.append(m)
+    return engine, server, store.state, ms
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedbn"])
+def test_map_rounds_write_their_trained_rows_into_the_rows_of_the_round_before(name):
+    # the rows' buffer is kept between rounds (no [cohort, model] output zero-filled a call); what it held changes
+    # nothing: the rounds equal rounds with a new buffer each call, in one call a round or three rounds a call
+    engine, s_new, c_new, m_new = stacked_rounds(name, keep_rows=False)
+    assert not engine.keeps_rows and engine.rows_buffer is None
+    for per_call in (1, 3):
+        engine, s, c, ms = stacked_rounds(name, per_call=per_call)
+        assert engine.keeps_rows and engine.rows_buffer is not None
+        assert_trees_close(s, s_new, atol=2e-5, rtol=1e-4)
+        assert_trees_close(c, c_new, atol=2e-5, rtol=1e-4)
+        for m, want in zip(ms, m_new):
+            np.testing.assert_array_equal(m["client_id"], want["client_id"])
+            np.testing.assert_allclose(m["loss"], want["loss"], rtol=1e-5, atol=1e-6)
+    # the buffer is donated to the round (written in place, not copied) and holds this round's rows afterwards
+    data = ragged()
+    engine = Stacked(algorithm(name), data, batch_size=8, clients="map", cohort_size=4)
+    server, store = engine.init(jax.random.key(0), data.x[:1])
+    server, _ = engine.round(server, store, 0, ROOT)
+    engine.rows_buffer = jax.tree_util.tree_map(
+        lambda a: jnp.full_like(a, jnp.nan) if a.dtype == jnp.float32 else a, engine.rows_buffer)
+    poisoned = jax.tree_util.tree_leaves(engine.rows_buffer)
+    _, m = engine.round(server, store, 1, ROOT)
+    assert all(a.is_deleted() for a in poisoned)
+    assert np.isfinite(m["loss"]).all() and m["finite"].all()
+    trained, metrics = engine.rows_buffer
+    np.testing.assert_array_equal(np.asarray(metrics["loss"]), m["loss"])
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a: bool(jnp.isfinite(a).all()), trained))
+
+
 def test_map_trains_exactly_the_real_samples():
     alg, data = algorithm("local", epochs=2), ragged()
     _, _, m, _ = simulate(alg, data, 1, None, clients="map")

@@ -63,11 +63,18 @@ class ClientMap:
     def _apply(self, fn: Callable) -> Callable:
         raise NotImplementedError
 
+    def apply_into(self, fn: Callable, bound_arg: int | None = None) -> Callable:
+        """``apply`` whose call takes a buffer shaped like the stacked outputs first, ``(out, *args)``: ``Map``
+        writes each client's outputs into its row of ``out`` in place (``out`` donated to the jit: no [k, ...]
+        output is allocated and zero-filled each call); the other maps ignore it and return new outputs. Every
+        row is written, so what ``out`` held changes nothing."""
+        return lambda out, *args: self.apply(fn, bound_arg)(*args)
+
     def lanes(self, clients: int) -> int:
         """Clients of ``clients`` that one call runs side by side (vmap lanes)."""
         raise NotImplementedError
 
-    def over(self, fn: Callable, lanes=None, bound_arg: int | None = None) -> Callable:
+    def over(self, fn: Callable, lanes=None, bound_arg: int | None = None, into: bool = False) -> Callable:
         """fn(shared, *stacked) -> stacked outputs, one client per row. Without a mesh: ``apply``; with one,
         every device applies it to its own block of clients (``jax.shard_map``) and ``shared`` (e.g. the
         server state) is replicated. The number of clients must divide evenly.
@@ -75,12 +82,17 @@ class ClientMap:
         lanes: a ``lanes.LanePlan`` instead of the map: the returned function then takes the rows' sort key
         first, ``(shared, key, *stacked)``, and every device runs its block as the plan says (sorted by the key,
         chunks of ``vmap`` lanes one after another; ``LanePlan.apply``). bound_arg: as in ``apply`` (an index
-        into ``stacked``; under a plan the largest value of each chunk of lanes)."""
+        into ``stacked``; under a plan the largest value of each chunk of lanes). into: the returned function
+        takes a buffer for the outputs after ``shared``, ``(shared, out, *stacked)`` (``apply_into``; ignored
+        under a plan)."""
         def local(shared, *stacked):
             one = lambda *a, **kw: fn(shared, *a, **kw)  # noqa: E731
+            out, stacked = (stacked[0], stacked[1:]) if into else (None, stacked)
             if lanes is not None:
                 key, rows = stacked[0], stacked[1:]
                 return lanes.apply(one, key, *rows, bound=None if bound_arg is None else rows[bound_arg])
+            if into:
+                return self.apply_into(one, bound_arg)(out, *stacked)
             return self.apply(one, bound_arg)(*stacked)
         mesh = self.mesh
         if mesh is None:
@@ -136,6 +148,15 @@ class Map(ClientMap):
 
     def _apply(self, fn):
         return lambda *args: jax.lax.map(lambda a: fn(*a), args)
+
+    def apply_into(self, fn, bound_arg=None):
+        def run(out, *args):
+            def body(j, out):
+                row = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), args)
+                new = fn(*row) if bound_arg is None else fn(*row, bound=row[bound_arg])
+                return jax.tree_util.tree_map(lambda o, v: jax.lax.dynamic_update_index_in_dim(o, v, j, 0), out, new)
+            return jax.lax.fori_loop(0, jax.tree_util.tree_leaves(args)[0].shape[0], body, out)
+        return run
 
     def lanes(self, clients: int) -> int:
         return min(clients, 1)

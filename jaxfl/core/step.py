@@ -46,7 +46,7 @@ def aggregation_weights(counts, weighting: Weighting):
 
 def cohort_train(alg: Algorithm, *, clients: ClientMap | str | None = None, num_rounds: int | None = None,
                  stragglers: float = 0.0, lanes: LanePlan | None = None) -> Callable:
-    """train(server, clients, data, ids, round_idx, root) -> (trained, metrics), one row per client.
+    """train(server, clients, data, ids, round_idx, root, out=None) -> (trained, metrics), one row per client.
 
     clients: the persistent states of k clients stacked [k]; data: their ClientData [k, M], or ``ClientRows``
     with rows [k, M] into a flat store (each client then gets its ``ClientRows``); ids [k]: their
@@ -60,6 +60,8 @@ def cohort_train(alg: Algorithm, *, clients: ClientMap | str | None = None, num_
     lanes: a ``LanePlan`` for the cohort's rows (per device under the map's mesh), which replaces how ``clients``
     runs them: the clients sorted by their local steps run as chunks of ``vmap`` lanes, each chunk to its own
     longest client (the same per-client results: only the order of the work changes).
+    out: a buffer shaped like ``(trained, metrics)``, e.g. the previous round's (donated), which ``map`` writes
+    the rows into instead of allocating new ones (``ClientMap.apply_into``); its values change nothing.
     """
     clients_map = client_map(clients)
 
@@ -75,20 +77,21 @@ def cohort_train(alg: Algorithm, *, clients: ClientMap | str | None = None, num_
         return one((server, round_idx), client, None, None, count, key, cid, None,
                    ClientRows(store_x, store_y, rows, count, work, bound))
 
-    def train(server, clients, data, ids, round_idx, root):
+    def train(server, clients, data, ids, round_idx, root, out=None):
         ids = jnp.asarray(ids, jnp.int32)
         keys = client_keys(root, round_idx, ids)
         work = straggler_work(root, round_idx, ids, stragglers) if stragglers else None
         round_idx = jnp.asarray(round_idx, jnp.int32)
         order = () if lanes is None else (lanes.steps_key(data.count, work),)  # (the plan's sort key first)
+        into, buffer = out is not None, () if out is None else (out,)
         if isinstance(data, ClientRows):  # rows [k, M] into one flat store, shared by the clients
             # bound: the longest client among the lanes run together, so each epoch's shuffle sorts a length
             # near it instead of the population's longest (``trainer.epoch_permutation``)
-            return clients_map.over(one_rows, lanes, bound_arg=2)(
-                (server, round_idx, data.store_x, data.store_y), *order, clients, data.rows, data.count, keys, ids,
-                work)
-        return clients_map.over(one, lanes)((server, round_idx), *order, clients, data.x, data.y, data.count, keys,
-                                            ids, work)
+            return clients_map.over(one_rows, lanes, bound_arg=2, into=into)(
+                (server, round_idx, data.store_x, data.store_y), *buffer, *order, clients, data.rows, data.count,
+                keys, ids, work)
+        return clients_map.over(one, lanes, into=into)((server, round_idx), *buffer, *order, clients, data.x, data.y,
+                                                       data.count, keys, ids, work)
 
     return train
 
@@ -105,7 +108,7 @@ def with_round_metrics(metrics: dict, own: dict) -> dict:
 class Step(NamedTuple):
     """A round's cohort step: ``train`` then ``aggregate``; calling it runs both.
 
-    train(server, clients, data, ids, round_idx, root) -> (trained, metrics)      (``cohort_train``)
+    train(server, clients, data, ids, round_idx, root, out=None) -> (trained, metrics)   (``cohort_train``)
     aggregate(server, trained, counts, ids, round_idx) -> (server, kept)          weights from the cohort's
         sample counts [k] (``aggregation_weights``), then ``Algorithm.aggregate`` with the cohort's RoundInfo
     round_metrics(before, after) -> {name: scalar}                                the algorithm's per-round
