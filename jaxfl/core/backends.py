@@ -519,12 +519,7 @@ class Stacked(_Backend):
 
             return jax.lax.fori_loop(0, count, body, (server, states, logged, rows))
 
-        def empty_rows(server, states, data, root):
-            return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                          jax.eval_shape(rows_shape, server, states, data, root))
-
-        # (over a mesh the rows are split over its devices, as the round's shard_map splits them)
-        self._empty_rows = jax.jit(empty_rows, out_shardings=None if self.mesh is None else client_sharding(self.mesh))
+        self._rows_shape = rows_shape
         self._round = jax.jit(round_fn, donate_argnums=(1, 5))
         self._rounds = jax.jit(rounds_fn, donate_argnums=(1, 6))
         self._train = jax.jit(train_fn)
@@ -608,8 +603,10 @@ class Stacked(_Backend):
 
     def held_rows(self, server, store: ClientStore, root):
         """The trained rows' buffer for the next call (made on first use; None unless ``keeps_rows``)."""
-        if self.keeps_rows and self.rows_buffer is None:
-            self.rows_buffer = self._empty_rows(server, store.state, self.data, root)
+        if self.keeps_rows and self.rows_buffer is None:  # (zeros from the host: no program compiled for them)
+            shapes = jax.eval_shape(self._rows_shape, server, store.state, self.data, root)
+            self.rows_buffer = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes),
+                                              None if self.mesh is None else client_sharding(self.mesh))
         return self.rows_buffer
 
     def _fit_rows(self, first: int, count: int, root) -> None:
