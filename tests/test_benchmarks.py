@@ -347,6 +347,18 @@ def test_step_profile_refuses_bad_input_in_one_line(capsys):
         assert len(err) == 1 and said in err[0], err
 
 
+def test_rows_buffer_times_kept_and_new_rows_alternated(capsys):
+    import rows_buffer
+
+    from jaxfl.run.script import run_script
+    res = rows_buffer.compare("logreg:20:4", k=2, calls=3)
+    assert len(res["kept"]["round_s"]) == len(res["new"]["round_s"]) == 3
+    assert res["new_over_kept"] == res["new"]["median_s"] / res["kept"]["median_s"] > 0
+    assert run_script(rows_buffer.main, ["--calls", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--calls" in err[0], err
+
+
 def test_round_profile_counts_each_operation_per_round_with_its_shape(capsys):
     import round_profile
 
