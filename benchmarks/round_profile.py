@@ -7,7 +7,9 @@ the stacked backend with ``map`` on one device; ``--tails``: partial last batche
 compiling round, then ``--rounds`` rounds traced with ``jax.profiler``. The trace's operation events (XLA:CPU's
 thunks) are summed by name and printed per round with their count a round, so that the work done once per
 local step (count ~ the round's steps), once per client (count = the cohort) and once per round (count 1)
-can be told apart; each operation's output shape is read from the compiled round.
+can be told apart; each operation's output shape and the model code it computes (the name scopes jax gives its
+instructions, a fusion's counted over the instructions fused into it: ``step_profile.op_sources``) are read from
+the compiled round.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def profile(plan: str, rounds: int, tails: bool) -> dict:
 
     import jax
     import optax
-    from step_profile import op_shapes, traced_ops
+    from step_profile import op_shapes, op_sources, traced_ops
     from throughput import SMALL, small_population, workload_counts
 
     from jaxfl.algorithms import build_algorithm
@@ -55,10 +57,12 @@ def profile(plan: str, rounds: int, tails: bool) -> dict:
                 jax.block_until_ready(server)
             wall = (time.perf_counter() - t0) / rounds  # (traced: the profiler's own cost included)
         total, count = traced_ops(trace_dir)
-    # the compiled round's operation shapes (``Stacked._round``: the one jitted call of a round)
-    shapes = op_shapes(sim._round.lower(server, store.state, sim.data, 0, root).compile().as_text())
-    ops = sorted(({"name": k, "shape": shapes.get(k, ""), "s_per_round": v / rounds, "per_round": count[k] / rounds}
-                  for k, v in total.items()), key=lambda o: -o["s_per_round"])
+    # the compiled round's operation shapes and sources (``Stacked._round``, the one jitted call of a round, with
+    # the rows' buffer the traced rounds were given: the same program)
+    hlo = sim._round.lower(server, store.state, sim.data, 0, root, sim.held_rows(server, store, root)).compile()
+    shapes, sources = op_shapes(hlo.as_text()), op_sources(hlo.as_text())
+    ops = sorted(({"name": k, "shape": shapes.get(k, ""), "computes": sources.get(k, ""), "s_per_round": v / rounds,
+                   "per_round": count[k] / rounds} for k, v in total.items()), key=lambda o: -o["s_per_round"])
     return {"plan": plan, "rounds": rounds, "tails": tails, "round_s": wall, "cohort": cohort,
             "device": jax.devices()[0].device_kind, "jax": jax.__version__, "ops": ops}
 
@@ -82,9 +86,11 @@ def main(argv=None) -> None:
     ms = lambda runs: sum(o["s_per_round"] for o in res["ops"] if o["per_round"] == runs) * 1e3  # noqa: E731
     print(f"{args.plan}: {res['round_s'] * 1e3:.0f} ms a round traced ({res['device']}, jax {res['jax']}); operations "
           f"run once a round: {ms(1):.0f} ms, once a client: {ms(res['cohort']):.0f} ms")
-    print("| operation | output shape | runs a round | ms a round |\n|---|---|---|---|")
+    print("| operation | output shape | runs a round | ms a round | computes (jax's scopes of its instructions) |\n"
+          "|---|---|---|---|---|")
     for op in res["ops"][:args.top]:
-        print(f"| {op['name']} | {op['shape']} | {op['per_round']:.1f} | {op['s_per_round'] * 1e3:.1f} |")
+        print(f"| {op['name']} | {op['shape']} | {op['per_round']:.1f} | {op['s_per_round'] * 1e3:.1f} | "
+              f"{op['computes']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
 

@@ -40,6 +40,43 @@ def op_shapes(hlo_text: str) -> dict[str, str]:
     return shapes
 
 
+def op_sources(hlo_text: str, top: int = 3) -> dict[str, str]:
+    """{operation name: the model code it computes} from a compiled module's text: the ``op_name`` metadata of
+    the operation, or of every instruction of the computation a fusion calls, cut to the scope jax named (the
+    part after the last loop body, e.g. ``transpose(jvp(Classifier))/encoder/conv2`` for conv2's backward pass)
+    and counted: the ``top`` most frequent scopes, ``scope xN; ...``."""
+    def scope(op_name: str) -> str:
+        return op_name.rsplit("/body/", 1)[-1].rsplit("/", 1)[0]
+
+    bodies: dict[str, list[str]] = {}
+    calls, own = {}, {}
+    body = None
+    for line in hlo_text.splitlines():
+        if line.endswith("{") and not line.startswith(" "):  # a computation's header
+            body = bodies.setdefault(line.split()[0].lstrip("%"), [])
+            continue
+        if line.startswith("}"):
+            body = None
+            continue
+        op = re.match(r"\s*(?:ROOT )?%([\w.-]+) = ", line)
+        named = re.search(r'op_name="([^"]+)"', line)
+        if body is not None and named:
+            body.append(scope(named.group(1)))
+        if op:
+            called = re.search(r"calls=%([\w.-]+)", line)
+            if called:
+                calls.setdefault(op.group(1), called.group(1))
+            if named:
+                own.setdefault(op.group(1), scope(named.group(1)))
+    out = {}
+    for name in set(calls) | set(own):
+        names = bodies.get(calls[name], []) if name in calls else []
+        names = names or [own[name]] if name in own else names
+        if names:
+            out[name] = "; ".join(f"{n} x{c}" for n, c in collections.Counter(names).most_common(top))
+    return out
+
+
 def traced_ops(trace_dir: str) -> tuple[dict[str, float], collections.Counter]:
     """({operation: seconds}, {operation: events}) summed over the perfetto trace ``jax.profiler.trace`` wrote
     under ``trace_dir``: its complete events, the wrappers around the program (``WRAPPERS``) left out."""

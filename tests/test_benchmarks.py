@@ -359,6 +359,26 @@ def test_rows_buffer_times_kept_and_new_rows_alternated(capsys):
     assert len(err) == 1 and "--calls" in err[0], err
 
 
+def test_op_sources_names_what_a_fusion_computes():
+    from step_profile import op_sources
+    hlo = """%fused_computation.1 (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %a = f32[4]{0} add(%p0, %p0), metadata={op_name="jit(f)/while/body/transpose(jvp(M))/enc/conv2/pad"}
+  %b = f32[4]{0} add(%a, %a), metadata={op_name="jit(f)/while/body/transpose(jvp(M))/enc/conv2/add_any"}
+  ROOT %c = f32[4]{0} select(%a, %b, %b), metadata={op_name="jit(f)/while/body/transpose(jvp(M))/enc/select_n"}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %add_fusion.3 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_computation.1, metadata={op_name="jit(f)/x"}
+  ROOT %dot.7 = f32[4]{0} dot(%add_fusion.3, %x), metadata={op_name="jit(f)/while/body/jvp(M)/enc/conv1/dot_general"}
+}
+"""
+    src = op_sources(hlo)
+    assert src["add_fusion.3"] == "transpose(jvp(M))/enc/conv2 x2; transpose(jvp(M))/enc x1"
+    assert src["dot.7"] == "jvp(M)/enc/conv1 x1" and "x" not in src
+
+
 def test_round_profile_counts_each_operation_per_round_with_its_shape(capsys):
     import round_profile
 
@@ -369,6 +389,8 @@ def test_round_profile_counts_each_operation_per_round_with_its_shape(capsys):
     assert any(op["per_round"] == 1 for op in res["ops"]), res["ops"]
     assert max(op["per_round"] for op in res["ops"]) >= res["cohort"]
     assert any(op["shape"].startswith("f32[") for op in res["ops"])  # read off the compiled round
+    # what each operation computes: the scopes jax named (the model's forward and backward passes among them)
+    assert any("jvp(" in op["computes"] for op in res["ops"]), [op["computes"] for op in res["ops"]]
     assert run_script(round_profile.main, ["--plan", "logreg:20"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--plan 'logreg:20': give NAME:CLIENTS:COHORT" in err[0], err
