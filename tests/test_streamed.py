@@ -48,7 +48,8 @@ def test_the_cohorts_samples_are_gathered_client_after_client():
 @pytest.mark.parametrize("name,strategy,kw", [("fedbn", "vmap", {}), ("fedbn", "map", {}),
                                               ("fedavg", Chunked(2), {}),
                                               ("fedbn", "vmap", {"client_store": "host"}),
-                                              ("fedavg", "vmap", {"sampling": "poisson"})])
+                                              ("fedavg", "vmap", {"sampling": "poisson"}),
+                                              ("fedavg", "map", {"sampling": "poisson"})])
 def test_streamed_rounds_equal_the_stacked_rounds(name, strategy, kw):
     alg, data = algorithm(name), population([24, 3, 17, 9, 40, 1, 30, 12])
     stacked_kw = {k: v for k, v in kw.items() if k != "client_store"}
@@ -64,6 +65,7 @@ def test_streamed_rounds_equal_the_stacked_rounds(name, strategy, kw):
     assert_trees_close(s, s_ref, atol=2e-5, rtol=1e-4)
     assert_trees_close(jax.device_get(c.state), jax.device_get(c_ref.state), atol=2e-5, rtol=1e-4)
     assert c.placement == kw.get("client_store", "device")  # (auto: a small store stays on the device)
+    assert (engine.rows_buffer is not None) == (strategy == "map")  # (map: the trained rows kept between rounds)
 
 
 def test_a_run_compiles_one_program_when_its_cohorts_fit_the_store_sized_up_front():

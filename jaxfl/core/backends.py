@@ -601,10 +601,12 @@ class Stacked(_Backend):
         (124 ms of a 2.5 s FedAvg-CNN round at cohort 50 on one CPU core, its page faults included)."""
         return self.keep_rows and self.strategy == "map" and self.lanes is None
 
-    def held_rows(self, server, store: ClientStore, root):
-        """The trained rows' buffer for the next call (made on first use; None unless ``keeps_rows``)."""
+    def held_rows(self, server, store, root):
+        """The trained rows' buffer for the next call (made on first use; None unless ``keeps_rows``). store: the
+        ``ClientStore`` (``Streamed``: the call's cohort arguments)."""
         if self.keeps_rows and self.rows_buffer is None:  # (zeros from the host: no program compiled for them)
-            shapes = jax.eval_shape(self._rows_shape, server, store.state, self.data, root)
+            args = store if isinstance(store, tuple) else (store.state, self.data)
+            shapes = jax.eval_shape(self._rows_shape, server, *args, root)
             self.rows_buffer = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes),
                                               None if self.mesh is None else client_sharding(self.mesh))
         return self.rows_buffer
@@ -728,20 +730,25 @@ class Streamed(Stacked):
     def _place(self, train: RaggedClients):
         return None  # the population stays on the host
 
-    keeps_rows = False  # (each call's rows are a new output here)
-
     def _build(self):
         self.lanes = self.lane_plan()
         self.step = step = self.make_step(self.lanes)
+        self.rows_buffer = None  # (``held_rows``: its shape follows the rows, which a rebuild may change)
         length = self.length
 
         def cohort_rows(x, y, counts) -> ClientRows:  # the cohort's rows [rows, length] into its own store
             counts = counts.astype(jnp.int32)
             return client_rows((x, y, jnp.cumsum(counts) - counts, counts), jnp.arange(counts.shape[0]), length)
 
-        def round_fn(server, clients, x, y, counts, ids, round_idx, root):
-            new, kept, metrics = step(server, clients, cohort_rows(x, y, counts), ids, round_idx, root)
-            return new, kept, with_round_metrics(dict(metrics, client_id=ids), step.round_metrics(server, new))
+        def round_fn(server, clients, x, y, counts, ids, round_idx, root, buffer=None):
+            # buffer: the trained rows' buffer (``keeps_rows``; None: none), donated, written in place and returned
+            rows = step.train(server, clients, cohort_rows(x, y, counts), ids, round_idx, root, out=buffer)
+            new, kept = step.aggregate(server, rows[0], counts, ids, round_idx)
+            metrics = with_round_metrics(dict(rows[1], client_id=ids), step.round_metrics(server, new))
+            return new, kept, metrics, None if buffer is None else rows
+
+        def rows_shape(server, clients, x, y, counts, ids, root):  # the shapes of round_fn's trained rows
+            return step.train(server, clients, cohort_rows(x, y, counts), ids, 0, root)
 
         def train_fn(server, clients, x, y, counts, ids, round_idx, root):
             trained, metrics = step.train(server, clients, cohort_rows(x, y, counts), ids, round_idx, root)
@@ -751,7 +758,8 @@ class Streamed(Stacked):
             new, kept = step.aggregate(server, trained, counts, ids, round_idx)
             return new, kept, step.round_metrics(server, new)
 
-        self._round = jax.jit(round_fn)
+        self._rows_shape = rows_shape
+        self._round = jax.jit(round_fn, donate_argnums=(8,))
         self._train = jax.jit(train_fn)
         self._finish = jax.jit(finish_fn)
 
@@ -803,7 +811,9 @@ class Streamed(Stacked):
         rows = cohort_order(host_rows, self.num_clients)  # the members' rows, in cohort order
         clients, x, y, counts, row_ids = self.cohort_args(store, host_rows)
         if before_aggregate is None:
-            server, kept, metrics = self.timed(self._round, server, clients, x, y, counts, row_ids, round_idx, root)
+            buffer = self.held_rows(server, (clients, x, y, counts, row_ids), root)
+            server, kept, metrics, self.rows_buffer = self.timed(self._round, server, clients, x, y, counts, row_ids,
+                                                                 round_idx, root, buffer)
         else:
             trained, metrics = self.timed(self._train, server, clients, x, y, counts, row_ids, round_idx, root)
             t = time.perf_counter()
