@@ -156,7 +156,13 @@ def test_map_rounds_write_their_trained_rows_into_the_rows_of_the_round_before(n
     assert np.isfinite(m["loss"]).all() and m["finite"].all()
     trained, metrics = engine.rows_buffer
     np.testing.assert_array_equal(np.asarray(metrics["loss"]), m["loss"])
+
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a: bool(jnp.isfinite(a).all()), trained))
+    # rows donated to a call that did not return are made anew, not passed again
+    jax.tree_util.tree_map(lambda a: a.delete(), engine.rows_buffer)
+    _, again = engine.round(server, store, 2, ROOT)
+    assert np.isfinite(again["loss"]).all()
+    assert not any(a.is_deleted() for a in jax.tree_util.tree_leaves(engine.rows_buffer))
 
 
 def test_map_trains_exactly_the_real_samples():

@@ -604,6 +604,8 @@ class Stacked(_Backend):
     def held_rows(self, server, store, root):
         """The trained rows' buffer for the next call (made on first use; None unless ``keeps_rows``). store: the
         ``ClientStore`` (``Streamed``: the call's cohort arguments)."""
+        if self.rows_buffer is not None and any(a.is_deleted() for a in jax.tree_util.tree_leaves(self.rows_buffer)):
+            self.rows_buffer = None  # (donated to a call that did not return, e.g. one interrupted)
         if self.keeps_rows and self.rows_buffer is None:  # (zeros from the host: no program compiled for them)
             args = store if isinstance(store, tuple) else (store.state, self.data)
             shapes = jax.eval_shape(self._rows_shape, server, *args, root)
