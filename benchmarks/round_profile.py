@@ -59,7 +59,8 @@ def profile(plan: str, rounds: int, tails: bool) -> dict:
         total, count = traced_ops(trace_dir)
     # the compiled round's operation shapes and sources (``Stacked._round``, the one jitted call of a round, with
     # the rows' buffer the traced rounds were given: the same program)
-    hlo = sim._round.lower(server, store.state, sim.data, 0, root, sim.held_rows(server, store, root)).compile()
+    rows = sim.held_rows(server, store.state, sim.data, root)
+    hlo = sim._round.lower(server, store.state, sim.data, 0, root, rows).compile()
     shapes, sources = op_shapes(hlo.as_text()), op_sources(hlo.as_text())
     ops = sorted(({"name": k, "shape": shapes.get(k, ""), "computes": sources.get(k, ""), "s_per_round": v / rounds,
                    "per_round": count[k] / rounds} for k, v in total.items()), key=lambda o: -o["s_per_round"])

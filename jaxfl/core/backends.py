@@ -488,9 +488,8 @@ class Stacked(_Backend):
         def round_fn(server, states, data, round_idx, root, buffer=None):
             # buffer: the trained rows' buffer (``keeps_rows``; None: none), donated, written in place and returned
             ids, clients, cdata = cohort(states, data, round_idx, root)
-            rows = step.train(server, clients, cdata, ids, round_idx, root, out=buffer)
-            new, kept = step.aggregate(server, rows[0], cdata.count, ids, round_idx)
-            metrics = with_round_metrics(dict(rows[1], client_id=ids), step.round_metrics(server, new))
+            new, kept, metrics, rows = step.with_rows(server, clients, cdata, ids, round_idx, root, out=buffer)
+            metrics = with_round_metrics(dict(metrics, client_id=ids), step.round_metrics(server, new))
             return new, write_back(states, ids, kept), metrics, None if buffer is None else rows
 
         def rows_shape(server, states, data, root):  # the shapes of round_fn's trained rows
@@ -564,8 +563,9 @@ class Stacked(_Backend):
         t0, d0 = time.perf_counter(), self.device_s
         self._fit_rows(round_idx, 1, root)
         if before_aggregate is None:
+            rows = self.held_rows(server, store.state, self.data, root)
             server, store.state, metrics, self.rows_buffer = self.timed(
-                self._round, server, store.state, self.data, round_idx, root, self.held_rows(server, store, root))
+                self._round, server, store.state, self.data, round_idx, root, rows)
         else:
             ids, trained, metrics = self.timed(self._train, server, store.state, self.data, round_idx, root)
             t = time.perf_counter()
@@ -586,8 +586,9 @@ class Stacked(_Backend):
             n = min(count, self.rounds_per_call)
             t0, d0 = time.perf_counter(), self.device_s
             self._fit_rows(first, n, root)
+            rows = self.held_rows(server, store.state, self.data, root)
             server, store.state, stacked, self.rows_buffer = self.timed(
-                self._rounds, server, store.state, self.data, first, n, root, self.held_rows(server, store, root))
+                self._rounds, server, store.state, self.data, first, n, root, rows)
             stacked = fetch(stacked)
             for j in range(n):  # the call's time is shared equally by its rounds
                 out.append(self._report({k: v[j] for k, v in stacked.items()}, t0, d0))
@@ -601,14 +602,13 @@ class Stacked(_Backend):
         (124 ms of a 2.5 s FedAvg-CNN round at cohort 50 on one CPU core, its page faults included)."""
         return self.keep_rows and self.strategy == "map" and self.lanes is None
 
-    def held_rows(self, server, store, root):
-        """The trained rows' buffer for the next call (made on first use; None unless ``keeps_rows``). store: the
-        ``ClientStore`` (``Streamed``: the call's cohort arguments)."""
+    def held_rows(self, *args):
+        """The trained rows' buffer for the next call (made on first use; None unless ``keeps_rows``). args: the
+        round's arguments its shapes follow (``_rows_shape``'s: ``server, states, data, root`` here)."""
         if self.rows_buffer is not None and any(a.is_deleted() for a in jax.tree_util.tree_leaves(self.rows_buffer)):
             self.rows_buffer = None  # (donated to a call that did not return, e.g. one interrupted)
         if self.keeps_rows and self.rows_buffer is None:  # (zeros from the host: no program compiled for them)
-            args = store if isinstance(store, tuple) else (store.state, self.data)
-            shapes = jax.eval_shape(self._rows_shape, server, *args, root)
+            shapes = jax.eval_shape(self._rows_shape, *args)
             self.rows_buffer = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes),
                                               None if self.mesh is None else client_sharding(self.mesh))
         return self.rows_buffer
@@ -744,9 +744,9 @@ class Streamed(Stacked):
 
         def round_fn(server, clients, x, y, counts, ids, round_idx, root, buffer=None):
             # buffer: the trained rows' buffer (``keeps_rows``; None: none), donated, written in place and returned
-            rows = step.train(server, clients, cohort_rows(x, y, counts), ids, round_idx, root, out=buffer)
-            new, kept = step.aggregate(server, rows[0], counts, ids, round_idx)
-            metrics = with_round_metrics(dict(rows[1], client_id=ids), step.round_metrics(server, new))
+            new, kept, metrics, rows = step.with_rows(server, clients, cohort_rows(x, y, counts), ids, round_idx, root,
+                                                      out=buffer)
+            metrics = with_round_metrics(dict(metrics, client_id=ids), step.round_metrics(server, new))
             return new, kept, metrics, None if buffer is None else rows
 
         def rows_shape(server, clients, x, y, counts, ids, root):  # the shapes of round_fn's trained rows
@@ -813,7 +813,7 @@ class Streamed(Stacked):
         rows = cohort_order(host_rows, self.num_clients)  # the members' rows, in cohort order
         clients, x, y, counts, row_ids = self.cohort_args(store, host_rows)
         if before_aggregate is None:
-            buffer = self.held_rows(server, (clients, x, y, counts, row_ids), root)
+            buffer = self.held_rows(server, clients, x, y, counts, row_ids, root)
             server, kept, metrics, self.rows_buffer = self.timed(self._round, server, clients, x, y, counts, row_ids,
                                                                  round_idx, root, buffer)
         else:

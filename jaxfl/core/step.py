@@ -119,9 +119,14 @@ class Step(NamedTuple):
     round_metrics: Callable = lambda before, after: {}
 
     def __call__(self, server, clients, data: ClientData, ids, round_idx, root):
-        trained, metrics = self.train(server, clients, data, ids, round_idx, root)
-        server, kept = self.aggregate(server, trained, data.count, ids, round_idx)
-        return server, kept, metrics
+        return self.with_rows(server, clients, data, ids, round_idx, root)[:3]
+
+    def with_rows(self, server, clients, data: ClientData, ids, round_idx, root, out=None):
+        """The step, also returning the trained rows ``(trained, metrics)``: -> (server, kept, metrics, rows).
+        out: their buffer (``cohort_train``)."""
+        rows = self.train(server, clients, data, ids, round_idx, root, out=out)
+        server, kept = self.aggregate(server, rows[0], data.count, ids, round_idx)
+        return server, kept, rows[1], rows
 
 
 def drop_padding(trained, counts):
