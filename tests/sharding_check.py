@@ -21,12 +21,14 @@ COUNTS = [24, 17, 9, 20]
 assert jax.device_count() == 4, jax.devices()
 
 
-def run(name, strategy, mesh=None, rounds=2, cohort=None, backend="stacked", epochs=1, stragglers=0.0):
+def run(name, strategy, mesh=None, rounds=2, cohort=None, backend="stacked", epochs=1, stragglers=0.0, **kw):
     data = make_data(COUNTS)
     alg = build_algorithm(name, small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(epochs=epochs))
     clients = client_map(strategy, mesh=mesh)  # (the client axis split over mesh; None: one device)
     engine = make_backend(alg, data, backend, clients=clients, cohort_size=cohort, num_rounds=rounds,
-                          stragglers=stragglers)
+                          stragglers=stragglers, **kw)
+    if "lane_plan" in kw:  # (the plan given is the one the rounds run)
+        assert engine.lanes == kw["lane_plan"], engine.lanes
     server, store = engine.init(jax.random.key(0), data.x[0])
     for r in range(rounds):
         server, metrics = engine.round(server, store, r, jax.random.key(1))
@@ -49,6 +51,16 @@ for name, strategy, meshes, backends in (("fedavg", "vmap", (2,), ("stacked", "s
                      for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(out)))
             failed |= not ok
             print(f"{name} {strategy} {backend} devices={n}: {'equal' if ok else 'DIFFERENT'}", flush=True)
+# a lane plan over 2 devices (each device sorts its 2 rows by local steps and runs them as two 1-lane chunks) against
+# one vmap on one device, with personal states (FedBN) and stragglers (each client's own epochs)
+from jaxfl.core.lanes import LanePlan  # noqa: E402
+ref = run("fedbn", "vmap", epochs=2, stragglers=0.5, lane_segments=0)
+out = run("fedbn", "vmap", client_mesh(2), epochs=2, stragglers=0.5,
+          lane_plan=LanePlan(((1, 1), (1, 1)), rows=2, batch_size=8))
+ok = all(np.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(jax.tree_util.tree_leaves(ref),
+                                                                  jax.tree_util.tree_leaves(out)))
+failed |= not ok
+print(f"fedbn vmap stacked lane plan devices=2: {'equal' if ok else 'DIFFERENT'}", flush=True)
 # over a mesh the rows are ordered for the devices (device_balanced_order: here [0, 2, 1, 3], steps 3, 3, 2, 3);
 # the per-client metrics above came back in cohort order, and so do the rows a round's hook sees (the personal
 # models right after local training), with their ids, on a full and on a Poisson cohort

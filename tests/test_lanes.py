@@ -1,6 +1,7 @@
 """Lane plans: the cohort sorted by local steps and run as chunks of vmap lanes inside one call
 (``jaxfl.core.lanes``), and the stacked round that uses them."""
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +177,57 @@ def test_a_lane_plan_round_is_the_plain_vmap_round(name):
         assert b["padded_work"] < a["padded_work"]
 
 
+@pytest.mark.parametrize("level", ["user", "sample"])
+def test_a_lane_plan_round_is_the_plain_vmap_round_under_dp(level):
+    # DP-FedAvg (each client's update clipped, Gaussian noise on the sum: the server's draw) and DP-SGD (each
+    # sample's gradient clipped, noise on every step: the client's own stream) under a lane plan against one vmap:
+    # the clipping and the noise follow the clients, not their lanes, so the rounds agree up to float32 rounding
+    from jaxfl.core import privacy
+    from jaxfl.core.dpsgd import SampleDP
+    from jaxfl.core.trainer import ClientOptimizer, LocalTrainer
+
+    def private(z):  # FedAvg with noise multiplier z at the level tested
+        dp = SampleDP(1.0, z) if level == "sample" else None
+        trainer = LocalTrainer(ClientOptimizer("sgd", 0.05, 0.5), 8, 2, dp=dp)
+        alg = build_algorithm("fedavg", small_cnn(num_classes=4, width=4, hidden=(8,)), trainer,
+                              RunContext(num_clients=len(COUNTS), num_rounds=4))
+        return privacy.with_privacy(alg, 0.1, z, jax.random.key(4)) if level == "user" else alg
+
+    data = _population(COUNTS)
+    plan = LanePlan(((2, 1), (1, 2), (1, 1)), rows=5, batch_size=8)
+    kw = dict(clients="vmap", cohort_size=5)
+    s0, c0, m0, plain = _rounds(private(1.0), data, lane_segments=0, **kw)
+    s1, c1, m1, engine = _rounds(private(1.0), data, lane_plan=plan, **kw)
+    assert engine.lanes == plan
+    server_tol, client_tol, loss_tol = _tolerance(plain, data)
+    assert_trees_close((s1, c1), (s0, c0), atol=(server_tol, client_tol), rtol=0)
+    for a, b, tol in zip(m0, m1, loss_tol):
+        np.testing.assert_array_equal(a["client_id"], b["client_id"])
+        np.testing.assert_allclose(b["loss"], a["loss"], atol=tol, rtol=0)
+    # the noise is there: the same rounds without it end far outside that tolerance
+    s2 = _rounds(private(0.0), data, lane_plan=plan, **kw)[0]
+    moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                for a, b in zip(jax.tree_util.tree_leaves(s2), jax.tree_util.tree_leaves(s1)))
+    assert moved > 100 * max(jax.tree_util.tree_leaves(server_tol)), moved
+
+
+def test_a_poisson_cohort_under_a_lane_plan_is_the_plain_vmap_round():
+    # a Poisson cohort (Binomial(N, q) members, padded to 8 rows with rows of count 0) planned for its rows (the
+    # padding rows sort first, as clients of 0 steps) against one vmap over the same rows, with personal states
+    alg = build_algorithm("fedbn", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(epochs=2),
+                          RunContext(num_clients=len(COUNTS), num_rounds=4))
+    data = _population(COUNTS)
+    kw = dict(clients="vmap", sampling="poisson", cohort_size=4)
+    s0, c0, m0, plain = _rounds(alg, data, rounds=3, lane_segments=0, **kw)
+    s1, c1, m1, engine = _rounds(alg, data, rounds=3, **kw)
+    assert engine.lanes is not None and engine.lanes.rows == engine.rows, engine.lanes
+    server_tol, client_tol, _ = _tolerance(plain, data, rounds=3)
+    assert_trees_close((s1, c1), (s0, c0), atol=(server_tol, client_tol), rtol=0)
+    for a, b in zip(m0, m1):
+        np.testing.assert_array_equal(a["client_id"], b["client_id"])
+        assert b["padded_work"] < a["padded_work"]
+
+
 def test_the_planned_stacked_round_computes_little_padding_and_rounds_per_call_keep_it_exact():
     rng = np.random.default_rng(3)
     counts = np.maximum(1, np.round(60 * np.exp(0.8 * rng.normal(size=200)))).astype(int)
@@ -237,3 +289,29 @@ def test_a_run_with_uneven_clients_picks_the_stacked_backend_and_compiles_its_ro
     assert max(h["padded_work"] for h in history) < 1.3
     plain = Experiment(RunConfig(lane_segments=0, backend="stacked", **base)).run().history
     assert min(h["padded_work"] for h in plain) > 2.0
+
+
+def test_a_run_under_a_lane_plan_resumes_bit_exactly(data_dir, tmp_path):
+    # the CLI's path with a lane plan (--strategy vmap on log-normal MNIST clients, Ditto's personal models kept
+    # in the checkpoint): stopped after round 2 and resumed to round 4, the run ends with the uninterrupted run's
+    # server, clients and metrics, bit for bit (the plan follows the client sizes and the cohort size, so the
+    # resumed run compiles the same programs and replays the same per-client streams)
+    from jaxfl.run.config import RunConfig
+    from jaxfl.run.runner import Experiment
+    base = dict(algorithm="ditto", dataset="mnist", data_dir=data_dir, model="logreg", num_clients=60,
+                clients_per_round=20, partition="dirichlet_quantity", client_sizes="lognormal", size_sigma=0.8,
+                batch_size=10, lr=0.05, strategy="vmap", eval_every=2)
+    full = Experiment(RunConfig(rounds=4, **base))
+    assert full.backend_name == "stacked" and full.backend.lanes is not None
+    full = full.run()
+    first = Experiment(RunConfig(rounds=2, out=str(tmp_path), checkpoint_every=1, **base))
+    plan = first.backend.lanes
+    first.run()
+    resumed = Experiment(RunConfig(rounds=4, out=str(tmp_path), checkpoint_every=1, resume=True, **base))
+    assert resumed.backend.lanes == plan
+    resumed = resumed.run()
+    assert_trees_close((resumed.server, resumed.clients), (full.server, full.clients), atol=0, rtol=0)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["round"] for line in lines] == [1, 2, 3, 4]
+    for key in ("train_loss", "test_accuracy", "padded_work"):
+        assert lines[-1][key] == full.history[-1][key], key

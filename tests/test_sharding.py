@@ -18,7 +18,7 @@ def test_sharded_rounds_equal_single_device_rounds():
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 17 and all(line.endswith("equal") for line in lines), out.stdout
+    assert len(lines) == 18 and all(line.endswith("equal") for line in lines), out.stdout
 
 
 def test_client_map_carries_its_mesh():
