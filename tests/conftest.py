@@ -314,6 +314,16 @@ def run_rounds(alg, data, server, states, root, rounds=1, backend="stacked", kee
     return (server, store.state, metrics, kept[-1]) if keep_rows else (server, store.state, metrics)
 
 
+def engine_rounds(engine, server, states, root, rounds=2):
+    """``rounds`` rounds from round 0 on a built backend (its compiled programs reused), from copies of (server, the
+    clients' states stacked [N]) (the rounds donate their inputs): (server, clients, [each round's per-client
+    loss], [each round's metrics])."""
+    from jaxfl.core.backends import ClientStore
+    store = ClientStore(jax.tree_util.tree_map(jnp.array, states), "device")
+    server, metrics = engine.run_rounds(jax.tree_util.tree_map(jnp.array, server), store, 0, rounds, root)
+    return server, store.state, [m["loss"] for m in metrics], metrics
+
+
 def round_function(alg, backend="stacked", **backend_kw):
     """fn(server, clients, data, round_idx, root) -> (server, clients, metrics): one round of ``alg`` on a
     backend, built once per set of client sizes and reused (one compilation) for data of those sizes."""

@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (assert_trees_close, bit_identity, make_backend, make_data, make_separable, make_trainer,
-                      ragged, rounding_tolerance, rounds_tolerance, run_rounds, setup_algorithm, traces,
+from conftest import (assert_trees_close, bit_identity, engine_rounds, make_backend, make_data, make_separable,
+                      make_trainer, ragged, rounding_tolerance, rounds_tolerance, run_rounds, setup_algorithm, traces,
                       trained_rows)
 
 from jaxfl.algorithms import REGISTRY
@@ -274,20 +274,14 @@ def test_every_algorithm_runs_the_same_rounds_under_a_lane_plan(name):
     data = make_separable(COUNTS)
     plan = LanePlan(((1, 1), (2, 1)), rows=len(COUNTS), batch_size=8)
 
-    def engine(**kw):
-        return make_backend(alg, data, "stacked", num_rounds=T, **kw)
-
-    def two_rounds(eng, server, clients):
-        store = ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")  # (a copy: rounds donate it)
-        server, metrics = eng.run_rounds(jax.tree_util.tree_map(jnp.array, server), store, 0, 2, ROOT)
-        return server, store.state, [m["loss"] for m in metrics], metrics
-
-    plain, planned = engine(lane_segments=0), engine(lane_plan=plan)
+    plain, planned = (make_backend(alg, data, "stacked", num_rounds=T, **kw)
+                      for kw in (dict(lane_segments=0), dict(lane_plan=plan)))
     assert plain.lanes is None and planned.lanes == plan
-    s0, c0, l0, m0 = two_rounds(plain, server, clients)
-    s1, c1, l1, m1 = two_rounds(planned, server, clients)
-    server_tol, client_tol, loss_tol = rounding_tolerance(lambda s, c: two_rounds(plain, s, c)[:3], server, clients,
-                                                          factor=LANE_TOLERANCE_FACTOR.get(name, 16.0), draws=3)
+    s0, c0, _, m0 = engine_rounds(plain, server, clients, ROOT)
+    s1, c1, _, m1 = engine_rounds(planned, server, clients, ROOT)
+    server_tol, client_tol, loss_tol = rounding_tolerance(lambda s, c: engine_rounds(plain, s, c, ROOT)[:3], server,
+                                                          clients, factor=LANE_TOLERANCE_FACTOR.get(name, 16.0),
+                                                          draws=3)
     assert_trees_close((s1, c1), (s0, c0), atol=(server_tol, client_tol), rtol=0)
     for a, b, tol in zip(m0, m1, loss_tol):
         np.testing.assert_array_equal(b["client_id"], a["client_id"])

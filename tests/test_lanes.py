@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, make_trainer, rounding_tolerance, traces
+from conftest import assert_trees_close, engine_rounds, make_trainer, rounding_tolerance, traces
 
 from jaxfl.algorithms import build_algorithm
-from jaxfl.core.backends import ClientStore, Stacked
+from jaxfl.core.backends import Stacked
 from jaxfl.core.cohort import Chunked
 from jaxfl.core.lanes import LanePlan, expected_sorted_steps, plan_lanes
 from jaxfl.core.types import RunContext
@@ -146,13 +146,26 @@ def _rounds(alg, data, rounds=2, **kw):
 def _tolerance(engine, data, rounds=2):
     """``rounding_tolerance`` of ``_rounds``'s run on ``engine`` (its programs, compiled already) from its start,
     as a function of the float states (server, clients): (server, clients, [each round's loss])."""
-    def run(server, clients):
-        store = ClientStore(jax.tree_util.tree_map(jnp.array, clients), "device")  # (a copy: rounds donate it)
-        server, metrics = engine.run_rounds(jax.tree_util.tree_map(jnp.array, server), store, 0, rounds,
-                                            jax.random.key(5))
-        return server, store.state, [m["loss"] for m in metrics]
     server, store = engine.init(jax.random.key(0), data.x[:1])
-    return rounding_tolerance(run, server, store.state)
+    return rounding_tolerance(lambda s, c: engine_rounds(engine, s, c, jax.random.key(5), rounds)[:3], server,
+                              store.state)
+
+
+def _against_plain(alg, data, rounds=2, plan=None, **kw):
+    """``rounds`` rounds of ``alg`` under a lane plan (``plan``, else the one the backend plans) against one vmap
+    over the same rows (``lane_segments=0``), both with the backend options ``kw``: asserts the states agree up to
+    float32 rounding of the plain rounds (another program) and each round reports the same clients, in the same
+    order, with the same losses. -> (the planned engine, the plain and the planned rounds' metrics, the planned
+    server, its tolerance)."""
+    s0, c0, m0, plain = _rounds(alg, data, rounds, lane_segments=0, **kw)
+    s1, c1, m1, engine = _rounds(alg, data, rounds, **kw, **({} if plan is None else {"lane_plan": plan}))
+    assert engine.lanes is not None and (plan is None or engine.lanes == plan), engine.lanes
+    server_tol, client_tol, loss_tol = _tolerance(plain, data, rounds)
+    assert_trees_close((s1, c1), (s0, c0), atol=(server_tol, client_tol), rtol=0)
+    for a, b, tol in zip(m0, m1, loss_tol):
+        np.testing.assert_array_equal(a["client_id"], b["client_id"])
+        np.testing.assert_allclose(b["loss"], a["loss"], atol=tol, rtol=0)
+    return engine, m0, m1, s1, server_tol
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedbn", "ditto"])
@@ -163,17 +176,9 @@ def test_a_lane_plan_round_is_the_plain_vmap_round(name):
                           RunContext(num_clients=len(COUNTS), num_rounds=4))
     data = _population(COUNTS)
     plan = LanePlan(((2, 1), (1, 2), (1, 1)), rows=5, batch_size=8)
-    kw = dict(clients="vmap", cohort_size=5, stragglers=0.5)
-    s0, c0, m0, plain = _rounds(alg, data, lane_segments=0, **kw)
-    s1, c1, m1, engine = _rounds(alg, data, lane_plan=plan, **kw)
-    assert engine.lanes == plan
-    # another program: equal up to float32 rounding of the plain vmap rounds
-    server_tol, client_tol, loss_tol = _tolerance(plain, data)
-    assert_trees_close((s1, c1), (s0, c0), atol=(server_tol, client_tol), rtol=0)
-    for a, b, tol in zip(m0, m1, loss_tol):
-        np.testing.assert_array_equal(a["client_id"], b["client_id"])
+    _, m0, m1, _, _ = _against_plain(alg, data, plan=plan, clients="vmap", cohort_size=5, stragglers=0.5)
+    for a, b in zip(m0, m1):
         np.testing.assert_array_equal(a["steps"], b["steps"])
-        np.testing.assert_allclose(b["loss"], a["loss"], atol=tol, rtol=0)
         assert b["padded_work"] < a["padded_work"]
 
 
@@ -196,14 +201,7 @@ def test_a_lane_plan_round_is_the_plain_vmap_round_under_dp(level):
     data = _population(COUNTS)
     plan = LanePlan(((2, 1), (1, 2), (1, 1)), rows=5, batch_size=8)
     kw = dict(clients="vmap", cohort_size=5)
-    s0, c0, m0, plain = _rounds(private(1.0), data, lane_segments=0, **kw)
-    s1, c1, m1, engine = _rounds(private(1.0), data, lane_plan=plan, **kw)
-    assert engine.lanes == plan
-    server_tol, client_tol, loss_tol = _tolerance(plain, data)
-    assert_trees_close((s1, c1), (s0, c0), atol=(server_tol, client_tol), rtol=0)
-    for a, b, tol in zip(m0, m1, loss_tol):
-        np.testing.assert_array_equal(a["client_id"], b["client_id"])
-        np.testing.assert_allclose(b["loss"], a["loss"], atol=tol, rtol=0)
+    _, _, _, s1, server_tol = _against_plain(private(1.0), data, plan=plan, **kw)
     # the noise is there: the same rounds without it end far outside that tolerance
     s2 = _rounds(private(0.0), data, lane_plan=plan, **kw)[0]
     moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
@@ -216,15 +214,10 @@ def test_a_poisson_cohort_under_a_lane_plan_is_the_plain_vmap_round():
     # padding rows sort first, as clients of 0 steps) against one vmap over the same rows, with personal states
     alg = build_algorithm("fedbn", small_cnn(num_classes=4, width=4, hidden=(8,)), make_trainer(epochs=2),
                           RunContext(num_clients=len(COUNTS), num_rounds=4))
-    data = _population(COUNTS)
-    kw = dict(clients="vmap", sampling="poisson", cohort_size=4)
-    s0, c0, m0, plain = _rounds(alg, data, rounds=3, lane_segments=0, **kw)
-    s1, c1, m1, engine = _rounds(alg, data, rounds=3, **kw)
-    assert engine.lanes is not None and engine.lanes.rows == engine.rows, engine.lanes
-    server_tol, client_tol, _ = _tolerance(plain, data, rounds=3)
-    assert_trees_close((s1, c1), (s0, c0), atol=(server_tol, client_tol), rtol=0)
+    engine, m0, m1, _, _ = _against_plain(alg, _population(COUNTS), rounds=3, clients="vmap", sampling="poisson",
+                                          cohort_size=4)
+    assert engine.lanes.rows == engine.rows, engine.lanes
     for a, b in zip(m0, m1):
-        np.testing.assert_array_equal(a["client_id"], b["client_id"])
         assert b["padded_work"] < a["padded_work"]
 
 
