@@ -1,6 +1,6 @@
 """Partial last test batches at a smaller size (``Evaluator``'s ``tail_sizes``, the CLI's
 ``--eval-tail-batches``): one evaluation of every client with every test batch at B against the partial last
-batches at the smallest of B, B/2, B/4, B/8 that holds them.
+batches at the smallest size that holds them, of the eighths of B the clients' last test batches take.
 
 Test sets of a label-skewed population as the CLI's Dirichlet partition gives them (``throughput.skewed_counts``
 of ``--test-samples`` over ``--clients``: MNIST's 10,000 test images over 100 clients at alpha 0.3 are 19-306 a
@@ -30,7 +30,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from throughput import skewed_counts, small_population  # noqa: E402
 
 from jaxfl.algorithms import build_algorithm  # noqa: E402
-from jaxfl.core.buckets import padded_work  # noqa: E402
+from jaxfl.core.buckets import padded_work, tails_used  # noqa: E402
 from jaxfl.core.evaluate import Evaluator  # noqa: E402
 from jaxfl.core.step import init_state  # noqa: E402
 from jaxfl.core.trainer import LocalTrainer, normalizer, tail_sizes  # noqa: E402
@@ -46,7 +46,7 @@ def measure(model_name: str, clients: int, alpha: float, test_samples: int, eval
     model = build_model(model_name, 10)
     alg = build_algorithm("fedavg", model, LocalTrainer(None, 10, 1), RunContext(num_clients=clients))
     server, states = init_state(alg, jax.random.key(0), test.x[:1], clients)
-    sizes = tail_sizes(batch)
+    sizes = tails_used(counts, batch, tail_sizes(batch)) or (batch,)  # the sizes the last test batches take
     evaluators = {"every batch at B": Evaluator(alg, test, eval_batch_size=batch, preprocess=normalizer(),
                                                 clients="map"),
                   "tail sizes " + "/".join(map(str, sizes)):

@@ -3,7 +3,8 @@
     taskset -c 0 python benchmarks/round_profile.py --plan fedavg_cnn_dir0.3:1000:50 --tails
 
 FedAvg on a workload of ``throughput.py --small`` (synthetic samples, the workload's batch, one local epoch,
-the stacked backend with ``map`` on one device; ``--tails``: partial last batches at B, B/2, B/4, B/8): one
+the stacked backend with ``map`` on one device; ``--tails``:
+partial last batches at the eighths of B the clients' last batches take, as ``--tail-batches on``): one
 compiling round, then ``--rounds`` rounds traced with ``jax.profiler``. The trace's operation events (XLA:CPU's
 thunks) are summed by name and printed per round with their count a round, so that the work done once per
 local step (count ~ the round's steps), once per client (count = the cohort) and once per round (count 1)
@@ -34,14 +35,16 @@ def profile(plan: str, rounds: int, tails: bool) -> dict:
     from jaxfl.algorithms import build_algorithm
     from jaxfl.core.backends import Stacked
     from jaxfl.core.cohort import client_map
+    from jaxfl.core.buckets import tails_used
     from jaxfl.core.trainer import LocalTrainer, tail_sizes
     from jaxfl.models import build_model
 
     name, n, cohort = plan.split(":")
     n, cohort, w = int(n), int(cohort), SMALL[name]
-    data = small_population(w, workload_counts(w, n))
-    trainer = LocalTrainer(optax.sgd(w["lr"]), w["batch"], 1, tail_sizes=tail_sizes(w["batch"]) if tails else None,
-                           tail_log=[])
+    counts = workload_counts(w, n)
+    data = small_population(w, counts)
+    trainer = LocalTrainer(optax.sgd(w["lr"]), w["batch"], 1, tail_log=[],
+                           tail_sizes=tails_used(counts, w["batch"], tail_sizes(w["batch"])) or None if tails else None)
     alg = build_algorithm("fedavg", build_model(w["model"], w["classes"]), trainer)
     sim = Stacked(alg, data, batch_size=w["batch"], clients=client_map("map"), cohort_size=cohort,
                   rounds_per_call=1, trainer=trainer)
@@ -72,7 +75,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", default="fedavg_cnn_dir0.3:1000:50", help="NAME:CLIENTS:COHORT (throughput.py --small)")
     p.add_argument("--rounds", type=int, default=3, help="rounds traced, after one compiling round")
-    p.add_argument("--tails", action="store_true", help="partial last batches at B, B/2, B/4, B/8")
+    p.add_argument("--tails", action="store_true",
+                   help="partial last batches at the eighths of B the population's last batches take")
     p.add_argument("--top", type=int, default=30, help="operations printed")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

@@ -6,7 +6,8 @@ call before, donated to it) and ``keep_rows=False`` (a new [cohort, ...] output,
 one compiling call each, their calls alternate (``--calls`` each, the order swapped every call), so both sides
 see the same machine state; printed: each side's median and mean seconds a round and the ratio new / kept of the
 medians. ``--devices``: the cohort split over that many CPU devices (one per core, as a CPU run does by default);
-``--k``: rounds a call (``run_rounds``); ``--tails``: partial last batches at B, B/2, B/4, B/8.
+``--k``: rounds a call (``run_rounds``); ``--tails``: partial last batches at the eighths of B the clients' last
+batches take.
 
     python benchmarks/rows_buffer.py --plan fedavg_cnn_dir0.3:1000:50 --devices 2 --tails --calls 8
     python benchmarks/rows_buffer.py --plan logreg:1000:100 --devices 2 --k 10 --calls 30 --json out.json
@@ -33,18 +34,20 @@ def compare(plan: str, devices: int = 1, k: int = 1, calls: int = 8, tails: bool
     from jaxfl.core.backends import Stacked
     from jaxfl.core.cohort import client_map
     from jaxfl.core.distributed import client_mesh
+    from jaxfl.core.buckets import tails_used
     from jaxfl.core.trainer import LocalTrainer, tail_sizes
     from jaxfl.models import build_model
 
     name, n, cohort = plan.split(":")
     w = SMALL[name]
-    data = small_population(w, workload_counts(w, int(n)))
+    counts = workload_counts(w, int(n))
+    data = small_population(w, counts)
+    tail = tails_used(counts, w["batch"], tail_sizes(w["batch"])) or None if tails else None
     mesh = client_mesh(devices) if devices > 1 else None
     root = jax.random.key(1)
     sides = {}
     for keep in (True, False):
-        trainer = LocalTrainer(optax.sgd(w["lr"]), w["batch"], 1, tail_sizes=tail_sizes(w["batch"]) if tails else None,
-                               tail_log=[])
+        trainer = LocalTrainer(optax.sgd(w["lr"]), w["batch"], 1, tail_sizes=tail, tail_log=[])
         sim = Stacked(build_algorithm("fedavg", build_model(w["model"], w["classes"]), trainer), data,
                       batch_size=w["batch"], clients=client_map("map", mesh=mesh), cohort_size=int(cohort),
                       rounds_per_call=k, keep_rows=keep, trainer=trainer)
@@ -73,7 +76,8 @@ def main(argv=None) -> None:
     p.add_argument("--devices", type=int, default=1, help="CPU devices the cohort is split over")
     p.add_argument("--k", type=int, default=1, help="rounds a call")
     p.add_argument("--calls", type=int, default=8, help="timed calls of each side, alternated")
-    p.add_argument("--tails", action="store_true", help="partial last batches at B, B/2, B/4, B/8")
+    p.add_argument("--tails", action="store_true",
+                   help="partial last batches at the eighths of B the population's last batches take")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from throughput import check_plan_item

@@ -1,6 +1,6 @@
 """Partial last batches at a smaller size (``LocalTrainer.tail_sizes``, the CLI's ``--tail-batches``): one
-cohort's local training with every step at B against the partial last batches at the smallest of B, B/2, B/4,
-B/8 that holds them.
+cohort's local training with every step at B against the partial last batches at the smallest size that holds
+them, of the eighths of B the clients' last batches take.
 
 The clients of a ``throughput.py`` workload (``--workload``, e.g. the label-skewed FedAvg CNN over 1,000 clients),
 ``--cohort`` of them drawn once; each client trains one local epoch from the same initial model, one client at a
@@ -34,7 +34,7 @@ import roofline  # noqa: E402
 from throughput import SMALL, lognormal_counts, skewed_counts, small_population  # noqa: E402
 
 from jaxfl.algorithms._common import ce_loss  # noqa: E402
-from jaxfl.core.buckets import padded_work  # noqa: E402
+from jaxfl.core.buckets import padded_work, tails_used  # noqa: E402
 from jaxfl.core.cohort import sample_cohort  # noqa: E402
 from jaxfl.core.trainer import ClientRows, LocalTrainer, tail_sizes  # noqa: E402
 from jaxfl.models import build_model  # noqa: E402
@@ -68,7 +68,7 @@ def measure(workload: str, clients: int, cohort: int, reps: int, seed: int = 0) 
     model = build_model(w["model"], w["classes"])
     params = model.init(jax.random.key(0), jnp.zeros((1,) + data.x.shape[1:], jnp.float32))["params"]
     base = LocalTrainer(optax.sgd(w["lr"]), batch, 1)
-    sizes = tail_sizes(batch)
+    sizes = tails_used(counts, batch, tail_sizes(batch)) or (batch,)  # the sizes the last batches take
     programs = {"every step at B": cohort_training(base, model, data, ids),
                 "tail sizes " + "/".join(map(str, sizes)):
                     cohort_training(dataclasses.replace(base, tail_sizes=sizes), model, data, ids)}

@@ -303,8 +303,8 @@ SMALL_RUNNERS = ("stacked/map/K1", "stacked/map/K10", "stacked/map/K1/D2", "stac
 # per core); /S<n>, /O<x> (stacked): the lane plan's segments and step overhead (``lane_options``); /F (stacked): a new
 # buffer for the trained rows every call instead of the one kept from the round before (``Stacked(keep_rows=False)``);
 # /T (stacked, last):
-# each client's partial last batch computed at the smallest of B, B/2, B/4, B/8 that holds it
-# (``LocalTrainer.tail_sizes``; the CLI's --tail-batches)
+# each client's partial last batch computed at the smallest size that holds it, of the eighths of B that the
+# population's last batches take (``LocalTrainer.tail_sizes``, ``buckets.tails_used``; the CLI's --tail-batches on)
 SEQ_LEN = 80  # LEAF Shakespeare's input: 80 characters
 
 
@@ -370,6 +370,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     from jaxfl.core.backends import Ragged, Stacked, Streamed
     from jaxfl.core.cohort import client_map, sample_cohort
     from jaxfl.core.distributed import client_mesh
+    from jaxfl.core.buckets import tails_used
     from jaxfl.core.trainer import LocalTrainer, tail_sizes
     from jaxfl.models import build_model
 
@@ -418,7 +419,8 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
         mesh = client_mesh(devices) if devices > 1 else None
         if kind == "stacked":
             strategy, kk = opt[0], int(opt[1][1:])
-            tails = tail_sizes(batch) if runner.endswith("/T") else None  # a partial last batch at B, B/2, ...
+            # a partial last batch at the smallest size that holds it, of those the population's last batches take
+            tails = tails_used(counts, batch, tail_sizes(batch)) or None if runner.endswith("/T") else None
             tr = dataclasses.replace(trainer, tail_sizes=tails, tail_log=[])
             sim = Stacked(build_algorithm("fedavg", build_model(w["model"], w["classes"]), tr) if tails else alg,
                           data, batch_size=batch, clients=client_map(strategy, mesh=mesh), cohort_size=cohort,

@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_trees_close, make_data, make_trainer, rounding_tolerance
 
 from jaxfl.algorithms._common import ce_loss
-from jaxfl.core.buckets import padded_work
+from jaxfl.core.buckets import padded_work, tails_used
 from jaxfl.core.trainer import draws_from_key, jaxpr_primitives, tail_sizes
 from jaxfl.models import cnn_dropout, small_cnn
 from jaxfl.ops.augment import make_augment
@@ -20,11 +20,36 @@ from jaxfl.run.config import RunConfig
 COUNTS = (37, 70, 5, 64, 1, 33)  # partial last batches of every size class at B = 8 and B = 32
 
 
-def test_tail_sizes_are_b_and_its_halvings_down_to_two():
-    assert tail_sizes(32) == (4, 8, 16, 32)
-    assert tail_sizes(10) == (2, 3, 5, 10)
+def test_tail_sizes_are_the_eighths_of_b_down_to_two():
+    assert tail_sizes(32) == (4, 8, 12, 16, 20, 24, 28, 32)
+    assert tail_sizes(64) == (8, 16, 24, 32, 40, 48, 56, 64)
+    assert tail_sizes(10) == (2, 3, 4, 5, 7, 8, 9, 10)
     assert tail_sizes(3) == (2, 3)
     assert tail_sizes(1) == (1,)
+    for b in range(1, 300):  # what the docstring promises of every last batch of r real samples
+        sizes = np.asarray(tail_sizes(b))
+        assert sizes[-1] == b and np.all(np.diff(sizes) > 0)
+        for r in range(1, b + 1):
+            computed = sizes[np.searchsorted(sizes, r)]
+            assert computed - r < max(-(-b // 8), 2), (b, r, computed)
+
+
+def test_tails_used_are_the_sizes_the_last_batches_take():
+    # at B = 32: 37 -> a last batch of 5 (at 8), 70 -> 6 (8), 5 (8), 64 (none), 1 (4), 33 -> 1 (4), 0 (none)
+    assert tails_used([37, 70, 5, 64, 1, 33, 0], 32, tail_sizes(32)) == (4, 8, 32)
+    assert tails_used([100] * 9, 64, tail_sizes(64)) == (40, 64)  # the digits clients at B = 64: 36 real of 40
+    assert tails_used([64, 128, 0], 64, tail_sizes(64)) == ()  # no partial batch
+    assert tails_used([63], 64, tail_sizes(64)) == ()  # a last batch only B holds
+    rng = np.random.default_rng(0)
+    for b in (7, 10, 32, 64):
+        counts = rng.integers(0, 500, 200)
+        used = tails_used(counts, b, tail_sizes(b))
+        # the same work as the whole ladder, from only the sizes some last batch takes
+        assert padded_work([], counts, b, per_client_trips=True, tail_sizes=used) == \
+            padded_work([], counts, b, per_client_trips=True, tail_sizes=tail_sizes(b))
+        for size in used[:-1]:  # and each of them is taken: without it some last batch computes more
+            assert padded_work([], counts, b, per_client_trips=True, tail_sizes=tuple(s for s in used if s != size)) > \
+                padded_work([], counts, b, per_client_trips=True, tail_sizes=used)
 
 
 def test_padded_work_counts_each_last_batch_at_the_smallest_size_that_holds_it():
@@ -69,6 +94,22 @@ def test_a_smaller_last_batch_trains_as_the_full_one_up_to_rounding(batch):
     np.testing.assert_allclose(got[2]["loss"], want[2]["loss"], rtol=1e-5)
 
 
+def test_last_batches_outside_the_chosen_sizes_run_at_the_next_larger_one():
+    # the sizes client 0's last batch takes (37 at B = 8: 5 real -> (5, 8)); the others' (6, 5, 1 and 1 real)
+    # run at 5 or at B, as a client outside the population the sizes were chosen from would
+    model, data = small_cnn(num_classes=4, width=4, hidden=(8,)), make_data(list(COUNTS), m=72)
+    base = make_trainer(batch_size=8, epochs=2)
+    used = tails_used(COUNTS[:1], 8, tail_sizes(8))
+    assert used == (5, 8)
+    tail = dataclasses.replace(base, tail_sizes=used, tail_log=[])
+    want, got = _train(base, model, data), _train(tail, model, data)
+    assert tail.tails_in_use() == used
+    tol = rounding_tolerance(lambda p, s: _train(base, model, data, (p, s))[:2], *_init(model, data))
+    assert_trees_close(got[:2], want[:2], atol=tol, rtol=0)
+    for k in ("seen", "steps"):
+        np.testing.assert_array_equal(got[2][k], want[2][k])
+
+
 def test_a_loss_that_draws_from_its_key_keeps_every_step_at_b():
     # dropout's masks are drawn with the batch's shape: a smaller batch would draw other masks
     data = make_data([13, 5], m=16, shape=(28, 28, 1))
@@ -110,11 +151,12 @@ def test_the_run_takes_tail_sizes_only_under_map_without_augmentation_and_where_
     uneven = [37, 70, 5, 64, 1, 33] * 10  # full batches: 576 x 10 samples; with tails: 432 x 10 (-25%)
     even = [64, 96, 128] * 10             # no partial batch: nothing to cut
     cfg = RunConfig(batch_size=32, rounds=2, strategy="map")
-    assert tail_batch_sizes(cfg, uneven) == (4, 8, 16, 32)
+    assert tail_batch_sizes(cfg, uneven) == (4, 8, 32)  # only the sizes the last batches take, B last
     assert tail_batch_sizes(cfg, even) is None
-    assert tail_batch_sizes(dataclasses.replace(cfg, tail_batches="on"), even) == (4, 8, 16, 32)
+    assert tail_batch_sizes(dataclasses.replace(cfg, tail_batches="on"), uneven + [50]) == (4, 8, 20, 32)
+    assert tail_batch_sizes(dataclasses.replace(cfg, tail_batches="on"), even) is None  # no last batch to cut
     assert tail_batch_sizes(dataclasses.replace(cfg, tail_batches="off"), uneven) is None
-    assert tail_batch_sizes(dataclasses.replace(cfg, rounds=500), uneven) == (4, 8, 16, 32)  # whatever the length
+    assert tail_batch_sizes(dataclasses.replace(cfg, rounds=500), uneven) == (4, 8, 32)  # whatever the length
     assert tail_batch_sizes(dataclasses.replace(cfg, strategy="vmap"), uneven) is None
     assert tail_batch_sizes(dataclasses.replace(cfg, augment="crop_flip"), uneven) is None
 
@@ -208,9 +250,10 @@ def test_the_run_evaluates_with_tail_sizes_only_under_map_and_where_they_pay():
     uneven = [37, 70, 5, 64, 1, 33] * 10  # test sets; at B = 32: 576 x 10 samples computed, with tails 432 x 10
     even = [64, 96, 128] * 10
     cfg = RunConfig(strategy="map")
-    assert eval_tail_sizes(cfg, uneven, 32) == (4, 8, 16, 32)
+    assert eval_tail_sizes(cfg, uneven, 32) == (4, 8, 32)
     assert eval_tail_sizes(cfg, even, 32) == ()
-    assert eval_tail_sizes(dataclasses.replace(cfg, eval_tail_batches="on"), even, 32) == (4, 8, 16, 32)
+    assert eval_tail_sizes(dataclasses.replace(cfg, eval_tail_batches="on"), uneven + [50], 32) == (4, 8, 20, 32)
+    assert eval_tail_sizes(dataclasses.replace(cfg, eval_tail_batches="on"), even, 32) == ()
     assert eval_tail_sizes(dataclasses.replace(cfg, eval_tail_batches="off"), uneven, 32) == ()
     assert eval_tail_sizes(dataclasses.replace(cfg, strategy="vmap"), uneven, 32) == ()
     assert eval_tail_sizes(cfg, [1, 1], 1) == ()  # B = 1: nothing smaller

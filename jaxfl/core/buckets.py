@@ -136,6 +136,21 @@ def padded_work(buckets: list[Bucket], counts, batch_size: int, *, per_client_tr
     return done * batch_size, int(counts.sum())
 
 
+def tails_used(counts, batch_size: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The sizes of ``sizes`` (ascending, B last: ``trainer.tail_sizes``) that the partial last batches of clients
+    with ``counts`` samples run at (each the smallest size >= its r = n - (ceil(n / B) - 1) B real samples), B
+    last; () if none is below B (every last batch full, or none smaller fits). A step's ``lax.switch`` then
+    compiles only these branches; a client outside ``counts`` still finds the smallest of them that holds its
+    last batch (B at worst), so the choice changes no result, only which padded sizes exist."""
+    counts = np.asarray(counts, np.int64)
+    counts = counts[(counts > 0) & (counts % batch_size != 0)]
+    sizes_arr = np.asarray(sizes, np.int64)
+    last = counts - (counts // batch_size) * batch_size
+    taken = set(sizes_arr[np.minimum(np.searchsorted(sizes_arr, last), len(sizes_arr) - 1)].tolist())
+    smaller = tuple(sorted(int(s) for s in taken if s < batch_size))
+    return smaller + (batch_size,) if smaller else ()
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketGrid:
     """Bucket shapes fixed up front, so a run compiles one program per class: ``classes`` ((length, lanes),

@@ -189,11 +189,12 @@ def scan_first(body, carry, xs, runs):
 AUGMENT_STREAM = 0x61756700  # fold_in(step key, this): a minibatch's augmentation draws (apart from the loss's)
 
 
-def tail_sizes(batch_size: int, classes: int = 4) -> tuple[int, ...]:
-    """The batch sizes a client's partial last batch may be computed at (``LocalTrainer.tail_sizes``): B and its
-    halvings ceil(B / 2^k), k < ``classes``, down to 2 (ascending). A last batch of r real samples runs at the
-    smallest size >= r, so it computes at most about 2r samples instead of B."""
-    sizes = {-(-batch_size // 2 ** k) for k in range(classes)}
+def tail_sizes(batch_size: int) -> tuple[int, ...]:
+    """The batch sizes a client's partial last batch may be computed at (``LocalTrainer.tail_sizes``), ascending,
+    B last: the eighths ceil(k B / 8), k = 1..8, those >= 2 (or B; the halvings B / 2^k, k <= 3, among them). A
+    last batch of r real samples runs at the smallest size >= r: fewer than max(ceil(B / 8), 2) padded samples
+    instead of B - r. A run compiles only the sizes its clients' last batches take (``buckets.tails_used``)."""
+    sizes = {-(-k * batch_size // 8) for k in range(1, 9)}
     return tuple(sorted(s for s in sizes if s >= 2 or s == batch_size))
 
 
@@ -364,13 +365,20 @@ class LocalTrainer:
             if len(sizes) <= 1:
                 return jax.lax.fori_loop(0, steps_in(e), step_at(b), carry)
 
-            def tail(t, carry):  # the partial last batch at the smallest size that holds its real samples
-                real = jnp.clip(data.count - t * b, 1, b)
-                which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), real.astype(jnp.int32))
-                return jax.lax.switch(which, [step_at(s) for s in sizes], t, carry)
+            small = sizes[:-1]  # (B last)
 
-            # the full batches at B, then (if the epoch reaches it) the partial one: no branch on a full step
-            full = jnp.minimum(steps_in(e), data.count // b)
+            def tail(t, carry):  # the partial last batch at the smallest size below B that holds its real samples
+                if len(small) == 1:
+                    return step_at(small[0])(t, carry)
+                real = jnp.clip(data.count - t * b, 1, small[-1])
+                which = jnp.searchsorted(jnp.asarray(small, jnp.int32), real.astype(jnp.int32))
+                return jax.lax.switch(which, [step_at(s) for s in small], t, carry)
+
+            # the full batches at B, and with them a partial one that no smaller size holds; then (if the epoch
+            # reaches it) the partial one at a smaller size: no branch on a step at B
+            partial = data.count % b
+            at_b = data.count // b + jnp.where(partial > small[-1], 1, 0)
+            full = jnp.minimum(steps_in(e), at_b)
             carry = jax.lax.fori_loop(0, full, step_at(b), carry)
             return jax.lax.fori_loop(full, steps_in(e), tail, carry)
 

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from ..core.backends import Ragged, Stacked, Streamed, device_memory_bytes
-from ..core.buckets import padded_work
+from ..core.buckets import padded_work, tails_used
 from ..core.cohort import ClientMap
 from ..core.cost import backend_programs, backend_seconds, run_seconds, train_flops_per_sample
 from ..core.cost import lane_overhead as cost_lane_overhead
@@ -91,17 +91,19 @@ TAIL_GAIN = 0.10
 
 
 def tails_chosen(setting: str, counts, batch_size: int) -> tuple[int, ...]:
-    """The partial-last-batch sizes (``trainer.tail_sizes(batch_size)``) that ``setting`` (``--tail-batches``,
-    ``--eval-tail-batches``) asks for on clients of ``counts`` samples: all of them with ``on``; with ``auto`` where
-    they cut the samples computed over the population by ``TAIL_GAIN`` or more; else () (every batch at B)."""
+    """The partial-last-batch sizes that ``setting`` (``--tail-batches``, ``--eval-tail-batches``) asks for on
+    clients of ``counts`` samples: of ``trainer.tail_sizes(batch_size)`` those their last batches take
+    (``buckets.tails_used``, B last), with ``on`` always, with ``auto`` where they cut the samples computed over
+    the population by ``TAIL_GAIN`` or more; else () (every batch at B)."""
     sizes = tail_sizes(batch_size)
     if setting == "off" or len(sizes) < 2:
         return ()
-    if setting == "on":
-        return sizes
+    used = tails_used(counts, batch_size, sizes)
+    if setting == "on" or not used:
+        return used
     full, _ = padded_work([], counts, batch_size, per_client_trips=True)
-    cut, _ = padded_work([], counts, batch_size, per_client_trips=True, tail_sizes=sizes)
-    return sizes if cut <= (1.0 - TAIL_GAIN) * full else ()
+    cut, _ = padded_work([], counts, batch_size, per_client_trips=True, tail_sizes=used)
+    return used if cut <= (1.0 - TAIL_GAIN) * full else ()
 
 
 def tail_batch_sizes(cfg: RunConfig, counts) -> tuple[int, ...] | None:

@@ -265,9 +265,10 @@ class Evaluation(ConfigGroup):
               f"are read once a batch (1.2-1.6x faster than at {CPU_EVAL_BATCH}); {ACCELERATOR_EVAL_BATCH} on an "
               f"accelerator; config.json saves the size used)", minimum=1)
     eval_tail_batches: str = option(
-        "auto", "map: a client's partial last test batch computed at the smallest of B, B/2, B/4, B/8 that holds it "
-                "(B: the evaluation batch size; the same predictions up to float rounding, at up to ~2x its real "
-                "samples instead of B): auto (when that cuts the computed test samples over the population by 10% "
+        "auto", "map: a client's partial last test batch computed at the smallest eighth of B that holds it "
+                "(B: the evaluation batch size; the same predictions up to float rounding, with fewer than "
+                "max(B/8, 2) padded samples where B would pad it to B; only the sizes the clients' last batches take): "
+                "auto (when that cuts the computed test samples over the population by 10% "
                 "or more; config.json saves what auto chose) | on | off (every batch at B)",
         choices=("auto", "on", "off"))
     # evaluation protocols (``jaxfl.run.evaluation``): which model, which clients, and clients held out of training
@@ -319,10 +320,11 @@ class Engine(ConfigGroup):
         None, "the cost of one sequential local step in lane-steps that the lane plan weighs against padded lanes "
               "(default: 0 on CPU; on an accelerator derived from jaxfl.core.cost, tau P / (B f), at most 32)", lo=0.0)
     tail_batches: str = option(
-        "auto", "map: a client's partial last batch computed at the smallest of B, B/2, B/4, B/8 that holds its "
-                "samples (the same step up to float rounding, at up to ~2x its real samples instead of B; not with "
-                "--augment, DP-SGD or a loss that draws from its key, which keep B; the extra branches about "
-                "double the step's compile time): auto (when that cuts an epoch's computed samples by 10% or more; "
+        "auto", "map: a client's partial last batch computed at the smallest eighth of B that holds its "
+                "samples (the same step up to float rounding, with fewer than max(B/8, 2) padded samples where B "
+                "would pad it to B; not with --augment, DP-SGD or a loss that draws from its key, which keep B; "
+                "each size the clients' last batches take is one more branch of the step to compile): "
+                "auto (when that cuts an epoch's computed samples by 10% or more; "
                 "config.json saves what auto chose) | on | off (every step at B)", choices=("auto", "on", "off"))
     devices: int | None = option(
         None, "split the clients over this many devices (0: all; clients per round must divide evenly); on a CPU, "
