@@ -30,12 +30,13 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from throughput import skewed_counts, small_population  # noqa: E402
 
 from jaxfl.algorithms import build_algorithm  # noqa: E402
-from jaxfl.core.buckets import padded_work, tails_used  # noqa: E402
+from jaxfl.core.buckets import padded_work  # noqa: E402
 from jaxfl.core.evaluate import Evaluator  # noqa: E402
 from jaxfl.core.step import init_state  # noqa: E402
-from jaxfl.core.trainer import LocalTrainer, normalizer, tail_sizes  # noqa: E402
+from jaxfl.core.trainer import LocalTrainer, normalizer  # noqa: E402
 from jaxfl.core.types import RunContext  # noqa: E402
 from jaxfl.models import MODELS, build_model  # noqa: E402
+from jaxfl.run.build import tails_chosen  # noqa: E402
 from jaxfl.run.script import check_at_least, check_output_file, parse_list, run_script  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def measure(model_name: str, clients: int, alpha: float, test_samples: int, eval
     model = build_model(model_name, 10)
     alg = build_algorithm("fedavg", model, LocalTrainer(None, 10, 1), RunContext(num_clients=clients))
     server, states = init_state(alg, jax.random.key(0), test.x[:1], clients)
-    sizes = tails_used(counts, batch, tail_sizes(batch)) or (batch,)  # the sizes the last test batches take
+    sizes = tails_chosen("on", counts, batch) or (batch,)  # the sizes the last test batches take
     evaluators = {"every batch at B": Evaluator(alg, test, eval_batch_size=batch, preprocess=normalizer(),
                                                 clients="map"),
                   "tail sizes " + "/".join(map(str, sizes)):

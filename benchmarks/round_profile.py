@@ -35,16 +35,16 @@ def profile(plan: str, rounds: int, tails: bool) -> dict:
     from jaxfl.algorithms import build_algorithm
     from jaxfl.core.backends import Stacked
     from jaxfl.core.cohort import client_map
-    from jaxfl.core.buckets import tails_used
-    from jaxfl.core.trainer import LocalTrainer, tail_sizes
+    from jaxfl.core.trainer import LocalTrainer
     from jaxfl.models import build_model
+    from jaxfl.run.build import tails_chosen
 
     name, n, cohort = plan.split(":")
     n, cohort, w = int(n), int(cohort), SMALL[name]
     counts = workload_counts(w, n)
     data = small_population(w, counts)
     trainer = LocalTrainer(optax.sgd(w["lr"]), w["batch"], 1, tail_log=[],
-                           tail_sizes=tails_used(counts, w["batch"], tail_sizes(w["batch"])) or None if tails else None)
+                           tail_sizes=tails_chosen("on", counts, w["batch"]) or None if tails else None)
     alg = build_algorithm("fedavg", build_model(w["model"], w["classes"]), trainer)
     sim = Stacked(alg, data, batch_size=w["batch"], clients=client_map("map"), cohort_size=cohort,
                   rounds_per_call=1, trainer=trainer)

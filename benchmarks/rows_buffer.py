@@ -34,15 +34,15 @@ def compare(plan: str, devices: int = 1, k: int = 1, calls: int = 8, tails: bool
     from jaxfl.core.backends import Stacked
     from jaxfl.core.cohort import client_map
     from jaxfl.core.distributed import client_mesh
-    from jaxfl.core.buckets import tails_used
-    from jaxfl.core.trainer import LocalTrainer, tail_sizes
+    from jaxfl.core.trainer import LocalTrainer
     from jaxfl.models import build_model
+    from jaxfl.run.build import tails_chosen
 
     name, n, cohort = plan.split(":")
     w = SMALL[name]
     counts = workload_counts(w, int(n))
     data = small_population(w, counts)
-    tail = tails_used(counts, w["batch"], tail_sizes(w["batch"])) or None if tails else None
+    tail = tails_chosen("on", counts, w["batch"]) or None if tails else None
     mesh = client_mesh(devices) if devices > 1 else None
     root = jax.random.key(1)
     sides = {}

@@ -34,10 +34,11 @@ import roofline  # noqa: E402
 from throughput import SMALL, lognormal_counts, skewed_counts, small_population  # noqa: E402
 
 from jaxfl.algorithms._common import ce_loss  # noqa: E402
-from jaxfl.core.buckets import padded_work, tails_used  # noqa: E402
+from jaxfl.core.buckets import padded_work  # noqa: E402
 from jaxfl.core.cohort import sample_cohort  # noqa: E402
-from jaxfl.core.trainer import ClientRows, LocalTrainer, tail_sizes  # noqa: E402
+from jaxfl.core.trainer import ClientRows, LocalTrainer  # noqa: E402
 from jaxfl.models import build_model  # noqa: E402
+from jaxfl.run.build import tails_chosen  # noqa: E402
 from jaxfl.run.script import check_at_least, check_output_file, parse_list, run_script  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def measure(workload: str, clients: int, cohort: int, reps: int, seed: int = 0) 
     model = build_model(w["model"], w["classes"])
     params = model.init(jax.random.key(0), jnp.zeros((1,) + data.x.shape[1:], jnp.float32))["params"]
     base = LocalTrainer(optax.sgd(w["lr"]), batch, 1)
-    sizes = tails_used(counts, batch, tail_sizes(batch)) or (batch,)  # the sizes the last batches take
+    sizes = tails_chosen("on", counts, batch) or (batch,)  # the sizes the last batches take
     programs = {"every step at B": cohort_training(base, model, data, ids),
                 "tail sizes " + "/".join(map(str, sizes)):
                     cohort_training(dataclasses.replace(base, tail_sizes=sizes), model, data, ids)}

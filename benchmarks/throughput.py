@@ -304,7 +304,7 @@ SMALL_RUNNERS = ("stacked/map/K1", "stacked/map/K10", "stacked/map/K1/D2", "stac
 # buffer for the trained rows every call instead of the one kept from the round before (``Stacked(keep_rows=False)``);
 # /T (stacked, last):
 # each client's partial last batch computed at the smallest size that holds it, of the eighths of B that the
-# population's last batches take (``LocalTrainer.tail_sizes``, ``buckets.tails_used``; the CLI's --tail-batches on)
+# population's last batches take (``LocalTrainer.tail_sizes``; ``build.tails_chosen``, as the CLI's --tail-batches on)
 SEQ_LEN = 80  # LEAF Shakespeare's input: 80 characters
 
 
@@ -370,8 +370,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
     from jaxfl.core.backends import Ragged, Stacked, Streamed
     from jaxfl.core.cohort import client_map, sample_cohort
     from jaxfl.core.distributed import client_mesh
-    from jaxfl.core.buckets import tails_used
-    from jaxfl.core.trainer import LocalTrainer, tail_sizes
+    from jaxfl.core.trainer import LocalTrainer
     from jaxfl.models import build_model
 
     w = dict(SMALL[name])
@@ -409,7 +408,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
 
     # the lane plan's step overhead as `jaxfl run` sets it (the model's tau P / (B f), capped, on an accelerator;
     # the backend's platform default on a CPU) unless a runner names one (/O<x>)
-    from jaxfl.run.build import model_lane_overhead
+    from jaxfl.run.build import model_lane_overhead, tails_chosen
     image = np.zeros((1, 28, 28, 1), np.uint8) if w["input"] == "image" else np.zeros((1, SEQ_LEN), np.int32)
     run_overhead = model_lane_overhead(build_model(w["model"], w["classes"]), image, batch)
 
@@ -420,7 +419,7 @@ def measure_small(name: str, n_clients: int, cohort: int, runners=SMALL_RUNNERS,
         if kind == "stacked":
             strategy, kk = opt[0], int(opt[1][1:])
             # a partial last batch at the smallest size that holds it, of those the population's last batches take
-            tails = tails_used(counts, batch, tail_sizes(batch)) or None if runner.endswith("/T") else None
+            tails = tails_chosen("on", counts, batch) or None if runner.endswith("/T") else None
             tr = dataclasses.replace(trainer, tail_sizes=tails, tail_log=[])
             sim = Stacked(build_algorithm("fedavg", build_model(w["model"], w["classes"]), tr) if tails else alg,
                           data, batch_size=batch, clients=client_map(strategy, mesh=mesh), cohort_size=cohort,

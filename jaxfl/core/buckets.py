@@ -111,6 +111,16 @@ def _pad(positions, lanes):
     return np.concatenate([positions, np.full(lanes - len(positions), -1, np.int64)]).astype(np.int64)
 
 
+def last_batch_sizes(counts, batch_size: int, tail_sizes: tuple[int, ...]) -> np.ndarray:
+    """[N]: the size each client's last batch is computed at, the smallest of ``tail_sizes`` (ascending, B last:
+    ``LocalTrainer.tail_sizes``) that holds its n - (ceil(n / B) - 1) B real samples; 0 for a client of none."""
+    counts = np.asarray(counts, np.int64)
+    steps = -(-counts // batch_size)
+    sizes = np.asarray(tail_sizes, np.int64)
+    last = counts - (steps - 1) * batch_size  # the last batch's real samples (1..B; 0 steps: none)
+    return np.where(steps > 0, sizes[np.minimum(np.searchsorted(sizes, last), len(sizes) - 1)], 0)
+
+
 def padded_work(buckets: list[Bucket], counts, batch_size: int, *, per_client_trips: bool,
                 tail_sizes: tuple[int, ...] = ()) -> tuple[int, int]:
     """(computed samples, real samples) of one epoch of a plan; their ratio is the padding overhead.
@@ -125,9 +135,7 @@ def padded_work(buckets: list[Bucket], counts, batch_size: int, *, per_client_tr
     if per_client_trips:
         if not tail_sizes:
             return int(steps.sum()) * batch_size, int(counts.sum())
-        sizes = np.asarray(tail_sizes, np.int64)
-        last = counts - (steps - 1) * batch_size  # the last batch's real samples (1..B; 0 steps: none)
-        tail = np.where(steps > 0, sizes[np.minimum(np.searchsorted(sizes, last), len(sizes) - 1)], 0)
+        tail = last_batch_sizes(counts, batch_size, tail_sizes)
         return int(((steps - 1).clip(0) * batch_size + tail).sum()), int(counts.sum())
     done = 0
     for b in buckets:
@@ -142,12 +150,8 @@ def tails_used(counts, batch_size: int, sizes: tuple[int, ...]) -> tuple[int, ..
     last; () if none is below B (every last batch full, or none smaller fits). A step's ``lax.switch`` then
     compiles only these branches; a client outside ``counts`` still finds the smallest of them that holds its
     last batch (B at worst), so the choice changes no result, only which padded sizes exist."""
-    counts = np.asarray(counts, np.int64)
-    counts = counts[(counts > 0) & (counts % batch_size != 0)]
-    sizes_arr = np.asarray(sizes, np.int64)
-    last = counts - (counts // batch_size) * batch_size
-    taken = set(sizes_arr[np.minimum(np.searchsorted(sizes_arr, last), len(sizes_arr) - 1)].tolist())
-    smaller = tuple(sorted(int(s) for s in taken if s < batch_size))
+    taken = last_batch_sizes(counts, batch_size, sizes)
+    smaller = tuple(int(s) for s in np.unique(taken[(taken > 0) & (taken < batch_size)]))
     return smaller + (batch_size,) if smaller else ()
 
 

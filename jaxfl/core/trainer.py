@@ -368,8 +368,6 @@ class LocalTrainer:
             small = sizes[:-1]  # (B last)
 
             def tail(t, carry):  # the partial last batch at the smallest size below B that holds its real samples
-                if len(small) == 1:
-                    return step_at(small[0])(t, carry)
                 real = jnp.clip(data.count - t * b, 1, small[-1])
                 which = jnp.searchsorted(jnp.asarray(small, jnp.int32), real.astype(jnp.int32))
                 return jax.lax.switch(which, [step_at(s) for s in small], t, carry)
